@@ -1,0 +1,5 @@
+import sys
+
+from mla_eval.cli import main
+
+sys.exit(main())

@@ -1,0 +1,100 @@
+"""`mla-eval formats`: every registered cache format, its bytes and its byte layout."""
+
+from __future__ import annotations
+
+import json
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from mla_eval.formats import FormatSpec, get_format, parse_format_list
+
+
+def format_row(spec: FormatSpec) -> dict:
+    """The figures the table and --json show for one format (all derived from the spec)."""
+    bf16 = get_format("bf16").record_bytes
+    fp8 = get_format("fp8_ds_mla").record_bytes
+    return {
+        "name": spec.name,
+        "title": spec.title,
+        "bytes_per_token_per_layer": spec.record_bytes,
+        "bits_per_value": round(spec.bits_per_value, 4),
+        "tokens_per_byte_vs_bf16": round(bf16 / spec.record_bytes, 4),
+        "tokens_per_byte_vs_fp8_ds_mla": round(fp8 / spec.record_bytes, 4),
+        "latent": {"elem": spec.latent.elem, "group": spec.latent.group, "scale_rule": spec.latent.scale_rule.value},
+        "rope": {"elem": spec.rope.elem, "group": spec.rope.group, "scale_rule": spec.rope.scale_rule.value},
+        "token_scale": spec.token_scale is not None,
+        "outer_scale": None
+        if spec.outer_scale is None
+        else {"required": spec.outer_scale.required, "denominator": spec.outer_scale.denominator},
+        "fields": [{"name": f.name, "offset": f.offset, "bytes": f.nbytes, "dtype": f.dtype, "count": f.count} for f in spec.fields],
+        "description": spec.description,
+        "source": spec.source,
+    }
+
+
+def formats(
+    names: str = typer.Option(None, "--formats", "-f", help="Comma-separated formats to show (default: all)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON document instead of the table."),
+    layout: bool = typer.Option(True, "--layout/--no-layout", help="Show the byte layout column."),
+) -> None:
+    """List cache formats: bytes per token per layer, bits per value, ratios and byte layout.
+
+    Ratios are tokens per byte relative to bf16 (1152 B) and fp8_ds_mla (656 B): 1.52 means 52 %
+    more tokens fit in the same memory. The per-layer outer scale s_l is not stored per token.
+    """
+    rows = [format_row(s) for s in parse_format_list(names)]
+    if as_json:
+        typer.echo(json.dumps({"formats": rows}, indent=2))
+        return
+    specs = parse_format_list(names)
+    console = Console()
+    table = Table(title="MLA KV-cache formats: bytes per token per layer (512 latent + 64 rope values)")
+    table.add_column("format", style="bold", no_wrap=True)
+    table.add_column("bytes", justify="right")
+    table.add_column("bits", justify="right")
+    table.add_column("x bf16", justify="right")
+    table.add_column("x fp8", justify="right")
+    table.add_column("latent")
+    table.add_column("rope")
+    table.add_column("scales")
+    for spec, row in zip(specs, rows):
+        extra = []
+        if spec.token_scale is not None:
+            extra.append("s_t/token")
+        if spec.outer_scale is not None:
+            extra.append("s_l opt.")
+        table.add_row(
+            spec.name,
+            str(spec.record_bytes),
+            f"{spec.bits_per_value:.2f}",
+            f"{row['tokens_per_byte_vs_bf16']:.2f}",
+            f"{row['tokens_per_byte_vs_fp8_ds_mla']:.2f}",
+            _coding_label(spec.latent),
+            _coding_label(spec.rope),
+            ", ".join(extra) or "-",
+        )
+    console.print(table)
+    if layout:
+        lt = Table(title="Byte layouts [start,end)", show_lines=False)
+        lt.add_column("format", style="bold", no_wrap=True)
+        lt.add_column("fields", overflow="fold")
+        for spec in specs:
+            lt.add_row(spec.name, "  ".join(f"[{f.offset},{f.end}) {f.name} {f.dtype}x{f.count}" for f in spec.fields))
+        console.print(lt)
+    console.print(
+        "bits = stored bits per cached value; x bf16 / x fp8 = tokens that fit in the same memory as "
+        "with bf16 / fp8_ds_mla; s_l = per-layer outer scale (not stored per token)."
+    )
+
+
+def _coding_label(coding) -> str:
+    """'e2m1 e4m3/16' = E2M1 values, one E4M3 scale per 16 values; summary of how one vector is stored."""
+    if coding.scale is None:
+        return coding.elem if coding.scale_rule.value == "none" else f"{coding.elem} x s_l"
+    return f"{coding.elem} {coding.scale.dtype}/{coding.group}"
+
+
+def register(app: typer.Typer) -> None:
+    app.command("formats")(formats)

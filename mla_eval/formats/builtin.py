@@ -1,0 +1,160 @@
+"""The built-in cache formats. Each is written once here; everything else reads these specs.
+
+Byte layouts follow the public sources named in each spec's `source` (see also DESIGN.md). The
+two formats that no single source defines (mxfp4, fp8_e4m3) are our own choices, documented here.
+"""
+
+from __future__ import annotations
+
+from mla_eval.formats.spec import (
+    LATENT_DIM,
+    ROPE_DIM,
+    TOKEN_SCALE_DENOMINATOR,
+    Field,
+    FormatSpec,
+    OuterScale,
+    ScaleRule,
+    VectorCoding,
+)
+
+NVFP4_OUTER = OuterScale(required=False, denominator=TOKEN_SCALE_DENOMINATOR)
+
+
+def _bf16_rope(offset: int) -> VectorCoding:
+    return VectorCoding(ROPE_DIM, "bf16", Field("rope", offset, "bf16", ROPE_DIM), ScaleRule.NONE, ROPE_DIM)
+
+
+def _nvfp4_latent() -> VectorCoding:
+    # [0,256) packed E2M1, [256,288) one E4M3 scale per 16 values.
+    return VectorCoding(
+        LATENT_DIM,
+        "e2m1",
+        Field("latent", 0, "e2m1", LATENT_DIM),
+        ScaleRule.AMAX_E4M3,
+        16,
+        Field("latent_scale", 256, "e4m3", LATENT_DIM // 16),
+    )
+
+
+def _fp8_ds_mla(name: str, rule: ScaleRule, title: str, description: str, source: str) -> FormatSpec:
+    return FormatSpec(
+        name=name,
+        title=title,
+        description=description,
+        source=source,
+        record_bytes=656,
+        latent=VectorCoding(
+            LATENT_DIM,
+            "e4m3",
+            Field("latent", 0, "e4m3", LATENT_DIM),
+            rule,
+            128,
+            Field("latent_scale", 512, "fp32", LATENT_DIM // 128),
+        ),
+        rope=_bf16_rope(528),
+    )
+
+
+BUILTIN_FORMATS: tuple[FormatSpec, ...] = (
+    FormatSpec(
+        name="bf16",
+        title="bf16",
+        description="Uncompressed reference: 512 bf16 latent + 64 bf16 rope.",
+        source="DeepSeek-V3 MLA cache (FlashMLA / vLLM bf16 MLA cache)",
+        record_bytes=1152,
+        latent=VectorCoding(LATENT_DIM, "bf16", Field("latent", 0, "bf16", LATENT_DIM), ScaleRule.NONE, LATENT_DIM),
+        rope=_bf16_rope(1024),
+    ),
+    _fp8_ds_mla(
+        "fp8_ds_mla",
+        ScaleRule.AMAX_FP32,
+        "fp8_ds_mla",
+        "E4M3 latent with one raw fp32 scale (amax/448) per 128 values; bf16 rope.",
+        "vLLM fp8_ds_mla cache layout (DeepSeek-V3.2 sparse MLA)",
+    ),
+    _fp8_ds_mla(
+        "fp8_ds_mla_pow2",
+        ScaleRule.AMAX_FP32_POW2,
+        "fp8_ds_mla (pow2 scales)",
+        "fp8_ds_mla with each scale rounded up to a power of two, as FlashMLA's test quantiser.",
+        "FlashMLA sparse decode tests (quantize_k_cache: power-of-two scales)",
+    ),
+    FormatSpec(
+        name="nvfp4",
+        title="nvfp4",
+        description="E2M1 latent, one E4M3 scale per 16 values; bf16 rope; optional per-layer outer scale s_l.",
+        source="NVFP4 MLA cache (DESIGN.md): 256 B E2M1 + 32 B E4M3 scales + 16 B pad + 128 B bf16 rope",
+        record_bytes=432,
+        latent=_nvfp4_latent(),
+        rope=_bf16_rope(304),
+        pads=(Field("pad", 288, "pad", 16),),
+        outer_scale=NVFP4_OUTER,
+    ),
+    FormatSpec(
+        name="nvfp4_fp8rope",
+        title="nvfp4 + fp8 rope",
+        description="nvfp4 latent; rope as E4M3 with one fp32 scale (amax/448); optional s_l.",
+        source="NVFP4 MLA cache with fp8 rope (DESIGN.md): 368 B",
+        record_bytes=368,
+        latent=_nvfp4_latent(),
+        rope=VectorCoding(
+            ROPE_DIM,
+            "e4m3",
+            Field("rope", 304, "e4m3", ROPE_DIM),
+            ScaleRule.AMAX_FP32,
+            ROPE_DIM,
+            Field("rope_scale", 288, "fp32", 1),
+        ),
+        pads=(Field("pad", 292, "pad", 12),),
+        outer_scale=NVFP4_OUTER,
+    ),
+    FormatSpec(
+        name="nvfp4_fp8rope_st",
+        title="nvfp4 two-level (s_t)",
+        description="nvfp4_fp8rope layout plus a per-token fp32 scale s_t = amax/(6*448); block scales relative to s_t.",
+        source="Two-level NVFP4 scaling on the 368 B layout (DESIGN.md): s_t at [292,296)",
+        record_bytes=368,
+        latent=_nvfp4_latent(),
+        rope=VectorCoding(
+            ROPE_DIM,
+            "e4m3",
+            Field("rope", 304, "e4m3", ROPE_DIM),
+            ScaleRule.AMAX_FP32,
+            ROPE_DIM,
+            Field("rope_scale", 288, "fp32", 1),
+        ),
+        token_scale=Field("token_scale", 292, "fp32", 1),
+        pads=(Field("pad", 296, "pad", 8),),
+    ),
+    # Our choice: OCP MX v1.0 MXFP4 (E2M1, one E8M0 scale per 32 values). 256 B of codes, 16 B of
+    # scales, 16 B of zero padding so the bf16 rope starts 16-byte aligned at 288; 416 B in all.
+    FormatSpec(
+        name="mxfp4",
+        title="mxfp4 (OCP MX)",
+        description="E2M1 latent, one E8M0 power-of-two scale per 32 values (OCP MX rule); bf16 rope.",
+        source="OCP Microscaling Formats (MX) v1.0; record layout chosen by mla-eval",
+        record_bytes=416,
+        latent=VectorCoding(
+            LATENT_DIM,
+            "e2m1",
+            Field("latent", 0, "e2m1", LATENT_DIM),
+            ScaleRule.OCP_E8M0,
+            32,
+            Field("latent_scale", 256, "e8m0", LATENT_DIM // 32),
+        ),
+        rope=_bf16_rope(288),
+        pads=(Field("pad", 272, "pad", 16),),
+    ),
+    # Our choice: the plain per-tensor fp8 KV cache of serving engines (one scale per layer, default
+    # 1.0 as vLLM's kv-cache scale), applied to all 576 values.
+    FormatSpec(
+        name="fp8_e4m3",
+        title="fp8_e4m3 (per-tensor)",
+        description="All 576 values as E4M3 with one per-layer scale (default 1.0).",
+        source="vLLM fp8 KV cache (kv_cache_dtype=fp8_e4m3, per-tensor k_scale)",
+        record_bytes=576,
+        latent=VectorCoding(LATENT_DIM, "e4m3", Field("latent", 0, "e4m3", LATENT_DIM), ScaleRule.TENSOR, LATENT_DIM),
+        rope=VectorCoding(ROPE_DIM, "e4m3", Field("rope", 512, "e4m3", ROPE_DIM), ScaleRule.TENSOR, ROPE_DIM),
+        outer_scale=OuterScale(required=False, denominator=448.0, applies_to_rope=True),
+    ),
+)

@@ -1,0 +1,201 @@
+"""Torch codecs for every format, driven only by its `FormatSpec`.
+
+`encode(fmt, latent[..., 512], rope[..., 64], outer_scale=None) -> uint8 [..., record_bytes]`
+`decode(fmt, records[..., record_bytes], outer_scale=None) -> (latent, rope)` in float32.
+
+Vectorised and device agnostic: the same code runs on CPU and CUDA tensors. The arithmetic is the
+one spelled out in `spec.py`; these functions are the bit-exact reference the GPU writers are
+tested against. Divisions are always tensor / tensor so that no backend replaces them with a
+multiplication by a rounded reciprocal (PyTorch's CUDA division by a scalar does that).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mla_eval.errors import NonFiniteInputError, UserError
+from mla_eval.formats import numerics as nx
+from mla_eval.formats.registry import get_format
+from mla_eval.formats.spec import TOKEN_SCALE_DENOMINATOR, FormatSpec, ScaleRule, VectorCoding
+
+OuterScaleArg = float | torch.Tensor | None
+
+
+def _div(a: torch.Tensor, b: float) -> torch.Tensor:
+    """IEEE float32 a / b (b broadcast as a tensor, never as a scalar)."""
+    return a / torch.full_like(a, b)
+
+
+def _recip(s: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded 1 / s; 0 where s == 0 (an all-zero NVFP4 block)."""
+    r = torch.ones_like(s) / s
+    return torch.where(s == 0, torch.zeros_like(r), r)
+
+
+def _as_f32(x: torch.Tensor, what: str, dim: int) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor")
+    if x.shape[-1:] != (dim,):
+        raise UserError(f"{what} has last dimension {tuple(x.shape)[-1:]}, expected {dim}")
+    if not x.is_floating_point():
+        raise UserError(f"{what} must be a floating-point tensor, got {x.dtype}")
+    return x.to(torch.float32)
+
+
+def _check_finite(x: torch.Tensor, what: str, layer: int | None) -> None:
+    bad = ~torch.isfinite(x)
+    if bool(bad.any()):
+        index = tuple(int(i) for i in bad.nonzero()[0])
+        value = float(x[index])
+        where = f"layer {layer}, " if layer is not None else ""
+        raise NonFiniteInputError(
+            f"{what} is {value} at {where}index {index} (leading dims = token position); "
+            "cache formats need finite values: check the model's activations (overflow?) or the input text"
+        )
+
+
+def _outer_scale(spec: FormatSpec, outer_scale: OuterScaleArg, device: torch.device) -> torch.Tensor | None:
+    """The per-layer scale as a float32 tensor (broadcast over the leading dims), or None."""
+    rule = spec.outer_scale
+    if outer_scale is None:
+        if rule is not None and rule.required:
+            raise UserError(f"format {spec.name} needs a per-layer outer scale; pass --scales FILE (see `mla-eval calibrate`)")
+        return None
+    if rule is None:
+        raise UserError(f"format {spec.name} takes no outer scale s_l; use one of the nvfp4 / fp8_e4m3 formats for --scales")
+    s = torch.as_tensor(outer_scale, dtype=torch.float32, device=device)
+    if not bool(torch.isfinite(s).all()) or bool((s <= 0).any()):
+        raise UserError(f"outer scale for {spec.name} must be positive and finite, got {s.flatten()[:4].tolist()}")
+    return s.unsqueeze(-1) if s.dim() else s
+
+
+def _group_scale(coding: VectorCoding, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Scales for groups g [..., n_groups, group]: (decoded scale, reciprocal, stored bytes)."""
+    amax = g.abs().amax(dim=-1)
+    rule = coding.scale_rule
+    if rule is ScaleRule.AMAX_FP32:
+        s = torch.clamp_min(_div(amax, coding.qmax), nx.FLT_MIN)
+        return s, _recip(s), nx.f32_to_bytes(s)
+    if rule is ScaleRule.AMAX_FP32_POW2:
+        s0 = torch.clamp_min(_div(amax, coding.qmax), nx.FLT_MIN)
+        mant, exp = torch.frexp(s0)  # s0 = mant * 2^exp, mant in [0.5, 1)
+        exp = torch.where(mant == 0.5, exp - 1, exp)  # already a power of two: keep it
+        s = torch.ldexp(torch.ones_like(s0), exp)
+        return s, _recip(s), nx.f32_to_bytes(s)
+    if rule is ScaleRule.AMAX_E4M3:
+        bits = nx.e4m3_encode(_div(amax, nx.E2M1_MAX))
+        s = nx.e4m3_decode(bits)
+        return s, _recip(s), bits
+    if rule is ScaleRule.OCP_E8M0:
+        exp = torch.where(amax > 0, nx.e8m0_floor_log2(torch.where(amax > 0, amax, 1.0)) - 2, -127)
+        exp = exp.clamp(-127, 127)
+        one = torch.ones_like(amax)
+        return torch.ldexp(one, exp), torch.ldexp(one, -exp), (exp + 127).to(torch.uint8)
+    raise AssertionError(f"no group scale for rule {rule}")
+
+
+def _encode_elems(elem: str, v: torch.Tensor) -> torch.Tensor:
+    if elem == "bf16":
+        return nx.bf16_encode(v)
+    if elem == "e4m3":
+        return nx.e4m3_encode(v)
+    if elem == "e2m1":
+        return nx.e2m1_pack(nx.e2m1_encode(v))
+    raise AssertionError(elem)
+
+
+def _decode_elems(elem: str, raw: torch.Tensor) -> torch.Tensor:
+    if elem == "bf16":
+        return nx.bf16_decode(raw)
+    if elem == "e4m3":
+        return nx.e4m3_decode(raw)
+    if elem == "e2m1":
+        return nx.e2m1_decode(nx.e2m1_unpack(raw))
+    raise AssertionError(elem)
+
+
+def _encode_vector(coding: VectorCoding, x: torch.Tensor, out: torch.Tensor) -> None:
+    if coding.scale is not None:
+        g = x.reshape(*x.shape[:-1], coding.dim // coding.group, coding.group)
+        _, r, stored = _group_scale(coding, g)
+        x = (g * r.unsqueeze(-1)).reshape(x.shape)
+        out[..., coding.scale.offset : coding.scale.end] = stored.reshape(*x.shape[:-1], -1)
+    out[..., coding.data.offset : coding.data.end] = _encode_elems(coding.elem, x)
+
+
+def _decode_vector(coding: VectorCoding, records: torch.Tensor) -> torch.Tensor:
+    q = _decode_elems(coding.elem, records[..., coding.data.offset : coding.data.end])
+    if coding.scale is None:
+        return q
+    raw = records[..., coding.scale.offset : coding.scale.end]
+    if coding.scale.dtype == "fp32":
+        s = nx.f32_from_bytes(raw)
+    elif coding.scale.dtype == "e4m3":
+        s = nx.e4m3_decode(raw)
+    else:  # e8m0
+        s = torch.ldexp(torch.ones(raw.shape, dtype=torch.float32, device=raw.device), raw.to(torch.int32) - 127)
+    g = q.reshape(*q.shape[:-1], coding.dim // coding.group, coding.group)
+    return (g * s.unsqueeze(-1)).reshape(q.shape)
+
+
+def encode(
+    fmt: str | FormatSpec,
+    latent: torch.Tensor,
+    rope: torch.Tensor,
+    *,
+    outer_scale: OuterScaleArg = None,
+    layer: int | None = None,
+) -> torch.Tensor:
+    """Encode latent [..., 512] and rotated rope [..., 64] into uint8 records [..., record_bytes].
+
+    `outer_scale`: the per-layer s_l (a float, or a tensor broadcastable to the leading dims) for
+    formats that take one; `layer` only labels error messages.
+    """
+    spec = get_format(fmt)
+    latent = _as_f32(latent, "latent", spec.latent.dim)
+    rope = _as_f32(rope, "rope", spec.rope.dim)
+    if latent.shape[:-1] != rope.shape[:-1]:
+        raise UserError(f"latent {tuple(latent.shape)} and rope {tuple(rope.shape)} disagree on the leading dims")
+    _check_finite(latent, "latent", layer)
+    _check_finite(rope, "rope", layer)
+    out = torch.zeros(*latent.shape[:-1], spec.record_bytes, dtype=torch.uint8, device=latent.device)
+
+    s_l = _outer_scale(spec, outer_scale, latent.device)
+    if s_l is not None:
+        r_l = _recip(s_l)
+        latent = latent * r_l
+        if spec.outer_scale.applies_to_rope:
+            rope = rope * r_l
+    if spec.token_scale is not None:
+        amax = latent.abs().amax(dim=-1, keepdim=True)
+        s_t = torch.clamp_min(_div(amax, TOKEN_SCALE_DENOMINATOR), nx.FLT_MIN)
+        latent = latent * _recip(s_t)
+        out[..., spec.token_scale.offset : spec.token_scale.end] = nx.f32_to_bytes(s_t)
+
+    _encode_vector(spec.latent, latent, out)
+    _encode_vector(spec.rope, rope, out)
+    return out
+
+
+def decode(
+    fmt: str | FormatSpec, records: torch.Tensor, *, outer_scale: OuterScaleArg = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode uint8 records [..., record_bytes] into float32 (latent [..., 512], rope [..., 64]).
+
+    Products are taken in the order ((q * group scale) * s_t) * s_l, each rounded to float32.
+    """
+    spec = get_format(fmt)
+    if records.dtype != torch.uint8 or records.shape[-1:] != (spec.record_bytes,):
+        raise UserError(
+            f"{spec.name} records must be uint8 [..., {spec.record_bytes}], got {records.dtype} {tuple(records.shape)}"
+        )
+    latent = _decode_vector(spec.latent, records)
+    rope = _decode_vector(spec.rope, records)
+    if spec.token_scale is not None:
+        latent = latent * nx.f32_from_bytes(records[..., spec.token_scale.offset : spec.token_scale.end])
+    s_l = _outer_scale(spec, outer_scale, records.device)
+    if s_l is not None:
+        latent = latent * s_l
+        if spec.outer_scale.applies_to_rope:
+            rope = rope * s_l
+    return latent, rope

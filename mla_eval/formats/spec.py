@@ -1,0 +1,160 @@
+"""The declarative description of a cache format: what bytes one token of one layer occupies.
+
+A `FormatSpec` is the single definition of a format. The torch codec (`codec.py`), the GPU
+kernels, the capacity math and the `formats` table all read it; none of them restates a byte
+count or an offset.
+
+Exact arithmetic (shared by the torch codec and the GPU writers, so both agree bit for bit):
+all in float32, IEEE round-to-nearest-even.
+1. Outer scale (optional, per layer, `outer_scale`): v = c * r_l with r_l = 1 / s_l (one correctly
+   rounded reciprocal, `rcp.rn.f32`), applied to the latent (and to the rope too where
+   `OuterScale.applies_to_rope`). The reader multiplies s_l back.
+2. Per-token scale (two-level mode, `token_scale`): s_t = max(amax(v over the token's latent) / 2688,
+   FLT_MIN) (`div.rn.f32`), stored as fp32; the latent becomes v * (1 / s_t) before its group
+   scales are taken.
+3. Group scales, per `ScaleRule` (amax = max |v| over the group):
+   - AMAX_FP32:    s = max(amax / qmax, FLT_MIN), stored as fp32.
+   - AMAX_FP32_POW2: s = 2^ceil(log2(max(amax / qmax, FLT_MIN))), stored as fp32 (FlashMLA's
+     test quantiser: the power of two at or above amax / qmax).
+   - AMAX_E4M3:    s = e4m3_rn_satfinite(amax / 6) stored as E4M3 (NVFP4 block scale); s may be 0.
+   - OCP_E8M0:     s = 2^(floor(log2 amax) - 2) (OCP MX v1.0: emax of E2M1 is 2), exponent
+     clamped to [-127, 127], 2^-127 for amax = 0; stored as E8M0.
+   - TENSOR:       no stored scale; the group is scaled only by the outer scale.
+   - NONE:         stored as bf16, no scale.
+4. Elements: q = cvt.rn.satfinite(v * r) with r = 1 / s (`rcp.rn.f32`), and r = 0 where s = 0.
+   The decoder returns q * s (then * s_t, then * s_l), all exact products of the stored values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Literal
+
+ElemType = Literal["bf16", "e4m3", "e2m1"]
+ScaleDType = Literal["fp32", "e4m3", "e8m0"]
+
+BITS = {"bf16": 16, "e4m3": 8, "e2m1": 4, "fp32": 32, "e8m0": 8, "pad": 8}
+LATENT_DIM = 512  # kv_lora_rank of DeepSeek-V3 / V3.2, Kimi-K2, GLM-5
+ROPE_DIM = 64  # qk_rope_head_dim of the same models
+TOKEN_SCALE_DENOMINATOR = 6.0 * 448.0  # E2M1 max x E4M3 max: s_t maps the token amax onto 6*448
+OUTER_SCALE_SCHEMA = "nvfp4_ds_mla_outer_scale_v1"
+
+
+class ScaleRule(str, enum.Enum):
+    NONE = "none"
+    TENSOR = "tensor"
+    AMAX_FP32 = "amax/qmax fp32"
+    AMAX_FP32_POW2 = "pow2ceil(amax/qmax) fp32"
+    AMAX_E4M3 = "e4m3(amax/6)"
+    OCP_E8M0 = "2^(floor(log2 amax)-2) e8m0"
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    """A run of `count` elements of `dtype` at byte `offset` inside the record."""
+
+    name: str
+    offset: int
+    dtype: str  # one of BITS' keys
+    count: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * BITS[self.dtype] // 8
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.nbytes
+
+
+@dataclasses.dataclass(frozen=True)
+class VectorCoding:
+    """How one vector (the 512-d latent or the 64-d rope) is stored."""
+
+    dim: int
+    elem: ElemType
+    data: Field
+    scale_rule: ScaleRule
+    group: int  # values sharing one scale (== dim for one scale per vector)
+    scale: Field | None = None  # where the group scales live; None for NONE / TENSOR
+
+    @property
+    def qmax(self) -> float:
+        return {"bf16": float("inf"), "e4m3": 448.0, "e2m1": 6.0}[self.elem]
+
+
+@dataclasses.dataclass(frozen=True)
+class OuterScale:
+    """A per-layer scale s_l supplied by the caller (calibrated), not stored in the record.
+
+    `denominator` maps the calibrated max |c_kv| onto the format's range: s_l = max / denominator.
+    Without a scale (where it is optional) the values are stored unscaled, i.e. s_l = 1.
+    """
+
+    required: bool
+    denominator: float
+    applies_to_rope: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class FormatSpec:
+    name: str
+    title: str
+    description: str
+    source: str  # where the layout comes from
+    record_bytes: int
+    latent: VectorCoding
+    rope: VectorCoding
+    token_scale: Field | None = None
+    pads: tuple[Field, ...] = ()
+    outer_scale: OuterScale | None = None
+    align: int = 16
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    @property
+    def fields(self) -> tuple[Field, ...]:
+        """Every field of the record, in byte order."""
+        parts = [self.latent.data, self.rope.data, *self.pads]
+        parts += [c.scale for c in (self.latent, self.rope) if c.scale is not None]
+        if self.token_scale is not None:
+            parts.append(self.token_scale)
+        return tuple(sorted(parts, key=lambda f: f.offset))
+
+    @property
+    def bits_per_value(self) -> float:
+        """Stored bits per cached value (576 per token), scales and padding included."""
+        return self.record_bytes * 8 / (self.latent.dim + self.rope.dim)
+
+    def layout(self) -> str:
+        """One-line byte map, e.g. '[0,256) latent e2m1x512 | [256,288) latent_scale e4m3x32 | ...'."""
+        return " | ".join(f"[{f.offset},{f.end}) {f.name} {f.dtype}x{f.count}" for f in self.fields)
+
+
+def _validate(spec: FormatSpec) -> None:
+    """The fields must tile the record exactly: no overlap, no hole, nothing past the end."""
+    if spec.latent.dim != LATENT_DIM or spec.rope.dim != ROPE_DIM:
+        raise ValueError(f"{spec.name}: formats are defined for a {LATENT_DIM}-d latent and {ROPE_DIM}-d rope")
+    pos = 0
+    for f in spec.fields:
+        if f.offset != pos:
+            raise ValueError(f"{spec.name}: field {f.name} starts at {f.offset}, expected {pos} (hole or overlap)")
+        pos = f.end
+    if pos != spec.record_bytes:
+        raise ValueError(f"{spec.name}: fields end at byte {pos} but record_bytes is {spec.record_bytes}")
+    if spec.record_bytes % spec.align:
+        raise ValueError(f"{spec.name}: record of {spec.record_bytes} B is not {spec.align}-byte aligned")
+    for c in (spec.latent, spec.rope):
+        if c.dim % c.group:
+            raise ValueError(f"{spec.name}: group {c.group} does not divide dim {c.dim}")
+        if c.data.count != c.dim:
+            raise ValueError(f"{spec.name}: data field {c.data.name} holds {c.data.count} values, not {c.dim}")
+        needs_scale = c.scale_rule not in (ScaleRule.NONE, ScaleRule.TENSOR)
+        if needs_scale != (c.scale is not None):
+            raise ValueError(f"{spec.name}: scale field presence does not match rule {c.scale_rule.value}")
+        if c.scale is not None and c.scale.count != c.dim // c.group:
+            raise ValueError(f"{spec.name}: {c.scale.count} scales for {c.dim // c.group} groups")
+        if (c.elem == "bf16") != (c.scale_rule is ScaleRule.NONE):
+            raise ValueError(f"{spec.name}: bf16 data goes with scale rule NONE and only with it")
