@@ -1,0 +1,201 @@
+"""What product code calls: CUDA tensors go to the CuTe DSL kernels, everything else to the torch
+reference (same signatures; the writer's bytes are identical, attention agrees within bf16 error).
+
+    write_cache(spec, latent [T,512], rope [T,64], slot_mapping [T] int64, cache, outer_scale=None)
+    mla_attention_dense(spec, q [N,H,576] bf16, cache, block_table=[N,B] int32, seq_lens=[N] int32,
+                        softmax_scale=..., sink=None, outer_scale=None) -> (out [N,H,512], lse [N,H])
+    mla_attention_sparse(spec, q, cache, indices=[N,topk] int32, softmax_scale=..., ...)
+
+Slot lists and the math are documented in `mla_eval.attention.reference`. `backend` picks the path:
+"auto" (kernel for CUDA tensors when `nvidia-cutlass-dsl` is installed and the format is within
+the kernels' scope, else reference), "kernel" (raise if the kernel cannot run) or "reference".
+`kernel_status(spec, device)` says which path "auto" takes, and why. `cutlass` is imported only
+when a kernel actually runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from mla_eval.attention import reference
+from mla_eval.errors import NonFiniteInputError, UserError
+from mla_eval.formats import get_format
+
+QK_DIM = 576
+
+
+@functools.lru_cache(maxsize=None)
+def _cutlass_importable() -> str | None:
+    try:
+        import cutlass  # noqa: F401, PLC0415 - GPU-only dependency, imported on first use
+
+        import mla_eval_kernels.cache_writer  # noqa: F401, PLC0415
+    except ImportError as exc:
+        return f"CuTe DSL kernels unavailable ({exc}); install nvidia-cutlass-dsl"
+    return None
+
+
+def kernel_status(spec, device: torch.device | str) -> tuple[bool, str]:
+    """(True, 'kernel') if the CuTe kernels serve this format on this device, else (False, why)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False, f"{device.type} tensors use the torch reference"
+    from mla_eval_kernels.record_plan import UnsupportedFormat, plan_for  # noqa: PLC0415 - pure Python
+
+    try:
+        plan_for(get_format(spec))
+    except UnsupportedFormat as exc:
+        return False, f"format {get_format(spec).name} is outside the kernels' scope: {exc}"
+    why = _cutlass_importable()
+    if why is not None:
+        return False, why
+    major, _ = torch.cuda.get_device_capability(device)
+    if major < 8:
+        return False, "the kernels need sm_80 or newer (bf16 mma.sync, cp.async)"
+    return True, "kernel"
+
+
+def _use_kernel(spec, device: torch.device, backend: str) -> bool:
+    if backend == "reference":
+        return False
+    ok, why = kernel_status(spec, device)
+    if backend == "kernel" and not ok:
+        raise RuntimeError(f"CuTe kernel requested but unavailable: {why}")
+    if backend not in ("auto", "kernel"):
+        raise ValueError(f"backend must be auto, kernel or reference, not {backend!r}")
+    return ok
+
+
+def _outer_scale_value(spec, outer_scale) -> float | None:
+    """Validate s_l as the codec does; the kernels take it as one float32 run-time argument."""
+    rule = spec.outer_scale
+    if outer_scale is None:
+        if rule is not None and rule.required:
+            raise UserError(f"format {spec.name} needs a per-layer outer scale; pass --scales FILE (see `mla-eval calibrate`)")
+        return None
+    if rule is None:
+        raise UserError(f"format {spec.name} takes no outer scale s_l; use one of the nvfp4 / fp8_e4m3 formats for --scales")
+    s = torch.as_tensor(outer_scale, dtype=torch.float32)
+    if s.numel() != 1:
+        raise UserError(f"the kernels take one outer scale per layer, got {s.numel()} values")
+    value = float(s.reshape(()))  # exactly the float32 value the codec uses
+    if not math.isfinite(value) or value <= 0:
+        raise UserError(f"outer scale for {spec.name} must be positive and finite, got {value}")
+    return value
+
+
+def write_cache(
+    spec,
+    latent: torch.Tensor,
+    rope: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cache: torch.Tensor,
+    outer_scale=None,
+    layer: int | None = None,
+    *,
+    backend: str = "auto",
+    check_finite: bool = True,
+) -> None:
+    """Encode T tokens into `cache` at `slot_mapping` (distinct slots; < 0 skipped), in place."""
+    spec = get_format(spec)
+    if cache.dtype != torch.uint8 or cache.dim() != 3 or cache.shape[2] != spec.record_bytes or not cache.is_contiguous():
+        raise UserError(f"cache must be a contiguous uint8 [num_blocks, block_size, {spec.record_bytes}] tensor")
+    if latent.shape[-1:] != (512,) or rope.shape[-1:] != (64,) or latent.shape[:-1] != rope.shape[:-1]:
+        raise UserError(f"latent [T, 512] and rope [T, 64] expected, got {tuple(latent.shape)} and {tuple(rope.shape)}")
+    if not _use_kernel(spec, cache.device, backend) or latent.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        reference.write_cache(spec, latent, rope, slot_mapping, cache, outer_scale=outer_scale, layer=layer)
+        return
+    s_l = _outer_scale_value(spec, outer_scale)
+    if check_finite:
+        for what, x in (("latent", latent), ("rope", rope)):
+            if not bool(torch.isfinite(x).all()):
+                where = f" at layer {layer}" if layer is not None else ""
+                raise NonFiniteInputError(
+                    f"{what} has non-finite values{where}; cache formats need finite values: "
+                    "check the model's activations (overflow?) or the input text"
+                )
+    from mla_eval_kernels import cache_writer  # noqa: PLC0415 - CUDA-only import
+    from mla_eval_kernels.record_plan import plan_for  # noqa: PLC0415
+
+    rope = rope.to(latent.dtype)
+    cache_writer.write_cache(
+        plan_for(spec),
+        latent.reshape(-1, 512).contiguous(),
+        rope.reshape(-1, 64).contiguous(),
+        slot_mapping.reshape(-1).to(device=cache.device, dtype=torch.int64).contiguous(),
+        cache,
+        s_l,
+    )
+
+
+def mla_attention(
+    spec,
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    *,
+    softmax_scale: float,
+    block_table: torch.Tensor | None = None,
+    seq_lens: torch.Tensor | None = None,
+    indices: torch.Tensor | None = None,
+    sink: torch.Tensor | None = None,
+    outer_scale=None,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """out [N, H, 512] float32 and lse [N, H] float32; dense (block_table + seq_lens) or sparse (indices).
+
+    `max_seq_len` (dense) spares the kernel path a device sync to find the longest list;
+    `num_splits` overrides the split-KV heuristic (kernel path only).
+    """
+    spec = get_format(spec)
+    if (indices is None) == (block_table is None or seq_lens is None):
+        raise ValueError("give either block_table and seq_lens (dense) or indices (sparse)")
+    if q.dim() != 3 or q.shape[2] != QK_DIM:
+        raise UserError(f"q must be [N, H, {QK_DIM}], got {tuple(q.shape)}")
+    if cache.dtype != torch.uint8 or cache.dim() != 3 or cache.shape[2] != spec.record_bytes:
+        raise UserError(f"cache must be uint8 [num_blocks, block_size, {spec.record_bytes}]")
+    if sink is not None and sink.shape != (q.shape[1],):
+        raise UserError(f"sink must be [H] = [{q.shape[1]}], got {tuple(sink.shape)}")
+    if not _use_kernel(spec, cache.device, backend):
+        return reference.mla_attention(
+            spec, q, cache, softmax_scale=softmax_scale, block_table=block_table, seq_lens=seq_lens,
+            indices=indices, sink=sink, outer_scale=outer_scale,
+        )
+    from mla_eval_kernels import mla_attention as kernel  # noqa: PLC0415 - CUDA-only import
+    from mla_eval_kernels.record_plan import plan_for  # noqa: PLC0415
+
+    s_l = _outer_scale_value(spec, outer_scale)
+    dev = cache.device
+    i32 = functools.partial(torch.as_tensor, dtype=torch.int32, device=dev)
+    return kernel.mla_attention(
+        plan_for(spec),
+        q.to(device=dev, dtype=torch.bfloat16).contiguous(),
+        cache.contiguous(),
+        softmax_scale=float(softmax_scale),
+        block_table=None if block_table is None else i32(block_table).contiguous(),
+        seq_lens=None if seq_lens is None else i32(seq_lens).contiguous(),
+        indices=None if indices is None else i32(indices).contiguous(),
+        sink=None if sink is None else sink.to(device=dev, dtype=torch.float32).contiguous(),
+        outer_scale=s_l,
+        max_seq_len=max_seq_len,
+        num_splits=num_splits,
+    )
+
+
+def mla_attention_dense(spec, q, cache, block_table, seq_lens, softmax_scale, sink=None, outer_scale=None, **kw):
+    """Dense causal lists: query n sees keys 0..seq_lens[n]-1 through its block_table row."""
+    return mla_attention(
+        spec, q, cache, softmax_scale=softmax_scale, block_table=block_table, seq_lens=seq_lens,
+        sink=sink, outer_scale=outer_scale, **kw,
+    )
+
+
+def mla_attention_sparse(spec, q, cache, indices, softmax_scale, sink=None, outer_scale=None, **kw):
+    """Sparse top-k lists: indices [N, topk] of global slot ids, -1 (or out of range) invalid."""
+    return mla_attention(
+        spec, q, cache, softmax_scale=softmax_scale, indices=indices, sink=sink, outer_scale=outer_scale, **kw
+    )

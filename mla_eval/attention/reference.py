@@ -1,0 +1,121 @@
+"""Torch reference of the cache writer and of MLA attention over the paged cache (any device).
+
+Cache: `uint8 [num_blocks, block_size, record_bytes]`, contiguous; slot s is record
+`s % block_size` of block `s // block_size`, i.e. row s of the flat `[num_slots, record_bytes]` view.
+
+Query slot lists (the same for the GPU kernels):
+- dense causal: `block_table [N, max_blocks]` int32 (one row per query; queries of one sequence
+  repeat its row) and `seq_lens [N]` int32; query n sees keys j = 0 .. seq_lens[n] - 1 (causal:
+  seq_lens[n] = position + 1), key j living in slot block_table[n, j // block_size] * block_size
+  + j % block_size. Entries past the last block used are never read.
+- sparse top-k: `indices [N, topk]` int32/int64 of global slot ids; ids < 0 or >= num_slots are
+  invalid (-1 is the padding DSA indexers emit). A repeated id counts as often as it appears.
+
+Math (float32 throughout, after exact dequantisation by `mla_eval.formats.decode`):
+    s_hj = softmax_scale * q_h . K_j       q [N, H, 576] = (q_nope absorbed into latent space, q_pe)
+    out_h = sum_j e^{s_hj - m} K_j[:512] / (sum_j e^{s_hj - m} + e^{sink_h - m})
+    lse_h = m + log sum_j e^{s_hj - m}      (valid keys only; the sink is not part of the lse)
+with m the row max over valid keys. Masked scores are filled with the finite float32 minimum and
+their weights set to exactly 0, so a row without any valid key gives out = 0 and lse = -inf (no NaN,
+with or without a sink).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mla_eval.formats import decode, encode, get_format
+
+LATENT_DIM = 512
+QK_DIM = 576
+_ELEMS_PER_CHUNK = 1 << 22  # score elements (query x key) held at once: bounds the memory used
+
+
+def write_cache(
+    spec,
+    latent: torch.Tensor,
+    rope: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cache: torch.Tensor,
+    outer_scale=None,
+    layer: int | None = None,
+) -> None:
+    """Encode latent [T, 512] and rope [T, 64] into `cache` at `slot_mapping` [T] (int64, < 0 skipped).
+
+    Slots must be distinct. The record bytes are `mla_eval.formats.encode` of the inputs; `layer`
+    only labels error messages.
+    """
+    spec = get_format(spec)
+    records = encode(spec, latent, rope, outer_scale=outer_scale, layer=layer)
+    flat = cache.view(-1, spec.record_bytes)
+    keep = slot_mapping >= 0
+    flat[slot_mapping[keep].to(torch.long)] = records[keep.to(records.device)]
+
+
+def dense_slots(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[N, max(seq_lens)] int64 slot ids of the dense causal lists, -1 past each query's length."""
+    n = block_table.shape[0]
+    length = int(seq_lens.max()) if n else 0
+    j = torch.arange(length, device=block_table.device)
+    blocks = block_table.long().gather(1, (j // block_size).clamp(max=block_table.shape[1] - 1).expand(n, -1))
+    slots = blocks * block_size + j % block_size
+    return torch.where(j < seq_lens.long().unsqueeze(1), slots, torch.full_like(slots, -1))
+
+
+def mla_attention(
+    spec,
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    *,
+    softmax_scale: float,
+    block_table: torch.Tensor | None = None,
+    seq_lens: torch.Tensor | None = None,
+    indices: torch.Tensor | None = None,
+    sink: torch.Tensor | None = None,
+    outer_scale=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """out [N, H, 512] float32, lse [N, H] float32 (natural log) for q [N, H, 576].
+
+    Give either (`block_table`, `seq_lens`) for dense causal lists or `indices` for sparse top-k.
+    `sink` [H] float32 per-head logits (optional); `outer_scale` s_l as for `decode`.
+    """
+    spec = get_format(spec)
+    num_slots = cache.shape[0] * cache.shape[1]
+    if indices is not None:
+        slots = indices.long()
+        slots = torch.where((slots >= 0) & (slots < num_slots), slots, torch.full_like(slots, -1))
+    else:
+        slots = dense_slots(block_table, seq_lens, cache.shape[1])
+    n, h = q.shape[0], q.shape[1]
+    out = torch.zeros(n, h, LATENT_DIM, dtype=torch.float32, device=q.device)
+    lse = torch.full((n, h), float("-inf"), dtype=torch.float32, device=q.device)
+    if n == 0 or slots.shape[1] == 0:
+        return out, lse
+
+    # Decode each distinct slot once.
+    valid = slots >= 0
+    used, inverse = torch.unique(torch.where(valid, slots, torch.zeros_like(slots)), return_inverse=True)
+    lat, rope = decode(spec, cache.view(-1, spec.record_bytes)[used], outer_scale=outer_scale)
+    keys = torch.cat([lat, rope], dim=-1)  # [U, 576] float32
+
+    qf = q.to(torch.float32)
+    sink_f = sink.to(torch.float32) if sink is not None else None
+    fill = torch.finfo(torch.float32).min
+    step = max(1, _ELEMS_PER_CHUNK // max(1, h * slots.shape[1]))
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        k = keys[inverse[a:b]]  # [n, L, 576]
+        ok = valid[a:b].unsqueeze(1)  # [n, 1, L]
+        s = torch.einsum("nhd,nld->nhl", qf[a:b], k) * softmax_scale
+        s = torch.where(ok, s, torch.full_like(s, fill))
+        m = s.amax(dim=-1, keepdim=True)
+        e = torch.where(ok, torch.exp(s - m), torch.zeros_like(s))
+        total = e.sum(dim=-1, keepdim=True)
+        denom = total
+        if sink_f is not None:
+            denom = total + torch.exp(sink_f.view(1, h, 1) - m)
+        num = torch.einsum("nhl,nld->nhd", e, k[..., :LATENT_DIM])
+        has = total > 0
+        out[a:b] = torch.where(has, num / torch.where(has, denom, torch.ones_like(denom)), torch.zeros_like(num))
+        lse[a:b] = torch.where(has, m + torch.log(torch.where(has, total, torch.ones_like(total))), lse[a:b, :, None]).squeeze(-1)
+    return out, lse

@@ -1,0 +1,1 @@
+"""Evaluations: teacher-forced KLD, needle retrieval, calibration."""

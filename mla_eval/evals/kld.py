@@ -1,0 +1,188 @@
+"""Teacher-forced KL divergence of each cache format against a reference format.
+
+Protocol (llama.cpp / vLLM-fork parity): sliding windows of `ctx` tokens every `stride` tokens
+within each token sequence; a position is scored once, by the first window in which it has at
+least `min_context` tokens before it. Every position of every layer reads the quantised cache
+(what decode sees). One reference forward per window batch serves every format; KL(ref || fmt)
+over the full vocabulary in float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import warnings
+from typing import Callable
+
+import numpy as np
+import torch
+
+from mla_eval.errors import UserError
+from mla_eval.evals.kld_stats import TokenStats, token_metrics
+from mla_eval.evals.layer_stats import LayerStats
+from mla_eval.evals.text_sources import TokenSource
+from mla_eval.formats import FormatSpec, OuterScales
+from mla_eval.model.session import CacheSession
+
+warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated.*")
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """A format as evaluated: its spec, and whether the per-layer outer scales are applied."""
+
+    spec: FormatSpec
+    outer: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.spec.name}+s_l" if self.outer else self.spec.name
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+    seq: int
+    start: int
+    length: int
+    score_from: int  # first scored position inside the window; positions score_from..length-2
+    # are scored, each predicting the token after it
+
+
+def make_windows(lengths: list[int], ctx: int, stride: int, min_context: int) -> list[Window]:
+    """Windows over each sequence and the positions each one scores (each position at most once)."""
+    out = []
+    for s, n in enumerate(lengths):
+        if n < min_context + 1:
+            continue
+        scored_until = 0  # every position below this (in sequence coordinates) is scored already
+        start = 0
+        while True:
+            length = min(ctx, n - start)
+            first = max(start + min_context, scored_until)
+            if first < start + length - 1:
+                out.append(Window(s, start, length, first - start))
+                scored_until = start + length - 1
+            if start + length >= n:
+                break
+            start += stride
+    return out
+
+
+@dataclasses.dataclass
+class KldSettings:
+    variants: list[Variant]
+    ref: Variant
+    ctx: int = 2048
+    stride: int = 512
+    min_context: int | None = None
+    batch: int = 1
+    block_size: int = 64
+    layer_stats: bool = True
+    outer_scales: OuterScales | None = None
+
+
+def plan_windows(lm, source: TokenSource, st: KldSettings) -> list[Window]:
+    """Validate the protocol settings against the model and the text; return the windows."""
+    min_ctx = st.ctx // 2 if st.min_context is None else st.min_context
+    if st.ctx > lm.max_positions > 0:
+        raise UserError(f"--ctx {st.ctx} is beyond the model's {lm.max_positions} positions; lower --ctx")
+    if not 0 <= min_ctx < st.ctx:
+        raise UserError(f"--min-context {min_ctx} must be in [0, ctx={st.ctx})")
+    if st.stride <= 0:
+        raise UserError("--stride must be positive")
+    windows = make_windows([int(s.numel()) for s in source.sequences], st.ctx, st.stride, min_ctx)
+    if not windows:
+        longest = max(int(s.numel()) for s in source.sequences)
+        raise UserError(
+            f"the text is shorter than one window: longest sequence {longest} tokens, need more than "
+            f"--min-context {min_ctx}; give more text or lower --ctx/--min-context"
+        )
+    return windows
+
+
+def run_kld(lm, source: TokenSource, st: KldSettings, progress: Callable[[int, int, float], None] | None = None, ref_store=None, rank: int = 0, world: int = 1) -> dict:
+    """Evaluate every variant; returns per-variant token arrays, summaries and layer stats."""
+    windows = plan_windows(lm, source, st)
+    mine = list(enumerate(windows))[rank::world]
+    stats = {v.name: TokenStats() for v in st.variants}
+    layers = {v.name: LayerStats(lm.num_layers) for v in st.variants} if st.layer_stats else {}
+    total_scored = sum(w.length - 1 - w.score_from for _, w in mine)
+    done, t0 = 0, time.perf_counter()
+    for i in range(0, len(mine), st.batch):
+        for group in _same_shape_groups(mine[i : i + st.batch]):
+            ws = [w for _, w in group]
+            ids = torch.stack([source.sequences[w.seq][w.start : w.start + w.length] for w in ws]).to(lm.device)
+            sf = ws[0].score_from
+            targets = ids[:, sf + 1 :].reshape(-1)
+            # position p predicts token p+1: the window's last position has no target in it
+            depth = torch.arange(sf, ws[0].length - 1).repeat(len(ws))
+            order = torch.cat([wi * st.ctx + torch.arange(sf, ws[0].length - 1) for wi, _ in group])
+            ref_logp = _forward_logp(lm, st.ref, ids, sf, st, None)
+            if ref_store is not None:
+                ref_store.add(ref_logp, targets, depth)
+            for v in st.variants:
+                obs = layers[v.name].observers(v.spec) if layers else ()
+                logp = _forward_logp(lm, v, ids, sf, st, obs)
+                stats[v.name].add(token_metrics(ref_logp, logp, targets), depth, order)
+            done += len(ws) * (ws[0].length - 1 - sf)
+            if progress:
+                progress(done, total_scored, time.perf_counter() - t0)
+    return {"stats": stats, "layers": layers, "windows": len(windows), "seconds": time.perf_counter() - t0}
+
+
+def _same_shape_groups(ws: list[tuple[int, Window]]) -> list[list[tuple[int, Window]]]:
+    """Windows batch together only when their length and scored range agree."""
+    groups: dict[tuple[int, int], list[tuple[int, Window]]] = {}
+    for wi, w in ws:
+        groups.setdefault((w.length, w.score_from), []).append((wi, w))
+    return list(groups.values())
+
+
+@torch.no_grad()
+def _forward_logp(lm, variant: Variant, ids: torch.Tensor, score_from: int, st: KldSettings, observers) -> torch.Tensor:
+    """log-softmax (float32) of the positions score_from..len-2 of every row, stacked [n, vocab]."""
+    b, t = ids.shape
+    scales = st.outer_scales if variant.outer else None
+    if variant.outer and scales is None:
+        raise UserError(f"{variant.name} needs per-layer scales: pass --scales FILE or --scales auto")
+    session = CacheSession(
+        variant.spec,
+        lm.num_layers,
+        b,
+        t,
+        lm.device,
+        block_size=st.block_size,
+        outer_scales=scales,
+        observers=tuple(observers or ()),
+        keep_exact=bool(observers),
+    )
+    pos = torch.arange(t, device=lm.device).expand(b, -1)
+    with lm.adapter.session(session):
+        logits = lm.model(input_ids=ids, position_ids=pos, use_cache=False).logits
+    return torch.log_softmax(logits[:, score_from : t - 1].float(), dim=-1).reshape(-1, logits.shape[-1])
+
+
+def summarize_result(result: dict) -> dict[str, dict]:
+    out = {}
+    for name, ts in result["stats"].items():
+        out[name] = ts.summary()
+        if result["layers"]:
+            out[name]["layers"] = result["layers"][name].summary()
+    return out
+
+
+def gather_arrays(stats: dict[str, TokenStats]) -> dict[str, TokenStats]:
+    """Concatenate every rank's per-token arrays (exact: the same numbers as one process)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return stats
+    local = {k: v.arrays() for k, v in stats.items()}
+    allv: list = [None] * dist.get_world_size()
+    dist.all_gather_object(allv, local)
+    return {k: TokenStats.from_arrays({f: np.concatenate([r[k][f] for r in allv]) for f in TokenStats.FIELDS}) for k in stats}
+
+
+def mean_kld(summary: dict) -> float:
+    return summary["kld_mean"] if summary and not math.isnan(summary["kld_mean"]) else math.nan

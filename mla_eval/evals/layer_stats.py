@@ -1,0 +1,77 @@
+"""Per-layer error of a format, measured inside the same forward on the same activations.
+
+- attention-output error: the latent-space attention output read from the quantised cache vs
+  the output of exact float32 attention over the unquantised latents, for the same queries
+  (relative L2 over all tokens and heads, and mean cosine per token-head);
+- latent quantisation SNR: c_kv and k_pe vs what the cache actually stores (read back).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mla_eval.formats import FormatSpec, decode
+
+
+def exact_attention(q: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor, scale: float) -> torch.Tensor:
+    """Dense causal float32 MLA attention of the last T queries q [B, T, H, 576] over the whole
+    unquantised history latent [B, S, 512] / rope [B, S, 64]; returns [B, T, H, 512]."""
+    b, t, h, _ = q.shape
+    s = latent.shape[1]
+    kv = torch.cat([latent, rope], -1).float()
+    scores = torch.einsum("bthd,bsd->bhts", q.float(), kv) * scale
+    q_pos = torch.arange(s - t, s, device=q.device).view(t, 1)
+    mask = torch.arange(s, device=q.device).view(1, s) > q_pos
+    scores = scores.masked_fill(mask, torch.finfo(torch.float32).min)
+    return torch.einsum("bhts,bsc->bthc", scores.softmax(-1), kv[..., :512])
+
+
+class LayerStats:
+    def __init__(self, num_layers: int) -> None:
+        self.err2 = [0.0] * num_layers
+        self.ref2 = [0.0] * num_layers
+        self.cos_sum = [0.0] * num_layers
+        self.cos_n = [0] * num_layers
+        self.sig = {"latent": [0.0] * num_layers, "rope": [0.0] * num_layers}
+        self.noise = {"latent": [0.0] * num_layers, "rope": [0.0] * num_layers}
+
+    def observers(self, spec: FormatSpec):
+        def observe(ev) -> None:
+            sess, layer = ev.session, ev.layer
+            t = ev.latent.shape[1]
+            start = sess.lengths[layer] - t
+            lat_hat, rope_hat = sess.read_back(layer, start, t)
+            for key, x, xh in (("latent", ev.latent, lat_hat), ("rope", ev.rope, rope_hat)):
+                x = x.float()
+                self.sig[key][layer] += float((x * x).sum())
+                self.noise[key][layer] += float(((x - xh) ** 2).sum())
+            lat, rope = sess.exact[layer]
+            scale = sess.last_scale[layer]
+            ref = exact_attention(ev.q, lat, rope, scale)
+            self.err2[layer] += float(((ev.out - ref) ** 2).sum())
+            self.ref2[layer] += float((ref * ref).sum())
+            cos = torch.nn.functional.cosine_similarity(ev.out.reshape(-1, 512), ref.reshape(-1, 512), dim=-1, eps=1e-30)
+            self.cos_sum[layer] += float(cos.double().sum())
+            self.cos_n[layer] += cos.numel()
+
+        return (observe,)
+
+    def summary(self) -> list[dict]:
+        rows = []
+        for i in range(len(self.err2)):
+            def snr(key: str) -> float:
+                n = self.noise[key][i]
+                return math.inf if n == 0 else 10 * math.log10(self.sig[key][i] / n) if self.sig[key][i] > 0 else math.nan
+
+            rows.append(
+                {
+                    "layer": i,
+                    "attn_rel_l2": math.sqrt(self.err2[i] / self.ref2[i]) if self.ref2[i] else math.nan,
+                    "attn_cosine": self.cos_sum[i] / self.cos_n[i] if self.cos_n[i] else math.nan,
+                    "latent_snr_db": snr("latent"),
+                    "rope_snr_db": snr("rope"),
+                }
+            )
+        return rows

@@ -1,0 +1,100 @@
+"""Where evaluation tokens come from: a text file, a `datasets` name, or the model's own samples."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from pathlib import Path
+
+import torch
+
+from mla_eval.errors import UserError
+
+DATASET_ALIASES = {
+    "wikitext-2": ("wikitext", "wikitext-2-raw-v1", "test"),
+    "wikitext-103": ("wikitext", "wikitext-103-raw-v1", "test"),
+}
+
+
+@dataclasses.dataclass
+class TokenSource:
+    kind: str  # "text" | "dataset" | "self-samples"
+    label: str  # what the output says the tokens are
+    sequences: list[torch.Tensor]  # 1-D int64 token ids; windows never cross sequences
+    digest: str  # sha256 of the tokens, ties a saved reference to its text
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(int(s.numel()) for s in self.sequences)
+
+
+def _digest(seqs: list[torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for s in seqs:
+        h.update(s.to(torch.int64).numpy().tobytes())
+        h.update(b"|")
+    return h.hexdigest()[:16]
+
+
+def _tokenize(tokenizer, text: str) -> torch.Tensor:
+    ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+def from_text_file(path: str | Path, tokenizer, max_tokens: int | None) -> TokenSource:
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"--text {path}: no such file")
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if not text.strip():
+        raise UserError(f"--text {path} is empty")
+    ids = _tokenize(tokenizer, text)
+    if max_tokens:
+        ids = ids[:max_tokens]
+    return TokenSource("text", f"text file {path.name} ({ids.numel()} tokens)", [ids], _digest([ids]))
+
+
+def from_dataset(name: str, tokenizer, max_tokens: int | None) -> TokenSource:
+    try:
+        import datasets  # imported only here: the GPU image and CPU installs may lack it
+    except ImportError:
+        raise UserError("--dataset needs the `datasets` package: pip install 'mla-eval[data]' (or use --text FILE)") from None
+    repo, config, split = DATASET_ALIASES.get(name, (name, None, "test"))
+    try:
+        ds = datasets.load_dataset(repo, config, split=split)
+    except Exception as exc:  # offline, unknown name, ...: datasets raises many types
+        raise UserError(f"cannot load dataset {name!r} ({str(exc).splitlines()[0][:160]}); offline? use --text FILE") from None
+    column = "text" if "text" in ds.column_names else ds.column_names[0]
+    text = "\n".join(t for t in ds[column] if t and t.strip())
+    ids = _tokenize(tokenizer, text)
+    if max_tokens:
+        ids = ids[:max_tokens]
+    return TokenSource("dataset", f"dataset {name} [{split}] ({ids.numel()} tokens)", [ids], _digest([ids]))
+
+
+@torch.no_grad()
+def self_samples(lm, num: int, length: int, seed: int) -> TokenSource:
+    """Seeded samples drawn from the model itself (stock attention, temperature 1).
+
+    The data-free default: it needs no file, and its KLD is the format's effect on text the model
+    finds typical. It is not comparable to a wikitext-2 number; outputs label it as such.
+    """
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    model = lm.model
+    bos = lm.tokenizer.bos_token_id
+    vocab = model.config.vocab_size
+    start = torch.full((num, 1), bos, dtype=torch.int64) if bos is not None else torch.randint(0, vocab, (num, 1), generator=gen)
+    ids = start.to(lm.device)
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    step_in = ids
+    for t in range(length - 1):
+        pos = torch.full((num, step_in.shape[1]), t, device=lm.device) if step_in.shape[1] == 1 else None
+        logits = model(input_ids=step_in, past_key_values=cache, use_cache=True, position_ids=pos).logits[:, -1].float()
+        probs = logits.softmax(-1).cpu()
+        nxt = torch.multinomial(probs, 1, generator=gen).to(lm.device)
+        ids = torch.cat([ids, nxt], 1)
+        step_in = nxt
+    seqs = [row.cpu() for row in ids]
+    return TokenSource("self-samples", f"self-samples of the model (seed {seed}, {num} x {length} tokens; not wikitext)", seqs, _digest(seqs))

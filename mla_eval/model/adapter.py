@@ -1,0 +1,172 @@
+"""Own each MLA attention module's forward so latent KV goes through our cache formats.
+
+Why own the forward (DESIGN.md): the stable hook points across transformers versions are the
+projections (`q_proj` | `q_a_proj`/`q_a_layernorm`/`q_b_proj`, `kv_a_proj_with_mqa`,
+`kv_a_layernorm`, `kv_b_proj`, `o_proj`), the `position_embeddings` handed to `self_attn`, and
+`module.scaling` (which includes the YaRN mscale^2). Registering an attention function instead
+would need a matching mask function and an `expand_kv` override, and the forward's cache keyword
+changed name (`past_key_values` -> `cache`) between 5.17 and 5.24.
+
+With a session installed, the forward computes the absorbed query q = [q_nope W_UK, q_pe] (576),
+writes c_kv and k_pe through the format's cache writer, reads attention over the quantised cache,
+and projects the latent output through W_UV and `o_proj`. Without a session it runs the stock
+forward untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import sys
+import types
+from typing import Iterator
+
+import torch
+
+from mla_eval.errors import UserError
+from mla_eval.model.session import CacheSession, LayerEvent
+
+# model_type -> how its attention applies RoPE; DSA models also run their indexer.
+SUPPORTED = {
+    "deepseek_v2": "complex",
+    "deepseek_v3": "cos_sin",
+    "kimi_k2": "cos_sin",
+    "deepseek_v32": "cos_sin",
+    "glm_moe_dsa": "cos_sin",
+}
+DSA_TYPES = ("deepseek_v32", "glm_moe_dsa")
+
+
+def check_supported(config) -> None:
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED:
+        raise UserError(
+            f"unsupported architecture {model_type!r}: mla-eval runs MLA models of type {', '.join(SUPPORTED)}"
+        )
+    for field in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
+        if getattr(config, field, None) is None:
+            raise UserError(f"config of {model_type!r} has no {field}: not an MLA checkpoint")
+    if config.kv_lora_rank != 512 or config.qk_rope_head_dim != 64:
+        raise UserError(
+            f"cache formats are defined for kv_lora_rank 512 + rope 64; this model has "
+            f"{config.kv_lora_rank} + {config.qk_rope_head_dim}"
+        )
+
+
+def attention_modules(model) -> list[torch.nn.Module]:
+    """The `self_attn` of every decoder layer, in layer order."""
+    layers = getattr(getattr(model, "model", model), "layers", None)
+    if layers is None:
+        raise UserError("model has no .model.layers: not a decoder-only MLA model")
+    mods = [layer.self_attn for layer in layers]
+    for m in mods:
+        if not hasattr(m, "kv_a_proj_with_mqa") or not hasattr(m, "kv_b_proj"):
+            raise UserError(f"layer {m.layer_idx} attention has no kv_a_proj_with_mqa/kv_b_proj: not MLA")
+    return mods
+
+
+def _rope_fn(module):
+    """The modeling file's own RoPE function for this attention class."""
+    mod = sys.modules[type(module).__module__]
+    kind = SUPPORTED[module.config.model_type]
+    if kind == "complex":
+        return lambda q, k, pe: mod.apply_rotary_emb(q, k, pe.to(q.device))
+    if getattr(module.config, "rope_interleave", True) or module.config.model_type in DSA_TYPES:
+        return lambda q, k, pe: mod.apply_rotary_pos_emb_interleave(q, k, *pe)
+    return lambda q, k, pe: mod.apply_rotary_pos_emb(q, k, *pe)
+
+
+class MlaAdapter:
+    """Patches a loaded MLA model in place; `with adapter.session(...)` routes attention."""
+
+    def __init__(self, model) -> None:
+        check_supported(model.config)
+        self.model = model
+        self.config = model.config
+        self.modules = attention_modules(model)
+        self.num_layers = len(self.modules)
+        self.num_heads = self.config.num_attention_heads
+        self.is_dsa = self.config.model_type in DSA_TYPES
+        self._session: CacheSession | None = None
+        for m in self.modules:
+            if not hasattr(m, "_mla_eval_stock_forward"):
+                m._mla_eval_stock_forward = m.forward
+                m._mla_eval_rope = _rope_fn(m)
+            m._mla_eval_adapter = self
+            m.forward = types.MethodType(_owned_forward, m)
+
+    @contextlib.contextmanager
+    def session(self, session: CacheSession) -> Iterator[CacheSession]:
+        if session.num_layers != self.num_layers:
+            raise ValueError(f"session has {session.num_layers} layers, model {self.num_layers}")
+        prev, self._session = self._session, session
+        try:
+            yield session
+        finally:
+            self._session = prev
+
+
+def _owned_forward(self, hidden_states, *args, **kwargs):
+    adapter: MlaAdapter = self._mla_eval_adapter
+    session = adapter._session
+    if session is None:
+        return self._mla_eval_stock_forward(hidden_states, *args, **kwargs)
+    # The argument order differs between architectures (DeepSeek-V2 takes the mask first): bind
+    # the call to the stock signature and take the two arguments we need by name.
+    bound = inspect.signature(self._mla_eval_stock_forward).bind(hidden_states, *args, **kwargs)
+    position_embeddings = bound.arguments.get("position_embeddings")
+    attention_mask = bound.arguments.get("attention_mask")
+    kwargs = {**{k: v for k, v in bound.arguments.items() if k not in ("hidden_states", "kwargs")}, **bound.arguments.get("kwargs", {})}
+
+    bsz, seq, _ = hidden_states.shape
+    heads, nope, rope_d, v_d = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
+    if self.q_lora_rank is None:
+        q_resid = None
+        q = self.q_proj(hidden_states)
+    else:
+        q_resid = self.q_a_layernorm(self.q_a_proj(hidden_states))
+        q = self.q_b_proj(q_resid)
+    q = q.view(bsz, seq, heads, nope + rope_d).transpose(1, 2)  # [B, H, T, nope+rope]
+    q_nope, q_pe = torch.split(q, [nope, rope_d], dim=-1)
+
+    kv = self.kv_a_proj_with_mqa(hidden_states)
+    c_kv, k_pe = torch.split(kv, [self.kv_lora_rank, rope_d], dim=-1)
+    c_kv = self.kv_a_layernorm(c_kv)  # [B, T, 512]
+    k_pe = k_pe.view(bsz, 1, seq, rope_d)
+    q_pe, k_pe = self._mla_eval_rope(q_pe, k_pe, position_embeddings)
+    k_pe = k_pe.view(bsz, seq, rope_d)
+
+    # Absorb W_UK into the query and keep W_UV for the output (kv_b_proj: [H*(nope+v), 512]).
+    w = self.kv_b_proj.weight.view(heads, nope + v_d, self.kv_lora_rank).float()
+    w_uk, w_uv = w[:, :nope], w[:, nope:]
+    q_lat = torch.einsum("bhtn,hnc->bthc", q_nope.float(), w_uk)
+    q_abs = torch.cat([q_lat, q_pe.float().transpose(1, 2)], dim=-1)  # [B, T, H, 576]
+
+    layer = self.layer_idx
+    session.write(layer, c_kv, k_pe)
+    topk = None
+    if adapter.is_dsa:
+        topk = _dsa_topk(self, hidden_states, q_resid, position_embeddings, attention_mask, kwargs)
+    out_lat = session.attend(layer, q_abs, float(self.scaling), topk=topk)  # [B, T, H, 512] fp32
+    for obs in session.observers:
+        obs(LayerEvent(layer, c_kv, k_pe, q_abs, out_lat, session))
+    out = torch.einsum("bthc,hvc->bthv", out_lat, w_uv).reshape(bsz, seq, heads * v_d)
+    out = self.o_proj(out.to(hidden_states.dtype))
+    if self.config.model_type == "glm_moe_dsa":  # its decoder layer passes top-k on to the next
+        return out, None, topk
+    return out, None
+
+
+def _dsa_topk(self, hidden_states, q_resid, position_embeddings, attention_mask, kwargs):
+    """The model's own (bf16) indexer picks top-k positions per query, as in the stock forward.
+
+    Only whole-prompt forwards (no decode cache) are supported for DSA models: the indexer then
+    scores the full window, which is what the teacher-forced protocol runs.
+    """
+    session = self._mla_eval_adapter._session
+    if session.lengths[self.layer_idx] != hidden_states.shape[1]:
+        raise UserError("DSA models are evaluated on whole windows only (no incremental decode yet)")
+    if getattr(self, "skip_topk", False):  # GLM-5 shared-indexer layer: the previous full layer's top-k
+        return kwargs["prev_topk_indices"]
+    mask = attention_mask[:, 0] if attention_mask is not None and attention_mask.dim() == 4 else attention_mask
+    return self.indexer(hidden_states, q_resid, position_embeddings, mask, kwargs.get("position_ids"), cache=None)

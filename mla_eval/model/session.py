@@ -1,0 +1,154 @@
+"""A cache session: the paged quantised latent caches of one batch of sequences, all layers.
+
+The adapter's attention forward hands every layer's new latent and rotated rope to `write`, then
+reads attention through `attend`: exactly what a serving engine's decode sees, for prefill and for
+each decode step. Sequences of a batch advance together (same length), which is what the
+teacher-forced windows and the needle prompts need.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Protocol
+
+import torch
+
+from mla_eval.attention import dispatch
+from mla_eval.formats import FormatSpec, OuterScales, decode
+
+
+class LayerObserver(Protocol):
+    """Called once per layer and forward with the unquantised inputs and the format's output."""
+
+    def __call__(self, event: "LayerEvent") -> None: ...
+
+
+@dataclasses.dataclass
+class LayerEvent:
+    layer: int
+    latent: torch.Tensor  # [B, T, 512] the new tokens' c_kv (after kv_a_layernorm)
+    rope: torch.Tensor  # [B, T, 64] the new tokens' rotated k_pe
+    q: torch.Tensor  # [B, T, H, 576] absorbed queries
+    out: torch.Tensor  # [B, T, H, 512] attention output (latent space) read from the cache
+    session: "CacheSession"
+
+
+class CacheSession:
+    """Paged caches `uint8 [num_blocks, block_size, record_bytes]` per layer for B sequences.
+
+    Sequence b owns blocks b * blocks_per_seq ... (a contiguous block table, like a fresh vLLM
+    pool). `capacity` is the most tokens a sequence may reach in this session.
+    """
+
+    def __init__(
+        self,
+        spec: FormatSpec,
+        num_layers: int,
+        batch: int,
+        capacity: int,
+        device: torch.device | str,
+        *,
+        block_size: int = 64,
+        outer_scales: OuterScales | None = None,
+        observers: tuple[Callable[[LayerEvent], None], ...] = (),
+        keep_exact: bool = False,
+    ) -> None:
+        if outer_scales is not None:
+            outer_scales.check_layers(num_layers)
+        self.spec = spec
+        self.num_layers = num_layers
+        self.batch = batch
+        self.capacity = capacity
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.outer_scales = outer_scales
+        self.observers = observers
+        self.blocks_per_seq = math.ceil(capacity / block_size)
+        nblocks = batch * self.blocks_per_seq
+        self.caches = [
+            torch.zeros(nblocks, block_size, spec.record_bytes, dtype=torch.uint8, device=self.device)
+            for _ in range(num_layers)
+        ]
+        self.block_table = torch.arange(nblocks, dtype=torch.int32, device=self.device).view(batch, self.blocks_per_seq)
+        self.lengths = [0] * num_layers
+        self.last_scale = [1.0] * num_layers  # softmax scale of each layer's last attend()
+        # Unquantised history, only when an observer compares against it (per-layer error stats).
+        self.exact: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers if keep_exact else []
+
+    def outer_scale(self, layer: int) -> float | None:
+        return None if self.outer_scales is None else self.outer_scales.for_layer(layer)
+
+    def _slots(self, start: int, count: int) -> torch.Tensor:
+        """Global slot ids [B, count] of positions start..start+count-1 of each sequence."""
+        pos = torch.arange(start, start + count, device=self.device)
+        blocks = self.block_table[:, pos // self.block_size].long()
+        return blocks * self.block_size + (pos % self.block_size)
+
+    def write(self, layer: int, latent: torch.Tensor, rope: torch.Tensor) -> None:
+        """Append latent [B, T, 512] / rope [B, T, 64] of T new tokens to every sequence."""
+        b, t = latent.shape[:2]
+        start = self.lengths[layer]
+        if start + t > self.capacity:
+            raise ValueError(f"cache session holds {self.capacity} tokens per sequence; {start + t} requested")
+        slots = self._slots(start, t).reshape(-1)
+        dispatch.write_cache(
+            self.spec,
+            latent.reshape(b * t, -1),
+            rope.reshape(b * t, -1),
+            slots,
+            self.caches[layer],
+            outer_scale=self.outer_scale(layer),
+            layer=layer,
+        )
+        self.lengths[layer] = start + t
+        if self.exact:
+            prev = self.exact[layer]
+            new = (latent.float(), rope.float())
+            self.exact[layer] = new if prev is None else (torch.cat([prev[0], new[0]], 1), torch.cat([prev[1], new[1]], 1))
+
+    def read_back(self, layer: int, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode what the cache stores for positions start..start+count-1: ([B, n, 512], [B, n, 64])."""
+        slots = self._slots(start, count)
+        flat = self.caches[layer].view(-1, self.spec.record_bytes)
+        return decode(self.spec, flat[slots], outer_scale=self.outer_scale(layer))
+
+    def attend(self, layer: int, q: torch.Tensor, softmax_scale: float, topk: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of the T newest tokens' queries q [B, T, H, 576] over the cache.
+
+        Dense causal: the query at position p sees positions 0..p of its own sequence. With `topk`
+        [B, T, k] (positions within the sequence, -1 = invalid) only those slots are read.
+        Returns the latent-space output [B, T, H, 512] in float32.
+        """
+        b, t, h, _ = q.shape
+        self.last_scale[layer] = softmax_scale
+        end = self.lengths[layer]
+        q_pos = torch.arange(end - t, end, device=self.device)
+        if topk is None:
+            out, _ = dispatch.mla_attention_dense(
+                self.spec,
+                q.reshape(b * t, h, -1),
+                self.caches[layer],
+                block_table=self.block_table.repeat_interleave(t, 0),
+                seq_lens=(q_pos + 1).repeat(b).to(torch.int32),
+                softmax_scale=softmax_scale,
+                outer_scale=self.outer_scale(layer),
+            )
+        else:
+            # The block table is contiguous per sequence, so position p of sequence b is slot
+            # b * blocks_per_seq * block_size + p.
+            seq_base = (torch.arange(b, device=self.device) * self.blocks_per_seq * self.block_size).view(b, 1, 1)
+            idx = topk.long()
+            # an indexer's top-k over a causal window can name future positions when fewer than k
+            # are visible (their scores are masked, not removed): those are invalid here
+            valid = (idx >= 0) & (idx <= q_pos.view(1, t, 1))
+            slots = torch.where(valid, seq_base + idx, -1)
+            out, _ = dispatch.mla_attention_sparse(
+                self.spec,
+                q.reshape(b * t, h, -1),
+                self.caches[layer],
+                indices=slots.reshape(b * t, -1).to(torch.int32),
+                softmax_scale=softmax_scale,
+                outer_scale=self.outer_scale(layer),
+            )
+        return out.view(b, t, h, -1)

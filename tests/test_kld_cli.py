@@ -1,0 +1,122 @@
+"""`mla-eval kld` / `mla-eval calibrate` end to end on a tiny checkpoint, and their bad input."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from mla_eval.cli import main
+from tiny_models import tiny_model
+
+TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "mla_eval" / "default_model"
+TEXT = " ".join(f"The river {w} flows past the old mill near the {w} bridge." for w in ["north", "south", "east", "west"] * 40)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    model = tiny_model("deepseek_v3", vocab_size=12288, max_position_embeddings=256)
+    model.save_pretrained(d)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TOKENIZER_DIR / f, d / f)
+    return d
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory):
+    p = tmp_path_factory.mktemp("text") / "t.txt"
+    p.write_text(TEXT)
+    return p
+
+
+def run(args, capsys):
+    code = main(args)
+    cap = capsys.readouterr()
+    return code, cap.out, cap.err
+
+
+def test_kld_end_to_end(ckpt, text, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    code, stdout, err = run(
+        ["kld", "--model", str(ckpt), "--text", str(text), "--ctx", "64", "--stride", "32", "--calib-tokens", "64",
+         "--formats", "fp8_ds_mla,nvfp4,nvfp4+s_l", "--out", str(out), "--plot", str(tmp_path / "plots")],
+        capsys,
+    )
+    assert code == 0, err
+    doc = json.loads(out.read_text())
+    assert doc["schema"] == "mla-eval/kld/v1"
+    f = doc["formats"]
+    assert set(f) == {"fp8_ds_mla", "nvfp4", "nvfp4+s_l"}
+    assert f["fp8_ds_mla"]["tokens"] == f["nvfp4"]["tokens"] > 0
+    assert 0 < f["fp8_ds_mla"]["kld_mean"] < f["nvfp4"]["kld_mean"]
+    assert len(f["nvfp4"]["layers"]) == 3 and f["nvfp4"]["layers"][0]["latent_snr_db"] > 10
+    assert doc["outer_scales"]["format"] == "nvfp4_ds_mla_outer_scale_v1"
+    assert "KLD mean" in stdout
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["kld_by_depth.png", "kld_cdf.png", "kld_layer_error.png"]
+    # never overwrite a result silently
+    code, _, err = run(["kld", "--model", str(ckpt), "--text", str(text), "--ctx", "64", "--out", str(out)], capsys)
+    assert code == 2 and "exists" in err
+
+
+def test_calibrate_writes_schema_and_kld_reads_it(ckpt, text, tmp_path, capsys):
+    scales = tmp_path / "s.json"
+    code, _, err = run(["calibrate", "--model", str(ckpt), "--text", str(text), "--ctx", "64", "--out", str(scales)], capsys)
+    assert code == 0, err
+    doc = json.loads(scales.read_text())
+    assert doc["num_layers"] == 3 and doc["denominator"] == 2688.0
+    assert all(s == pytest.approx(a / 2688) for s, a in zip(doc["scales"], doc["max_abs_c_kv"]))
+    code, _, err = run(["kld", "--model", str(ckpt), "--text", str(text), "--ctx", "64", "--formats", "nvfp4+s_l",
+                        "--scales", str(scales), "--out", str(tmp_path / "k.json"), "--no-layer-stats"], capsys)
+    assert code == 0, err
+
+
+def _one_line_error(code, err, match):
+    assert code == 2
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err
+    assert match in err, err
+
+
+def test_bad_inputs(ckpt, text, tmp_path, capsys):
+    # a non-MLA model folder
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    (llama / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 1, "vocab_size": 100, "intermediate_size": 64}))
+    _one_line_error(*run(["kld", "--model", str(llama), "--text", str(text)], capsys)[::2], "unsupported architecture 'llama'")
+    # a folder without config / without tokenizer
+    _one_line_error(*run(["kld", "--model", str(tmp_path / "nope")], capsys)[::2], "does not exist")
+    notok = tmp_path / "notok"
+    shutil.copytree(ckpt, notok)
+    (notok / "tokenizer.json").unlink()
+    (notok / "tokenizer_config.json").unlink()
+    _one_line_error(*run(["kld", "--model", str(notok), "--text", str(text)], capsys)[::2], "tokenizer")
+    # text shorter than one window
+    short = tmp_path / "short.txt"
+    short.write_text("a few words only")
+    _one_line_error(*run(["kld", "--model", str(ckpt), "--text", str(short), "--ctx", "64", "--scales", "none", "--formats", "nvfp4"], capsys)[::2], "shorter than one window")
+    # ctx beyond the model's positions
+    _one_line_error(*run(["kld", "--model", str(ckpt), "--text", str(text), "--ctx", "4096", "--formats", "nvfp4"], capsys)[::2], "beyond the model's 256 positions")
+    # scales for another layer count
+    wrong = tmp_path / "wrong.json"
+    wrong.write_text(json.dumps({"format": "nvfp4_ds_mla_outer_scale_v1", "num_layers": 61, "latent_dim": 512, "denominator": 2688, "scales": [0.01] * 61}))
+    _one_line_error(*run(["kld", "--model", str(ckpt), "--text", str(text), "--ctx", "64", "--formats", "nvfp4+s_l", "--scales", str(wrong)], capsys)[::2], "61 layer scales but the model has 3 layers")
+    # unknown format / option
+    _one_line_error(*run(["kld", "--model", str(ckpt), "--formats", "nvfp9"], capsys)[::2], "unknown cache format")
+    _one_line_error(*run(["kld", "--model", str(ckpt), "--formats", "fp8_ds_mla+s_l"], capsys)[::2], "takes no nvfp4 outer scale")
+
+
+def test_nan_latent_is_a_clear_error(ckpt, text, tmp_path, capsys):
+    bad = tmp_path / "nan"
+    model = tiny_model("deepseek_v3", vocab_size=12288, max_position_embeddings=256)
+    with torch.no_grad():
+        model.model.layers[1].self_attn.kv_a_layernorm.weight[7] = float("nan")
+    model.save_pretrained(bad)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TOKENIZER_DIR / f, bad / f)
+    code, _, err = run(["kld", "--model", str(bad), "--text", str(text), "--ctx", "64", "--formats", "nvfp4", "--scales", "none", "--out", str(tmp_path / "x.json")], capsys)
+    # found mid-run, after the header: the error is still its own single last line
+    last = err.rstrip("\n").split("\n")[-1]
+    assert code == 2 and "Traceback" not in err
+    assert last.startswith("error: latent is nan at layer 1"), last
+    assert not (tmp_path / "x.json").exists()

@@ -1,0 +1,78 @@
+"""KLD statistics and the window protocol, against numbers worked out by hand."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from mla_eval.evals.kld import make_windows
+from mla_eval.evals.kld_stats import TokenStats, summarize, token_metrics
+
+
+def logp(rows):
+    return torch.tensor(rows, dtype=torch.float64).log().float()
+
+
+def test_token_metrics_hand_computed():
+    ref = logp([[0.5, 0.25, 0.25], [0.1, 0.2, 0.7]])
+    fmt = logp([[0.25, 0.5, 0.25], [0.1, 0.2, 0.7]])
+    m = token_metrics(ref, fmt, torch.tensor([0, 2]))
+    assert m["kld"][0].item() == pytest.approx(0.25 * math.log(2), rel=1e-6)  # .5 ln2 + .25 ln(1/2)
+    assert m["kld"][1].item() == pytest.approx(0.0, abs=1e-7)
+    assert m["nll_ref"][0].item() == pytest.approx(math.log(2), rel=1e-6)
+    assert m["nll_fmt"][0].item() == pytest.approx(math.log(4), rel=1e-6)
+    assert m["same_top1"].tolist() == [0.0, 1.0]
+    assert m["p_fmt"][0].item() == pytest.approx(0.25, rel=1e-6)
+
+
+def _arrays(kld, nll_ref, nll_fmt, p_ref, p_fmt, top1, depth):
+    n = len(kld)
+    return {k: np.asarray(v, dtype=np.float64) for k, v in dict(kld=kld, nll_ref=nll_ref, nll_fmt=nll_fmt, p_ref=p_ref, p_fmt=p_fmt, same_top1=top1, depth=depth, order=range(n)).items()}
+
+
+def test_summary_hand_computed():
+    a = _arrays([0.1, 0.2, 0.3, 0.4], [1.0, 2.0, 1.0, 2.0], [1.5, 2.0, 1.5, 3.0], [0.5, 0.5, 0.4, 0.4], [0.4, 0.5, 0.2, 0.4], [1, 1, 0, 1], [10, 300, 600, 700])
+    s = summarize(a)
+    assert s["kld_mean"] == pytest.approx(0.25)
+    assert s["kld_se"] == pytest.approx(np.std([0.1, 0.2, 0.3, 0.4], ddof=1) / 2)
+    assert s["kld_median"] == pytest.approx(0.25)
+    assert s["kld_max"] == 0.4 and s["kld_min"] == 0.1
+    assert s["same_top1_pct"] == pytest.approx(75.0)
+    # delta p = [-.1, 0, -.2, 0]: mean -7.5 %, rms sqrt((.01 + .04) / 4) = 11.18 %
+    assert s["delta_p_mean_pct"] == pytest.approx(-7.5)
+    assert s["delta_p_rms_pct"] == pytest.approx(100 * math.sqrt(0.0125))
+    assert s["ppl_ref"] == pytest.approx(math.exp(1.5))
+    assert s["ppl_fmt"] == pytest.approx(math.exp(2.0))
+    # ln ratio = mean(nll_fmt - nll_ref) = mean(.5, 0, .5, 1) = .5, se from the differences
+    assert s["ln_ppl_ratio"] == pytest.approx(0.5)
+    assert s["ln_ppl_ratio_se"] == pytest.approx(np.std([0.5, 0, 0.5, 1.0], ddof=1) / 2)
+    buckets = {(b["depth_lo"], b["depth_hi"]): b for b in s["kld_by_depth"]}
+    assert buckets[(0, 256)]["tokens"] == 1 and buckets[(512, 1024)]["kld_mean"] == pytest.approx(0.35)
+
+
+def test_shards_concatenate_to_identical_statistics():
+    rng = np.random.default_rng(0)
+    n = 1000
+    a = _arrays(rng.exponential(0.1, n), rng.random(n) * 5, rng.random(n) * 5, rng.random(n), rng.random(n), rng.integers(0, 2, n), rng.integers(0, 4096, n))
+    whole = TokenStats.from_arrays(a).summary()
+    perm = rng.permutation(n)
+    halves = [{k: v[perm[: n // 2]] for k, v in a.items()}, {k: v[perm[n // 2 :]] for k, v in a.items()}]
+    merged = TokenStats.from_arrays({k: np.concatenate([h[k] for h in halves]) for k in a}).summary()
+    assert merged == whole  # exactly, not approximately
+
+
+def test_windows_score_each_position_once():
+    # ctx 8, stride 2, min context 4, a 14-token sequence (positions predict the next token)
+    ws = make_windows([14], ctx=8, stride=2, min_context=4)
+    scored = []
+    for w in ws:
+        scored += list(range(w.start + w.score_from, w.start + w.length - 1))
+    # every position with >= 4 tokens before it that has a next token is scored exactly once
+    assert sorted(scored) == list(range(4, 13)) and len(scored) == len(set(scored))
+    assert (ws[0].start, ws[0].score_from) == (0, 4)
+    assert (ws[1].start, ws[1].score_from) == (2, 5)  # only the 2 new positions (7 and 8)
+
+
+def test_windows_skip_sequences_too_short():
+    assert make_windows([4], ctx=8, stride=2, min_context=4) == []

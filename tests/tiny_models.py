@@ -1,0 +1,55 @@
+"""Tiny randomly initialised MLA models of each supported architecture (no weights on disk).
+
+They have the production cache geometry (kv_lora_rank 512, rope 64) and everything else small,
+so adapter tests run in seconds on a CPU.
+"""
+
+import torch
+
+COMMON = dict(
+    vocab_size=320,
+    hidden_size=96,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=512,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=32,
+    v_head_dim=32,
+    max_position_embeddings=1024,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_group=1,
+    topk_group=1,
+)
+
+
+def tiny_model(model_type: str, seed: int = 0, **over):
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    kw = dict(COMMON, **over)
+    if model_type == "deepseek_v3":
+        cfg = tf.DeepseekV3Config(q_lora_rank=None, first_k_dense_replace=1, **kw)
+        cls = tf.DeepseekV3ForCausalLM
+    elif model_type == "deepseek_v2":
+        cfg = tf.DeepseekV2Config(q_lora_rank=None, first_k_dense_replace=1, **kw)
+        cls = tf.DeepseekV2ForCausalLM
+    elif model_type == "deepseek_v32":
+        cfg = tf.DeepseekV32Config(q_lora_rank=48, first_k_dense_replace=1, index_topk=8, index_head_dim=96, index_n_heads=2, **kw)
+        cls = tf.DeepseekV32ForCausalLM
+    elif model_type == "glm_moe_dsa":
+        cfg = tf.GlmMoeDsaConfig(q_lora_rank=48, first_k_dense_replace=1, index_topk=8, index_head_dim=96, index_n_heads=2, indexer_types=["full", "shared", "full"], **kw)
+        cls = tf.GlmMoeDsaForCausalLM
+    else:
+        raise ValueError(model_type)
+    cfg._attn_implementation = "eager"
+    model = cls(cfg).eval()
+    # random init leaves RMSNorm weights at 1 and tiny projections; scale the latent path up so
+    # quantisation errors are visible above float noise
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.kv_a_layernorm.weight.mul_(3.0)
+    return model
