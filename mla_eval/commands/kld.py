@@ -14,6 +14,7 @@ from rich.table import Table
 from mla_eval.errors import UserError
 from mla_eval.evals import text_sources
 from mla_eval.evals.calibrate import calibrate as run_calibration
+from mla_eval.evals.ref_store import RefStore
 from mla_eval.evals.kld import KldSettings, Variant, gather_arrays, plan_windows, run_kld, summarize_result
 from mla_eval.formats import OuterScales, get_format
 from mla_eval.results import default_result_path, environment, write_result
@@ -96,6 +97,9 @@ def kld(
     layer_stats: bool = typer.Option(True, "--layer-stats/--no-layer-stats", help="Per-layer attention-output error and latent SNR."),
     out: Path = typer.Option(None, "--out", "-o", help="Result JSON path (default results/kld-<model>-<time>.json)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing --out file."),
+    save_ref: Path = typer.Option(None, "--save-ref", help="Store the reference log-probs here, to score more formats later with --ref-file."),
+    ref_file: Path = typer.Option(None, "--ref-file", help="Reuse stored reference log-probs (same model, text and window settings) instead of the reference forward."),
+    ref_store: str = typer.Option("topk", "--ref-store", help="--save-ref encoding: topk (64 largest + tail mass; KL is a lower bound) or fp16 (full rows)."),
     plot: Path = typer.Option(None, "--plot", help="Folder for PNG plots: KLD CDF, KLD by depth, per-layer error."),
     device: str = typer.Option("auto", "--device", help="cpu, cuda, cuda:N or auto."),
     seed: int = typer.Option(0, "--seed", help="Seed of the self-samples."),
@@ -136,6 +140,11 @@ def kld(
         outer.check_layers(lm.num_layers, source=scales)
 
     settings.outer_scales = outer
+    ref_meta = {"model": str(lm.path.resolve()), "text": source.digest, "ctx": ctx, "stride": stride, "min_context": settings.min_context if settings.min_context is not None else ctx // 2, "ref": ref_v.name}
+    if ref_v.outer:
+        ref_meta["ref_scales"] = list(outer.scales)
+    saver = RefStore(mode=ref_store, meta=ref_meta) if save_ref else None
+    loaded = RefStore.load(ref_file, ref_meta) if ref_file else None
     if rank == 0:
         console.print(f"[bold]mla-eval kld[/] model={lm.name} device={lm.device} ref={ref_v.name} tokens: {source.label}")
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} tok"), TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TimeRemainingColumn(), console=console, disable=rank != 0) as bar:
@@ -144,7 +153,12 @@ def kld(
         def progress(done, total, secs):
             bar.update(task, completed=done, total=total, rate=f"{done / max(secs, 1e-9):.0f} tok/s")
 
-        result = run_kld(lm, source, settings, progress=progress, rank=rank, world=world)
+        result = run_kld(lm, source, settings, progress=progress, save_ref=saver, ref_file=loaded, rank=rank, world=world)
+    if saver is not None:
+        if world > 1:
+            raise UserError("--save-ref is single-process only; run it without torchrun")
+        saver.save(save_ref)
+        console.print(f"wrote reference log-probs to {save_ref}")
     result["stats"] = gather_arrays(result["stats"])
     if rank != 0:
         return

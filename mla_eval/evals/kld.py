@@ -21,6 +21,7 @@ import torch
 from mla_eval.errors import UserError
 from mla_eval.evals.kld_stats import TokenStats, token_metrics
 from mla_eval.evals.layer_stats import LayerStats
+from mla_eval.evals.ref_store import RefStore, metrics_from_store
 from mla_eval.evals.text_sources import TokenSource
 from mla_eval.formats import FormatSpec, OuterScales
 from mla_eval.model.session import CacheSession
@@ -101,8 +102,21 @@ def plan_windows(lm, source: TokenSource, st: KldSettings) -> list[Window]:
     return windows
 
 
-def run_kld(lm, source: TokenSource, st: KldSettings, progress: Callable[[int, int, float], None] | None = None, ref_store=None, rank: int = 0, world: int = 1) -> dict:
-    """Evaluate every variant; returns per-variant token arrays, summaries and layer stats."""
+def run_kld(
+    lm,
+    source: TokenSource,
+    st: KldSettings,
+    progress: Callable[[int, int, float], None] | None = None,
+    save_ref: RefStore | None = None,
+    ref_file: RefStore | None = None,
+    rank: int = 0,
+    world: int = 1,
+) -> dict:
+    """Evaluate every variant; returns per-variant token arrays and layer stats.
+
+    `save_ref` collects the reference log-probs; with `ref_file` the reference forward is skipped
+    and the stored reference is used instead.
+    """
     windows = plan_windows(lm, source, st)
     mine = list(enumerate(windows))[rank::world]
     stats = {v.name: TokenStats() for v in st.variants}
@@ -118,13 +132,17 @@ def run_kld(lm, source: TokenSource, st: KldSettings, progress: Callable[[int, i
             # position p predicts token p+1: the window's last position has no target in it
             depth = torch.arange(sf, ws[0].length - 1).repeat(len(ws))
             order = torch.cat([wi * st.ctx + torch.arange(sf, ws[0].length - 1) for wi, _ in group])
-            ref_logp = _forward_logp(lm, st.ref, ids, sf, st, None)
-            if ref_store is not None:
-                ref_store.add(ref_logp, targets, depth)
+            if ref_file is not None:
+                stored = ref_file.lookup(order)
+            else:
+                ref_logp = _forward_logp(lm, st.ref, ids, sf, st, None)
+                if save_ref is not None:
+                    save_ref.add(ref_logp, targets, order)
             for v in st.variants:
                 obs = layers[v.name].observers(v.spec) if layers else ()
                 logp = _forward_logp(lm, v, ids, sf, st, obs)
-                stats[v.name].add(token_metrics(ref_logp, logp, targets), depth, order)
+                m = metrics_from_store(stored, logp, targets) if ref_file is not None else token_metrics(ref_logp, logp, targets)
+                stats[v.name].add(m, depth, order)
             done += len(ws) * (ws[0].length - 1 - sf)
             if progress:
                 progress(done, total_scored, time.perf_counter() - t0)
