@@ -146,3 +146,24 @@ def test_saved_reference_reproduces_the_live_reference(ckpt, text, tmp_path, cap
     # settings must match the stored reference
     code, _, err = run(common[:5] + ["--ctx", "48", "--formats", "nvfp4", "--ref-file", str(tmp_path / "ref-topk.pt"), "--scales", "none"], capsys)
     assert code == 2 and "other settings" in err
+
+
+def test_torchrun_two_processes_reduce_to_identical_statistics(ckpt, text, tmp_path):
+    """Windows shard across ranks (gloo on CPU); the gathered statistics equal one process's."""
+    import os
+    import subprocess
+    import sys
+
+    common = ["--model", str(ckpt), "--text", str(text), "--ctx", "64", "--stride", "32", "--formats", "nvfp4", "--scales", "none", "--no-layer-stats", "--device", "cpu"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    one = subprocess.run([sys.executable, "-m", "mla_eval", "kld", *common, "--out", str(tmp_path / "one.json")], env=env, capture_output=True, text=True)
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29561", "-m", "mla_eval", "kld", *common, "--out", str(tmp_path / "two.json")],
+        env=env, capture_output=True, text=True,
+    )
+    assert two.returncode == 0, two.stderr[-2000:]
+    a = json.loads((tmp_path / "one.json").read_text())
+    b = json.loads((tmp_path / "two.json").read_text())
+    assert b["settings"]["world_size"] == 2
+    assert a["formats"] == b["formats"]
