@@ -70,3 +70,34 @@ def _save(fig, path: Path) -> Path:
     tmp.replace(path)
     _plt().close(fig)
     return path
+
+
+def needle_heatmaps(summary: dict, lengths: list[int], depths: list[float], folder: Path) -> list[Path]:
+    """An accuracy heatmap per format and a difference heatmap (format - bf16) per format."""
+    plt = _plt()
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    base = np.asarray(summary["bf16"]["accuracy"]) if "bf16" in summary else None
+
+    def draw(mat, title, path, cmap, vmin, vmax, label):
+        fig, ax = plt.subplots(figsize=(1.0 + 0.55 * len(depths), 1.2 + 0.5 * len(lengths)))
+        im = ax.imshow(mat, cmap=cmap, vmin=vmin, vmax=vmax, aspect="auto", origin="lower")
+        ax.set_xticks(range(len(depths)), [f"{d:g}" for d in depths])
+        ax.set_yticks(range(len(lengths)), [f"{n // 1024}K" if n % 1024 == 0 else str(n) for n in lengths])
+        ax.set_xlabel("needle depth (%)")
+        ax.set_ylabel("prompt length (tokens)")
+        ax.set_title(title, fontsize=10)
+        for i in range(mat.shape[0]):
+            for j in range(mat.shape[1]):
+                ax.text(j, i, f"{mat[i, j]:.1f}" if mat.shape[1] <= 12 else "", ha="center", va="center", fontsize=7)
+        fig.colorbar(im, ax=ax, label=label)
+        paths.append(_save(fig, path))
+
+    for name, s in summary.items():
+        acc = np.asarray(s["accuracy"], dtype=float)
+        safe = name.replace("+", "_")
+        draw(acc, f"{name}: retrieval accuracy", folder / f"needle_{safe}.png", "RdYlGn", 0, 1, "accuracy")
+        if base is not None and name != "bf16":
+            draw(acc - base, f"{name} minus bf16", folder / f"needle_{safe}_vs_bf16.png", "RdBu", -1, 1, "accuracy difference")
+    return paths

@@ -1,0 +1,127 @@
+"""The needle grid: length x depth x trials, every format on identical prompts.
+
+Each prompt is prefilled through the model with the format's cache (writer + attention), then the
+answer is greedy-decoded token by token reading the same quantised cache. A cell is correct when
+every expected string appears in the output (RULER's string-match-all).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable
+
+import torch
+
+from mla_eval.evals.needle_tasks import Prompt, PromptBuilder
+from mla_eval.evals.kld import Variant
+from mla_eval.model.session import CacheSession
+
+
+@dataclasses.dataclass
+class NeedleSettings:
+    variants: list[Variant]  # bf16 first: the baseline
+    lengths: list[int]
+    depths: list[float]
+    trials: int
+    task: str
+    values: str
+    seed: int = 0
+    batch: int = 1
+    max_new_tokens: int = 0  # 0: by value kind
+    outer_scales: object = None
+
+
+def new_tokens_for(values: str, task: str) -> int:
+    per = {"number": 6, "word": 4, "uuid": 24}[values if task != "passkey" else "number"]
+    return per * (3 if task == "multivalue" else 1) + 4
+
+
+def make_prompts(builder: PromptBuilder, st: NeedleSettings) -> list[Prompt]:
+    prompts = []
+    for li, length in enumerate(st.lengths):
+        for di, depth in enumerate(st.depths):
+            for t in range(st.trials):
+                seed = st.seed * 1_000_003 + li * 10_007 + di * 101 + t  # a distinct needle per cell and trial
+                prompts.append(builder.build(st.task, st.values, length, depth, t, seed))
+    return prompts
+
+
+@torch.no_grad()
+def generate(lm, variant: Variant, prompts: list[Prompt], max_new: int, outer_scales) -> list[list[int]]:
+    """Greedy answers of a batch of equal-length prompts, through the variant's cache."""
+    ids = torch.tensor([p.ids for p in prompts], device=lm.device)
+    b, t = ids.shape
+    session = CacheSession(variant.spec, lm.num_layers, b, t + max_new, lm.device, outer_scales=outer_scales if variant.outer else None)
+    out: list[list[int]] = [[] for _ in prompts]
+    with lm.adapter.session(session):
+        logits = lm.model(input_ids=ids, position_ids=torch.arange(t, device=lm.device).expand(b, -1), use_cache=False).logits[:, -1]
+        for step in range(max_new):
+            nxt = logits.float().argmax(-1)
+            for i, tok in enumerate(nxt.tolist()):
+                out[i].append(tok)
+            if step == max_new - 1:
+                break
+            pos = torch.full((b, 1), t + step, device=lm.device)
+            logits = lm.model(input_ids=nxt.view(b, 1), position_ids=pos, use_cache=False).logits[:, -1]
+    return out
+
+
+def run_needle(lm, builder: PromptBuilder, st: NeedleSettings, progress: Callable[[int, int], None] | None = None) -> dict:
+    prompts = make_prompts(builder, st)
+    max_new = st.max_new_tokens or new_tokens_for(st.values, st.task)
+    records = []
+    total = len(prompts) * len(st.variants)
+    done = 0
+    t0 = time.perf_counter()
+    seconds: dict[str, float] = {}
+    for v in st.variants:
+        tv = time.perf_counter()
+        for length in st.lengths:
+            group = [p for p in prompts if p.length == length]
+            for i in range(0, len(group), st.batch):
+                chunk = group[i : i + st.batch]
+                answers = generate(lm, v, chunk, max_new, st.outer_scales)
+                for p, a in zip(chunk, answers):
+                    text = lm.tokenizer.decode(a, skip_special_tokens=True)
+                    records.append(
+                        {
+                            "format": v.name, "task": p.task, "length": p.length, "depth": p.depth, "trial": p.trial,
+                            "seed": p.seed, "needle_pos": p.needle_pos, "expected": p.expected, "output": text,
+                            "correct": all(e in text for e in p.expected),
+                        }
+                    )
+                done += len(chunk)
+                if progress:
+                    progress(done, total)
+        seconds[v.name] = time.perf_counter() - tv
+    return {"records": records, "seconds": seconds, "total_seconds": time.perf_counter() - t0, "max_new_tokens": max_new}
+
+
+def grid(records: list[dict], fmt: str, lengths: list[int], depths: list[float]) -> list[list[float]]:
+    """Accuracy [length][depth] of one format."""
+    out = []
+    for length in lengths:
+        row = []
+        for d in depths:
+            cell = [r["correct"] for r in records if r["format"] == fmt and r["length"] == length and r["depth"] == d]
+            row.append(sum(cell) / len(cell) if cell else float("nan"))
+        out.append(row)
+    return out
+
+
+def effective_length(acc: list[list[float]], lengths: list[int], threshold: float) -> int | None:
+    """Longest length such that it and every shorter one average >= threshold over depths."""
+    best = None
+    for length, row in sorted(zip(lengths, acc)):
+        if sum(row) / len(row) >= threshold:
+            best = length
+        else:
+            break
+    return best
+
+
+def format_failures(records: list[dict], baseline: str) -> list[dict]:
+    """Prompts the baseline retrieves and a format does not: what the format itself broke."""
+    base = {(r["length"], r["depth"], r["trial"]): r["correct"] for r in records if r["format"] == baseline}
+    return [r for r in records if r["format"] != baseline and not r["correct"] and base.get((r["length"], r["depth"], r["trial"]))]

@@ -1,0 +1,158 @@
+"""Needle-in-a-haystack prompts of exact token length.
+
+Tasks (phrasings follow the passkey / RULER literature and what the default model was trained on):
+- passkey:    a pass key in a noise haystack of repeated filler sentences (data-free default)
+- single:     one "special magic" value in a text haystack (--haystack FILE|DIR)
+- multikey:   four key-value needles, the question asks for one of them
+- multivalue: one key given three values, the question asks for all of them
+Values are numbers, words or UUID-like strings (`--values`). A needle goes in right after a
+sentence end at or after the requested depth, so the tokens are those of the natural text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from pathlib import Path
+
+import numpy as np
+
+from mla_eval.errors import UserError
+
+TASKS = ("passkey", "single", "multikey", "multivalue")
+VALUE_KINDS = ("number", "word", "uuid")
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+INTRO = "There is important info hidden inside a lot of irrelevant text. Find it and memorize it."
+WORDS = (
+    "apple", "river", "candle", "falcon", "marble", "harbor", "violet", "copper", "meadow", "lantern",
+    "glacier", "thunder", "saffron", "willow", "ember", "orchid", "granite", "sparrow", "velvet", "compass",
+)
+KEYS = ("alpha", "cobalt", "juniper", "quartz", "nimbus", "tundra", "ivory", "zephyr", "basalt", "lotus", "onyx", "prairie")
+
+
+@dataclasses.dataclass
+class Prompt:
+    ids: list[int]
+    expected: list[str]
+    task: str
+    length: int
+    depth: float  # percent
+    trial: int
+    seed: int
+    needle_pos: int  # token index where the (first) needle starts
+
+
+class PromptBuilder:
+    def __init__(self, tokenizer, haystack_ids: np.ndarray, noise: bool) -> None:
+        self.tok = tokenizer
+        self.hay = haystack_ids
+        self.noise = noise
+        vocab_size = len(tokenizer)
+        self.boundary = np.zeros(vocab_size + 1, dtype=bool)
+        for i in range(vocab_size):
+            text = tokenizer.decode([i])
+            self.boundary[i] = text.endswith(".") or text.endswith("\n")
+        self.bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+
+    def ids(self, text: str) -> list[int]:
+        return self.tok(text, add_special_tokens=False)["input_ids"]
+
+    def _value(self, kind: str, r: random.Random) -> str:
+        if kind == "number":
+            return str(r.randint(100000, 9999999))
+        if kind == "word":
+            return r.choice(WORDS)
+        h = "".join(r.choice("0123456789abcdef") for _ in range(32))
+        return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+    def _needles(self, task: str, kind: str, r: random.Random) -> tuple[list[str], str, list[str]]:
+        """(needle sentences, question, expected answers)."""
+        if task == "passkey":
+            v = str(r.randint(10000, 99999))
+            return [f" The pass key is {v}. Remember it. {v} is the pass key."], "\nWhat is the pass key? The pass key is", [v]
+        if task == "single":
+            k, v = r.choice(KEYS), self._value(kind, r)
+            return [f" The special magic {kind} for {k} is: {v}."], f"\nWhat is the special magic {kind} for {k}? The special magic {kind} for {k} is:", [v]
+        if task == "multikey":
+            keys = r.sample(KEYS, 4)
+            vals = [self._value(kind, r) for _ in keys]
+            ask = r.randrange(4)
+            sentences = [f" The special magic {kind} for {k} is: {v}." for k, v in zip(keys, vals)]
+            return sentences, f"\nWhat is the special magic {kind} for {keys[ask]}? The special magic {kind} for {keys[ask]} is:", [vals[ask]]
+        if task == "multivalue":
+            k = r.choice(KEYS)
+            vals = []
+            while len(vals) < 3:
+                v = self._value(kind, r)
+                if v not in vals:
+                    vals.append(v)
+            sentences = [f" One of the special magic {kind}s for {k} is: {v}." for v in vals]
+            return sentences, f"\nWhat are all the special magic {kind}s for {k}? The special magic {kind}s for {k} are:", vals
+        raise UserError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
+
+    def build(self, task: str, kind: str, length: int, depth: float, trial: int, seed: int) -> Prompt:
+        r = random.Random(seed)
+        sentences, question, expected = self._needles(task, kind, r)
+        head = [self.bos] + (self.ids(INTRO) if self.noise else [])
+        needle_ids = [self.ids(s) for s in sentences]
+        q_ids = self.ids(question)
+        hay_len = length - len(head) - sum(map(len, needle_ids)) - len(q_ids)
+        if hay_len < 16:
+            raise UserError(f"--lengths {length} is too short for the {task} needles and question")
+        hay = self._haystack(hay_len, r)
+        # the first needle goes at `depth`; the others of multikey/multivalue at random depths
+        depths = [depth / 100] + [r.random() for _ in needle_ids[1:]]
+        cuts = [self._cut(hay, d) for d in depths]
+        order = np.argsort(cuts, kind="stable")
+        ids = list(head)
+        prev = 0
+        first_pos = 0
+        for j in order:
+            ids += hay[prev : cuts[j]].tolist()
+            if j == 0:
+                first_pos = len(ids)
+            ids += needle_ids[j]
+            prev = cuts[j]
+        ids += hay[prev:].tolist() + q_ids
+        assert len(ids) == length
+        return Prompt(ids, expected, task, length, depth, trial, seed, first_pos)
+
+    def _haystack(self, n: int, r: random.Random) -> np.ndarray:
+        if self.noise:
+            reps = n // len(self.hay) + 1
+            return np.tile(self.hay, reps)[:n]
+        if len(self.hay) < n:
+            raise UserError(f"the haystack has {len(self.hay)} tokens but a prompt needs {n}; give a longer --haystack or shorter --lengths")
+        start = r.randrange(0, len(self.hay) - n + 1)
+        return self.hay[start : start + n]
+
+    def _cut(self, hay: np.ndarray, d: float) -> int:
+        target = int(round(d * len(hay)))
+        if target <= 0:
+            return 0
+        ends = np.flatnonzero(self.boundary[hay]) + 1
+        k = np.searchsorted(ends, target)
+        return int(ends[k]) if k < len(ends) else len(hay)
+
+
+def load_haystack(tokenizer, haystack: Path | None) -> tuple[np.ndarray, bool, str]:
+    """(token ids, is_noise, label). No path: the filler-sentence noise haystack."""
+    if haystack is None:
+        return np.asarray(tokenizer(" " + FILLER, add_special_tokens=False)["input_ids"]), True, "noise (repeated filler sentences)"
+    haystack = Path(haystack)
+    if haystack.is_dir():
+        files = sorted(p for p in haystack.rglob("*.txt") if p.is_file())
+        if not files:
+            raise UserError(f"--haystack {haystack} holds no .txt files")
+    elif haystack.is_file():
+        files = [haystack]
+    else:
+        raise UserError(f"--haystack {haystack}: no such file or folder")
+    text = "\n".join(p.read_text(encoding="utf-8", errors="replace") for p in files)
+    if not text.strip():
+        raise UserError(f"--haystack {haystack} is empty")
+    ids = np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"])
+    eos = tokenizer.eos_token_id
+    if eos is not None:
+        ids[ids == eos] = tokenizer("\n", add_special_tokens=False)["input_ids"][0]
+    return ids, False, f"{haystack.name} ({len(ids)} tokens)"
