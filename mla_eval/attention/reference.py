@@ -81,6 +81,8 @@ def mla_attention(
     """
     spec = get_format(spec)
     num_slots = cache.shape[0] * cache.shape[1]
+    if indices is None and block_table.shape[0] > 1:
+        return _dense_by_sequence(spec, q, cache, block_table, seq_lens, softmax_scale, sink, outer_scale)
     if indices is not None:
         slots = indices.long()
         slots = torch.where((slots >= 0) & (slots < num_slots), slots, torch.full_like(slots, -1))
@@ -118,4 +120,38 @@ def mla_attention(
         has = total > 0
         out[a:b] = torch.where(has, num / torch.where(has, denom, torch.ones_like(denom)), torch.zeros_like(num))
         lse[a:b] = torch.where(has, m + torch.log(torch.where(has, total, torch.ones_like(total))), lse[a:b, :, None]).squeeze(-1)
+    return out, lse
+
+
+def _dense_by_sequence(spec, q, cache, block_table, seq_lens, softmax_scale, sink, outer_scale):
+    """Dense lists where many queries share one block-table row (prefill, teacher forcing): the
+    row's keys are decoded once and every query of the row reads them in place (no per-query
+    copy of the keys), each masked to its own length. Same math as the general path."""
+    rows, inverse = torch.unique(block_table, dim=0, return_inverse=True)
+    n, h = q.shape[0], q.shape[1]
+    out = torch.zeros(n, h, LATENT_DIM, dtype=torch.float32, device=q.device)
+    lse = torch.full((n, h), float("-inf"), dtype=torch.float32, device=q.device)
+    for r in range(rows.shape[0]):
+        sel = (inverse == r).nonzero().squeeze(1)
+        lens = seq_lens[sel].long()
+        length = int(lens.max()) if sel.numel() else 0
+        if length == 0:
+            continue
+        slots = dense_slots(rows[r : r + 1], lens.max().view(1), cache.shape[1])[0]
+        lat, rope = decode(spec, cache.view(-1, spec.record_bytes)[slots], outer_scale=outer_scale)
+        keys = torch.cat([lat, rope], dim=-1)  # [L, 576]
+        step = max(1, _ELEMS_PER_CHUNK // max(1, h * length))
+        for a in range(0, sel.numel(), step):
+            idx = sel[a : a + step]
+            ok = (torch.arange(length, device=q.device).view(1, -1) < seq_lens[idx].long().view(-1, 1)).unsqueeze(1)
+            s = torch.einsum("nhd,ld->nhl", q[idx].to(torch.float32), keys) * softmax_scale
+            s = torch.where(ok, s, torch.full_like(s, torch.finfo(torch.float32).min))
+            m = s.amax(dim=-1, keepdim=True)
+            e = torch.where(ok, torch.exp(s - m), torch.zeros_like(s))
+            total = e.sum(dim=-1, keepdim=True)
+            denom = total if sink is None else total + torch.exp(sink.to(torch.float32).view(1, h, 1) - m)
+            num = torch.einsum("nhl,ld->nhd", e, keys[:, :LATENT_DIM])
+            has = total > 0
+            out[idx] = torch.where(has, num / torch.where(has, denom, torch.ones_like(denom)), torch.zeros_like(num))
+            lse[idx] = torch.where(has, m + torch.log(torch.where(has, total, torch.ones_like(total))), torch.full_like(m, float("-inf"))).squeeze(-1)
     return out, lse
