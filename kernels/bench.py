@@ -1,0 +1,256 @@
+"""Benchmark of the cache writer and MLA attention kernels, with ceilings measured in the same run.
+
+    python -m mla_eval_kernels.bench [--formats nvfp4,bf16] [--out results/kernels] [--quick]
+
+Shapes (issue 4):
+  (a) sparse decode, DeepSeek-V3.2: h=128, top-k 2048, batch 64 and 128 (compute-bound)
+  (b) dense decode, h=16, context 8K / 32K / 64K, batch 32 (memory-bound)
+  (c) teacher-forced prefill-as-decode: 2048 queries, causal over 2048 slots, h=8 (the default model)
+  writer: 65536 tokens
+Reported: median time over timed runs (CUDA events; rotating cache copies so the L2 holds none),
+cache GB/s (record bytes read), TFLOP/s (2 * (576 + 512) per query, head, key), ratios to the
+ceilings (device-to-device copy, bytes read + written; bf16 8192^3 matmul) and, for nvfp4 at
+(a) and (b), the speed-up over the torch reference.
+
+Compiling every kernel takes seconds each, so one worker process per format compiles and warms
+up in parallel; the timed part runs under an exclusive file lock, one worker at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from mla_eval.formats import all_formats, get_format
+
+SLOTS_A = 1 << 18
+LOCK = Path(os.environ.get("TMPDIR", "/tmp")) / "mla_eval_bench.lock"
+
+
+def _median_ms(fn, reps: int, warmup: int = 3) -> float:
+    for i in range(warmup):
+        fn(i)
+    torch.cuda.synchronize()
+    times = []
+    for i in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn(i)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def _graph_ms(fn, reps: int) -> tuple[float, str]:
+    """Median time of fn replayed from a CUDA graph (no host launch overhead), else plain launches."""
+    try:
+        fn(0)
+        torch.cuda.synchronize()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn(0)
+        torch.cuda.current_stream().wait_stream(s)
+        graphs = []
+        for i in range(4):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn(i)
+            graphs.append(g)
+        return _median_ms(lambda i: graphs[i % 4].replay(), reps), "graph"
+    except Exception as exc:  # noqa: BLE001 - report and fall back
+        print(f"  (graph capture failed: {type(exc).__name__}: {exc}; timing plain launches)", file=sys.stderr)
+        return _median_ms(fn, reps), "launch"
+
+
+def ceilings() -> dict:
+    n = 1 << 30  # 4 GiB fp32 per buffer
+    src = torch.randn(n // 4, device="cuda")
+    dst = torch.empty_like(src)
+    copy_ms = _median_ms(lambda i: dst.copy_(src), 10)
+    src = dst = None  # free 8 GiB before the matmul
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    mm_ms = _median_ms(lambda i: a @ b, 10)
+    return {
+        "copy_tb_s": 2 * n / copy_ms / 1e9,
+        "bf16_matmul_tflop_s": 2 * 8192**3 / mm_ms / 1e9,
+        "copy_bytes": 2 * n,
+        "matmul": "8192x8192x8192 bf16, random",
+    }
+
+
+def _random_caches(spec, num_slots: int, copies: int):
+    from mla_eval.attention import dispatch
+
+    caches = []
+    for c in range(copies):
+        cache = torch.empty(num_slots // 64, 64, spec.record_bytes, dtype=torch.uint8, device="cuda")
+        for start in range(0, num_slots, 1 << 17):
+            t = min(1 << 17, num_slots - start)
+            lat = torch.randn(t, 512, device="cuda", dtype=torch.bfloat16)
+            rope = torch.randn(t, 64, device="cuda", dtype=torch.bfloat16)
+            slots = torch.arange(start, start + t, device="cuda")
+            s_l = 0.05 if spec.outer_scale is not None else None
+            dispatch.write_cache(spec, lat, rope, slots, cache, outer_scale=s_l, backend="kernel", check_finite=False)
+        caches.append(cache)
+    return caches
+
+
+def run_format(name: str, quick: bool) -> list[dict]:
+    """All measurements of one format (called in a worker process)."""
+    from mla_eval.attention import dispatch
+    from mla_eval_kernels.mla_attention import flops
+
+    spec = get_format(name)
+    s_l = 0.05 if spec.outer_scale is not None else None
+    reps = 5 if quick else 20
+    rows, todo = [], []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    # writer
+    t = 65536
+    lat = torch.randn(t, 512, device="cuda", dtype=torch.bfloat16)
+    rope = torch.randn(t, 64, device="cuda", dtype=torch.bfloat16)
+    wcache = torch.empty(t // 64, 64, spec.record_bytes, dtype=torch.uint8, device="cuda")
+    perm = torch.randperm(t, device="cuda")
+
+    def writer(i):
+        dispatch.write_cache(spec, lat, rope, perm, wcache, outer_scale=s_l, backend="kernel", check_finite=False)
+
+    todo.append(("writer", dict(tokens=t), writer, t * (1152 + spec.record_bytes), 0.0, None))
+
+    # (a) sparse decode
+    caches = _random_caches(spec, SLOTS_A, 4)
+    for n in (64,) if quick else (64, 128):
+        q = torch.randn(n, 128, 576, device="cuda", dtype=torch.bfloat16, generator=gen)
+        idx = torch.argsort(torch.rand(n, SLOTS_A, device="cuda", generator=gen), dim=1)[:, :2048].to(torch.int32)
+
+        def fa(i, q=q, idx=idx):
+            return dispatch.mla_attention_sparse(spec, q, caches[i % 4], indices=idx, softmax_scale=0.0417, outer_scale=s_l, backend="kernel")
+
+        def ref_a(i, q=q, idx=idx):
+            return dispatch.mla_attention_sparse(spec, q, caches[0], indices=idx, softmax_scale=0.0417, outer_scale=s_l, backend="reference")
+
+        ref = ref_a if name == "nvfp4" and n == 64 else None
+        todo.append(("a_sparse_decode", dict(batch=n, heads=128, topk=2048), fa, n * 2048 * spec.record_bytes, flops(n, 128, 2048), ref))
+
+    # (b) dense decode, memory-bound
+    batch = 32
+    for ctx in (8192,) if quick else (8192, 32768, 65536):
+        blocks = batch * ctx // 64
+        bcache = _random_caches(spec, blocks * 64, 1)[0]
+        table = torch.randperm(blocks, device="cuda").view(batch, -1).to(torch.int32)
+        lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+        q = torch.randn(batch, 16, 576, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+        def fb(i, q=q, table=table, lens=lens, bcache=bcache, ctx=ctx):
+            return dispatch.mla_attention_dense(
+                spec, q, bcache, block_table=table, seq_lens=lens, softmax_scale=0.0417, outer_scale=s_l,
+                max_seq_len=ctx, backend="kernel",
+            )
+
+        def ref_b(i, q=q, table=table, lens=lens, bcache=bcache):
+            return dispatch.mla_attention_dense(
+                spec, q, bcache, block_table=table, seq_lens=lens, softmax_scale=0.0417, outer_scale=s_l, backend="reference"
+            )
+
+        ref = ref_b if name == "nvfp4" and ctx <= 32768 else None
+        todo.append(("b_dense_decode", dict(batch=batch, heads=16, context=ctx), fb, batch * ctx * spec.record_bytes, flops(batch, 16, ctx), ref))
+
+    # (c) prefill-as-decode: query i sees slots 0..i of one 2048-token sequence
+    n = 2048
+    ccache = caches[0]
+    table = torch.arange(n // 64, device="cuda", dtype=torch.int32).repeat(n, 1)
+    lens = torch.arange(1, n + 1, device="cuda", dtype=torch.int32)
+    qc = torch.randn(n, 8, 576, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+    def fc(i):
+        return dispatch.mla_attention_dense(
+            spec, qc, ccache, block_table=table, seq_lens=lens, softmax_scale=0.0417, outer_scale=s_l, max_seq_len=n, backend="kernel"
+        )
+
+    keys = n * (n + 1) / 2
+    todo.append(("c_prefill_as_decode", dict(queries=n, heads=8, slots=n), fc, keys * spec.record_bytes, flops(1, 8, keys), None))
+
+    for _, _, fn, _, _, _ in todo:  # compile + warm up outside the lock
+        fn(0)
+    torch.cuda.synchronize()
+    with open(LOCK, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for shape, params, fn, nbytes, nflop, ref in todo:
+            ms, how = _graph_ms(fn, reps)
+            row = dict(format=name, shape=shape, **params, ms=ms, timing=how,
+                       cache_gb_s=nbytes / ms / 1e6, tflop_s=nflop / ms / 1e9 if nflop else None)
+            if ref is not None:
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                ref(0)
+                torch.cuda.synchronize()
+                row["reference_ms"] = (time.perf_counter() - t0) * 1e3
+                row["speedup_vs_reference"] = row["reference_ms"] / ms
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--formats", default=",".join(s.name for s in all_formats()))
+    ap.add_argument("--out", default="results/kernels")
+    ap.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        run_format(args.worker, args.quick)
+        return 0
+
+    gpu = torch.cuda.get_device_name()
+    with open(LOCK, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        ceil = ceilings()
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    print(f"GPU {gpu}: copy {ceil['copy_tb_s']:.2f} TB/s, bf16 matmul {ceil['bf16_matmul_tflop_s']:.0f} TFLOP/s", flush=True)
+    procs = {}
+    for name in args.formats.split(","):
+        cmd = [sys.executable, "-m", "mla_eval_kernels.bench", "--worker", name] + (["--quick"] if args.quick else [])
+        procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    rows, failed = [], []
+    for name, p in procs.items():
+        out, _ = p.communicate()
+        rows += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        if p.returncode:
+            failed.append(name)
+    for r in rows:
+        r["copy_ratio"] = r["cache_gb_s"] / (ceil["copy_tb_s"] * 1e3)
+        if r.get("tflop_s"):
+            r["matmul_ratio"] = r["tflop_s"] / ceil["bf16_matmul_tflop_s"]
+    doc = {"gpu": gpu, "capability": list(torch.cuda.get_device_capability()), "ceilings": ceil, "rows": rows,
+           "failed_formats": failed, "torch": torch.__version__}
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"bench-{gpu.replace(' ', '_')}.json"
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"\n{'format':18} {'shape':20} {'params':34} {'ms':>9} {'GB/s':>7} {'%copy':>6} {'TFLOP/s':>8} {'%mm':>5} {'x ref':>6}")
+    for r in rows:
+        params = ",".join(f"{k}={r[k]}" for k in ("batch", "heads", "topk", "context", "queries", "tokens") if k in r)
+        tf = f"{r['tflop_s']:8.1f}" if r.get("tflop_s") else " " * 8
+        mm = f"{100 * r['matmul_ratio']:5.1f}" if r.get("matmul_ratio") else " " * 5
+        sp = f"{r['speedup_vs_reference']:6.1f}" if "speedup_vs_reference" in r else ""
+        print(f"{r['format']:18} {r['shape']:20} {params:34} {r['ms']:9.4f} {r['cache_gb_s']:7.0f} {100 * r['copy_ratio']:6.1f} {tf} {mm} {sp}")
+    print(f"saved {path}; failed formats: {failed or 'none'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,267 @@
+"""Cache writer: latent [T, 512] + rope [T, 64] -> records in a paged cache, for every format.
+
+`write_cache(plan, latent, rope, slot_mapping, cache, outer_scale=None)` encodes token t into the
+record of slot `slot_mapping[t]` (block = slot // block_size, offset = slot % block_size; the
+cache `uint8 [num_blocks, block_size, record_bytes]` is contiguous, so that is record `slot` of
+the flat [num_slots, record_bytes] view); slots < 0 are skipped. The bytes are those of
+`mla_eval.formats.encode` for the same inputs, bit for bit: the arithmetic follows
+`mla_eval/formats/spec.py` step by step (see kernels/ptx.py for the PTX of each rounding).
+
+Kernel: one warp per token, 4 warps per CTA. Lane l owns latent values [16 l, 16 l + 16) (one
+32-byte load) and rope values [2 l, 2 l + 2). Group amax: a butterfly max over the group's lanes
+(group / 16 lanes), the token amax (s_t) and the rope amax over all 32. Every field is stored as
+32-bit words; byte-sized scales and fp8 rope bytes are gathered into words with shuffles; zero
+padding is written too, so a record is fully defined whatever the cache held before.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import Float32, Int32, Int64, Uint32
+
+from mla_eval_kernels import ptx
+from mla_eval_kernels.compile_cache import arch_tag, compiled
+from mla_eval_kernels.record_plan import (
+    RULE_AMAX_E4M3,
+    RULE_AMAX_FP32,
+    RULE_AMAX_FP32_POW2,
+    RULE_OCP_E8M0,
+    TOKEN_SCALE_DENOMINATOR,
+    RecordPlan,
+)
+
+WARPS_PER_CTA = 4
+_TORCH_TO_CUTE = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16, torch.float32: cutlass.Float32}
+
+
+class CacheWriter:
+    """One compiled writer per (plan, input dtype, outer scale on/off)."""
+
+    def __init__(self, plan: RecordPlan, in_dtype: type, has_outer: bool):
+        self.plan = plan
+        self.in_dtype = in_dtype
+        self.has_outer = has_outer
+
+    @cute.jit
+    def __call__(
+        self,
+        latent_ptr: cute.Pointer,
+        rope_ptr: cute.Pointer,
+        slot_ptr: cute.Pointer,
+        cache_ptr: cute.Pointer,
+        num_tokens: Int32,
+        s_l: Float32,
+        stream: cuda.CUstream,
+    ):
+        m_latent = cute.make_tensor(latent_ptr, cute.make_layout((num_tokens, 512), stride=(512, 1)))
+        m_rope = cute.make_tensor(rope_ptr, cute.make_layout((num_tokens, 64), stride=(64, 1)))
+        m_slot = cute.make_tensor(slot_ptr, cute.make_layout(num_tokens))
+        grid = (num_tokens + WARPS_PER_CTA - 1) // WARPS_PER_CTA
+        self.kernel(m_latent, m_rope, m_slot, cache_ptr, num_tokens, s_l).launch(
+            grid=[grid, 1, 1], block=[32 * WARPS_PER_CTA, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        m_latent: cute.Tensor,
+        m_rope: cute.Tensor,
+        m_slot: cute.Tensor,
+        cache_ptr: cute.Pointer,
+        num_tokens: Int32,
+        s_l: Float32,
+    ):
+        plan = self.plan
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        lane = tidx % 32
+        token = bidx * WARPS_PER_CTA + tidx // 32
+        slot = Int64(-1)
+        if token < num_tokens:
+            slot = Int64(m_slot[token])
+        if slot >= Int64(0):
+            record = cute.make_tensor(cache_ptr + slot * Int64(plan.record_words), cute.make_layout(plan.record_words))
+
+            # ---- load: 16 latent values and 2 rope values per lane, as float32 (exact) ----
+            g_lat = cute.local_tile(m_latent[token, None], (16,), (lane,))
+            r_lat = cute.make_rmem_tensor((16,), self.in_dtype)
+            cute.autovec_copy(g_lat, r_lat)
+            v = cute.make_rmem_tensor((16,), Float32)
+            v.store(r_lat.load().to(Float32))
+            g_rope = cute.local_tile(m_rope[token, None], (2,), (lane,))
+            r_rope = cute.make_rmem_tensor((2,), self.in_dtype)
+            cute.autovec_copy(g_rope, r_rope)
+            w = cute.make_rmem_tensor((2,), Float32)
+            w.store(r_rope.load().to(Float32))
+
+            # ---- 1. outer scale: v = c * rcp.rn(s_l) ----
+            if cutlass.const_expr(self.has_outer):
+                r_l = ptx.rcp_rn(s_l)
+                for i in cutlass.range_constexpr(16):
+                    v[i] = ptx.mul_rn(v[i], r_l)
+                if cutlass.const_expr(plan.outer_on_rope):
+                    for i in cutlass.range_constexpr(2):
+                        w[i] = ptx.mul_rn(w[i], r_l)
+
+            # ---- 2. per-token scale s_t = max(amax / 2688, FLT_MIN) ----
+            if cutlass.const_expr(plan.token_scale_offset >= 0):
+                amax = self._local_amax(v, 16)
+                amax = ptx.warp_max(amax, 32)
+                s_t = ptx.max_f32(ptx.div_rn(amax, Float32(TOKEN_SCALE_DENOMINATOR)), ptx.bits_f32(ptx.FLT_MIN_BITS))
+                r_t = ptx.rcp_rn(s_t)
+                for i in cutlass.range_constexpr(16):
+                    v[i] = ptx.mul_rn(v[i], r_t)
+                if lane == 0:
+                    record[plan.token_scale_offset // 4] = ptx.f32_bits(s_t)
+
+            # ---- 3./4. latent: group scale, elements ----
+            lat = plan.latent
+            lanes_per_group = lat.group // 16
+            if cutlass.const_expr(lat.scale_dtype != ""):
+                amax = ptx.warp_max(self._local_amax(v, 16), lanes_per_group)
+                s_bits, r = self._group_scale(lat, amax)
+                for i in cutlass.range_constexpr(16):
+                    v[i] = ptx.mul_rn(v[i], r)
+                self._store_scales(record, lat, s_bits, lane, lanes_per_group)
+            self._store_latent(record, lat, v, lane)
+
+            # ---- rope ----
+            rope = plan.rope
+            if cutlass.const_expr(rope.scale_dtype != ""):
+                amax = ptx.warp_max(self._local_amax(w, 2), 32)
+                s_bits, r = self._group_scale(rope, amax)
+                for i in cutlass.range_constexpr(2):
+                    w[i] = ptx.mul_rn(w[i], r)
+                if lane == 0:
+                    record[rope.scale_offset // 4] = s_bits
+            self._store_rope(record, rope, w, lane)
+
+            # ---- zero padding ----
+            for p in cutlass.range_constexpr(len(plan.pads)):
+                if lane < plan.pads[p][1] // 4:
+                    record[plan.pads[p][0] // 4 + lane] = Uint32(0)
+
+    # ------------------------------------------------------------------ helpers (inlined)
+    @cute.jit
+    def _local_amax(self, x: cute.Tensor, n: cutlass.Constexpr[int]) -> Float32:
+        a = ptx.abs_f32(x[0])
+        for i in cutlass.range_constexpr(1, n):
+            a = ptx.max_f32(a, ptx.abs_f32(x[i]))
+        return a
+
+    @cute.jit
+    def _group_scale(self, coding: cutlass.Constexpr, amax: Float32):
+        """(stored scale as a u32: fp32 bits or a code byte, reciprocal r) for one group."""
+        flt_min = ptx.bits_f32(ptx.FLT_MIN_BITS)
+        if cutlass.const_expr(coding.rule == RULE_AMAX_FP32):
+            s = ptx.max_f32(ptx.div_rn(amax, Float32(coding.qmax)), flt_min)
+            return ptx.f32_bits(s), ptx.rcp_rn(s)
+        if cutlass.const_expr(coding.rule == RULE_AMAX_FP32_POW2):
+            s0 = ptx.max_f32(ptx.div_rn(amax, Float32(coding.qmax)), flt_min)
+            b = ptx.f32_bits(s0)
+            up = ((b >> Uint32(23)) + Uint32(1)) << Uint32(23)
+            b = b if (b & Uint32(0x007FFFFF)) == Uint32(0) else up
+            s = ptx.bits_f32(b)
+            return b, ptx.rcp_rn(s)
+        if cutlass.const_expr(coding.rule == RULE_AMAX_E4M3):
+            code = ptx.e4m3x2(Float32(0.0), ptx.div_rn(amax, Float32(6.0))) & Uint32(0xFF)
+            s = ptx.e4m3_to_f32(code)
+            r = ptx.rcp_rn(s)
+            r = Float32(0.0) if s == Float32(0.0) else r
+            return code, r
+        if cutlass.const_expr(coding.rule == RULE_OCP_E8M0):
+            e = Int32(-127)
+            if amax > Float32(0.0):
+                e = ptx.floor_log2(amax) - Int32(2)
+            e = cutlass.max(cutlass.min(e, Int32(127)), Int32(-127))
+            return Uint32(e + Int32(127)), ptx.pow2(-e)
+        raise NotImplementedError(coding.rule)
+
+    @cute.jit
+    def _store_scales(
+        self, record: cute.Tensor, coding: cutlass.Constexpr, s_bits: Uint32, lane: Int32, lanes_per_group: cutlass.Constexpr[int]
+    ):
+        base = coding.scale_offset // 4
+        if cutlass.const_expr(coding.scale_dtype == "fp32"):
+            if lane % lanes_per_group == 0:
+                record[base + lane // lanes_per_group] = s_bits
+        else:
+            # one byte per group; word w holds groups 4w..4w+3, owned by lanes (4w + j) * lanes_per_group
+            word = Uint32(0)
+            for j in cutlass.range_constexpr(4):
+                src = ((lane * 4 + j) * lanes_per_group) % 32
+                word = word | (ptx.shfl_idx(s_bits, src) << Uint32(8 * j))
+            if lane < coding.n_groups // 4:
+                record[base + lane] = word
+
+    @cute.jit
+    def _store_latent(self, record: cute.Tensor, coding: cutlass.Constexpr, v: cute.Tensor, lane: Int32):
+        base = coding.data_offset // 4
+        if cutlass.const_expr(coding.elem == "e2m1"):
+            for h in cutlass.range_constexpr(2):
+                word = Uint32(0)
+                for i in cutlass.range_constexpr(8):
+                    word = word | (ptx.e2m1_code(v[8 * h + i]) << Uint32(4 * i))
+                record[base + 2 * lane + h] = word
+        elif cutlass.const_expr(coding.elem == "e4m3"):
+            for h in cutlass.range_constexpr(4):
+                lo = ptx.e4m3x2(v[4 * h + 1], v[4 * h])
+                hi = ptx.e4m3x2(v[4 * h + 3], v[4 * h + 2])
+                record[base + 4 * lane + h] = lo | (hi << Uint32(16))
+        else:
+            for h in cutlass.range_constexpr(8):
+                record[base + 8 * lane + h] = ptx.bf16x2(v[2 * h + 1], v[2 * h])
+
+    @cute.jit
+    def _store_rope(self, record: cute.Tensor, coding: cutlass.Constexpr, w: cute.Tensor, lane: Int32):
+        base = coding.data_offset // 4
+        if cutlass.const_expr(coding.elem == "bf16"):
+            record[base + lane] = ptx.bf16x2(w[1], w[0])
+        else:
+            pair = ptx.e4m3x2(w[1], w[0])  # 16 bits: this lane's two bytes
+            lo = ptx.shfl_idx(pair, (2 * lane) % 32)
+            hi = ptx.shfl_idx(pair, (2 * lane + 1) % 32)
+            if lane < 16:
+                record[base + lane] = lo | (hi << Uint32(16))
+
+
+def compile_key(plan: RecordPlan, in_dtype: torch.dtype, has_outer: bool, device: torch.device) -> tuple:
+    """Every specialisation of a compiled writer; s_l itself is a run-time argument."""
+    return ("cache_writer", 1, plan, str(in_dtype), bool(has_outer), arch_tag(device))
+
+
+def _ptr(t: torch.Tensor, dtype, align: int):
+    from cutlass.cute.runtime import make_ptr
+
+    return make_ptr(dtype, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
+
+
+def write_cache(
+    plan: RecordPlan,
+    latent: torch.Tensor,
+    rope: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cache: torch.Tensor,
+    outer_scale: float | None = None,
+) -> None:
+    """Launch the writer (CUDA tensors; shapes and dtypes checked by the dispatcher)."""
+    in_dtype = _TORCH_TO_CUTE[latent.dtype]
+    has_outer = outer_scale is not None
+    num_tokens = latent.shape[0]
+    if num_tokens == 0:
+        return
+    args = (
+        _ptr(latent, in_dtype, 16),
+        _ptr(rope, in_dtype, 4),
+        _ptr(slot_mapping, cutlass.Int64, 8),
+        _ptr(cache, cutlass.Uint32, 16),
+        Int32(num_tokens),
+        Float32(outer_scale if has_outer else 1.0),
+        cuda.CUstream(torch.cuda.current_stream(latent.device).cuda_stream),
+    )
+    key = compile_key(plan, latent.dtype, has_outer, latent.device)
+    fn = compiled(key, lambda: cute.compile(CacheWriter(plan, in_dtype, has_outer), *args))
+    fn(*args)

@@ -1,0 +1,691 @@
+"""MLA attention over the paged quantised cache (absorbed form), every format, dense or sparse.
+
+Problem, per query n (`q [N, H, 576]` bf16 = latent-space q_nope 512 + q_pe 64): the keys are the
+decoded cache records K_j [576] of its slot list, the values their first 512 dims (the latent):
+    s_hj = softmax_scale * q_h . K_j,  out_h = sum_j p_hj K_j[:512] / (sum_j e^{s_hj} + e^{sink_h})
+    lse_h = log sum_j e^{s_hj}   (natural log, over valid keys only: the sink is not in it)
+Slot lists: dense causal (`block_table [N, max_blocks]` int32 per query, `seq_lens [N]` int32:
+keys 0..seq_lens[n]-1, key j in slot block_table[n, j // block_size] * block_size + j % block_size)
+or sparse (`indices [N, topk]` int32 global slot ids; ids outside [0, num_slots) are invalid).
+A query with no valid key gets out = 0 and lse = -inf, never NaN.
+
+Kernel (FlashAttention-2 style, bf16 `mma.sync.m16n8k16` with fp32 accumulation, sm_80+):
+- CTA = (KV split, head tile of M heads, query); M = 16 / 32 / 64 rows (heads padded with zero
+  rows); 8 warps form an R x C grid (R = M / 16 rows of 16, C = 8 / R column groups): h <= 16
+  -> 1 x 8, h <= 32 -> 2 x 4, more heads -> 4 x 2 per 64-head tile (`tile_config`).
+- Key tiles of BN slots: slot ids computed two tiles ahead into shared memory; the raw records of
+  the next tile are copied with 16-byte `cp.async` (zero-filled for invalid slots) while the
+  current tile is decoded in shared memory into bf16 K [BN, 576] (E2M1 x E4M3 block scale x s_t x
+  s_l, E4M3 x fp32 group scale, E8M0, bf16 copy). For the bf16 format the records are the K rows
+  and are copied straight into a double-buffered K tile.
+- S = Q K^T: warp (r, c) computes rows 16r.. and a 1/C share of the BN keys; row maxima are
+  combined across the C warps of a row through shared memory; P (bf16) goes through shared
+  memory so that each warp multiplies the whole P row block by its 512/C columns of V = K[:, :512].
+- Online softmax in fp32 (exp2 with log2(e) folded into the scale); masked keys get p = 0 by a
+  select and never enter the running max, whose start value is the finite -FLT_MAX.
+- `split=True`: each CTA covers `tiles_per_split` key tiles and writes a partial (out / l, lse)
+  that `mla_combine` merges (and applies the sink); `split=False` writes the final result.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64, Uint32
+from cutlass.cute.nvgpu import warp
+
+import torch
+
+from mla_eval_kernels import ptx
+from mla_eval_kernels.compile_cache import arch_tag, compiled
+from mla_eval_kernels.mla_combine import MlaCombine
+from mla_eval_kernels.record_plan import RecordPlan
+
+D_QK = 576
+D_V = 512
+LOG2_E = 1.4426950408889634
+LN_2 = 0.6931471805599453
+SMEM_LIMIT = 227 * 1024  # per CTA (sm_90)
+SMEM_PER_SM = 228 * 1024
+
+
+def tile_config(plan: RecordPlan, num_heads: int) -> tuple[int, int, int, int]:
+    """(M rows per CTA, warps along M, warps along N, key tile BN) for a format and head count."""
+    if num_heads <= 16:
+        m, wm, wn = 16, 1, 8
+    elif num_heads <= 32:
+        m, wm, wn = 32, 2, 4
+    else:
+        m, wm, wn = 64, 4, 2
+    for bn in (64, 32):
+        if smem_bytes(plan, m, bn, wn) <= SMEM_LIMIT:
+            return m, wm, wn, bn
+    raise ValueError(f"no tile fits shared memory for {plan.name}")
+
+
+def is_bf16_plan(plan: RecordPlan) -> bool:
+    """Records that are exactly the bf16 K row (latent then rope, unscaled): copied, not decoded."""
+    return (
+        plan.latent.elem == "bf16"
+        and plan.rope.elem == "bf16"
+        and plan.latent.data_offset == 0
+        and plan.rope.data_offset == 2 * D_V
+        and plan.record_bytes == 2 * D_QK
+        and not plan.outer_allowed
+    )
+
+
+def smem_bytes(plan: RecordPlan, m: int, bn: int, wn: int) -> int:
+    k_stages = 2 if is_bf16_plan(plan) else 1
+    raw = 0 if is_bf16_plan(plan) else 2 * bn * plan.record_bytes
+    return 2 * m * D_QK + 2 * k_stages * bn * D_QK + 2 * m * bn + raw + 4 * 3 * bn + 4 * wn * m + 4 * 1024
+
+
+def _swizzle_atom(cols: int):
+    bits = 3 if cols == 64 else 2
+    return cute.make_composed_layout(cute.make_swizzle(bits, 3, 3), 0, cute.make_layout((8, cols), stride=(cols, 1)))
+
+
+def swizzled_offset(r, c, rows: int):
+    """Element offset of (r, c) in a [rows, 576] bf16 tile of `_swizzle_atom(64)` atoms, (0, 1) order.
+
+    Equals `cute.crd2idx((r, c), layout)` of that layout (checked in tests); used to address
+    16-byte chunks (8 consecutive columns) with cp.async / st.shared.
+    """
+    return (
+        ((r >> 3) + (c >> 6) * (rows // 8)) * 512
+        + (r & 7) * 64
+        + ((((c >> 3) & 7) ^ (r & 7)) << 3)
+        + (c & 7)
+    )
+
+
+def _cp_async_16(smem_addr, gmem_addr, src_bytes):
+    cute.arch.inline_ptx(
+        "cp.async.cg.shared.global [{$r0}], [{$r1}], 16, {$r2};",
+        read_only_args=[Int32(smem_addr), Int64(gmem_addr), Int32(src_bytes)],
+    )
+
+
+def _ld_shared_u32(addr) -> Uint32:
+    return cute.arch.inline_ptx("ld.shared.b32 {$w0}, [{$r0}];", write_only_types=[Uint32], read_only_args=[Int32(addr)])
+
+
+def _ld_shared_u8(addr) -> Uint32:
+    return cute.arch.inline_ptx("ld.shared.u8 {$w0}, [{$r0}];", write_only_types=[Uint32], read_only_args=[Int32(addr)])
+
+
+def _ld_shared_v4(addr):
+    return cute.arch.inline_ptx(
+        "ld.shared.v4.b32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+        write_only_types=[Uint32, Uint32, Uint32, Uint32],
+        read_only_args=[Int32(addr)],
+    )
+
+
+def _st_shared_v4(addr, a, b, c, d):
+    cute.arch.inline_ptx(
+        "st.shared.v4.b32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};",
+        read_only_args=[Int32(addr), Uint32(a), Uint32(b), Uint32(c), Uint32(d)],
+    )
+
+
+class MlaAttention:
+    """One compiled attention kernel per (plan, tile, mode, sink, outer scale, split).
+
+    The head count is a run-time argument; it selects the tile (`tile_config`), which is part
+    of the compile key.
+    """
+
+    def __init__(self, plan: RecordPlan, tile: tuple[int, int, int, int], sparse: bool, has_sink: bool, has_outer: bool, split: bool):
+        self.plan = plan
+        self.sparse = sparse
+        self.has_sink = has_sink
+        self.has_outer = has_outer
+        self.split = split
+        self.m, self.wm, self.wn, self.bn = tile
+        self.num_threads = 32 * self.wm * self.wn
+        self.copy_k = is_bf16_plan(plan)
+        self.k_stages = 2 if self.copy_k else 1
+        assert (self.bn * 64) % self.num_threads == 0 and (self.bn * 8) % self.num_threads == 0
+        assert self.bn % ((16 if self.bn % (16 * self.wn) == 0 else 8) * self.wn) == 0
+
+    @cute.jit
+    def __call__(
+        self,
+        q_ptr: cute.Pointer,
+        cache_ptr: cute.Pointer,
+        idx_ptr: cute.Pointer,
+        seqlen_ptr: cute.Pointer,
+        sink_ptr: cute.Pointer,
+        out_ptr: cute.Pointer,
+        lse_ptr: cute.Pointer,
+        num_queries: Int32,
+        num_heads: Int32,
+        idx_stride: Int32,
+        num_slots: Int32,
+        block_size: Int32,
+        softmax_scale: Float32,
+        s_l: Float32,
+        tiles_per_split: Int32,
+        num_splits: Int32,
+        stream: cuda.CUstream,
+    ):
+        m, bn = self.m, self.bn
+        atom = _swizzle_atom(64)
+        sQ_layout = cute.tile_to_shape(atom, (m, D_QK), (0, 1))
+        sK_layout = cute.tile_to_shape(atom, (bn, D_QK, self.k_stages), (0, 1, 2))
+        sP_layout = cute.tile_to_shape(_swizzle_atom(bn), (m, bn), (0, 1))
+        raw_bytes = 16 if self.copy_k else 2 * bn * self.plan.record_bytes
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sK_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sP_layout)], 1024]
+            raw: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, raw_bytes], 128]
+            slots: cute.struct.Align[cute.struct.MemRange[Int32, 3 * bn], 16]
+            red: cute.struct.Align[cute.struct.MemRange[Float32, self.wn * m], 16]
+
+        tiled_mma = cute.make_tiled_mma(
+            warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)),
+            (self.wm, self.wn, 1),
+            permutation_mnk=(16 * self.wm, (16 if self.bn % (16 * self.wn) == 0 else 8) * self.wn, 16),
+        )
+        grid = (num_splits, (num_heads + m - 1) // m, num_queries)
+        self.kernel(
+            q_ptr, cache_ptr, idx_ptr, seqlen_ptr, sink_ptr, out_ptr, lse_ptr,
+            num_queries, num_heads, idx_stride, num_slots, block_size,
+            softmax_scale, s_l, tiles_per_split,
+            sQ_layout, sK_layout, sP_layout, tiled_mma, SharedStorage,
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(
+        self,
+        q_ptr: cute.Pointer,
+        cache_ptr: cute.Pointer,
+        idx_ptr: cute.Pointer,
+        seqlen_ptr: cute.Pointer,
+        sink_ptr: cute.Pointer,
+        out_ptr: cute.Pointer,
+        lse_ptr: cute.Pointer,
+        num_queries: Int32,
+        num_heads: Int32,
+        idx_stride: Int32,
+        num_slots: Int32,
+        block_size: Int32,
+        softmax_scale: Float32,
+        s_l: Float32,
+        tiles_per_split: Int32,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sP_layout: cute.ComposedLayout,
+        tiled_mma: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        m, bn = self.m, self.bn
+        rec = self.plan.record_bytes
+        tidx, _, _ = cute.arch.thread_idx()
+        split_idx, head_tile, qi = cute.arch.block_idx()
+        warp_n = (tidx // 32) // self.wm
+        lane = tidx % 32
+        h0 = head_tile * m
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        sQ = storage.sQ.get_tensor(sQ_layout)
+        sK = storage.sK.get_tensor(sK_layout)
+        sP = storage.sP.get_tensor(sP_layout)
+        sSlot = storage.slots.get_tensor(cute.make_layout((bn, 3), stride=(1, bn)))
+        sRed = storage.red.get_tensor(cute.make_layout((m, self.wn), stride=(1, m)))
+        sQ_addr = storage.sQ.data_ptr().toint()
+        sK_addr = storage.sK.data_ptr().toint()
+        raw_addr = storage.raw.data_ptr().toint()
+        cache_addr = cache_ptr.toint()
+
+        # ---- this CTA's key range ----
+        num_keys = idx_stride
+        if cutlass.const_expr(not self.sparse):
+            num_keys = cute.make_tensor(seqlen_ptr, cute.make_layout(num_queries))[qi]
+        num_tiles = (num_keys + bn - 1) // bn
+        t_begin = split_idx * tiles_per_split
+        t_end = cutlass.min(t_begin + tiles_per_split, num_tiles)
+        n_local = cutlass.max(t_end - t_begin, 0)
+        m_idx = cute.make_tensor(idx_ptr, cute.make_layout((num_queries, idx_stride), stride=(idx_stride, 1)))
+
+        # ---- prologue: Q, slot ids of the first two tiles, records of the first ----
+        self.load_q(q_ptr, sQ_addr, qi, h0, num_heads, tidx)
+        if tidx < bn:
+            for t in cutlass.range_constexpr(2):
+                sSlot[tidx, t] = self.slot_of(m_idx, qi, (t_begin + t) * bn + tidx, num_keys, num_slots, block_size, t < n_local)
+        cute.arch.barrier()
+        if n_local > 0:
+            self.load_tile(sSlot, 0, 0, raw_addr, sK_addr, cache_addr, tidx)
+        cute.arch.cp_async_commit_group()
+
+        # ---- MMA partitions ----
+        thr_mma = tiled_mma.get_slice(tidx)
+        sVt = cute.composition(sK, cute.make_layout((D_V, bn, self.k_stages), stride=(bn, 1, bn * D_QK)))
+        tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
+        tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK[None, None, 0]))
+        tOrP = thr_mma.make_fragment_A(thr_mma.partition_A(sP))
+        tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(sVt[None, None, 0]))
+        acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((m, D_V)), Float32)
+        acc_O.fill(0.0)
+
+        ldsm = warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4)
+        ldsm_t = warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4)
+        copy_Q = cute.make_tiled_copy_A(cute.make_copy_atom(ldsm, BFloat16), tiled_mma)
+        copy_K = cute.make_tiled_copy_B(cute.make_copy_atom(ldsm, BFloat16), tiled_mma)
+        copy_P = cute.make_tiled_copy_A(cute.make_copy_atom(ldsm, BFloat16), tiled_mma)
+        copy_V = cute.make_tiled_copy_B(cute.make_copy_atom(ldsm_t, BFloat16), tiled_mma)
+        thr_copy_Q = copy_Q.get_slice(tidx)
+        thr_copy_K = copy_K.get_slice(tidx)
+        thr_copy_P = copy_P.get_slice(tidx)
+        thr_copy_V = copy_V.get_slice(tidx)
+        tSsQ = thr_copy_Q.partition_S(sQ)
+        tSrQ_v = thr_copy_Q.retile(tSrQ)
+        tSsK = thr_copy_K.partition_S(sK)
+        tSrK_v = thr_copy_K.retile(tSrK)
+        tOsP = thr_copy_P.partition_S(sP)
+        tOrP_v = thr_copy_P.retile(tOrP)
+        tOsVt = thr_copy_V.partition_S(sVt)
+        tOrVt_v = thr_copy_V.retile(tOrVt)
+
+        store_P = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16), tiled_mma)
+        thr_store_P = store_P.get_slice(tidx)
+        tPsP = thr_store_P.partition_D(sP)
+
+        # coordinates of this thread's accumulator elements: (row in tile, key in tile)
+        tScS = thr_mma.partition_C(cute.make_identity_tensor((m, bn)))
+        tScS_mn = self.mn_view(tScS)
+        n_rows = cute.size(tScS_mn, mode=[0])
+        n_cols = cute.size(tScS_mn, mode=[1])
+        row_max = cute.make_rmem_tensor((n_rows,), Float32)
+        row_sum = cute.make_rmem_tensor((n_rows,), Float32)
+        row_max.fill(-ptx.FLT_MAX)
+        row_sum.fill(0.0)
+        scale_log2 = softmax_scale * Float32(LOG2_E)
+
+        # ---- main loop over this CTA's key tiles ----
+        for it in range(n_local):
+            stage2 = it % 2
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.barrier()
+            # records of the next tile in flight while this one is decoded and multiplied
+            if it + 1 < n_local:
+                self.load_tile(sSlot, (it + 1) % 3, (it + 1) % 2, raw_addr, sK_addr, cache_addr, tidx)
+            cute.arch.cp_async_commit_group()
+            if tidx < bn:
+                sSlot[tidx, (it + 2) % 3] = self.slot_of(
+                    m_idx, qi, (t_begin + it + 2) * bn + tidx, num_keys, num_slots, block_size, it + 2 < n_local
+                )
+            k_stage = 0
+            if cutlass.const_expr(self.copy_k):
+                k_stage = stage2
+            else:
+                self.decode_tile(raw_addr + stage2 * (bn * rec), sK_addr, s_l, tidx)
+                cute.arch.barrier()
+
+            # S = Q K^T
+            acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((m, bn)), Float32)
+            acc_S.fill(0.0)
+            for k in cutlass.range_constexpr(cute.size(tSsQ.shape[2])):
+                cute.copy(copy_Q, tSsQ[None, None, k], tSrQ_v[None, None, k])
+                cute.copy(copy_K, tSsK[None, None, k, k_stage], tSrK_v[None, None, k])
+                cute.gemm(tiled_mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k], acc_S)
+
+            # online softmax; the running max is shared by the C warps of a row
+            acc_S_mn = self.mn_view(acc_S)
+            slot_col = it % 3
+            for r in cutlass.range_constexpr(n_rows):
+                mx = Float32(-ptx.FLT_MAX)
+                for c in cutlass.range_constexpr(n_cols):
+                    valid = sSlot[tScS_mn[0, c][1], slot_col] >= 0
+                    if valid:
+                        mx = ptx.max_f32(mx, acc_S_mn[r, c])
+                mx = self.quad_max(mx)
+                if lane % 4 == 0:
+                    sRed[tScS_mn[r, 0][0], warp_n] = mx
+            cute.arch.barrier()
+            for r in cutlass.range_constexpr(n_rows):
+                row = tScS_mn[r, 0][0]
+                m_new = row_max[r]
+                for c in cutlass.range_constexpr(self.wn):
+                    m_new = ptx.max_f32(m_new, sRed[row, c])
+                alpha = cute.math.exp2((row_max[r] - m_new) * scale_log2, fastmath=True)
+                m_scaled = m_new * scale_log2
+                s = Float32(0.0)
+                for c in cutlass.range_constexpr(n_cols):
+                    p = cute.math.exp2(acc_S_mn[r, c] * scale_log2 - m_scaled, fastmath=True)
+                    valid = sSlot[tScS_mn[0, c][1], slot_col] >= 0
+                    p = p if valid else Float32(0.0)
+                    acc_S_mn[r, c] = p
+                    s = s + p
+                row_sum[r] = row_sum[r] * alpha + s
+                row_max[r] = m_new
+                self.scale_row(acc_O, r, alpha)
+            rP = cute.make_fragment_like(acc_S, BFloat16)
+            rP.store(acc_S.load().to(BFloat16))
+            cute.copy(store_P, thr_store_P.retile(rP), tPsP)
+            cute.arch.barrier()
+
+            # O += P V
+            for k in cutlass.range_constexpr(cute.size(tOsP.shape[2])):
+                cute.copy(copy_P, tOsP[None, None, k], tOrP_v[None, None, k])
+                cute.copy(copy_V, tOsVt[None, None, k, k_stage], tOrVt_v[None, None, k])
+                cute.gemm(tiled_mma, acc_O, tOrP[None, None, k], tOrVt[None, None, k], acc_O)
+
+        # ---- epilogue: combine the C partial row sums, normalise, store ----
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.barrier()
+        for r in cutlass.range_constexpr(n_rows):
+            l = self.quad_sum(row_sum[r])
+            if lane % 4 == 0:
+                sRed[tScS_mn[r, 0][0], warp_n] = l
+        cute.arch.barrier()
+
+        base_row = qi * num_heads + h0
+        if cutlass.const_expr(self.split):
+            base_row = (split_idx * num_queries + qi) * num_heads + h0
+        gO = cute.make_tensor(out_ptr + Int64(base_row) * Int64(D_V), cute.make_layout((m, D_V), stride=(D_V, 1)))
+        tOgO_mn = self.mn_view(thr_mma.partition_C(gO))
+        acc_O_mn = self.mn_view(acc_O)
+        m_lse = cute.make_tensor(lse_ptr + Int64(base_row), cute.make_layout(m))
+        rows_valid = cutlass.min(num_heads - h0, m)
+        for r in cutlass.range_constexpr(n_rows):
+            row = tScS_mn[r, 0][0]
+            l = Float32(0.0)
+            for c in cutlass.range_constexpr(self.wn):
+                l = l + sRed[row, c]
+            denom = l
+            if cutlass.const_expr(self.has_sink and not self.split):
+                sink = cute.make_tensor(sink_ptr, cute.make_layout(num_heads))[cutlass.min(h0 + row, num_heads - 1)]
+                denom = l + cute.math.exp2(sink * Float32(LOG2_E) - row_max[r] * scale_log2, fastmath=True)
+            inv = Float32(0.0)
+            if l > Float32(0.0):
+                inv = Float32(1.0) / denom
+            lse = -Float32.inf
+            if l > Float32(0.0):
+                lse = row_max[r] * softmax_scale + cute.math.log2(l, fastmath=False) * Float32(LN_2)
+            if row < rows_valid:
+                for c in cutlass.range_constexpr(cute.size(tOgO_mn, mode=[1])):
+                    tOgO_mn[r, c] = acc_O_mn[r, c] * inv
+                if lane % 4 == 0 and warp_n == 0:
+                    m_lse[row] = lse
+
+    # ------------------------------------------------------------------ helpers (inlined)
+    @cute.jit
+    def slot_of(
+        self, m_idx: cute.Tensor, qi: Int32, j: Int32, num_keys: Int32, num_slots: Int32, block_size: Int32, live
+    ) -> Int32:
+        """Global slot id of key j of query qi, or -1 (past the end, invalid index, tile not used)."""
+        slot = Int32(-1)
+        if live and j < num_keys:
+            if cutlass.const_expr(self.sparse):
+                s = m_idx[qi, j]
+                if s >= 0 and s < num_slots:
+                    slot = s
+            else:
+                slot = m_idx[qi, j // block_size] * block_size + j % block_size
+        return slot
+
+    @cute.jit
+    def load_q(self, q_ptr: cute.Pointer, sQ_addr: Int32, qi: Int32, h0: Int32, num_heads: Int32, tidx: Int32):
+        """Q rows h0..h0+M of query qi into sQ by 16-byte cp.async; rows past the heads are zeros."""
+        q_addr = q_ptr.toint()
+        chunks = D_QK // 8
+        total = self.m * chunks
+        for u in cutlass.range_constexpr((total + self.num_threads - 1) // self.num_threads):
+            i = cutlass.min(u * self.num_threads + tidx, total - 1)  # a repeated chunk is harmless
+            r = i // chunks
+            c = (i % chunks) * 8
+            h = h0 + r
+            ok = h < num_heads
+            src = q_addr + (Int64(qi) * Int64(num_heads) + Int64(cutlass.min(h, num_heads - 1))) * Int64(2 * D_QK) + Int64(2 * c)
+            _cp_async_16(sQ_addr + 2 * swizzled_offset(r, c, self.m), src, 16 if ok else 0)
+
+    @cute.jit
+    def load_tile(
+        self, sSlot: cute.Tensor, slot_buf: Int32, stage: Int32, raw_addr: Int32, sK_addr: Int32, cache_addr: Int64, tidx: Int32
+    ):
+        """cp.async the BN records of a tile: into the raw stage, or straight into K (bf16 format)."""
+        rec = self.plan.record_bytes
+        chunks = rec // 16
+        total = self.bn * chunks
+        for i in range(tidx, total, self.num_threads):
+            key = i // chunks
+            ch = i % chunks
+            slot = sSlot[key, slot_buf]
+            ok = slot >= 0
+            src = cache_addr + Int64(cutlass.max(slot, 0)) * Int64(rec) + Int64(16 * ch)
+            dst = raw_addr + stage * (self.bn * rec) + key * rec + 16 * ch
+            if cutlass.const_expr(self.copy_k):
+                dst = sK_addr + 2 * (stage * (self.bn * D_QK) + swizzled_offset(key, 8 * ch, self.bn))
+            _cp_async_16(dst, src, 16 if ok else 0)
+
+    @cute.jit
+    def decode_tile(self, raw: Int32, sK_addr: Int32, s_l: Float32, tidx: Int32):
+        """Raw records of one tile (shared memory) -> bf16 K [BN, 576], 8 values per work item."""
+        plan = self.plan
+        rec = plan.record_bytes
+        for u in cutlass.range_constexpr(self.bn * 64 // self.num_threads):
+            i = u * self.num_threads + tidx
+            key = i // 64
+            d0 = (i % 64) * 8
+            w0, w1, w2, w3 = self.decode8(plan.latent, raw + key * rec, d0, s_l, self.has_outer, True)
+            _st_shared_v4(sK_addr + 2 * swizzled_offset(key, d0, self.bn), w0, w1, w2, w3)
+        for u in cutlass.range_constexpr(self.bn * 8 // self.num_threads):
+            i = u * self.num_threads + tidx
+            key = i // 8
+            d0 = (i % 8) * 8
+            w0, w1, w2, w3 = self.decode8(
+                plan.rope, raw + key * rec, d0, s_l, self.has_outer and plan.outer_on_rope, False
+            )
+            _st_shared_v4(sK_addr + 2 * swizzled_offset(key, D_V + d0, self.bn), w0, w1, w2, w3)
+
+    @cute.jit
+    def decode8(
+        self, coding: cutlass.Constexpr, rec: Int32, d0: Int32, s_l: Float32, outer: cutlass.Constexpr, is_latent: cutlass.Constexpr
+    ):
+        """Values d0..d0+8 of one vector of the record at shared address `rec`, as 4 bf16x2 words."""
+        if cutlass.const_expr(coding.elem == "bf16" and not outer):
+            a, b, c, d = _ld_shared_v4(rec + coding.data_offset + 2 * d0)
+            return a, b, c, d
+        else:
+            v = cute.make_rmem_tensor((8,), Float32)
+            if cutlass.const_expr(coding.elem == "e2m1"):
+                word = _ld_shared_u32(rec + coding.data_offset + d0 // 2)
+                for i in cutlass.range_constexpr(8):
+                    v[i] = ptx.e2m1_nibble_to_f32(word, i)
+            elif cutlass.const_expr(coding.elem == "e4m3"):
+                for h in cutlass.range_constexpr(2):
+                    x0, x1, x2, x3 = ptx.e4m3x4_to_f32x4(_ld_shared_u32(rec + coding.data_offset + d0 + 4 * h))
+                    v[4 * h] = x0
+                    v[4 * h + 1] = x1
+                    v[4 * h + 2] = x2
+                    v[4 * h + 3] = x3
+            else:
+                for h in cutlass.range_constexpr(4):
+                    word = _ld_shared_u32(rec + coding.data_offset + 2 * d0 + 4 * h)
+                    v[2 * h] = ptx.bits_f32(word << Uint32(16))
+                    v[2 * h + 1] = ptx.bits_f32(word & Uint32(0xFFFF0000))
+            f = Float32(1.0)
+            if cutlass.const_expr(coding.scale_dtype == "fp32"):
+                f = ptx.bits_f32(_ld_shared_u32(rec + coding.scale_offset + 4 * (d0 // coding.group)))
+            elif cutlass.const_expr(coding.scale_dtype == "e4m3"):
+                f = ptx.e4m3_to_f32(_ld_shared_u8(rec + coding.scale_offset + d0 // coding.group))
+            elif cutlass.const_expr(coding.scale_dtype == "e8m0"):
+                f = ptx.pow2(Int32(_ld_shared_u8(rec + coding.scale_offset + d0 // coding.group)) - Int32(127))
+            if cutlass.const_expr(is_latent and self.plan.token_scale_offset >= 0):
+                f = f * ptx.bits_f32(_ld_shared_u32(rec + self.plan.token_scale_offset))
+            if cutlass.const_expr(outer):
+                f = f * s_l
+            return (
+                ptx.bf16x2(v[1] * f, v[0] * f),
+                ptx.bf16x2(v[3] * f, v[2] * f),
+                ptx.bf16x2(v[5] * f, v[4] * f),
+                ptx.bf16x2(v[7] * f, v[6] * f),
+            )
+
+    @cute.jit
+    def scale_row(self, acc_O: cute.Tensor, r: cutlass.Constexpr, alpha: Float32):
+        acc_O_mn = self.mn_view(acc_O)
+        for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
+            acc_O_mn[r, c] = acc_O_mn[r, c] * alpha
+
+    def mn_view(self, acc: cute.Tensor) -> cute.Tensor:
+        """((2, MMA_M), (2, MMA_N)) row/column view of an m16n8 accumulator partition."""
+        shape = cute.make_layout(acc.layout.shape)
+        mn = cute.make_layout(
+            ((shape.shape[0][1], shape.shape[1]), (shape.shape[0][0], shape.shape[2])),
+            stride=((shape.stride[0][1], shape.stride[1]), (shape.stride[0][0], shape.stride[2])),
+        )
+        return cute.make_tensor(acc.iterator, cute.composition(acc.layout, mn))
+
+    def quad_max(self, x):
+        x = ptx.max_f32(x, cute.arch.shuffle_sync_bfly(x, offset=2))
+        return ptx.max_f32(x, cute.arch.shuffle_sync_bfly(x, offset=1))
+
+    def quad_sum(self, x):
+        x = x + cute.arch.shuffle_sync_bfly(x, offset=2)
+        return x + cute.arch.shuffle_sync_bfly(x, offset=1)
+
+
+def flops(num_queries: int, num_heads: int, keys_per_query: float) -> float:
+    """FLOPs of absorbed MLA attention: 2 * (576 + 512) per (query, head, key)."""
+    return 2.0 * (D_QK + D_V) * num_queries * num_heads * keys_per_query
+
+
+def compile_key(plan: RecordPlan, tile: tuple, sparse: bool, has_sink: bool, has_outer: bool, split: bool, device) -> tuple:
+    """Every specialisation of a compiled attention kernel. The head count enters through the
+    tile it selects; s_l, the softmax scale, lengths and the head count are run-time arguments."""
+    return (
+        "mla_attention", 1, plan, tuple(tile), bool(sparse),
+        bool(has_sink), bool(has_outer), bool(split), "q=bf16", "acc=f32", arch_tag(device),
+    )
+
+
+def _ptr(t: torch.Tensor, dtype, align: int):
+    from cutlass.cute.runtime import make_ptr
+
+    return make_ptr(dtype, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
+
+
+def choose_splits(num_ctas: int, max_tiles: int, cta_slots: int) -> tuple[int, int]:
+    """(num_splits, tiles_per_split) minimising the estimated time waves(s) x (tiles / s + 2).
+
+    `cta_slots` = SMs x CTAs resident per SM; the 2 tiles stand for the fixed cost of a CTA
+    (Q load, prologue, epilogue, its share of the combine). A split keeps at least 2 key tiles.
+    """
+    if max_tiles == 0:
+        return 1, 1
+    best, best_cost = 1, None
+    for s in range(1, max(1, max_tiles // 2) + 1):
+        cost = -(-s * num_ctas // cta_slots) * (max_tiles / s + 2)
+        if best_cost is None or cost < 0.97 * best_cost:
+            best, best_cost = s, cost
+    per = -(-max_tiles // best)
+    return -(-max_tiles // per), per
+
+
+def mla_attention(
+    plan: RecordPlan,
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    *,
+    softmax_scale: float,
+    block_table: torch.Tensor | None,
+    seq_lens: torch.Tensor | None,
+    indices: torch.Tensor | None,
+    sink: torch.Tensor | None,
+    outer_scale: float | None,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    workspace_fill: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch on CUDA tensors (validated by mla_eval.attention.dispatch): q bf16 [N, H, 576]
+    contiguous, cache uint8 [blocks, block_size, R], int32 slot lists, sink fp32 [H].
+
+    `out` / `lse` may be given (contiguous fp32); `workspace_fill` fills the split partials
+    first (tests poison them with NaN to prove every element is written).
+    """
+    n, h = q.shape[0], q.shape[1]
+    dev = q.device
+    if out is None:
+        out = torch.empty(n, h, D_V, dtype=torch.float32, device=dev)
+    if lse is None:
+        lse = torch.empty(n, h, dtype=torch.float32, device=dev)
+    if n == 0:
+        return out, lse
+    sparse = indices is not None
+    tile = tile_config(plan, h)
+    m, bn = tile[0], tile[3]
+    if sparse:
+        idx, seqlen, stride = indices, indices, indices.shape[1]
+        max_keys = stride
+    else:
+        idx, seqlen, stride = block_table, seq_lens, block_table.shape[1]
+        max_keys = int(max_seq_len) if max_seq_len is not None else int(seq_lens.max())
+    max_tiles = -(-max_keys // bn)
+    head_tiles = -(-h // m)
+    if num_splits is None:
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        per_sm = max(1, SMEM_PER_SM // smem_bytes(plan, tile[0], tile[3], tile[2]))
+        num_splits, per = choose_splits(n * head_tiles, max_tiles, sms * per_sm)
+    else:
+        per = max(1, -(-max_tiles // max(1, num_splits)))
+        num_splits = max(1, -(-max_tiles // per)) if max_tiles else 1
+    split = num_splits > 1
+    has_sink, has_outer = sink is not None, outer_scale is not None
+    if split:
+        part_out = torch.empty(num_splits, n, h, D_V, dtype=torch.float32, device=dev)
+        part_lse = torch.empty(num_splits, n, h, dtype=torch.float32, device=dev)
+        if workspace_fill is not None:
+            part_out.fill_(workspace_fill)
+            part_lse.fill_(workspace_fill)
+    else:
+        part_out, part_lse = out, lse
+    stream = cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream)
+    args = (
+        _ptr(q, BFloat16, 16),
+        _ptr(cache, cutlass.Uint8, 16),
+        _ptr(idx, Int32, 4),
+        _ptr(seqlen, Int32, 4),
+        _ptr(sink if has_sink else lse, Float32, 4),
+        _ptr(part_out, Float32, 16),
+        _ptr(part_lse, Float32, 4),
+        Int32(n),
+        Int32(h),
+        Int32(stride),
+        Int32(cache.shape[0] * cache.shape[1]),
+        Int32(cache.shape[1]),
+        Float32(softmax_scale),
+        Float32(outer_scale if has_outer else 1.0),
+        Int32(per),
+        Int32(num_splits),
+        stream,
+    )
+    key = compile_key(plan, tile, sparse, has_sink, has_outer, split, dev)
+    fn = compiled(key, lambda: cute.compile(MlaAttention(plan, tile, sparse, has_sink, has_outer, split), *args))
+    fn(*args)
+    if split:
+        cargs = (
+            _ptr(part_out, Float32, 16),
+            _ptr(part_lse, Float32, 4),
+            _ptr(sink if has_sink else lse, Float32, 4),
+            _ptr(out, Float32, 16),
+            _ptr(lse, Float32, 4),
+            Int32(n * h),
+            Int32(h),
+            Int32(num_splits),
+            stream,
+        )
+        ckey = ("mla_combine", 1, bool(has_sink), arch_tag(dev))
+        cfn = compiled(ckey, lambda: cute.compile(MlaCombine(has_sink), *cargs))
+        cfn(*cargs)
+    return out, lse

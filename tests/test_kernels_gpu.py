@@ -1,0 +1,284 @@
+"""GPU tests of the CuTe DSL kernels against the torch codecs and the torch reference.
+
+Skipped without `nvidia-cutlass-dsl`; everything but the layout check is skipped without CUDA.
+
+Error bound for attention (kernel vs the float32 reference on the same decoded cache): the kernel
+rounds (i) each dequantised K element to bf16 (relative <= u = 2^-8; exactly 0 where the decoded
+value is a bf16 number, e.g. E2M1 x E4M3 products), (ii) the probabilities p to bf16 before P V
+(relative <= u). With |ds_j| <= delta = u * scale * max_j sum_d |q_d| |k_jd| on every score,
+sum_j |dp_j| <= e^{2 delta} - 1, so
+    |out - ref| <= max|v| * (u + u_k + e^{2 delta} - 1) + fp32 accumulation noise,
+u_k = u if any K element is not bf16-exact, else 0 (delta = 0 then). The tests use that bound
+(times 1.5 for the fp32 and ex2.approx noise) and, independently, cosine >= 0.9999.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import pytest
+import torch
+
+cutlass = pytest.importorskip("cutlass")
+
+from mla_eval.attention import reference  # noqa: E402
+from mla_eval.formats import all_formats, decode, encode, get_format  # noqa: E402
+from mla_eval_kernels import compile_cache  # noqa: E402
+from mla_eval_kernels.record_plan import plan_for  # noqa: E402
+
+def needs_cuda(fn):
+    """Marked `gpu` and skipped without CUDA."""
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(fn))
+FORMATS = [s.name for s in all_formats()]
+BLOCK = 64
+U_BF16 = 2.0**-8
+
+
+def test_swizzled_offset_matches_the_cute_layout():
+    """The kernels address K/Q tiles by hand; the address must be the layout's (no GPU needed)."""
+    import cutlass.cute as cute
+
+    from mla_eval_kernels.mla_attention import _swizzle_atom, swizzled_offset
+
+    got = {}
+
+    @cute.jit
+    def probe():
+        layout = cute.tile_to_shape(_swizzle_atom(64), (32, 576, 2), (0, 1, 2))
+        for r, c, s in [(0, 0, 0), (1, 8, 0), (9, 70, 0), (31, 575, 0), (5, 130, 1), (17, 300, 1), (23, 511, 1)]:
+            got[(r, c, s)] = cute.crd2idx((r, c, s), layout)
+
+    probe()
+    for (r, c, s), idx in got.items():
+        assert idx == swizzled_offset(r, c, 32) + s * 32 * 576
+
+
+# ---------------------------------------------------------------------------------- writer
+def _inputs(kind: str, t: int, gen: torch.Generator):
+    lat = torch.randn(t, 512, generator=gen)
+    rope = torch.randn(t, 64, generator=gen)
+    if kind == "heavy":
+        # heavy tails, outliers, all-zero groups/tokens, tiny values (subnormal E4M3 scales),
+        # negative zeros, values past every format's range (saturation)
+        lat = lat * torch.exp(2.0 * torch.randn(t, 512, generator=gen))
+        lat[0] = 0.0
+        lat[1, :16] = 0.0
+        lat[1, 16:32] = -0.0
+        lat[2] *= 1e-6
+        lat[3, 5] = 3.0e4
+        lat[4, 200:232] = 1e-30
+        rope = rope * torch.exp(2.0 * torch.randn(t, 64, generator=gen))
+        rope[5] = 0.0
+        rope[6, 3] = -5e3
+    return lat.to(torch.bfloat16), rope.to(torch.bfloat16)
+
+
+def _outer_cases(spec):
+    return [None, 0.37, 1.0, 2.5e-3] if spec.outer_scale is not None else [None]
+
+
+@needs_cuda
+@pytest.mark.parametrize("kind", ["random", "heavy"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_writer_bytes_identical_to_codec(fmt, kind):
+    from mla_eval.attention import dispatch
+
+    spec = get_format(fmt)
+    gen = torch.Generator().manual_seed(zlib.crc32(f'{fmt}/{kind}'.encode()))
+    t, blocks = 300, 6
+    lat, rope = _inputs(kind, t, gen)
+    slots = torch.randperm(blocks * BLOCK, generator=gen)[:t]
+    slots[::7] = -1  # skipped
+    for s_l in _outer_cases(spec):
+        cache = torch.full((blocks, BLOCK, spec.record_bytes), 0xA5, dtype=torch.uint8, device="cuda")
+        dispatch.write_cache(spec, lat.cuda(), rope.cuda(), slots.cuda(), cache, outer_scale=s_l, backend="kernel")
+        want = torch.full((blocks, BLOCK, spec.record_bytes), 0xA5, dtype=torch.uint8)
+        reference.write_cache(spec, lat, rope, slots, want, outer_scale=s_l)  # the CPU codec is the authority
+        got = cache.cpu()
+        if not torch.equal(got, want):
+            bad = (got != want).nonzero()
+            raise AssertionError(f"{fmt} {kind} s_l={s_l}: {len(bad)} bytes differ, first at {bad[0].tolist()}")
+
+
+@needs_cuda
+def test_writer_takes_float32_input():
+    from mla_eval.attention import dispatch
+
+    spec = get_format("nvfp4_fp8rope")
+    gen = torch.Generator().manual_seed(1)
+    lat, rope = torch.randn(64, 512, generator=gen), torch.randn(64, 64, generator=gen)
+    cache = torch.zeros(1, BLOCK, spec.record_bytes, dtype=torch.uint8, device="cuda")
+    dispatch.write_cache(spec, lat.cuda(), rope.cuda(), torch.arange(64).cuda(), cache, outer_scale=0.1, backend="kernel")
+    assert torch.equal(cache.cpu().view(64, -1), encode(spec, lat, rope, outer_scale=0.1))
+
+
+# ---------------------------------------------------------------------------------- attention
+def _random_cache(spec, blocks, gen, outer_scale=None):
+    """Every slot holds fresh random latent/rope (written by the reference codec)."""
+    t = blocks * BLOCK
+    lat = torch.randn(t, 512, generator=gen).to(torch.bfloat16)
+    rope = torch.randn(t, 64, generator=gen).to(torch.bfloat16)
+    cache = torch.zeros(blocks, BLOCK, spec.record_bytes, dtype=torch.uint8)
+    reference.write_cache(spec, lat, rope, torch.arange(t), cache, outer_scale=outer_scale)
+    return cache.cuda()
+
+
+def _bound(spec, q, cache, slots, scale, outer_scale):
+    """The bf16 error bound of the module docstring, from the actual data."""
+    flat = cache.view(-1, spec.record_bytes)
+    lat, rope = decode(spec, flat, outer_scale=outer_scale)
+    k = torch.cat([lat, rope], -1)
+    exact = bool(torch.equal(k, k.to(torch.bfloat16).float()))
+    vmax = float(lat.abs().max())
+    if exact:
+        return 1.5 * vmax * U_BF16 + 1e-5
+    qa = q.float().abs()
+    ka = k.abs()
+    worst = 0.0
+    for i in range(q.shape[0]):
+        s = slots[i][slots[i] >= 0]
+        if len(s):
+            worst = max(worst, float((qa[i] @ ka[s.long()].T).max()))
+    delta = U_BF16 * scale * worst
+    return 1.5 * vmax * (2 * U_BF16 + math.expm1(2 * delta)) + 1e-5
+
+
+def _check(out, lse, ref_out, ref_lse, bound, label):
+    assert not torch.isnan(out).any(), f"{label}: NaN in out (unwritten or 0/0)"
+    assert not torch.isnan(lse).any(), f"{label}: NaN in lse"
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), f"{label}: -inf rows differ"
+    empty = torch.isneginf(ref_lse)
+    assert torch.all(out[empty] == 0), f"{label}: rows without keys must be 0"
+    err = float((out - ref_out).abs().max())
+    a, b = out.flatten().double(), ref_out.flatten().double()
+    cos = float(a @ b / (a.norm() * b.norm()).clamp_min(1e-300)) if float(b.norm()) > 0 else 1.0
+    assert cos >= 0.9999, f"{label}: cosine {cos}"
+    assert err <= bound, f"{label}: max abs error {err} > bound {bound}"
+    fin = ~empty
+    lerr = float((lse[fin] - ref_lse[fin]).abs().max()) if bool(fin.any()) else 0.0
+    assert lerr <= 0.05, f"{label}: lse error {lerr}"
+    print(f"{label}: cos={cos:.7f} max_abs={err:.3e} bound={bound:.3e} lse_err={lerr:.2e}")
+
+
+def _run(spec, q, cache, scale, *, sink=None, outer_scale=None, num_splits=None, **lists):
+    from mla_eval_kernels import mla_attention as kernel
+
+    n, h = q.shape[:2]
+    out = torch.full((n, h, 512), float("nan"), device="cuda")
+    lse = torch.full((n, h), float("nan"), device="cuda")
+    kernel.mla_attention(
+        plan_for(spec), q, cache, softmax_scale=scale, sink=sink, outer_scale=outer_scale,
+        block_table=lists.get("block_table"), seq_lens=lists.get("seq_lens"), indices=lists.get("indices"),
+        num_splits=num_splits, out=out, lse=lse, workspace_fill=float("nan"),
+    )
+    torch.cuda.synchronize()
+    return out, lse
+
+
+def _dense_lists(gen, lengths, blocks):
+    rows = [torch.randperm(blocks, generator=gen)[: -(-max(lengths) // BLOCK)] for _ in lengths]
+    table = torch.stack(rows).to(torch.int32)
+    seq_lens = torch.tensor(lengths, dtype=torch.int32)
+    slots = reference.dense_slots(table, seq_lens, BLOCK)
+    return table, seq_lens, slots
+
+
+def _sparse_lists(gen, n, topk, num_slots):
+    idx = torch.randint(0, num_slots, (n, topk), generator=gen, dtype=torch.int32)
+    idx[0, topk // 3 :] = -1  # -1 padded top-k
+    idx[1, :] = -1  # all invalid
+    idx[2, ::5] = num_slots + 3  # out of range
+    idx[3, 1:] = -1  # single valid key
+    valid = (idx >= 0) & (idx < num_slots)
+    return idx, torch.where(valid, idx, -1)
+
+
+# every format at h=16; every head count (8..128) on nvfp4; the other M=64 tiles (bf16 copies its
+# records straight into a double-buffered K tile, fp8_ds_mla uses 32-slot tiles there)
+CASES = [(f, 16) for f in FORMATS] + [("nvfp4", h) for h in (8, 32, 64, 128)] + [("bf16", 128), ("fp8_ds_mla", 128)]
+
+
+@needs_cuda
+@pytest.mark.parametrize("mode", ["dense", "sparse"])
+@pytest.mark.parametrize("fmt,heads", CASES)
+def test_attention_matches_reference(fmt, heads, mode):
+    spec = get_format(fmt)
+    gen = torch.Generator().manual_seed(zlib.crc32(f'{fmt}/{heads}/{mode}'.encode()))
+    blocks = 24
+    s_l = 0.05 if spec.outer_scale is not None else None
+    cache = _random_cache(spec, blocks, gen, outer_scale=s_l)
+    scale = 576**-0.5
+    sink = torch.randn(heads, generator=gen).cuda() if mode == "sparse" else None  # sink on / off
+    if mode == "dense":
+        lengths = [1, BLOCK - 1, BLOCK, BLOCK + 1, 5 * BLOCK + 17, 1000]
+        table, seq_lens, slots = _dense_lists(gen, lengths, blocks)
+        lists = dict(block_table=table.cuda(), seq_lens=seq_lens.cuda())
+    else:
+        idx, slots = _sparse_lists(gen, 6, 300, blocks * BLOCK)
+        lists = dict(indices=idx.cuda())
+    q = torch.randn(len(slots), heads, 576, generator=gen).to(torch.bfloat16).cuda()
+    ref_out, ref_lse = reference.mla_attention(spec, q, cache, softmax_scale=scale, sink=sink, outer_scale=s_l, **lists)
+    bound = _bound(spec, q.cpu(), cache.cpu(), slots, scale, s_l)
+    # the split-KV heuristic (partials + combine); nvfp4 also with one CTA per query
+    for splits in ((1, None) if fmt == "nvfp4" else (None,)):
+        out, lse = _run(spec, q, cache, scale, sink=sink, outer_scale=s_l, num_splits=splits, **lists)
+        _check(out, lse, ref_out, ref_lse, bound, f"{fmt} h={heads} {mode} splits={splits}")
+
+
+@needs_cuda
+def test_attention_all_invalid_with_and_without_sink():
+    spec = get_format("nvfp4")
+    cache = _random_cache(spec, 2, torch.Generator().manual_seed(0))
+    q = torch.randn(3, 16, 576).to(torch.bfloat16).cuda()
+    for sink in (None, torch.full((16,), 2.0, device="cuda")):
+        for splits in (1, 3):
+            out, lse = _run(spec, q, cache, 0.1, sink=sink, num_splits=splits, indices=torch.full((3, 200), -1, dtype=torch.int32).cuda())
+            assert torch.all(out == 0) and torch.all(torch.isneginf(lse))
+    zero = torch.zeros(3, dtype=torch.int32).cuda()
+    out, lse = _run(spec, q, cache, 0.1, block_table=torch.zeros(3, 1, dtype=torch.int32).cuda(), seq_lens=zero)
+    assert torch.all(out == 0) and torch.all(torch.isneginf(lse))
+
+
+# ---------------------------------------------------------------------------------- compile keys
+@needs_cuda
+def test_scale_mode_or_s_l_change_never_reuses_a_kernel():
+    """A kernel compiled for one scale setting must never serve another (the s_l = 1.0 bug)."""
+    from mla_eval.attention import dispatch
+    from mla_eval_kernels import cache_writer
+
+    gen = torch.Generator().manual_seed(7)
+    lat, rope = _inputs("random", 64, gen)
+    slots = torch.arange(64)
+    keys_before = set(compile_cache.keys())
+    results = {}
+    for fmt, s_l in [("nvfp4", None), ("nvfp4", 1.0), ("nvfp4", 0.02), ("nvfp4", 3.0),
+                     ("fp8_ds_mla", None), ("fp8_ds_mla_pow2", None), ("nvfp4_fp8rope", None), ("nvfp4_fp8rope_st", None)]:
+        spec = get_format(fmt)
+        cache = torch.zeros(1, BLOCK, spec.record_bytes, dtype=torch.uint8, device="cuda")
+        dispatch.write_cache(spec, lat.cuda(), rope.cuda(), slots.cuda(), cache, outer_scale=s_l, backend="kernel")
+        got = cache.cpu().view(64, -1)
+        assert torch.equal(got, encode(spec, lat, rope, outer_scale=s_l)), f"{fmt} s_l={s_l}"
+        results[(fmt, s_l)] = got
+    assert not torch.equal(results[("nvfp4", 1.0)], results[("nvfp4", 0.02)])
+    assert not torch.equal(results[("fp8_ds_mla", None)], results[("fp8_ds_mla_pow2", None)])
+    dev = torch.device("cuda")
+    k = {name: cache_writer.compile_key(plan_for(get_format(name)), torch.bfloat16, o, dev)
+         for name, o in [("nvfp4", False), ("fp8_ds_mla", False), ("fp8_ds_mla_pow2", False)]}
+    assert len(set(k.values())) == 3
+    assert cache_writer.compile_key(plan_for(get_format("nvfp4")), torch.bfloat16, True, dev) != k["nvfp4"]
+    new = set(compile_cache.keys()) - keys_before
+    assert all(key in compile_cache.keys() for key in k.values())
+    assert len(new) <= 6  # one writer per (format, outer on/off) at most, never one per s_l value
+
+    # attention: outer scale on/off and two s_l values over the same records
+    spec = get_format("nvfp4")
+    cache = _random_cache(spec, 4, gen)
+    idx = torch.randint(0, 4 * BLOCK, (4, 128), generator=gen, dtype=torch.int32).cuda()
+    q = torch.randn(4, 16, 576, generator=gen).to(torch.bfloat16).cuda()
+    for s_l in (None, 1.0, 0.02, 7.5):
+        out, lse = _run(spec, q, cache, 0.05, outer_scale=s_l, num_splits=1, indices=idx)
+        ref_out, ref_lse = reference.mla_attention(spec, q, cache, softmax_scale=0.05, indices=idx, outer_scale=s_l)
+        _check(out, lse, ref_out, ref_lse, 1e9, f"nvfp4 s_l={s_l}")
+        rel = float((out - ref_out).abs().max() / ref_out.abs().max())
+        assert rel < 0.02, f"s_l={s_l}: relative error {rel} (stale specialisation?)"
