@@ -74,27 +74,36 @@ def from_dataset(name: str, tokenizer, max_tokens: int | None) -> TokenSource:
 
 @torch.no_grad()
 def self_samples(lm, num: int, length: int, seed: int) -> TokenSource:
-    """Seeded samples drawn from the model itself (stock attention, temperature 1).
+    """Seeded samples drawn from the model itself (bf16 cache, temperature 1).
 
     The data-free default: it needs no file, and its KLD is the format's effect on text the model
     finds typical. It is not comparable to a wikitext-2 number; outputs label it as such.
+    Decoding runs through our own bf16 cache session: one new token per step per sequence.
     """
+    from mla_eval.formats import get_format
+    from mla_eval.model.session import CacheSession
+
+    if num < 1 or length < 2:
+        raise UserError("self-samples need --samples >= 1 and --sample-len >= 2")
     gen = torch.Generator(device="cpu").manual_seed(seed)
     model = lm.model
     bos = lm.tokenizer.bos_token_id
     vocab = model.config.vocab_size
-    start = torch.full((num, 1), bos, dtype=torch.int64) if bos is not None else torch.randint(0, vocab, (num, 1), generator=gen)
-    ids = start.to(lm.device)
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
-    step_in = ids
-    for t in range(length - 1):
-        pos = torch.full((num, step_in.shape[1]), t, device=lm.device) if step_in.shape[1] == 1 else None
-        logits = model(input_ids=step_in, past_key_values=cache, use_cache=True, position_ids=pos).logits[:, -1].float()
-        probs = logits.softmax(-1).cpu()
-        nxt = torch.multinomial(probs, 1, generator=gen).to(lm.device)
-        ids = torch.cat([ids, nxt], 1)
-        step_in = nxt
-    seqs = [row.cpu() for row in ids]
+    first = torch.full((num,), bos, dtype=torch.int64) if bos is not None else torch.randint(0, vocab, (num,), generator=gen)
+    ids = torch.empty(num, length, dtype=torch.int64)
+    ids[:, 0] = first
+    session = CacheSession(get_format("bf16"), lm.num_layers, num, length, lm.device)
+    with lm.adapter.session(session):
+        for t in range(length - 1):
+            step = ids[:, t : t + 1].to(lm.device)
+            logits = model(input_ids=step, position_ids=torch.full((num, 1), t, device=lm.device), use_cache=False).logits[:, -1]
+            ids[:, t + 1] = torch.multinomial(logits.float().softmax(-1).cpu(), 1, generator=gen).squeeze(1)
+    seqs = list(ids)
     return TokenSource("self-samples", f"self-samples of the model (seed {seed}, {num} x {length} tokens; not wikitext)", seqs, _digest(seqs))
+
+
+def self_samples_subset(source: TokenSource, n: int) -> TokenSource:
+    """The first n sequences of a self-samples source (the rest serve another purpose)."""
+    seqs = source.sequences[:n]
+    label = source.label.replace(f"{len(source.sequences)} x", f"{n} x")
+    return TokenSource(source.kind, label, seqs, _digest(seqs))
