@@ -53,7 +53,7 @@ def test_kld_end_to_end(ckpt, text, tmp_path, capsys):
     assert 0 < f["fp8_ds_mla"]["kld_mean"] < f["nvfp4"]["kld_mean"]
     assert len(f["nvfp4"]["layers"]) == 3 and f["nvfp4"]["layers"][0]["latent_snr_db"] > 10
     assert doc["outer_scales"]["format"] == "nvfp4_ds_mla_outer_scale_v1"
-    assert "KLD mean" in stdout
+    assert "Teacher-forced KLD" in stdout and "nvfp4+s_l" in stdout
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["kld_by_depth.png", "kld_cdf.png", "kld_layer_error.png"]
     # never overwrite a result silently
     code, _, err = run(["kld", "--model", str(ckpt), "--text", str(text), "--ctx", "64", "--out", str(out)], capsys)

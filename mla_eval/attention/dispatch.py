@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 
@@ -59,6 +60,8 @@ def kernel_status(spec, device: torch.device | str) -> tuple[bool, str]:
 
 
 def _use_kernel(spec, device: torch.device, backend: str) -> bool:
+    if backend == "auto":  # MLA_EVAL_BACKEND=reference forces the torch path (kernel-vs-reference runs)
+        backend = os.environ.get("MLA_EVAL_BACKEND", "auto")
     if backend == "reference":
         return False
     ok, why = kernel_status(spec, device)

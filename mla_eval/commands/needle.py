@@ -69,7 +69,8 @@ def needle(
 ) -> None:
     """Needle-in-a-haystack retrieval per cache format, on identical prompts of exact token length.
 
-    Prefill and greedy decoding both read the format's quantised cache. Reports a length x depth
+    A cell of length L holds L tokens: the prompt and the decoded answer. Prefill and greedy
+    decoding both read the format's quantised cache. Reports a length x depth
     accuracy table per format, the failures the format causes (bf16 right, format wrong) first,
     and an effective length per format.
     """
@@ -88,16 +89,17 @@ def needle(
     variants = [v for v in parse_variants("bf16," + formats)]
     lm = load_model(model, device)
     max_new = nd.new_tokens_for(values, task)
-    if lm.max_positions and max(lens) + max_new > lm.max_positions:
+    if lm.max_positions and max(lens) > lm.max_positions:
         raise UserError(
-            f"--lengths {max(lens)} (+{max_new} answer tokens) exceeds the model's {lm.max_positions} positions; "
+            f"--lengths {max(lens)} exceeds the model's {lm.max_positions} positions; "
             "use shorter lengths (context extension such as YaRN must be set in the checkpoint's config)"
         )
     hay_ids, noise, hay_label = load_haystack(lm.tokenizer, haystack)
     builder = PromptBuilder(lm.tokenizer, hay_ids, noise)
     st = nd.NeedleSettings(variants, lens, deps, trials, task, values, seed=seed, batch=batch)
-    prompts_check = builder.build(task, values, max(lens), deps[-1], 0, seed)  # haystack long enough?
-    del prompts_check
+    if min(lens) <= max_new + 16:
+        raise UserError(f"--lengths {min(lens)} is too short: a cell holds the prompt and {max_new} answer tokens")
+    builder.build(task, values, max(lens) - max_new, deps[-1], 0, seed)  # fails early if the haystack is too short
 
     outer = None
     if any(v.outer for v in variants):

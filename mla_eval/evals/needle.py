@@ -38,12 +38,16 @@ def new_tokens_for(values: str, task: str) -> int:
 
 
 def make_prompts(builder: PromptBuilder, st: NeedleSettings) -> list[Prompt]:
+    """A cell of length L holds L tokens in all: the prompt plus the answer tokens decoded."""
+    max_new = st.max_new_tokens or new_tokens_for(st.values, st.task)
     prompts = []
     for li, length in enumerate(st.lengths):
         for di, depth in enumerate(st.depths):
             for t in range(st.trials):
                 seed = st.seed * 1_000_003 + li * 10_007 + di * 101 + t  # a distinct needle per cell and trial
-                prompts.append(builder.build(st.task, st.values, length, depth, t, seed))
+                p = builder.build(st.task, st.values, length - max_new, depth, t, seed)
+                p.length = length
+                prompts.append(p)
     return prompts
 
 
@@ -87,7 +91,7 @@ def run_needle(lm, builder: PromptBuilder, st: NeedleSettings, progress: Callabl
                     records.append(
                         {
                             "format": v.name, "task": p.task, "length": p.length, "depth": p.depth, "trial": p.trial,
-                            "seed": p.seed, "needle_pos": p.needle_pos, "expected": p.expected, "output": text,
+                            "seed": p.seed, "prompt_tokens": len(p.ids), "needle_pos": p.needle_pos, "expected": p.expected, "output": text,
                             "correct": all(e in text for e in p.expected),
                         }
                     )
