@@ -14,7 +14,7 @@ import typer
 from mla_eval import __version__
 from mla_eval.errors import UserError
 
-COMMAND_MODULES = ("formats", "capacity", "kld", "needle")
+COMMAND_MODULES = ("formats", "capacity", "kld", "needle", "gate")
 
 app = typer.Typer(
     name="mla-eval",
@@ -45,7 +45,8 @@ for _name in COMMAND_MODULES:
 def main(argv: list[str] | None = None) -> int:
     """Console entry point: runs the app and turns UserError into a one-line message, exit 2."""
     try:
-        app(args=argv, standalone_mode=False)
+        # without standalone mode click returns a command's typer.Exit code instead of exiting
+        code = app(args=argv, standalone_mode=False)
     except UserError as exc:
         typer.echo(f"error: {exc}", err=True)
         return 2
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             exc.show()
             return exc.exit_code
         raise
-    return 0
+    return code if isinstance(code, int) else 0
 
 
 if __name__ == "__main__":

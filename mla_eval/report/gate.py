@@ -1,0 +1,131 @@
+"""Regression gate: compare result documents metric by metric against a baseline.
+
+Every metric has a direction (KLD may not rise, retrieval may not fall, pool tokens must match)
+and a tolerance: a change against the good direction is a regression only when it exceeds
+max(abs, rel * |baseline|). A metric present in the baseline and missing from the results is a
+regression too (a format silently dropped must not pass).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from xml.sax.saxutils import escape
+
+from mla_eval.errors import UserError
+
+# metric -> (direction, default abs tolerance, default rel tolerance); direction "lower" means
+# lower is better, "higher" higher is better, "exact" any change fails.
+METRICS = {
+    "kld_mean": ("lower", 1e-4, 0.05),
+    "kld_p99": ("lower", 1e-3, 0.10),
+    "same_top1_pct": ("higher", 0.5, 0.0),
+    "mean_accuracy": ("higher", 0.0, 0.0),
+    "effective_length": ("higher", 0.0, 0.0),
+    "pool_tokens": ("exact", 0.0, 0.0),
+    "bytes_per_token": ("exact", 0.0, 0.0),
+}
+
+
+@dataclasses.dataclass
+class Check:
+    doc: str
+    name: str  # e.g. "nvfp4.kld_mean"
+    metric: str
+    baseline: float | None
+    value: float | None
+    ok: bool
+    why: str
+
+
+def _metrics(doc: dict) -> dict[str, tuple[str, float | None]]:
+    """'<format>.<metric>' -> (metric, value) for a kld, needle or capacity document."""
+    schema = str(doc.get("schema", ""))
+    out: dict[str, tuple[str, float | None]] = {}
+    if schema.startswith("mla-eval/kld/") or schema.startswith("mla-eval/needle/"):
+        for fmt, s in doc.get("formats", {}).items():
+            for m in ("kld_mean", "kld_p99", "same_top1_pct", "mean_accuracy", "effective_length"):
+                if m in s:
+                    out[f"{fmt}.{m}"] = (m, s[m])
+    elif schema.startswith("mla-eval.capacity/"):
+        for row in doc.get("formats", []):
+            for m in ("pool_tokens", "bytes_per_token"):
+                out[f"{row['name']}.{m}"] = (m, row[m])
+    else:
+        raise UserError(f"unknown result schema {schema!r}; gate reads kld, needle and capacity results")
+    return out
+
+
+def load_docs(path: Path) -> dict[str, dict]:
+    """A result JSON file, or every *.json of a results directory, keyed by file name."""
+    path = Path(path)
+    files = sorted(path.glob("*.json")) if path.is_dir() else [path]
+    if not path.exists():
+        raise UserError(f"{path} does not exist")
+    docs = {}
+    for f in files:
+        try:
+            doc = json.loads(f.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise UserError(f"{f} is not readable JSON ({exc})") from None
+        if isinstance(doc, dict) and str(doc.get("schema", "")).startswith("mla-eval"):
+            docs[f.name] = doc
+    if not docs:
+        raise UserError(f"{path} holds no mla-eval result JSON")
+    return docs
+
+
+def compare(results: dict[str, dict], baseline: dict[str, dict], tolerances: dict | None = None) -> list[Check]:
+    tolerances = tolerances or {}
+    checks: list[Check] = []
+    if len(results) == 1 and len(baseline) == 1:  # two single files: pair them whatever their names
+        results = {next(iter(baseline)): next(iter(results.values()))}
+    for name, bdoc in baseline.items():
+        rdoc = results.get(name)
+        if rdoc is None:
+            checks.append(Check(name, "*", "*", None, None, False, "result document missing"))
+            continue
+        if rdoc.get("schema") != bdoc.get("schema"):
+            raise UserError(f"{name}: schema {rdoc.get('schema')!r} vs baseline {bdoc.get('schema')!r}")
+        rm = _metrics(rdoc)
+        for key, (metric, base) in _metrics(bdoc).items():
+            direction, abs_tol, rel_tol = METRICS[metric]
+            tol = tolerances.get(metric, {})
+            abs_tol, rel_tol = float(tol.get("abs", abs_tol)), float(tol.get("rel", rel_tol))
+            value = rm.get(key, (metric, None))[1]
+            if value is None or base is None:
+                ok = value == base
+                why = "missing in results" if value is None and base is not None else ("ok" if ok else "new value where baseline had none")
+            else:
+                allowed = max(abs_tol, rel_tol * abs(base))
+                delta = value - base
+                if direction == "exact":
+                    ok = value == base
+                elif direction == "lower":
+                    ok = delta <= allowed or math.isclose(value, base)
+                else:
+                    ok = -delta <= allowed or math.isclose(value, base)
+                why = "ok" if ok else f"{'rose' if delta > 0 else 'fell'} by {abs(delta):.6g} (allowed {allowed:.3g}, {direction} is better)"
+            checks.append(Check(name, key, metric, base, value, ok, why))
+    return checks
+
+
+def markdown(checks: list[Check]) -> str:
+    bad = [c for c in checks if not c.ok]
+    head = f"**mla-eval gate: {'FAIL' if bad else 'PASS'}** — {len(checks) - len(bad)}/{len(checks)} metrics within tolerance"
+    lines = [head, "", "| result | metric | baseline | now | verdict |", "|---|---|---|---|---|"]
+    for c in sorted(checks, key=lambda c: c.ok):
+        fmt = lambda v: "-" if v is None else f"{v:.6g}"  # noqa: E731
+        lines.append(f"| {c.doc} | {c.name} | {fmt(c.baseline)} | {fmt(c.value)} | {'ok' if c.ok else 'REGRESSION: ' + c.why} |")
+    return "\n".join(lines)
+
+
+def junit(checks: list[Check]) -> str:
+    fails = sum(not c.ok for c in checks)
+    cases = []
+    for c in checks:
+        body = "" if c.ok else f'<failure message="{escape(c.why, {chr(34): "&quot;"})}">baseline {c.baseline} now {c.value}</failure>'
+        cases.append(f'  <testcase classname="mla_eval.gate.{escape(c.doc)}" name="{escape(c.name)}">{body}</testcase>')
+    return f'<?xml version="1.0" encoding="utf-8"?>\n<testsuite name="mla-eval gate" tests="{len(checks)}" failures="{fails}">\n' + "\n".join(cases) + "\n</testsuite>\n"

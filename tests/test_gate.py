@@ -1,0 +1,74 @@
+"""`mla-eval gate`: a deliberately degraded codec fails the gate (exit 1), the true one passes."""
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from mla_eval.cli import main
+from mla_eval.formats import numerics
+from tiny_models import tiny_model
+
+TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "mla_eval" / "default_model"
+TEXT = " ".join(f"The river {w} flows past the old mill near the {w} bridge." for w in ["north", "south", "east", "west"] * 30)
+
+
+def _ckpt(tmp_path):
+    d = tmp_path / "ckpt"
+    tiny_model("deepseek_v3", vocab_size=12288, max_position_embeddings=256).save_pretrained(d)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TOKENIZER_DIR / f, d / f)
+    (tmp_path / "t.txt").write_text(TEXT)
+    return d
+
+
+def _kld(ckpt, tmp_path, out):
+    args = ["kld", "--model", str(ckpt), "--text", str(tmp_path / "t.txt"), "--ctx", "64", "--stride", "32", "--formats", "nvfp4,fp8_ds_mla", "--scales", "none", "--no-layer-stats", "--out", str(out)]
+    assert main(args) == 0
+
+
+def _truncating_e2m1(x):
+    """A wrong rounding mode: round toward zero instead of to nearest even."""
+    a = x.abs()
+    code = sum((a >= v).to(torch.uint8) for v in (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0))
+    return code | (torch.signbit(x).to(torch.uint8) << 3)
+
+
+def test_degraded_codec_fails_and_true_codec_passes(tmp_path, monkeypatch, capsys):
+    ckpt = _ckpt(tmp_path)
+    base, same, bad = tmp_path / "base.json", tmp_path / "same.json", tmp_path / "bad.json"
+    _kld(ckpt, tmp_path, base)
+    _kld(ckpt, tmp_path, same)
+    with monkeypatch.context() as m:
+        m.setattr(numerics, "e2m1_encode", _truncating_e2m1)
+        _kld(ckpt, tmp_path, bad)
+    capsys.readouterr()
+    # seeded runs reproduce the metrics exactly
+    strip = lambda p: {k: v for k, v in json.loads(p.read_text())["formats"].items()}  # noqa: E731
+    assert strip(base) == strip(same)
+    assert main(["gate", str(same), "--baseline", str(base), "--junit", str(tmp_path / "ok.xml")]) == 0
+    assert "PASS" in capsys.readouterr().out
+    code = main(["gate", str(bad), "--baseline", str(base), "--junit", str(tmp_path / "bad.xml")])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "FAIL" in out and "REGRESSION" in out and "nvfp4.kld_mean" in out
+    assert "fp8_ds_mla.kld_mean" not in [l.split("|")[2].strip() for l in out.splitlines() if "REGRESSION" in l]
+    assert 'failures="0"' not in (tmp_path / "bad.xml").read_text()
+
+
+def test_missing_format_and_bad_input(tmp_path, capsys):
+    doc = {"schema": "mla-eval/kld/v1", "formats": {"nvfp4": {"kld_mean": 0.1, "kld_p99": 1.0, "same_top1_pct": 90.0}, "mxfp4": {"kld_mean": 0.2, "kld_p99": 1.0, "same_top1_pct": 80.0}}}
+    base = tmp_path / "b.json"
+    base.write_text(json.dumps(doc))
+    del doc["formats"]["mxfp4"]
+    res = tmp_path / "r.json"
+    res.write_text(json.dumps(doc))
+    assert main(["gate", str(res), "--baseline", str(base)]) == 1
+    assert "missing in results" in capsys.readouterr().out
+    junk = tmp_path / "junk.json"
+    junk.write_text("{oops")
+    assert main(["gate", str(junk), "--baseline", str(base)]) == 2
+    assert capsys.readouterr().err.startswith("error: ")
+    assert main(["gate", str(res), "--baseline", str(base), "--update"]) == 0
+    assert main(["gate", str(res), "--baseline", str(base)]) == 0
