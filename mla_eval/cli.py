@@ -14,7 +14,7 @@ import typer
 from mla_eval import __version__
 from mla_eval.errors import UserError
 
-COMMAND_MODULES = ("formats", "capacity", "kld", "needle", "gate")
+COMMAND_MODULES = ("formats", "capacity", "kld", "needle", "gate", "run")
 
 app = typer.Typer(
     name="mla-eval",
