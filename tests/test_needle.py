@@ -3,12 +3,10 @@
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
 from mla_eval.cli import main
-from mla_eval.errors import UserError
 from mla_eval.evals import needle as nd
 from mla_eval.evals.needle_tasks import TASKS, PromptBuilder, load_haystack
 

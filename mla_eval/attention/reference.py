@@ -102,25 +102,28 @@ def mla_attention(
 
     qf = q.to(torch.float32)
     sink_f = sink.to(torch.float32) if sink is not None else None
-    fill = torch.finfo(torch.float32).min
     step = max(1, _ELEMS_PER_CHUNK // max(1, h * slots.shape[1]))
     for a in range(0, n, step):
         b = min(n, a + step)
         k = keys[inverse[a:b]]  # [n, L, 576]
-        ok = valid[a:b].unsqueeze(1)  # [n, 1, L]
         s = torch.einsum("nhd,nld->nhl", qf[a:b], k) * softmax_scale
-        s = torch.where(ok, s, torch.full_like(s, fill))
-        m = s.amax(dim=-1, keepdim=True)
-        e = torch.where(ok, torch.exp(s - m), torch.zeros_like(s))
-        total = e.sum(dim=-1, keepdim=True)
-        denom = total
-        if sink_f is not None:
-            denom = total + torch.exp(sink_f.view(1, h, 1) - m)
-        num = torch.einsum("nhl,nld->nhd", e, k[..., :LATENT_DIM])
-        has = total > 0
-        out[a:b] = torch.where(has, num / torch.where(has, denom, torch.ones_like(denom)), torch.zeros_like(num))
-        lse[a:b] = torch.where(has, m + torch.log(torch.where(has, total, torch.ones_like(total))), lse[a:b, :, None]).squeeze(-1)
+        out[a:b], lse[a:b] = _softmax_read(s, valid[a:b].unsqueeze(1), k[..., :LATENT_DIM], "nhl,nld->nhd", sink_f)
     return out, lse
+
+
+def _softmax_read(s, ok, values, contract: str, sink):
+    """Masked softmax of scores s [n, H, L] (ok broadcastable: valid keys) read out of `values`
+    with `contract` (einsum), the sink in the denominator only. -> out [n, H, 512], lse [n, H]."""
+    s = torch.where(ok, s, torch.full_like(s, torch.finfo(torch.float32).min))
+    m = s.amax(dim=-1, keepdim=True)
+    e = torch.where(ok, torch.exp(s - m), torch.zeros_like(s))
+    total = e.sum(dim=-1, keepdim=True)
+    denom = total if sink is None else total + torch.exp(sink.view(1, -1, 1) - m)
+    num = torch.einsum(contract, e, values)
+    has = total > 0
+    out = torch.where(has, num / torch.where(has, denom, torch.ones_like(denom)), torch.zeros_like(num))
+    lse = torch.where(has, m + torch.log(torch.where(has, total, torch.ones_like(total))), torch.full_like(m, float("-inf")))
+    return out, lse.squeeze(-1)
 
 
 def _dense_by_sequence(spec, q, cache, block_table, seq_lens, softmax_scale, sink, outer_scale):
@@ -145,13 +148,6 @@ def _dense_by_sequence(spec, q, cache, block_table, seq_lens, softmax_scale, sin
             idx = sel[a : a + step]
             ok = (torch.arange(length, device=q.device).view(1, -1) < seq_lens[idx].long().view(-1, 1)).unsqueeze(1)
             s = torch.einsum("nhd,ld->nhl", q[idx].to(torch.float32), keys) * softmax_scale
-            s = torch.where(ok, s, torch.full_like(s, torch.finfo(torch.float32).min))
-            m = s.amax(dim=-1, keepdim=True)
-            e = torch.where(ok, torch.exp(s - m), torch.zeros_like(s))
-            total = e.sum(dim=-1, keepdim=True)
-            denom = total if sink is None else total + torch.exp(sink.to(torch.float32).view(1, h, 1) - m)
-            num = torch.einsum("nhl,ld->nhd", e, keys[:, :LATENT_DIM])
-            has = total > 0
-            out[idx] = torch.where(has, num / torch.where(has, denom, torch.ones_like(denom)), torch.zeros_like(num))
-            lse[idx] = torch.where(has, m + torch.log(torch.where(has, total, torch.ones_like(total))), torch.full_like(m, float("-inf"))).squeeze(-1)
+            sink_f = None if sink is None else sink.to(torch.float32)
+            out[idx], lse[idx] = _softmax_read(s, ok, keys[:, :LATENT_DIM], "nhl,ld->nhd", sink_f)
     return out, lse

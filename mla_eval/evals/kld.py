@@ -10,7 +10,6 @@ over the full vocabulary in float32.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 import warnings
 from typing import Callable
@@ -200,7 +199,3 @@ def gather_arrays(stats: dict[str, TokenStats]) -> dict[str, TokenStats]:
     allv: list = [None] * dist.get_world_size()
     dist.all_gather_object(allv, local)
     return {k: TokenStats.from_arrays({f: np.concatenate([r[k][f] for r in allv]) for f in TokenStats.FIELDS}) for k in stats}
-
-
-def mean_kld(summary: dict) -> float:
-    return summary["kld_mean"] if summary and not math.isnan(summary["kld_mean"]) else math.nan

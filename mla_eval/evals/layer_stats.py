@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from mla_eval.formats import FormatSpec, decode
+from mla_eval.formats import FormatSpec
 
 
 def exact_attention(q: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor, scale: float) -> torch.Tensor:
