@@ -81,7 +81,7 @@ def needle_heatmaps(summary: dict, lengths: list[int], depths: list[float], fold
     base = np.asarray(summary["bf16"]["accuracy"]) if "bf16" in summary else None
 
     def draw(mat, title, path, cmap, vmin, vmax, label):
-        fig, ax = plt.subplots(figsize=(1.0 + 0.55 * len(depths), 1.2 + 0.5 * len(lengths)))
+        fig, ax = plt.subplots(figsize=(max(5.0, 1.5 + 0.55 * len(depths)), max(3.2, 1.4 + 0.5 * len(lengths))))
         im = ax.imshow(mat, cmap=cmap, vmin=vmin, vmax=vmax, aspect="auto", origin="lower")
         ax.set_xticks(range(len(depths)), [f"{d:g}" for d in depths])
         ax.set_yticks(range(len(lengths)), [f"{n // 1024}K" if n % 1024 == 0 else str(n) for n in lengths])
