@@ -14,7 +14,7 @@ import typer
 from mla_eval import __version__
 from mla_eval.errors import UserError
 
-COMMAND_MODULES = ("formats", "capacity", "kld", "needle", "gate", "run")
+COMMAND_MODULES = ("formats", "capacity", "kld", "needle", "gate", "run", "report")
 
 app = typer.Typer(
     name="mla-eval",

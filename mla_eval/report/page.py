@@ -1,0 +1,87 @@
+"""One self-contained page (HTML with embedded PNGs, and markdown) for a results directory."""
+
+from __future__ import annotations
+
+import base64
+import html
+from pathlib import Path
+
+KLD_COLUMNS = (
+    ("KLD mean", "kld_mean", "{:.5f}"),
+    ("± se", "kld_se", "{:.5f}"),
+    ("median", "kld_median", "{:.5f}"),
+    ("p99", "kld_p99", "{:.4f}"),
+    ("max", "kld_max", "{:.3f}"),
+    ("same top-1 %", "same_top1_pct", "{:.2f}"),
+    ("RMS Δp %", "delta_p_rms_pct", "{:.3f}"),
+    ("PPL ratio", "ppl_ratio", "{:.4f}"),
+)
+
+
+def _fmt(v, spec: str) -> str:
+    return "–" if v is None else spec.format(v)
+
+
+def sections(docs: dict[str, dict]) -> list[tuple[str, list[str], list[list[str]]]]:
+    """(title, header, rows) for every table the page shows."""
+    out = []
+    if "kld" in docs:
+        d = docs["kld"]
+        rows = [[name] + [_fmt(s.get(k), f) for _, k, f in KLD_COLUMNS] for name, s in d["formats"].items()]
+        out.append((f"Teacher-forced KLD vs {d['settings']['ref']} — {d['text']['label']}", ["format"] + [c for c, _, _ in KLD_COLUMNS], rows))
+    if "needle" in docs:
+        d = docs["needle"]
+        s = d["settings"]
+        rows = [[name, f"{v['mean_accuracy']:.3f}", str(v["effective_length"] or "–")] for name, v in d["formats"].items()]
+        out.append((f"Needle retrieval ({s['task']}, {s['values']}; lengths {s['lengths']})", ["format", "mean accuracy", "effective length"], rows))
+        fails = d.get("format_induced_failures", [])
+        if fails:
+            out.append(("Format-induced failures (bf16 right, format wrong)", ["format", "length", "depth %", "expected", "output"], [[f["format"], str(f["length"]), f"{f['depth']:g}", ", ".join(f["expected"]), f["output"][:40]] for f in fails[:50]]))
+    if "capacity" in docs:
+        d = docs["capacity"]
+        rows = [[r["name"], str(r["bytes_per_token_per_layer"]), f"{r['bytes_per_token']:,}", f"{r['pool_tokens']:,}", f"{r['max_concurrency']:.2f}", f"{r['ratio_vs_fp8_ds_mla']:.2f}"] for r in d["formats"]]
+        out.append(("KV-cache capacity", ["format", "B/token/layer", "B/token (model)", "pool tokens", "concurrency", "x fp8_ds_mla"], rows))
+    return out
+
+
+def load_results_dir(folder: Path) -> dict[str, dict]:
+    import json
+
+    docs = {}
+    for kind in ("kld", "needle", "capacity"):
+        p = folder / f"{kind}.json"
+        if p.is_file():
+            docs[kind] = json.loads(p.read_text())
+    return docs
+
+
+def render_markdown(title: str, secs) -> str:
+    lines = [f"# {title}", ""]
+    for t, head, rows in secs:
+        lines += [f"## {t}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        lines += ["| " + " | ".join(r) + " |" for r in rows]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def render_html(title: str, secs, images: list[Path]) -> str:
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'>",
+        f"<title>{html.escape(title)}</title>",
+        "<style>body{font-family:system-ui,sans-serif;margin:2em;color:#222}table{border-collapse:collapse;margin:0 0 1.5em}"
+        "th,td{border:1px solid #ccc;padding:4px 10px;text-align:right}th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}"
+        ".grid{display:flex;flex-wrap:wrap;gap:12px}.grid figure{margin:0}.grid img{max-width:560px;border:1px solid #ddd}</style></head><body>",
+        f"<h1>{html.escape(title)}</h1>",
+    ]
+    for t, head, rows in secs:
+        parts.append(f"<h2>{html.escape(t)}</h2><table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in head) + "</tr>")
+        parts += ["<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows]
+        parts.append("</table>")
+    if images:
+        parts.append("<h2>Plots</h2><div class='grid'>")
+        for img in images:
+            data = base64.b64encode(img.read_bytes()).decode()
+            parts.append(f"<figure><img alt='{html.escape(img.stem)}' src='data:image/png;base64,{data}'><figcaption>{html.escape(img.stem)}</figcaption></figure>")
+        parts.append("</div>")
+    parts.append("</body></html>")
+    return "\n".join(parts)

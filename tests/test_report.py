@@ -1,0 +1,31 @@
+"""`mla-eval report`: a self-contained page from a results directory."""
+
+import json
+import shutil
+from pathlib import Path
+
+from mla_eval.cli import main
+
+BASELINE = Path(__file__).resolve().parents[1] / "results" / "baselines" / "ci-smoke"
+
+
+def test_report_embeds_tables_and_plots(tmp_path, capsys):
+    res = tmp_path / "r"
+    shutil.copytree(BASELINE, res)
+    (res / "plots").mkdir()
+    shutil.copy(Path(__file__).resolve().parents[1] / "results" / "h200" / "plots" / "kld_cdf.png", res / "plots")
+    assert main(["report", str(res)]) == 0
+    page = (res / "report.html").read_text()
+    kld = json.loads((res / "kld.json").read_text())
+    assert "Teacher-forced KLD" in page and "Needle retrieval" in page and "KV-cache capacity" in page
+    for fmt in kld["formats"]:
+        assert f"<td>{fmt}</td>" in page
+    assert "data:image/png;base64," in page and "src='http" not in page  # self-contained
+    md = (res / "report.md").read_text()
+    assert md.count("\n| nvfp4 |") == 3  # kld, needle and capacity tables
+
+
+def test_report_bad_input(tmp_path, capsys):
+    assert main(["report", str(tmp_path / "missing")]) == 2
+    assert main(["report", str(tmp_path)]) == 2
+    assert "holds no" in capsys.readouterr().err
