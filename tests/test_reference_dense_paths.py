@@ -27,3 +27,18 @@ def test_shared_rows_equal_one_query_at_a_time(fmt, sink):
         torch.testing.assert_close(out[i : i + 1], o1, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(lse[i : i + 1], l1, rtol=1e-5, atol=1e-6)
     assert torch.isinf(lse[5]).all() and (out[5] == 0).all()
+
+
+def test_dispatch_takes_the_codecs_outer_scale_rules():
+    """The kernel path validates s_l with the codec's one rule set, then passes one float32."""
+    from mla_eval.attention.dispatch import _outer_scale_value
+    from mla_eval.errors import UserError
+
+    nvfp4, fp8 = get_format("nvfp4"), get_format("fp8_ds_mla")
+    assert _outer_scale_value(nvfp4, None) is None
+    assert _outer_scale_value(nvfp4, 0.1) == float(torch.tensor(0.1, dtype=torch.float32))
+    for bad, match in ((-1.0, "positive and finite"), (float("nan"), "positive and finite"), (torch.tensor([0.1, 0.2]), "one outer scale")):
+        with pytest.raises(UserError, match=match):
+            _outer_scale_value(nvfp4, bad)
+    with pytest.raises(UserError, match="takes no outer scale"):
+        _outer_scale_value(fp8, 1.0)

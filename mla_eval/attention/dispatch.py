@@ -16,14 +16,15 @@ when a kernel actually runs.
 from __future__ import annotations
 
 import functools
-import math
 import os
 
 import torch
 
 from mla_eval.attention import reference
-from mla_eval.errors import NonFiniteInputError, UserError
+from mla_eval.errors import UserError
 from mla_eval.formats import get_format
+from mla_eval.formats.codec import check_finite as require_finite
+from mla_eval.formats.codec import outer_scale_tensor
 
 QK_DIM = 576
 
@@ -73,21 +74,13 @@ def _use_kernel(spec, device: torch.device, backend: str) -> bool:
 
 
 def _outer_scale_value(spec, outer_scale) -> float | None:
-    """Validate s_l as the codec does; the kernels take it as one float32 run-time argument."""
-    rule = spec.outer_scale
-    if outer_scale is None:
-        if rule is not None and rule.required:
-            raise UserError(f"format {spec.name} needs a per-layer outer scale; pass --scales FILE (see `mla-eval calibrate`)")
+    """The codec's validation of s_l, then the one float32 value the kernels take per call."""
+    s = outer_scale_tensor(spec, outer_scale, torch.device("cpu"))
+    if s is None:
         return None
-    if rule is None:
-        raise UserError(f"format {spec.name} takes no outer scale s_l; use one of the nvfp4 / fp8_e4m3 formats for --scales")
-    s = torch.as_tensor(outer_scale, dtype=torch.float32)
     if s.numel() != 1:
         raise UserError(f"the kernels take one outer scale per layer, got {s.numel()} values")
-    value = float(s.reshape(()))  # exactly the float32 value the codec uses
-    if not math.isfinite(value) or value <= 0:
-        raise UserError(f"outer scale for {spec.name} must be positive and finite, got {value}")
-    return value
+    return float(s.reshape(()))  # exactly the float32 value the codec uses
 
 
 def write_cache(
@@ -112,14 +105,9 @@ def write_cache(
         reference.write_cache(spec, latent, rope, slot_mapping, cache, outer_scale=outer_scale, layer=layer)
         return
     s_l = _outer_scale_value(spec, outer_scale)
-    if check_finite:
-        for what, x in (("latent", latent), ("rope", rope)):
-            if not bool(torch.isfinite(x).all()):
-                where = f" at layer {layer}" if layer is not None else ""
-                raise NonFiniteInputError(
-                    f"{what} has non-finite values{where}; cache formats need finite values: "
-                    "check the model's activations (overflow?) or the input text"
-                )
+    if check_finite:  # the kernels cannot raise: check here, with the codec's message
+        require_finite(latent.float(), "latent", layer)
+        require_finite(rope.float(), "rope", layer)
     from mla_eval_kernels import cache_writer  # noqa: PLC0415 - CUDA-only import
     from mla_eval_kernels.record_plan import plan_for  # noqa: PLC0415
 

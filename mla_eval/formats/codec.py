@@ -42,7 +42,7 @@ def _as_f32(x: torch.Tensor, what: str, dim: int) -> torch.Tensor:
     return x.to(torch.float32)
 
 
-def _check_finite(x: torch.Tensor, what: str, layer: int | None) -> None:
+def check_finite(x: torch.Tensor, what: str, layer: int | None) -> None:
     bad = ~torch.isfinite(x)
     if bool(bad.any()):
         index = tuple(int(i) for i in bad.nonzero()[0])
@@ -54,8 +54,9 @@ def _check_finite(x: torch.Tensor, what: str, layer: int | None) -> None:
         )
 
 
-def _outer_scale(spec: FormatSpec, outer_scale: OuterScaleArg, device: torch.device) -> torch.Tensor | None:
-    """The per-layer scale as a float32 tensor (broadcast over the leading dims), or None."""
+def outer_scale_tensor(spec: FormatSpec, outer_scale: OuterScaleArg, device: torch.device) -> torch.Tensor | None:
+    """Validate the per-layer scale for `spec`; as a float32 tensor (broadcast over the leading
+    dims), or None. The one place the outer-scale rules are checked (GPU dispatch calls it too)."""
     rule = spec.outer_scale
     if outer_scale is None:
         if rule is not None and rule.required:
@@ -156,11 +157,11 @@ def encode(
     rope = _as_f32(rope, "rope", spec.rope.dim)
     if latent.shape[:-1] != rope.shape[:-1]:
         raise UserError(f"latent {tuple(latent.shape)} and rope {tuple(rope.shape)} disagree on the leading dims")
-    _check_finite(latent, "latent", layer)
-    _check_finite(rope, "rope", layer)
+    check_finite(latent, "latent", layer)
+    check_finite(rope, "rope", layer)
     out = torch.zeros(*latent.shape[:-1], spec.record_bytes, dtype=torch.uint8, device=latent.device)
 
-    s_l = _outer_scale(spec, outer_scale, latent.device)
+    s_l = outer_scale_tensor(spec, outer_scale, latent.device)
     if s_l is not None:
         r_l = _recip(s_l)
         latent = latent * r_l
@@ -193,7 +194,7 @@ def decode(
     rope = _decode_vector(spec.rope, records)
     if spec.token_scale is not None:
         latent = latent * nx.f32_from_bytes(records[..., spec.token_scale.offset : spec.token_scale.end])
-    s_l = _outer_scale(spec, outer_scale, records.device)
+    s_l = outer_scale_tensor(spec, outer_scale, records.device)
     if s_l is not None:
         latent = latent * s_l
         if spec.outer_scale.applies_to_rope:
