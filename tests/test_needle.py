@@ -67,6 +67,7 @@ def _err(args, capsys):
 def test_bad_input(capsys, tmp_path):
     assert "unknown task 'haystack'" in _err(["needle", "--task", "haystack"], capsys)
     assert "--depths must lie in 0..100" in _err(["needle", "--depths", "0,150"], capsys)
+    assert "--prefill 'flash'" in _err(["needle", "--prefill", "flash"], capsys)
     assert "exceeds the model's" in _err(["needle", "--lengths", "10000K"], capsys)
     short = tmp_path / "short.txt"
     short.write_text("Only a short text. Nothing more.")
@@ -82,3 +83,16 @@ def test_tiny_grid_end_to_end_bf16_retrieves(tmp_path, capsys):
     assert doc["formats"]["bf16"]["mean_accuracy"] == 1.0
     assert len(doc["records"]) == 2 * 3 * 2
     assert {p.name for p in (tmp_path / "p").iterdir()} == {"needle_bf16.png", "needle_nvfp4.png", "needle_nvfp4_vs_bf16.png"}
+
+
+def test_prefill_modes_give_the_same_answers(tmp_path, capsys):
+    """mha and absorbed prefill read the same cache bytes; on the embedded model they retrieve the
+    same needles and decode the same text."""
+    docs = {}
+    for mode in ("mha", "absorbed"):
+        out = tmp_path / f"{mode}.json"
+        args = ["needle", "--lengths", "384", "--depths", "0,60", "--formats", "nvfp4", "--scales", "none", "--prefill", mode, "--out", str(out)]
+        assert main(args) == 0, capsys.readouterr().err
+        docs[mode] = json.loads(out.read_text())
+    assert docs["mha"]["settings"]["prefill"] == "mha"
+    assert [r["output"] for r in docs["mha"]["records"]] == [r["output"] for r in docs["absorbed"]["records"]]

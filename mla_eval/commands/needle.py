@@ -17,6 +17,7 @@ from mla_eval.evals.calibrate import calibrate as run_calibration
 from mla_eval.evals.needle_tasks import TASKS, VALUE_KINDS, PromptBuilder, load_haystack
 from mla_eval.evals.text_sources import TokenSource
 from mla_eval.formats import OuterScales
+from mla_eval.model.session import PREFILL_MODES
 from mla_eval.results import default_result_path, environment, write_result
 
 RESULT_SCHEMA = "mla-eval/needle/v1"
@@ -60,6 +61,12 @@ def needle(
     haystack: Path = typer.Option(None, "--haystack", help="Text file or folder of .txt files (default: noise of repeated filler sentences)."),
     scales: str = typer.Option("auto", "--scales", help="Outer scales for +s_l: JSON file, 'auto' (calibrate on a separate prompt), or 'none'."),
     batch: int = typer.Option(1, "--batch", help="Prompts of one length per forward."),
+    prefill: str = typer.Option(
+        "mha", "--prefill",
+        help="How the prompt's prefill reads the quantised cache: 'mha' decodes it, up-projects through kv_b_proj and runs "
+        "causal SDPA (how serving engines prefill MLA; fast), 'absorbed' runs every prompt token through the absorbed "
+        "MLA attention that decode uses (our kernel on CUDA; slow at 64K). Decode steps are always absorbed.",
+    ),
     threshold: float = typer.Option(0.9, "--threshold", help="Accuracy that a length must keep to count toward the effective length."),
     seed: int = typer.Option(0, "--seed", help="Seed of the needles and haystack offsets."),
     out: Path = typer.Option(None, "--out", "-o", help="Result JSON (default results/needle-<model>-<time>.json)."),
@@ -70,7 +77,7 @@ def needle(
     """Needle-in-a-haystack retrieval per cache format, on identical prompts of exact token length.
 
     A cell of length L holds L tokens: the prompt and the decoded answer. Prefill and greedy
-    decoding both read the format's quantised cache. Reports a length x depth
+    decoding both read the format's quantised cache (see --prefill). Reports a length x depth
     accuracy table per format, the failures the format causes (bf16 right, format wrong) first,
     and an effective length per format.
     """
@@ -80,6 +87,8 @@ def needle(
         raise UserError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
     if values not in VALUE_KINDS:
         raise UserError(f"--values {values!r}: choose one of {', '.join(VALUE_KINDS)}")
+    if prefill not in PREFILL_MODES:
+        raise UserError(f"--prefill {prefill!r}: choose one of {', '.join(PREFILL_MODES)}")
     if trials < 1 or batch < 1:
         raise UserError("--trials and --batch must be at least 1")
     if out is not None and out.exists() and not force:
@@ -96,7 +105,7 @@ def needle(
         )
     hay_ids, noise, hay_label = load_haystack(lm.tokenizer, haystack)
     builder = PromptBuilder(lm.tokenizer, hay_ids, noise)
-    st = nd.NeedleSettings(variants, lens, deps, trials, task, values, seed=seed, batch=batch)
+    st = nd.NeedleSettings(variants, lens, deps, trials, task, values, seed=seed, batch=batch, prefill=prefill)
     if min(lens) <= max_new + 16:
         raise UserError(f"--lengths {min(lens)} is too short: a cell holds the prompt and {max_new} answer tokens")
     builder.build(task, values, max(lens) - max_new, deps[-1], 0, seed)  # fails early if the haystack is too short
@@ -133,7 +142,7 @@ def needle(
     doc = {
         "schema": RESULT_SCHEMA,
         "model": {"name": lm.name, "path": str(lm.path), "default": lm.is_default, "max_positions": lm.max_positions},
-        "settings": {"task": task, "values": values, "haystack": hay_label, "lengths": lens, "depths": deps, "trials": trials, "seed": seed, "threshold": threshold, "max_new_tokens": result["max_new_tokens"]},
+        "settings": {"task": task, "values": values, "haystack": hay_label, "lengths": lens, "depths": deps, "trials": trials, "seed": seed, "threshold": threshold, "prefill": prefill, "max_new_tokens": result["max_new_tokens"]},
         "outer_scales": None if outer is None else outer.to_json(),
         "environment": environment(),
         "formats": summary,

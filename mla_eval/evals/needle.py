@@ -1,7 +1,8 @@
 """The needle grid: length x depth x trials, every format on identical prompts.
 
-Each prompt is prefilled through the model with the format's cache (writer + attention), then the
-answer is greedy-decoded token by token reading the same quantised cache. A cell is correct when
+Each prompt is prefilled through the model with the format's cache (writer + attention over what
+the cache stores), then the answer is greedy-decoded token by token reading the same quantised
+cache. A cell is correct when
 every expected string appears in the output (RULER's string-match-all).
 """
 
@@ -30,6 +31,7 @@ class NeedleSettings:
     batch: int = 1
     max_new_tokens: int = 0  # 0: by value kind
     outer_scales: object = None
+    prefill: str = "mha"  # session.PREFILL_MODES
 
 
 def new_tokens_for(values: str, task: str) -> int:
@@ -52,11 +54,17 @@ def make_prompts(builder: PromptBuilder, st: NeedleSettings) -> list[Prompt]:
 
 
 @torch.no_grad()
-def generate(lm, variant: Variant, prompts: list[Prompt], max_new: int, outer_scales) -> list[list[int]]:
-    """Greedy answers of a batch of equal-length prompts, through the variant's cache."""
+def generate(lm, variant: Variant, prompts: list[Prompt], max_new: int, outer_scales, prefill: str = "mha") -> list[list[int]]:
+    """Greedy answers of a batch of equal-length prompts, through the variant's cache.
+
+    The prefill reads the quantised cache in `prefill` mode (see session.PREFILL_MODES); every
+    decode step runs the absorbed attention (our kernel on CUDA) over the same cache.
+    """
     ids = torch.tensor([p.ids for p in prompts], device=lm.device)
     b, t = ids.shape
-    session = CacheSession(variant.spec, lm.num_layers, b, t + max_new, lm.device, outer_scales=outer_scales if variant.outer else None)
+    session = CacheSession(
+        variant.spec, lm.num_layers, b, t + max_new, lm.device, outer_scales=outer_scales if variant.outer else None, prefill=prefill
+    )
     out: list[list[int]] = [[] for _ in prompts]
     with lm.adapter.session(session):
         logits = lm.model(input_ids=ids, position_ids=torch.arange(t, device=lm.device).expand(b, -1), use_cache=False).logits[:, -1]
@@ -85,7 +93,7 @@ def run_needle(lm, builder: PromptBuilder, st: NeedleSettings, progress: Callabl
             group = [p for p in prompts if p.length == length]
             for i in range(0, len(group), st.batch):
                 chunk = group[i : i + st.batch]
-                answers = generate(lm, v, chunk, max_new, st.outer_scales)
+                answers = generate(lm, v, chunk, max_new, st.outer_scales, st.prefill)
                 for p, a in zip(chunk, answers):
                     text = lm.tokenizer.decode(a, skip_special_tokens=True)
                     records.append(

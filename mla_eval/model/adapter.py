@@ -136,14 +136,17 @@ def _owned_forward(self, hidden_states, *args, **kwargs):
     q_pe, k_pe = self._mla_eval_rope(q_pe, k_pe, position_embeddings)
     k_pe = k_pe.view(bsz, seq, rope_d)
 
+    layer = self.layer_idx
+    session.write(layer, c_kv, k_pe)
+    if not adapter.is_dsa and session.uses_mha_prefill(layer, seq):
+        return self.o_proj(_mha_prefill(self, session, q_nope, q_pe, hidden_states.dtype)), None
+
     # Absorb W_UK into the query and keep W_UV for the output (kv_b_proj: [H*(nope+v), 512]).
     w = self.kv_b_proj.weight.view(heads, nope + v_d, self.kv_lora_rank).float()
     w_uk, w_uv = w[:, :nope], w[:, nope:]
     q_lat = torch.einsum("bhtn,hnc->bthc", q_nope.float(), w_uk)
     q_abs = torch.cat([q_lat, q_pe.float().transpose(1, 2)], dim=-1)  # [B, T, H, 576]
 
-    layer = self.layer_idx
-    session.write(layer, c_kv, k_pe)
     topk = None
     if adapter.is_dsa:
         topk = _dsa_topk(self, hidden_states, q_resid, position_embeddings, attention_mask, kwargs)
@@ -155,6 +158,24 @@ def _owned_forward(self, hidden_states, *args, **kwargs):
     if self.config.model_type == "glm_moe_dsa":  # its decoder layer passes top-k on to the next
         return out, None, topk
     return out, None
+
+
+def _mha_prefill(self, session: CacheSession, q_nope, q_pe, dtype) -> torch.Tensor:
+    """Causal multi-head attention of a fresh prefill over the decoded cache (session.PREFILL_MODES).
+
+    K and V come from what the cache stores -- the format's decoded latent up-projected through
+    kv_b_proj and its decoded rope -- never from the unquantised c_kv. Returns [B, T, H * v_dim]
+    in the model's dtype, ready for o_proj.
+    """
+    bsz, heads, seq, _ = q_nope.shape
+    nope, v_d = self.qk_nope_head_dim, self.v_head_dim
+    latent, rope = session.read_back(self.layer_idx, 0, seq)  # float32 [B, T, 512], [B, T, 64]
+    kv = self.kv_b_proj(latent.to(dtype)).view(bsz, seq, heads, nope + v_d).transpose(1, 2)
+    k_nope, v = torch.split(kv, [nope, v_d], dim=-1)
+    k = torch.cat([k_nope, rope.to(dtype).view(bsz, 1, seq, -1).expand(-1, heads, -1, -1)], dim=-1)
+    q = torch.cat([q_nope, q_pe.to(q_nope.dtype)], dim=-1)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=float(self.scaling))
+    return out.transpose(1, 2).reshape(bsz, seq, heads * v_d)
 
 
 def _dsa_topk(self, hidden_states, q_resid, position_embeddings, attention_mask, kwargs):
