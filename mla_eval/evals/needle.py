@@ -67,7 +67,10 @@ def generate(lm, variant: Variant, prompts: list[Prompt], max_new: int, outer_sc
     )
     out: list[list[int]] = [[] for _ in prompts]
     with lm.adapter.session(session):
-        logits = lm.model(input_ids=ids, position_ids=torch.arange(t, device=lm.device).expand(b, -1), use_cache=False).logits[:, -1]
+        # only the last position's logits: a 64K prompt's full logits would be 64K x vocab
+        logits = lm.model(
+            input_ids=ids, position_ids=torch.arange(t, device=lm.device).expand(b, -1), use_cache=False, logits_to_keep=1
+        ).logits[:, -1]
         for step in range(max_new):
             nxt = logits.float().argmax(-1)
             for i, tok in enumerate(nxt.tolist()):

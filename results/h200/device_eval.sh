@@ -1,25 +1,34 @@
 #!/usr/bin/env bash
-# One device call on the H200: install CuTe DSL (parts copied by earlier calls, see
-# kernels/device_check.sh), re-run the kernel tests, then the product path end to end:
-# kld on wikitext-2 (a prefix, device-time bound), kernel-vs-reference KLD, a needle grid.
+# The H200 evaluation of the kld and needle issues, in two device calls while the machine is warm.
+#   bash results/h200/device_eval.sh check    install CuTe DSL (parts copied by earlier calls, see
+#                                             kernels/device_check.sh) + jsonschema wheels carried in
+#                                             .devwheels/js, kernel GPU tests, forward benchmark
+#   bash results/h200/device_eval.sh recipe   mla-eval run recipes/h200-full.toml + report
 # Needs .devdata/wiki.test.raw carried (never committed). Logs and JSON under $OUT.
 set -o pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 exec > >(tee -a "$OUT/log") 2>&1
 t0=$(date +%s); step() { echo "=== [$(( $(date +%s) - t0 ))s] $*"; }
-bash kernels/device_check.sh tests > "$OUT/kernel_tests.log" 2>&1; echo "kernel tests rc=$?"; tail -4 "$OUT/kernel_tests.log"
 export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
-TOK=${KLD_TOKENS:-60000}
-step "kld wikitext-2 first $TOK tokens, all formats, kernels"
-timeout ${KLD_TIMEOUT:-150} python3 -m mla_eval kld --text .devdata/wiki.test.raw --max-tokens $TOK --ctx 2048 --stride 512 --batch 8 \
-  --out "$OUT/kld-wikitext2-h200.json" --plot "$OUT/plots" 2>&1 | grep -v "scoring" | tail -25
-step "kld kernel vs reference, 6000 tokens"
-for b in auto reference; do
-  MLA_EVAL_BACKEND=$b timeout 90 python3 -m mla_eval kld --text .devdata/wiki.test.raw --max-tokens 6000 --formats fp8_ds_mla,nvfp4,nvfp4+s_l,mxfp4 \
-    --batch 8 --no-layer-stats --out "$OUT/kld-backend-$b.json" 2>&1 | grep -v scoring | tail -9
-done
-step "needle 4K,16K,64K x 3 depths"
-timeout ${NEEDLE_TIMEOUT:-100} python3 -m mla_eval needle --lengths 4K,16K,64K --depths 0,50,100 --formats fp8_ds_mla,nvfp4,nvfp4+s_l,mxfp4 \
-  --out "$OUT/needle-h200.json" 2>&1 | tail -12
+case "${1:-check}" in
+check)
+    if [ -d .devwheels/js ] && ! python3 -c 'import jsonschema' 2>/dev/null; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devwheels/js/jsonschema*.whl \
+            .devwheels/js/referencing*.whl .devwheels/js/rpds_py*.whl 2>&1 | tail -2
+    fi
+    step "kernel GPU tests"
+    bash kernels/device_check.sh tests > "$OUT/kernel_tests.log" 2>&1; echo "kernel tests rc=$?"; tail -4 "$OUT/kernel_tests.log"
+    python3 -c 'import jsonschema, cutlass; print("jsonschema", jsonschema.__version__)'
+    step "forward benchmark (kld window and 64K needle cell vs stock SDPA)"
+    timeout ${BENCH_TIMEOUT:-200} python3 -m mla_eval.evals.forward_bench --out "$OUT/forward-bench-h200.json"
+    ;;
+recipe)
+    step "mla-eval run recipes/h200-full.toml"
+    timeout ${RECIPE_TIMEOUT:-540} python3 -m mla_eval run recipes/h200-full.toml --out "$OUT/h200-full" 2>&1 | grep -v -E "scoring|prompts +[0-9━╸ ]" | tail -90
+    echo "run exit $?"
+    step "report"
+    python3 -m mla_eval report "$OUT/h200-full" 2>&1 | tail -3
+    ;;
+esac
 step "done"

@@ -1,0 +1,119 @@
+"""Benchmark: our cache path's model forward vs the stock bf16 SDPA forward, on one GPU.
+
+Two measurements, both on the embedded model (or --model), each ratio taken in the same run:
+  kld:    one teacher-forced batch (--kld-batch x --ctx tokens): stock forward vs the forward with
+          each format's cache, every position reading it through the absorbed attention (what
+          `mla-eval kld` runs).
+  needle: one --needle-length cell (prompt + greedy answer): stock SDPA prefill of the same
+          prompt vs our cell (cache writer, prefill over the decoded cache, absorbed decode steps),
+          per format, and the same cell with --prefill absorbed for one format.
+
+    python -m mla_eval.evals.forward_bench --out results/h200/forward-bench.json
+Prints a table and writes JSON (atomically). Medians of --repeats timed runs after one warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from mla_eval.commands.kld import parse_variants
+from mla_eval.evals import needle as nd
+from mla_eval.evals.needle_tasks import PromptBuilder, load_haystack
+from mla_eval.model.loader import load_model
+from mla_eval.model.session import CacheSession
+from mla_eval.results import environment
+from mla_eval.formats.outer_scale import write_json_atomic
+
+
+def _time(fn, repeats: int, device) -> float:
+    """Median seconds of fn() over `repeats` runs after one warm-up."""
+    fn()
+    out = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out)
+
+
+@torch.no_grad()
+def bench_kld(lm, variants, ctx: int, batch: int, repeats: int) -> dict:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, lm.tokenizer.vocab_size, (batch, ctx), generator=g).to(lm.device)
+    pos = torch.arange(ctx, device=lm.device).expand(batch, -1)
+    stock = _time(lambda: lm.model(input_ids=ids, position_ids=pos, use_cache=False), repeats, lm.device)
+    rows = {}
+    for v in variants:
+        def ours():
+            s = CacheSession(v.spec, lm.num_layers, batch, ctx, lm.device, outer_scales=None)
+            with lm.adapter.session(s):
+                lm.model(input_ids=ids, position_ids=pos, use_cache=False)
+
+        sec = _time(ours, repeats, lm.device)
+        rows[v.name] = {"seconds": sec, "ratio_vs_stock": sec / stock}
+    return {"batch": batch, "ctx": ctx, "stock_seconds": stock, "tokens_per_s_stock": batch * ctx / stock, "formats": rows}
+
+
+@torch.no_grad()
+def bench_needle(lm, variants, length: int, repeats: int, absorbed_format: str | None) -> dict:
+    hay, noise, _ = load_haystack(lm.tokenizer, None)
+    max_new = nd.new_tokens_for("number", "passkey")
+    prompt = PromptBuilder(lm.tokenizer, hay, noise).build("passkey", "number", length - max_new, 50.0, 0, 1234)
+    ids = torch.tensor([prompt.ids], device=lm.device)
+    t = ids.shape[1]
+    pos = torch.arange(t, device=lm.device).view(1, -1)
+    stock = _time(lambda: lm.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=1), repeats, lm.device)
+    rows = {}
+    for v in variants:
+        for mode in ("mha",) + (("absorbed",) if v.name == absorbed_format else ()):
+            answer = []
+            sec = _time(lambda: answer.append(nd.generate(lm, v, [prompt], max_new, None, mode)[0]), repeats, lm.device)
+            text = lm.tokenizer.decode(answer[-1], skip_special_tokens=True)
+            rows[f"{v.name} ({mode} prefill)"] = {
+                "seconds": sec, "ratio_vs_stock_prefill": sec / stock, "retrieved": all(e in text for e in prompt.expected)
+            }
+    return {"length": length, "prompt_tokens": t, "answer_tokens": max_new, "stock_prefill_seconds": stock, "cells": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--formats", default="bf16,fp8_ds_mla,nvfp4,nvfp4_fp8rope,mxfp4")
+    ap.add_argument("--ctx", type=int, default=2048)
+    ap.add_argument("--kld-batch", type=int, default=8)
+    ap.add_argument("--needle-length", type=int, default=65536)
+    ap.add_argument("--absorbed-format", default="nvfp4", help="format whose needle cell is also timed with --prefill absorbed ('' for none)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args(argv)
+    lm = load_model(a.model, a.device)
+    variants = parse_variants(a.formats)
+    doc = {"schema": "mla-eval/forward-bench/v1", "environment": environment(), "model": lm.name,
+           "attn_implementation": lm.model.config._attn_implementation}
+    doc["kld"] = bench_kld(lm, variants, a.ctx, a.kld_batch, a.repeats)
+    print(f"kld batch {a.kld_batch} x {a.ctx}: stock {doc['kld']['stock_seconds'] * 1e3:.1f} ms")
+    for name, r in doc["kld"]["formats"].items():
+        print(f"  {name:20s} {r['seconds'] * 1e3:9.1f} ms  x{r['ratio_vs_stock']:.2f} of stock")
+    doc["needle"] = bench_needle(lm, variants, a.needle_length, a.repeats, a.absorbed_format or None)
+    n = doc["needle"]
+    print(f"needle cell {n['length']} tokens ({n['prompt_tokens']} prompt + {n['answer_tokens']} answer): stock SDPA prefill {n['stock_prefill_seconds'] * 1e3:.1f} ms")
+    for name, r in n["cells"].items():
+        print(f"  {name:32s} {r['seconds'] * 1e3:9.1f} ms  x{r['ratio_vs_stock_prefill']:.2f} of stock prefill  retrieved={r['retrieved']}")
+    if a.out:
+        write_json_atomic(a.out, doc)
+        print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
