@@ -35,6 +35,12 @@ def environment() -> dict[str, Any]:
         env["git_commit"] = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5
         ).stdout.strip() or None
+        # A commit id alone can lie: edited files, or a copied tree whose .git is older than its
+        # files. Tracked changes make the id a lower bound only.
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, capture_output=True, text=True, timeout=10
+        )
+        env["git_dirty"] = bool(status.stdout.strip()) if status.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
         env["git_commit"] = None
     return env
