@@ -11,6 +11,7 @@ from mla_eval.formats import numerics
 from tiny_models import tiny_model
 
 TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "mla_eval" / "default_model"
+BASELINE = Path(__file__).resolve().parents[1] / "results" / "baselines" / "ci-smoke"
 TEXT = " ".join(f"The river {w} flows past the old mill near the {w} bridge." for w in ["north", "south", "east", "west"] * 30)
 
 
@@ -58,7 +59,8 @@ def test_degraded_codec_fails_and_true_codec_passes(tmp_path, monkeypatch, capsy
 
 
 def test_missing_format_and_bad_input(tmp_path, capsys):
-    doc = {"schema": "mla-eval/kld/v1", "formats": {"nvfp4": {"kld_mean": 0.1, "kld_p99": 1.0, "same_top1_pct": 90.0}, "mxfp4": {"kld_mean": 0.2, "kld_p99": 1.0, "same_top1_pct": 80.0}}}
+    doc = json.loads((BASELINE / "kld.json").read_text())
+    assert {"nvfp4", "mxfp4"} <= set(doc["formats"])
     base = tmp_path / "b.json"
     base.write_text(json.dumps(doc))
     del doc["formats"]["mxfp4"]

@@ -22,10 +22,12 @@ def test_shared_rows_equal_one_query_at_a_time(fmt, sink):
     q = torch.randn(9, h, 576, generator=g)
     s = torch.randn(h, generator=g) if sink else None
     out, lse = reference.mla_attention(spec, q, cache, softmax_scale=0.05, block_table=table, seq_lens=lens, sink=s)
+    # Same math, different matmul batching: float32 reassociation leaves ~1e-6 absolute noise on
+    # O(1) outputs (seen: 1.2e-6), so the bound is a few ulps of the summed values, not 1e-6.
     for i in range(9):
         o1, l1 = reference.mla_attention(spec, q[i : i + 1], cache, softmax_scale=0.05, block_table=table[i : i + 1], seq_lens=lens[i : i + 1], sink=s)
-        torch.testing.assert_close(out[i : i + 1], o1, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(lse[i : i + 1], l1, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out[i : i + 1], o1, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse[i : i + 1], l1, rtol=1e-5, atol=1e-5)
     assert torch.isinf(lse[5]).all() and (out[5] == 0).all()
 
 

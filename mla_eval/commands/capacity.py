@@ -35,8 +35,9 @@ from mla_eval.model_presets import (
     load_config,
     preset_names,
 )
+from mla_eval.results import CAPACITY_SCHEMA
 
-SCHEMA = "mla-eval.capacity/1"
+SCHEMA = CAPACITY_SCHEMA
 DEFAULT_GPU = "h200"
 
 

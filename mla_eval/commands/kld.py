@@ -16,9 +16,8 @@ from mla_eval.evals.calibrate import calibrate as run_calibration
 from mla_eval.evals.ref_store import RefStore
 from mla_eval.evals.kld import KldSettings, Variant, gather_arrays, plan_windows, run_kld, summarize_result
 from mla_eval.formats import OuterScales, get_format
+from mla_eval.results import KLD_SCHEMA as RESULT_SCHEMA
 from mla_eval.results import default_result_path, environment, write_result
-
-RESULT_SCHEMA = "mla-eval/kld/v1"
 DEFAULT_FORMATS = (
     "fp8_ds_mla,fp8_ds_mla_pow2,nvfp4,nvfp4+s_l,nvfp4_fp8rope,nvfp4_fp8rope+s_l,nvfp4_fp8rope_st,mxfp4,fp8_e4m3"
 )

@@ -18,9 +18,8 @@ from mla_eval.evals.needle_tasks import TASKS, VALUE_KINDS, PromptBuilder, load_
 from mla_eval.evals.text_sources import TokenSource
 from mla_eval.formats import OuterScales
 from mla_eval.model.session import PREFILL_MODES
+from mla_eval.results import NEEDLE_SCHEMA as RESULT_SCHEMA
 from mla_eval.results import default_result_path, environment, write_result
-
-RESULT_SCHEMA = "mla-eval/needle/v1"
 console = Console(stderr=True)
 
 

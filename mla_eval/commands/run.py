@@ -16,8 +16,7 @@ from pathlib import Path
 import typer
 
 from mla_eval.errors import UserError
-from mla_eval.formats.outer_scale import write_json_atomic
-from mla_eval.results import environment
+from mla_eval.results import ENVIRONMENT_SCHEMA, environment, write_result
 
 SECTIONS = ("kld", "needle", "capacity")
 
@@ -70,7 +69,7 @@ def run(
         shutil.rmtree(out)
     out.mkdir(parents=True)
     shutil.copyfile(recipe, out / "recipe.toml")
-    write_json_atomic(out / "environment.json", environment())
+    write_result(out / "environment.json", environment(), schema=ENVIRONMENT_SCHEMA)
     common = []
     if doc.get("model"):
         common += ["--model", str(doc["model"])]
@@ -92,7 +91,7 @@ def run(
             with contextlib.redirect_stdout(buf):
                 code = main([section, *_args(doc[section]), "--json"])
             if code == 0:
-                write_json_atomic(out / "capacity.json", json.loads(buf.getvalue()))
+                write_result(out / "capacity.json", json.loads(buf.getvalue()))
         if code != 0:
             raise UserError(f"recipe section [{section}] failed (exit {code}); see the message above")
     typer.echo(f"wrote {out}/")

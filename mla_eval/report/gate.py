@@ -15,6 +15,7 @@ from pathlib import Path
 from xml.sax.saxutils import escape
 
 from mla_eval.errors import UserError
+from mla_eval.results import read_result
 
 # metric -> (direction, default abs tolerance, default rel tolerance); direction "lower" means
 # lower is better, "higher" higher is better, "exact" any change fails.
@@ -59,19 +60,21 @@ def _metrics(doc: dict) -> dict[str, tuple[str, float | None]]:
 
 
 def load_docs(path: Path) -> dict[str, dict]:
-    """A result JSON file, or every *.json of a results directory, keyed by file name."""
+    """A result JSON file, or every result *.json of a results directory (those with an mla-eval
+    `schema`; environment.json has none), keyed by file name; each validated against its schema."""
     path = Path(path)
-    files = sorted(path.glob("*.json")) if path.is_dir() else [path]
     if not path.exists():
         raise UserError(f"{path} does not exist")
+    if not path.is_dir():
+        return {path.name: read_result(path)}
     docs = {}
-    for f in files:
+    for f in sorted(path.glob("*.json")):
         try:
             doc = json.loads(f.read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise UserError(f"{f} is not readable JSON ({exc})") from None
         if isinstance(doc, dict) and str(doc.get("schema", "")).startswith("mla-eval"):
-            docs[f.name] = doc
+            docs[f.name] = read_result(f)
     if not docs:
         raise UserError(f"{path} holds no mla-eval result JSON")
     return docs

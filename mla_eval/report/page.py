@@ -6,6 +6,8 @@ import base64
 import html
 from pathlib import Path
 
+from mla_eval.errors import UserError
+
 KLD_COLUMNS = (
     ("KLD mean", "kld_mean", "{:.5f}"),
     ("± se", "kld_se", "{:.5f}"),
@@ -45,13 +47,17 @@ def sections(docs: dict[str, dict]) -> list[tuple[str, list[str], list[list[str]
 
 
 def load_results_dir(folder: Path) -> dict[str, dict]:
-    import json
+    """kld.json, needle.json and capacity.json of a results directory, each validated."""
+    from mla_eval.results import RESULTS_DIR_FILES, read_result
 
     docs = {}
-    for kind in ("kld", "needle", "capacity"):
+    for kind, schema in RESULTS_DIR_FILES.items():
         p = folder / f"{kind}.json"
         if p.is_file():
-            docs[kind] = json.loads(p.read_text())
+            doc = read_result(p)
+            if doc["schema"] != schema:
+                raise UserError(f"{p}: schema {doc['schema']!r}, but a results directory's {kind}.json is {schema}")
+            docs[kind] = doc
     return docs
 
 
