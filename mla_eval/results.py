@@ -24,7 +24,7 @@ import torch
 
 from mla_eval import __version__
 from mla_eval.errors import UserError
-from mla_eval.formats.outer_scale import write_json_atomic
+from mla_eval.atomic_io import write_json_atomic
 
 
 def environment() -> dict[str, Any]:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import typer
 
+from mla_eval.atomic_io import write_text_atomic
 from mla_eval.errors import UserError
 from mla_eval.report import gate as g
 
@@ -56,7 +57,7 @@ def gate(
     typer.echo(g.markdown(checks))
     if junit:
         junit.parent.mkdir(parents=True, exist_ok=True)
-        junit.write_text(g.junit(checks))
+        write_text_atomic(junit, g.junit(checks))
     if any(not c.ok for c in checks):
         raise typer.Exit(1)
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import typer
 
+from mla_eval.atomic_io import write_text_atomic
 from mla_eval.errors import UserError
 from mla_eval.report import page
 
@@ -24,8 +25,8 @@ def report(
     secs = page.sections(docs)
     images = sorted((results / "plots").glob("*.png")) if (results / "plots").is_dir() else []
     title = f"mla-eval report — {results.name}"
-    out.write_text(page.render_html(title, secs, images))
-    out.with_suffix(".md").write_text(page.render_markdown(title, secs))
+    write_text_atomic(out, page.render_html(title, secs, images))
+    write_text_atomic(out.with_suffix(".md"), page.render_markdown(title, secs))
     typer.echo(f"wrote {out} and {out.with_suffix('.md')}")
 
 

@@ -27,7 +27,7 @@ from mla_eval.evals.needle_tasks import PromptBuilder, load_haystack
 from mla_eval.model.loader import load_model
 from mla_eval.model.session import CacheSession
 from mla_eval.results import environment
-from mla_eval.formats.outer_scale import write_json_atomic
+from mla_eval.atomic_io import write_json_atomic, write_text_atomic
 
 
 def _time(fn, repeats: int, device) -> float:
@@ -90,6 +90,25 @@ def bench_needle(lm, variants, length: int, repeats: int, absorbed_format: str |
             "stock_cell_seconds": stock_cell, "cells": rows}
 
 
+def profile_cell(lm, variant, length: int, path: Path) -> None:
+    """torch.profiler tables (by host time and by device time) of one needle cell, to `path`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    hay, noise, _ = load_haystack(lm.tokenizer, None)
+    max_new = nd.new_tokens_for("number", "passkey")
+    prompt = PromptBuilder(lm.tokenizer, hay, noise).build("passkey", "number", length - max_new, 50.0, 0, 1234)
+    nd.generate(lm, variant, [prompt], max_new, None, "mha")  # warm-up (compiles)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if lm.device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        nd.generate(lm, variant, [prompt], max_new, None, "mha")
+    ka = prof.key_averages()
+    text = [f"one {length}-token needle cell ({max_new} answer tokens), format {variant.name}, mha prefill\n"]
+    text.append("== by host (CPU) total time ==\n" + ka.table(sort_by="cpu_time_total", row_limit=30))
+    if lm.device.type == "cuda":
+        text.append("== by device time ==\n" + ka.table(sort_by="cuda_time_total", row_limit=30))
+    write_text_atomic(path, "\n".join(text))
+
+
 def _stock_cell(lm, ids, max_new: int) -> None:
     """The stock model's own cell: SDPA prefill with its bf16 KV cache, then greedy decode steps."""
     out = lm.model(input_ids=ids, use_cache=True, logits_to_keep=1)
@@ -110,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--absorbed-format", default="nvfp4", help="format whose needle cell is also timed with --prefill absorbed ('' for none)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--profile", type=Path, default=None, help="also write torch.profiler tables of one --absorbed-format needle cell here")
     a = ap.parse_args(argv)
     lm = load_model(a.model, a.device)
     variants = parse_variants(a.formats)
@@ -131,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
             f"x{r['ratio_vs_stock_cell']:.2f} of stock cell); prefill {r['prefill_seconds'] * 1e3:8.1f} ms "
             f"(x{r['prefill_ratio_vs_stock_prefill']:.2f}); decode step {r['decode_step_seconds'] * 1e3:.2f} ms; retrieved={r['retrieved']}"
         )
+    if a.profile:
+        profile_cell(lm, next(v for v in variants if v.name == (a.absorbed_format or variants[0].name)), a.needle_length, a.profile)
+        print(f"wrote {a.profile}")
     if a.out:
         write_json_atomic(a.out, doc)
         print(f"wrote {a.out}")

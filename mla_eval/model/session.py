@@ -155,6 +155,7 @@ class CacheSession:
                 seq_lens=(q_pos + 1).repeat(b).to(torch.int32),
                 softmax_scale=softmax_scale,
                 outer_scale=self.outer_scale(layer),
+                max_seq_len=end,  # the longest list, known here: spares the kernel path a device sync
             )
         else:
             # The block table is contiguous per sequence, so position p of sequence b is slot

@@ -29,7 +29,7 @@ tests)
     ;;
 bench)
     step "forward benchmark (kld window and 64K needle cell vs stock SDPA)"
-    timeout ${BENCH_TIMEOUT:-200} python3 -m mla_eval.evals.forward_bench --out "$OUT/forward-bench-h200.json"
+    timeout ${BENCH_TIMEOUT:-200} python3 -m mla_eval.evals.forward_bench --out "$OUT/forward-bench-h200.json" --profile "$OUT/profile-needle-64k.txt"
     ;;
 recipe)
     step "mla-eval run recipes/h200-full.toml"
