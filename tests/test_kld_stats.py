@@ -47,8 +47,25 @@ def test_summary_hand_computed():
     # ln ratio = mean(nll_fmt - nll_ref) = mean(.5, 0, .5, 1) = .5, se from the differences
     assert s["ln_ppl_ratio"] == pytest.approx(0.5)
     assert s["ln_ppl_ratio_se"] == pytest.approx(np.std([0.5, 0, 0.5, 1.0], ddof=1) / 2)
-    buckets = {(b["depth_lo"], b["depth_hi"]): b for b in s["kld_by_depth"]}
-    assert buckets[(0, 256)]["tokens"] == 1 and buckets[(512, 1024)]["kld_mean"] == pytest.approx(0.35)
+    # depths 10..700 in 8 equal buckets of ~86: 10 | 300 | 600 and 700 in the last two
+    rows = s["kld_by_depth"]
+    assert [r["tokens"] for r in rows] == [1, 1, 1, 1]
+    assert rows[0]["depth_lo"] == 10 and rows[-1]["depth_hi"] == 701
+    assert [r["kld_mean"] for r in rows] == pytest.approx([0.1, 0.2, 0.3, 0.4])
+
+
+def test_depth_buckets_split_the_scored_range():
+    from mla_eval.evals.kld_stats import depth_buckets
+
+    depth = np.arange(1024, 2048)  # the default protocol: ctx 2048, min context 1024
+    kld = depth / 2048.0
+    rows = depth_buckets(kld, depth)
+    assert len(rows) == 8 and all(r["tokens"] == 128 for r in rows)
+    assert [r["depth_lo"] for r in rows] == list(range(1024, 2048, 128)) and rows[-1]["depth_hi"] == 2048
+    assert rows[3]["kld_mean"] == pytest.approx(np.mean(kld[3 * 128 : 4 * 128]))
+    assert np.all(np.diff([r["kld_mean"] for r in rows]) > 0)  # a trend with depth shows as one
+    one = depth_buckets(np.array([0.5, 0.7]), np.array([300, 300]))  # a single depth: one bucket
+    assert one == [{"depth_lo": 300, "depth_hi": 301, "tokens": 2, "kld_mean": pytest.approx(0.6), "kld_se": pytest.approx(0.1)}]
 
 
 def test_shards_concatenate_to_identical_statistics():

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 PERCENTILES = (90.0, 95.0, 99.0, 99.9)
-DEPTH_EDGES = (0, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+DEPTH_BUCKETS = 8  # equal-width context-depth buckets over the scored depths
 
 
 def token_metrics(ref_logp: torch.Tensor, fmt_logp: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -127,12 +127,20 @@ def summarize(a: dict[str, np.ndarray]) -> dict:
     return out
 
 
-def depth_buckets(kld: np.ndarray, depth: np.ndarray) -> list[dict]:
-    """Mean KLD per context-depth bucket [lo, hi): does the error grow with distance?"""
+def depth_buckets(kld: np.ndarray, depth: np.ndarray, buckets: int = DEPTH_BUCKETS) -> list[dict]:
+    """Mean KLD per context-depth bucket [lo, hi): does the error grow with distance?
+
+    The buckets split the scored depths' own range into equal widths: the sliding-window protocol
+    scores depths min_context..ctx-1 only (1024..2047 by default), so fixed power-of-two edges
+    would put every token into one bucket. Empty buckets are left out.
+    """
+    lo, hi = int(depth.min()), int(depth.max()) + 1
+    edges = np.unique(np.linspace(lo, hi, buckets + 1).round().astype(np.int64))
+    which = np.searchsorted(edges, depth, side="right") - 1  # bucket i holds edges[i] <= d < edges[i+1]
     rows = []
-    for lo, hi in zip(DEPTH_EDGES[:-1], DEPTH_EDGES[1:]):
-        m = (depth >= lo) & (depth < hi)
+    for i in range(edges.size - 1):
+        m = which == i
         if m.any():
             mean, se = _mean_se(kld[m])
-            rows.append({"depth_lo": lo, "depth_hi": hi, "tokens": int(m.sum()), "kld_mean": mean, "kld_se": se})
+            rows.append({"depth_lo": int(edges[i]), "depth_hi": int(edges[i + 1]), "tokens": int(m.sum()), "kld_mean": mean, "kld_se": se})
     return rows

@@ -40,8 +40,7 @@ def kld_plots(result: dict, summary: dict, folder: Path) -> list[Path]:
         rows = s["kld_by_depth"]
         x = [(r["depth_lo"] + r["depth_hi"]) / 2 for r in rows]
         ax.errorbar(x, [r["kld_mean"] for r in rows], yerr=[r["kld_se"] or 0 for r in rows], marker="o", capsize=3, label=name)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("context depth of the scored token (tokens)")
+    ax.set_xlabel("context depth of the scored token (tokens; bucket centres)")
     ax.set_ylabel("mean KLD")
     ax.set_title("KLD by context depth")
     ax.grid(alpha=0.3)
