@@ -74,3 +74,23 @@ def test_missing_format_and_bad_input(tmp_path, capsys):
     assert capsys.readouterr().err.startswith("error: ")
     assert main(["gate", str(res), "--baseline", str(base), "--update"]) == 0
     assert main(["gate", str(res), "--baseline", str(base)]) == 0
+
+
+def test_update_copies_documents_only_and_refuses_invalid_results(tmp_path, capsys):
+    res, base = tmp_path / "r", tmp_path / "b"
+    shutil.copytree(BASELINE, res)
+    (res / "plots").mkdir()
+    (res / "plots" / "x.png").write_bytes(b"png")
+    (res / "report.html").write_text("<html>")
+    base.mkdir()
+    (base / "old.json").write_text((BASELINE / "kld.json").read_text())  # a document the results lack
+    assert main(["gate", str(res), "--baseline", str(base), "--update"]) == 0
+    assert sorted(p.name for p in base.iterdir()) == sorted(p.name for p in BASELINE.iterdir() if p.is_file())
+    assert main(["gate", str(res), "--baseline", str(base)]) == 0
+    doc = json.loads((res / "kld.json").read_text())
+    doc["formats"]["nvfp4"]["kld_mean"] = "high"
+    (res / "kld.json").write_text(json.dumps(doc))
+    before = (base / "kld.json").read_text()
+    capsys.readouterr()
+    assert main(["gate", str(res), "--baseline", str(base), "--update"]) == 2
+    assert "kld_mean" in capsys.readouterr().err and (base / "kld.json").read_text() == before

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import typer
@@ -44,13 +43,7 @@ def gate(
     same_top1_pct 0.5 points, retrieval and capacity exact.
     """
     if update:
-        if not results.exists():
-            raise UserError(f"{results} does not exist")
-        if results.is_dir():
-            shutil.copytree(results, baseline, dirs_exist_ok=True)
-        else:
-            baseline.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(results, baseline)
+        _update(results, baseline)
         typer.echo(f"baseline {baseline} updated from {results}")
         return
     checks = g.compare(g.load_docs(results), g.load_docs(baseline), _tolerances(tolerances))
@@ -60,6 +53,22 @@ def gate(
         write_text_atomic(junit, g.junit(checks))
     if any(not c.ok for c in checks):
         raise typer.Exit(1)
+
+
+def _update(results: Path, baseline: Path) -> None:
+    """Make the baseline hold exactly the results' documents (validated first, so an unusable
+    result never becomes a baseline), plus the recipe and environment that produced them.
+    Plots and reports are not baseline material and are not copied."""
+    docs = g.load_docs(results)
+    if not results.is_dir():
+        write_text_atomic(baseline, results.read_text(encoding="utf-8"))
+        return
+    keep = [*docs, *(n for n in ("environment.json", "recipe.toml") if (results / n).is_file())]
+    for name in keep:
+        write_text_atomic(baseline / name, (results / name).read_text(encoding="utf-8"))
+    for stale in baseline.glob("*.json"):  # a document the new results no longer have
+        if stale.name not in keep:
+            stale.unlink()
 
 
 def register(app: typer.Typer) -> None:

@@ -10,7 +10,7 @@ from mla_eval.errors import UserError
 
 KLD_COLUMNS = (
     ("KLD mean", "kld_mean", "{:.5f}"),
-    ("± se", "kld_se", "{:.5f}"),
+    ("± se", "kld_se", "{:.1e}"),  # a standard error is read for its magnitude: 2e-05, not 0.00000
     ("median", "kld_median", "{:.5f}"),
     ("p99", "kld_p99", "{:.4f}"),
     ("max", "kld_max", "{:.3f}"),
