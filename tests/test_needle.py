@@ -96,3 +96,39 @@ def test_prefill_modes_give_the_same_answers(tmp_path, capsys):
         docs[mode] = json.loads(out.read_text())
     assert docs["mha"]["settings"]["prefill"] == "mha"
     assert [r["output"] for r in docs["mha"]["records"]] == [r["output"] for r in docs["absorbed"]["records"]]
+
+
+def test_stop_at_answer_keeps_every_score_and_shortens_only_found_answers(tmp_path, capsys):
+    docs = {}
+    for name, extra in (("stop", []), ("full", ["--full-answers"])):
+        out = tmp_path / f"{name}.json"
+        args = ["needle", "--lengths", "256,512", "--depths", "0,50,100", "--formats", "nvfp4,mxfp4", "--scales", "none", "--out", str(out), *extra]
+        assert main(args) == 0, capsys.readouterr().err
+        docs[name] = json.loads(out.read_text())
+    stop, full = docs["stop"]["records"], docs["full"]["records"]
+    budget = docs["full"]["settings"]["max_new_tokens"]
+    assert docs["stop"]["settings"]["stop_at_answer"] and not docs["full"]["settings"]["stop_at_answer"]
+    assert [r["correct"] for r in stop] == [r["correct"] for r in full]
+    assert all(r["answer_tokens"] == budget for r in full)
+    for s, f in zip(stop, full):
+        assert f["output"].startswith(s["output"])
+        assert (s["answer_tokens"] < budget) == (s["correct"] and s["answer_tokens"] < budget)
+    assert any(r["correct"] and r["answer_tokens"] < budget for r in stop)  # it does stop early
+
+
+def test_a_prompt_without_its_answer_decodes_the_full_budget():
+    from mla_eval.commands.kld import parse_variants
+    from mla_eval.model.loader import load_model
+
+    lm = load_model(None, "cpu")
+    hay, noise, _ = load_haystack(lm.tokenizer, None)
+    builder = PromptBuilder(lm.tokenizer, hay, noise)
+    found = builder.build("passkey", "number", 240, 50.0, 0, 7)
+    missing = builder.build("passkey", "number", 240, 50.0, 0, 8)
+    missing.expected = ["never-in-any-output"]
+    v = parse_variants("bf16")[0]
+    a, b = nd.generate(lm, v, [found, missing], 10, None, stop_at_answer=True)
+    assert len(b) == 10  # never found: the whole budget, although its batch-mate stopped early
+    assert len(a) < 10 and all(e in lm.tokenizer.decode(a, skip_special_tokens=True) for e in found.expected)
+    full = nd.generate(lm, v, [found], 10, None, stop_at_answer=False)[0]
+    assert len(full) == 10 and full[: len(a)] == a

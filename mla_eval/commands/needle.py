@@ -66,6 +66,11 @@ def needle(
         "causal SDPA (how serving engines prefill MLA; fast), 'absorbed' runs every prompt token through the absorbed "
         "MLA attention that decode uses (our kernel on CUDA; slow at 64K). Decode steps are always absorbed.",
     ),
+    full_answers: bool = typer.Option(
+        False, "--full-answers",
+        help="Decode every answer to its full token budget. By default a prompt stops once its output holds every "
+        "expected string: the score cannot change by that (appending never removes a match); only the recorded output is shorter.",
+    ),
     threshold: float = typer.Option(0.9, "--threshold", help="Accuracy that a length must keep to count toward the effective length."),
     seed: int = typer.Option(0, "--seed", help="Seed of the needles and haystack offsets."),
     out: Path = typer.Option(None, "--out", "-o", help="Result JSON (default results/needle-<model>-<time>.json)."),
@@ -104,7 +109,7 @@ def needle(
         )
     hay_ids, noise, hay_label = load_haystack(lm.tokenizer, haystack)
     builder = PromptBuilder(lm.tokenizer, hay_ids, noise)
-    st = nd.NeedleSettings(variants, lens, deps, trials, task, values, seed=seed, batch=batch, prefill=prefill)
+    st = nd.NeedleSettings(variants, lens, deps, trials, task, values, seed=seed, batch=batch, prefill=prefill, stop_at_answer=not full_answers)
     if min(lens) <= max_new + 16:
         raise UserError(f"--lengths {min(lens)} is too short: a cell holds the prompt and {max_new} answer tokens")
     builder.build(task, values, max(lens) - max_new, deps[-1], 0, seed)  # fails early if the haystack is too short
@@ -141,7 +146,7 @@ def needle(
     doc = {
         "schema": RESULT_SCHEMA,
         "model": {"name": lm.name, "path": str(lm.path), "default": lm.is_default, "max_positions": lm.max_positions},
-        "settings": {"task": task, "values": values, "haystack": hay_label, "lengths": lens, "depths": deps, "trials": trials, "seed": seed, "threshold": threshold, "prefill": prefill, "max_new_tokens": result["max_new_tokens"]},
+        "settings": {"task": task, "values": values, "haystack": hay_label, "lengths": lens, "depths": deps, "trials": trials, "seed": seed, "threshold": threshold, "prefill": prefill, "max_new_tokens": result["max_new_tokens"], "stop_at_answer": not full_answers},
         "outer_scales": None if outer is None else outer.to_json(),
         "environment": environment(),
         "formats": summary,

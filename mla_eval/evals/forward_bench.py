@@ -6,7 +6,9 @@ Two measurements, both on the embedded model (or --model), each ratio taken in t
           `mla-eval kld` runs).
   needle: one --needle-length cell (prompt + greedy answer): stock SDPA prefill of the same
           prompt vs our cell (cache writer, prefill over the decoded cache, absorbed decode steps),
-          per format, and the same cell with --prefill absorbed for one format.
+          per format, and the same cell with --prefill absorbed for one format. Each cell is timed
+          with the full answer budget (what a cell that misses its needle costs) and stopped at
+          the answer (`mla-eval needle`'s default).
 
     python -m mla_eval.evals.forward_bench --out results/h200/forward-bench.json
 Prints a table and writes JSON (atomically). Medians of --repeats timed runs after one warm-up.
@@ -80,8 +82,12 @@ def bench_needle(lm, variants, length: int, repeats: int, absorbed_format: str |
             reps = repeats if mode == "mha" else 1  # an absorbed 64K prefill takes seconds
             sec = _time(lambda: answer.append(nd.generate(lm, v, [prompt], max_new, None, mode)[0]), reps, lm.device)
             prefill = _time(lambda: nd.generate(lm, v, [prompt], 1, None, mode), reps, lm.device)
+            stopped = []
+            stop_sec = _time(lambda: stopped.append(nd.generate(lm, v, [prompt], max_new, None, mode, stop_at_answer=True)[0]), reps, lm.device)
             text = lm.tokenizer.decode(answer[-1], skip_special_tokens=True)
             rows[f"{v.name} ({mode} prefill)"] = {
+                "stop_at_answer_seconds": stop_sec, "stop_at_answer_tokens": len(stopped[-1]),
+                "stop_at_answer_ratio_vs_stock_prefill": stop_sec / stock,
                 "seconds": sec, "ratio_vs_stock_prefill": sec / stock, "ratio_vs_stock_cell": sec / stock_cell,
                 "prefill_seconds": prefill, "prefill_ratio_vs_stock_prefill": prefill / stock,
                 "decode_step_seconds": (sec - prefill) / (max_new - 1), "retrieved": all(e in text for e in prompt.expected),
@@ -128,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--needle-length", type=int, default=65536)
     ap.add_argument("--absorbed-format", default="nvfp4", help="format whose needle cell is also timed with --prefill absorbed ('' for none)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--parts", default="kld,needle", help="which measurements: kld, needle or both (comma-separated)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--profile", type=Path, default=None, help="also write torch.profiler tables of one --absorbed-format needle cell here")
     a = ap.parse_args(argv)
@@ -135,22 +142,29 @@ def main(argv: list[str] | None = None) -> int:
     variants = parse_variants(a.formats)
     doc = {"schema": "mla-eval/forward-bench/v1", "environment": environment(), "model": lm.name,
            "attn_implementation": lm.model.config._attn_implementation}
-    doc["kld"] = bench_kld(lm, variants, a.ctx, a.kld_batch, a.repeats)
-    print(f"kld batch {a.kld_batch} x {a.ctx}: stock {doc['kld']['stock_seconds'] * 1e3:.1f} ms")
-    for name, r in doc["kld"]["formats"].items():
-        print(f"  {name:20s} {r['seconds'] * 1e3:9.1f} ms  x{r['ratio_vs_stock']:.2f} of stock")
-    doc["needle"] = bench_needle(lm, variants, a.needle_length, a.repeats, a.absorbed_format or None)
-    n = doc["needle"]
-    print(
-        f"needle cell {n['length']} tokens ({n['prompt_tokens']} prompt + {n['answer_tokens']} answer): "
-        f"stock SDPA prefill {n['stock_prefill_seconds'] * 1e3:.1f} ms, stock cell (prefill + decode) {n['stock_cell_seconds'] * 1e3:.1f} ms"
-    )
-    for name, r in n["cells"].items():
+    parts = {x.strip() for x in a.parts.split(",") if x.strip()}
+    if not parts or parts - {"kld", "needle"}:
+        ap.error(f"--parts {a.parts!r}: kld, needle or both")
+    if "kld" in parts:
+        doc["kld"] = bench_kld(lm, variants, a.ctx, a.kld_batch, a.repeats)
+        print(f"kld batch {a.kld_batch} x {a.ctx}: stock {doc['kld']['stock_seconds'] * 1e3:.1f} ms")
+        for name, r in doc["kld"]["formats"].items():
+            print(f"  {name:20s} {r['seconds'] * 1e3:9.1f} ms  x{r['ratio_vs_stock']:.2f} of stock")
+    if "needle" in parts:
+        doc["needle"] = bench_needle(lm, variants, a.needle_length, a.repeats, a.absorbed_format or None)
+        n = doc["needle"]
         print(
-            f"  {name:28s} cell {r['seconds'] * 1e3:8.1f} ms (x{r['ratio_vs_stock_prefill']:.2f} of stock prefill, "
-            f"x{r['ratio_vs_stock_cell']:.2f} of stock cell); prefill {r['prefill_seconds'] * 1e3:8.1f} ms "
-            f"(x{r['prefill_ratio_vs_stock_prefill']:.2f}); decode step {r['decode_step_seconds'] * 1e3:.2f} ms; retrieved={r['retrieved']}"
+            f"needle cell {n['length']} tokens ({n['prompt_tokens']} prompt + {n['answer_tokens']} answer): "
+            f"stock SDPA prefill {n['stock_prefill_seconds'] * 1e3:.1f} ms, stock cell (prefill + decode) {n['stock_cell_seconds'] * 1e3:.1f} ms"
         )
+        for name, r in n["cells"].items():
+            print(
+                f"  {name:28s} cell {r['seconds'] * 1e3:8.1f} ms (x{r['ratio_vs_stock_prefill']:.2f} of stock prefill, "
+                f"x{r['ratio_vs_stock_cell']:.2f} of stock cell); prefill {r['prefill_seconds'] * 1e3:8.1f} ms "
+                f"(x{r['prefill_ratio_vs_stock_prefill']:.2f}); decode step {r['decode_step_seconds'] * 1e3:.2f} ms; retrieved={r['retrieved']}; "
+                f"stopped at the answer after {r['stop_at_answer_tokens']} tokens: {r['stop_at_answer_seconds'] * 1e3:.1f} ms "
+                f"(x{r['stop_at_answer_ratio_vs_stock_prefill']:.2f} of stock prefill)"
+            )
     if a.profile:
         profile_cell(lm, next(v for v in variants if v.name == (a.absorbed_format or variants[0].name)), a.needle_length, a.profile)
         print(f"wrote {a.profile}")

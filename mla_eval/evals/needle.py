@@ -32,6 +32,7 @@ class NeedleSettings:
     max_new_tokens: int = 0  # 0: by value kind
     outer_scales: object = None
     prefill: str = "mha"  # session.PREFILL_MODES
+    stop_at_answer: bool = True  # end a prompt's decode once its answer is complete (exact for the score)
 
 
 def new_tokens_for(values: str, task: str) -> int:
@@ -54,11 +55,19 @@ def make_prompts(builder: PromptBuilder, st: NeedleSettings) -> list[Prompt]:
 
 
 @torch.no_grad()
-def generate(lm, variant: Variant, prompts: list[Prompt], max_new: int, outer_scales, prefill: str = "mha") -> list[list[int]]:
+def generate(
+    lm, variant: Variant, prompts: list[Prompt], max_new: int, outer_scales, prefill: str = "mha", stop_at_answer: bool = False
+) -> list[list[int]]:
     """Greedy answers of a batch of equal-length prompts, through the variant's cache.
 
     The prefill reads the quantised cache in `prefill` mode (see session.PREFILL_MODES); every
     decode step runs the absorbed attention (our kernel on CUDA) over the same cache.
+
+    With `stop_at_answer`, a prompt stops growing once its decoded text holds every expected
+    string, and decoding ends when every prompt of the batch has stopped (or at `max_new`).
+    The score (string-match-all) cannot change by that: appending tokens never removes a
+    substring, so a cell correct at the stop is correct at `max_new`, and a cell that never
+    holds its answer decodes all `max_new` tokens as before.
     """
     ids = torch.tensor([p.ids for p in prompts], device=lm.device)
     b, t = ids.shape
@@ -66,6 +75,7 @@ def generate(lm, variant: Variant, prompts: list[Prompt], max_new: int, outer_sc
         variant.spec, lm.num_layers, b, t + max_new, lm.device, outer_scales=outer_scales if variant.outer else None, prefill=prefill
     )
     out: list[list[int]] = [[] for _ in prompts]
+    done = [False] * len(prompts)
     with lm.adapter.session(session):
         # only the last position's logits: a 64K prompt's full logits would be 64K x vocab
         logits = lm.model(
@@ -74,8 +84,13 @@ def generate(lm, variant: Variant, prompts: list[Prompt], max_new: int, outer_sc
         for step in range(max_new):
             nxt = logits.float().argmax(-1)
             for i, tok in enumerate(nxt.tolist()):
+                if done[i]:
+                    continue
                 out[i].append(tok)
-            if step == max_new - 1:
+                if stop_at_answer:
+                    text = lm.tokenizer.decode(out[i], skip_special_tokens=True)
+                    done[i] = all(e in text for e in prompts[i].expected)
+            if step == max_new - 1 or all(done):
                 break
             pos = torch.full((b, 1), t + step, device=lm.device)
             logits = lm.model(input_ids=nxt.view(b, 1), position_ids=pos, use_cache=False).logits[:, -1]
@@ -96,13 +111,14 @@ def run_needle(lm, builder: PromptBuilder, st: NeedleSettings, progress: Callabl
             group = [p for p in prompts if p.length == length]
             for i in range(0, len(group), st.batch):
                 chunk = group[i : i + st.batch]
-                answers = generate(lm, v, chunk, max_new, st.outer_scales, st.prefill)
+                answers = generate(lm, v, chunk, max_new, st.outer_scales, st.prefill, st.stop_at_answer)
                 for p, a in zip(chunk, answers):
                     text = lm.tokenizer.decode(a, skip_special_tokens=True)
                     records.append(
                         {
                             "format": v.name, "task": p.task, "length": p.length, "depth": p.depth, "trial": p.trial,
                             "seed": p.seed, "prompt_tokens": len(p.ids), "needle_pos": p.needle_pos, "expected": p.expected, "output": text,
+                            "answer_tokens": len(a),
                             "correct": all(e in text for e in p.expected),
                         }
                     )
