@@ -8,18 +8,14 @@ import torch
 
 from mla_eval.cli import main
 from mla_eval.formats import numerics
-from tiny_models import tiny_model
+from tiny_models import tiny_checkpoint
 
-TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "mla_eval" / "default_model"
 BASELINE = Path(__file__).resolve().parents[1] / "results" / "baselines" / "ci-smoke"
 TEXT = " ".join(f"The river {w} flows past the old mill near the {w} bridge." for w in ["north", "south", "east", "west"] * 30)
 
 
 def _ckpt(tmp_path):
-    d = tmp_path / "ckpt"
-    tiny_model("deepseek_v3", vocab_size=12288, max_position_embeddings=256).save_pretrained(d)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(TOKENIZER_DIR / f, d / f)
+    d = tiny_checkpoint(tmp_path / "ckpt")
     (tmp_path / "t.txt").write_text(TEXT)
     return d
 

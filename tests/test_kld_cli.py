@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mla_eval.cli import main
-from tiny_models import tiny_model
+from tiny_models import tiny_checkpoint, tiny_model
 
 TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "mla_eval" / "default_model"
 TEXT = " ".join(f"The river {w} flows past the old mill near the {w} bridge." for w in ["north", "south", "east", "west"] * 40)
@@ -16,12 +16,7 @@ TEXT = " ".join(f"The river {w} flows past the old mill near the {w} bridge." fo
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny")
-    model = tiny_model("deepseek_v3", vocab_size=12288, max_position_embeddings=256)
-    model.save_pretrained(d)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(TOKENIZER_DIR / f, d / f)
-    return d
+    return tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture(scope="module")

@@ -1,13 +1,11 @@
 """Seeded runs reproduce their result documents exactly, timings excluded."""
 
 import json
-import shutil
 from pathlib import Path
 
 from mla_eval.cli import main
-from tiny_models import tiny_model
+from tiny_models import tiny_checkpoint
 
-TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "mla_eval" / "default_model"
 
 
 def _without_timings(x):
@@ -29,10 +27,7 @@ def _twice(args: list[str], tmp_path: Path) -> tuple[dict, dict]:
 
 
 def test_kld_document_reproduces_with_seeded_self_samples(tmp_path):
-    ckpt = tmp_path / "ckpt"
-    tiny_model("deepseek_v3", vocab_size=12288, max_position_embeddings=256).save_pretrained(ckpt)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(TOKENIZER_DIR / f, ckpt / f)
+    ckpt = tiny_checkpoint(tmp_path / "ckpt")
     # no text: seeded samples drawn from the model itself, then scored (the README's main job)
     args = ["kld", "--model", str(ckpt), "--samples", "3", "--sample-len", "64", "--formats", "nvfp4,fp8_ds_mla,mxfp4", "--scales", "none"]
     a, b = _twice([*args, "--seed", "3"], tmp_path)

@@ -11,7 +11,7 @@ from jsonschema import Draft202012Validator
 from mla_eval.cli import main
 from mla_eval.errors import UserError
 from mla_eval.results import ENVIRONMENT_SCHEMA, SCHEMA_FILES, json_path, load_schema, read_result, validate, write_result
-from tiny_models import tiny_model
+from tiny_models import tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA_DIR = ROOT / "mla_eval" / "schemas"
@@ -243,10 +243,7 @@ def test_report_refuses_a_document_of_the_wrong_kind(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny")
-    tiny_model("deepseek_v3", vocab_size=12288, max_position_embeddings=256).save_pretrained(d)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(TOKENIZER_DIR / f, d / f)
+    d = tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
     (d / "t.txt").write_text(TEXT)
     return d
 

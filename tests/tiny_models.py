@@ -53,3 +53,17 @@ def tiny_model(model_type: str, seed: int = 0, **over):
         for layer in model.model.layers:
             layer.self_attn.kv_a_layernorm.weight.mul_(3.0)
     return model
+
+
+def tiny_checkpoint(folder, model_type: str = "deepseek_v3"):
+    """Save a tiny model with the embedded model's tokenizer (vocab 12288) as a local checkpoint
+    folder that `--model` accepts; returns the folder."""
+    import shutil
+    from pathlib import Path
+
+    folder = Path(folder)
+    tiny_model(model_type, vocab_size=12288, max_position_embeddings=256).save_pretrained(folder)
+    tokenizer_dir = Path(__file__).resolve().parents[1] / "mla_eval" / "default_model"
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / f, folder / f)
+    return folder
