@@ -7,7 +7,6 @@ from mla_eval.cli import main
 from tiny_models import tiny_checkpoint
 
 
-
 def _without_timings(x):
     """The document with every wall-clock figure (keys naming seconds) removed."""
     if isinstance(x, dict):
