@@ -162,3 +162,25 @@ def test_torchrun_two_processes_reduce_to_identical_statistics(ckpt, text, tmp_p
     b = json.loads((tmp_path / "two.json").read_text())
     assert b["settings"]["world_size"] == 2
     assert a["formats"] == b["formats"]
+
+
+def test_device_map_auto_gives_the_same_numbers(ckpt, text, tmp_path, capsys):
+    """--device-map auto loads through accelerate; on one device (here the CPU) every number equals
+    the plain load's. Per-layer cache placement itself is covered in test_session_devices."""
+    pytest.importorskip("accelerate")
+    docs = []
+    for i, extra in enumerate(([], ["--device-map", "auto"])):
+        out = tmp_path / f"k{i}.json"
+        args = ["kld", "--model", str(ckpt), "--text", str(text), "--ctx", "64", "--stride", "32", "--formats", "nvfp4", "--scales", "none", "--out", str(out), *extra]
+        assert main(args) == 0, capsys.readouterr().err
+        docs.append(json.loads(out.read_text())["formats"])
+    assert docs[0] == docs[1]
+
+
+def test_device_map_bad_input(ckpt, text, monkeypatch, capsys):
+    _one_line_error(*run(["kld", "--model", str(ckpt), "--text", str(text), "--device-map", "balanced"], capsys)[::2], "--device-map 'balanced'")
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "accelerate" else real(name, *a))
+    _one_line_error(*run(["kld", "--model", str(ckpt), "--text", str(text), "--device-map", "auto"], capsys)[::2], "pip install accelerate")

@@ -108,6 +108,11 @@ def kld(
     ref_store: str = typer.Option("topk", "--ref-store", help="--save-ref encoding: topk (64 largest + tail mass; KL is a lower bound) or fp16 (full rows)."),
     plot: Path = typer.Option(None, "--plot", help="Folder for PNG plots: KLD CDF, KLD by depth, per-layer error."),
     device: str = typer.Option("auto", "--device", help="cpu, cuda, cuda:N or auto."),
+    device_map: str = typer.Option(
+        "none", "--device-map",
+        help="'auto': spread the model's layers over every visible GPU (a checkpoint too large for one; needs accelerate); "
+        "each layer's cache lives on its layer's GPU. 'none': the whole model on --device.",
+    ),
     seed: int = typer.Option(0, "--seed", help="Seed of the self-samples."),
 ) -> None:
     """Teacher-forced KL divergence of each cache format vs a reference format.
@@ -119,11 +124,13 @@ def kld(
     from mla_eval.model.loader import load_model
 
     rank, world = _distributed()
+    if world > 1 and device_map != "none":
+        raise UserError("--device-map auto spreads one model over the GPUs; under torchrun each rank holds its own copy: use one or the other")
     variants = parse_variants(formats)
     ref_v = parse_variants(ref)[0]
     if out is not None and out.exists() and not force:
         raise UserError(f"{out} exists; choose another --out or pass --force to replace it")
-    lm = load_model(model, device)
+    lm = load_model(model, device, device_map=device_map)
     needs_outer = any(v.outer for v in variants + [ref_v])
     calib = None
     if not text and not dataset and scales == "auto" and needs_outer:
@@ -240,13 +247,18 @@ def calibrate_cmd(
     out: Path = typer.Option(..., "--out", "-o", help="Where to write the nvfp4_ds_mla_outer_scale_v1 JSON."),
     force: bool = typer.Option(False, "--force", help="Replace an existing --out file."),
     device: str = typer.Option("auto", "--device", help="cpu, cuda, cuda:N or auto."),
+    device_map: str = typer.Option(
+        "none", "--device-map",
+        help="'auto': spread the model's layers over every visible GPU (a checkpoint too large for one; needs accelerate); "
+        "each layer's cache lives on its layer's GPU. 'none': the whole model on --device.",
+    ),
 ) -> None:
     """Compute per-layer outer scales s_l = max|c_kv| / (6*448) and write the published JSON schema."""
     from mla_eval.model.loader import load_model
 
     if out.exists() and not force:
         raise UserError(f"{out} exists; choose another --out or pass --force to replace it")
-    lm = load_model(model, device)
+    lm = load_model(model, device, device_map=device_map)
     source = _load_source(lm, text, dataset, max_tokens, samples, sample_len, seed)
     scales = run_calibration(lm, source, ctx)
     scales.save(out)

@@ -77,6 +77,11 @@ def needle(
     force: bool = typer.Option(False, "--force", help="Replace an existing --out file."),
     plot: Path = typer.Option(None, "--plot", help="Folder for heatmap PNGs (one per format + difference vs bf16)."),
     device: str = typer.Option("auto", "--device", help="cpu, cuda, cuda:N or auto."),
+    device_map: str = typer.Option(
+        "none", "--device-map",
+        help="'auto': spread the model's layers over every visible GPU (a checkpoint too large for one; needs accelerate); "
+        "each layer's cache lives on its layer's GPU. 'none': the whole model on --device.",
+    ),
 ) -> None:
     """Needle-in-a-haystack retrieval per cache format, on identical prompts of exact token length.
 
@@ -100,7 +105,7 @@ def needle(
     lens = parse_lengths(lengths)
     deps = parse_depths(depths, depth_steps)
     variants = [v for v in parse_variants("bf16," + formats)]
-    lm = load_model(model, device)
+    lm = load_model(model, device, device_map=device_map)
     max_new = nd.new_tokens_for(values, task)
     if lm.max_positions and max(lens) > lm.max_positions:
         raise UserError(

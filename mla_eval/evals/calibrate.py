@@ -20,7 +20,7 @@ def latent_amax(lm, source: TokenSource, ctx: int, batch: int = 1) -> list[float
     chunks = [s[i : i + ctx] for s in source.sequences for i in range(0, int(s.numel()), ctx) if s[i : i + ctx].numel() > 1]
     for chunk in chunks:
         ids = chunk.view(1, -1).to(lm.device)
-        session = CacheSession(get_format("bf16"), lm.num_layers, 1, ids.shape[1], lm.device, observers=(observe,))
+        session = CacheSession(get_format("bf16"), lm.num_layers, 1, ids.shape[1], lm.layer_devices, observers=(observe,))
         with lm.adapter.session(session):
             lm.model(input_ids=ids, position_ids=torch.arange(ids.shape[1], device=lm.device).view(1, -1), use_cache=False)
     return amax

@@ -56,7 +56,7 @@ def bench_kld(lm, variants, ctx: int, batch: int, repeats: int) -> dict:
     rows = {}
     for v in variants:
         def ours():
-            s = CacheSession(v.spec, lm.num_layers, batch, ctx, lm.device, outer_scales=None)
+            s = CacheSession(v.spec, lm.num_layers, batch, ctx, lm.layer_devices, outer_scales=None)
             with lm.adapter.session(s):
                 lm.model(input_ids=ids, position_ids=pos, use_cache=False)
 

@@ -168,7 +168,7 @@ def _forward_logp(lm, variant: Variant, ids: torch.Tensor, score_from: int, st: 
         lm.num_layers,
         b,
         t,
-        lm.device,
+        lm.layer_devices,
         block_size=st.block_size,
         outer_scales=scales,
         observers=tuple(observers or ()),
@@ -177,7 +177,8 @@ def _forward_logp(lm, variant: Variant, ids: torch.Tensor, score_from: int, st: 
     pos = torch.arange(t, device=lm.device).expand(b, -1)
     with lm.adapter.session(session):
         logits = lm.model(input_ids=ids, position_ids=pos, use_cache=False).logits
-    return torch.log_softmax(logits[:, score_from : t - 1].float(), dim=-1).reshape(-1, logits.shape[-1])
+    # under --device-map auto the logits come out on the last GPU: score on the input's device
+    return torch.log_softmax(logits[:, score_from : t - 1].float(), dim=-1).reshape(-1, logits.shape[-1]).to(lm.device)
 
 
 def summarize_result(result: dict) -> dict[str, dict]:

@@ -72,7 +72,7 @@ def generate(
     ids = torch.tensor([p.ids for p in prompts], device=lm.device)
     b, t = ids.shape
     session = CacheSession(
-        variant.spec, lm.num_layers, b, t + max_new, lm.device, outer_scales=outer_scales if variant.outer else None, prefill=prefill
+        variant.spec, lm.num_layers, b, t + max_new, lm.layer_devices, outer_scales=outer_scales if variant.outer else None, prefill=prefill
     )
     out: list[list[int]] = [[] for _ in prompts]
     done = [False] * len(prompts)
@@ -93,7 +93,7 @@ def generate(
             if step == max_new - 1 or all(done):
                 break
             pos = torch.full((b, 1), t + step, device=lm.device)
-            logits = lm.model(input_ids=nxt.view(b, 1), position_ids=pos, use_cache=False).logits[:, -1]
+            logits = lm.model(input_ids=nxt.view(b, 1).to(lm.device), position_ids=pos, use_cache=False).logits[:, -1]
     return out
 
 

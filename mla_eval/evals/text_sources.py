@@ -92,7 +92,7 @@ def self_samples(lm, num: int, length: int, seed: int) -> TokenSource:
     first = torch.full((num,), bos, dtype=torch.int64) if bos is not None else torch.randint(0, vocab, (num,), generator=gen)
     ids = torch.empty(num, length, dtype=torch.int64)
     ids[:, 0] = first
-    session = CacheSession(get_format("bf16"), lm.num_layers, num, length, lm.device)
+    session = CacheSession(get_format("bf16"), lm.num_layers, num, length, lm.layer_devices)
     with lm.adapter.session(session):
         for t in range(length - 1):
             step = ids[:, t : t + 1].to(lm.device)

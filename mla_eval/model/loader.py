@@ -27,6 +27,11 @@ class LoadedModel:
         return self.adapter.num_layers
 
     @property
+    def layer_devices(self) -> list[torch.device]:
+        """Where each layer's attention runs (differs per layer under --device-map auto)."""
+        return [m.kv_a_proj_with_mqa.weight.device for m in self.adapter.modules]
+
+    @property
     def max_positions(self) -> int:
         return int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
 
@@ -60,10 +65,18 @@ def load_config(path: Path):
     return config
 
 
-def load_model(model: str | Path | None, device: str | None = None, dtype: str = "auto") -> LoadedModel:
+DEVICE_MAPS = ("none", "auto")
+
+
+def load_model(
+    model: str | Path | None, device: str | None = None, dtype: str = "auto", device_map: str = "none"
+) -> LoadedModel:
     """Load weights + tokenizer, patch the attention modules, put the model in eval mode.
 
     dtype 'auto': float32 on CPU (the reference path is exact there), bfloat16 on CUDA.
+    device_map 'auto': transformers spreads the layers over every visible GPU (a checkpoint too
+    large for one; needs `accelerate`); each layer's cache then lives on that layer's GPU, and
+    `device` is ignored.
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -76,6 +89,14 @@ def load_model(model: str | Path | None, device: str | None = None, dtype: str =
     is_default = model is None
     path = default_model_path() if is_default else Path(model).expanduser()
     config = load_config(path)
+    if device_map not in DEVICE_MAPS:
+        raise UserError(f"--device-map {device_map!r}: one of {', '.join(DEVICE_MAPS)}")
+    if device_map == "auto":
+        import importlib.util
+
+        if importlib.util.find_spec("accelerate") is None:
+            raise UserError("--device-map auto needs the accelerate package: pip install accelerate")
+        device = "auto"
     dev = resolve_device(device)
     torch_dtype = {"auto": torch.float32 if dev.type == "cpu" else torch.bfloat16, "float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
     if torch_dtype is None:
@@ -87,10 +108,18 @@ def load_model(model: str | Path | None, device: str | None = None, dtype: str =
     # DSA indexers need a materialised attention mask: run those models with eager attention.
     attn = "eager" if config.model_type in DSA_TYPES else "sdpa"
     try:
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation=attn, local_files_only=True)
+        extra = {"device_map": "auto"} if device_map == "auto" else {}
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation=attn, local_files_only=True, **extra)
     except (OSError, ValueError) as exc:
         raise UserError(f"cannot load weights from {path} ({str(exc).splitlines()[0]})") from None
-    hf = hf.to(dev).eval()
+    if device_map == "auto":
+        offloaded = sorted({str(d) for d in getattr(hf, "hf_device_map", {}).values()} & {"disk", "meta"})
+        if offloaded:
+            raise UserError(f"--device-map auto offloaded layers to {', '.join(offloaded)}: the model does not fit the visible GPUs and CPU memory")
+        dev = hf.get_input_embeddings().weight.device  # where the token ids go in
+    else:
+        hf = hf.to(dev)
+    hf = hf.eval()
     return LoadedModel(
         model=hf,
         tokenizer=tokenizer,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Protocol
+from typing import Callable, Protocol, Sequence
 
 import torch
 
@@ -48,7 +48,9 @@ class CacheSession:
     """Paged caches `uint8 [num_blocks, block_size, record_bytes]` per layer for B sequences.
 
     Sequence b owns blocks b * blocks_per_seq ... (a contiguous block table, like a fresh vLLM
-    pool). `capacity` is the most tokens a sequence may reach in this session.
+    pool). `capacity` is the most tokens a sequence may reach in this session. `device` is one
+    device for every layer, or one per layer (a model spread over GPUs with device_map): each
+    layer's cache lives where that layer's attention runs.
     """
 
     def __init__(
@@ -57,7 +59,7 @@ class CacheSession:
         num_layers: int,
         batch: int,
         capacity: int,
-        device: torch.device | str,
+        device: torch.device | str | Sequence[torch.device | str],
         *,
         block_size: int = 64,
         outer_scales: OuterScales | None = None,
@@ -74,17 +76,22 @@ class CacheSession:
         self.batch = batch
         self.capacity = capacity
         self.block_size = block_size
-        self.device = torch.device(device)
+        if isinstance(device, (str, torch.device)):
+            self.devices = [torch.device(device)] * num_layers
+        else:
+            self.devices = [torch.device(d) for d in device]
+            if len(self.devices) != num_layers:
+                raise ValueError(f"{len(self.devices)} devices for {num_layers} layers")
         self.outer_scales = outer_scales
         self.observers = observers
         self.prefill = prefill
         self.blocks_per_seq = math.ceil(capacity / block_size)
         nblocks = batch * self.blocks_per_seq
         self.caches = [
-            torch.zeros(nblocks, block_size, spec.record_bytes, dtype=torch.uint8, device=self.device)
-            for _ in range(num_layers)
+            torch.zeros(nblocks, block_size, spec.record_bytes, dtype=torch.uint8, device=d) for d in self.devices
         ]
-        self.block_table = torch.arange(nblocks, dtype=torch.int32, device=self.device).view(batch, self.blocks_per_seq)
+        table = torch.arange(nblocks, dtype=torch.int32).view(batch, self.blocks_per_seq)
+        self.block_tables = {d: table.to(d) for d in set(self.devices)}  # one copy per device
         self.lengths = [0] * num_layers
         self.last_scale = [1.0] * num_layers  # softmax scale of each layer's last attend()
         # Unquantised history, only when an observer compares against it (per-layer error stats).
@@ -93,10 +100,11 @@ class CacheSession:
     def outer_scale(self, layer: int) -> float | None:
         return None if self.outer_scales is None else self.outer_scales.for_layer(layer)
 
-    def _slots(self, start: int, count: int) -> torch.Tensor:
-        """Global slot ids [B, count] of positions start..start+count-1 of each sequence."""
-        pos = torch.arange(start, start + count, device=self.device)
-        blocks = self.block_table[:, pos // self.block_size].long()
+    def _slots(self, layer: int, start: int, count: int) -> torch.Tensor:
+        """Global slot ids [B, count] of positions start..start+count-1 of each sequence (on the layer's device)."""
+        dev = self.devices[layer]
+        pos = torch.arange(start, start + count, device=dev)
+        blocks = self.block_tables[dev][:, pos // self.block_size].long()
         return blocks * self.block_size + (pos % self.block_size)
 
     def write(self, layer: int, latent: torch.Tensor, rope: torch.Tensor) -> None:
@@ -105,7 +113,7 @@ class CacheSession:
         start = self.lengths[layer]
         if start + t > self.capacity:
             raise ValueError(f"cache session holds {self.capacity} tokens per sequence; {start + t} requested")
-        slots = self._slots(start, t).reshape(-1)
+        slots = self._slots(layer, start, t).reshape(-1)
         dispatch.write_cache(
             self.spec,
             latent.reshape(b * t, -1),
@@ -123,7 +131,7 @@ class CacheSession:
 
     def read_back(self, layer: int, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode what the cache stores for positions start..start+count-1: ([B, n, 512], [B, n, 64])."""
-        slots = self._slots(start, count)
+        slots = self._slots(layer, start, count)
         flat = self.caches[layer].view(-1, self.spec.record_bytes)
         return decode(self.spec, flat[slots], outer_scale=self.outer_scale(layer))
 
@@ -145,13 +153,14 @@ class CacheSession:
         b, t, h, _ = q.shape
         self.last_scale[layer] = softmax_scale
         end = self.lengths[layer]
-        q_pos = torch.arange(end - t, end, device=self.device)
+        dev = self.devices[layer]
+        q_pos = torch.arange(end - t, end, device=dev)
         if topk is None:
             out, _ = dispatch.mla_attention_dense(
                 self.spec,
                 q.reshape(b * t, h, -1),
                 self.caches[layer],
-                block_table=self.block_table.repeat_interleave(t, 0),
+                block_table=self.block_tables[dev].repeat_interleave(t, 0),
                 seq_lens=(q_pos + 1).repeat(b).to(torch.int32),
                 softmax_scale=softmax_scale,
                 outer_scale=self.outer_scale(layer),
@@ -160,7 +169,7 @@ class CacheSession:
         else:
             # The block table is contiguous per sequence, so position p of sequence b is slot
             # b * blocks_per_seq * block_size + p.
-            seq_base = (torch.arange(b, device=self.device) * self.blocks_per_seq * self.block_size).view(b, 1, 1)
+            seq_base = (torch.arange(b, device=dev) * self.blocks_per_seq * self.block_size).view(b, 1, 1)
             idx = topk.long()
             # an indexer's top-k over a causal window can name future positions when fewer than k
             # are visible (their scores are masked, not removed): those are invalid here
