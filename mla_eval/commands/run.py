@@ -3,12 +3,16 @@
 A recipe (recipes/*.toml) has optional tables [kld], [needle], [capacity] whose keys are the
 long options of those commands (without the leading dashes, `_` or `-` alike), a top-level
 `model` (path; omitted = the embedded model) and `device`, and a [gate] table of tolerances used
-by `mla-eval gate --tolerances RECIPE`. The results directory gets kld.json, needle.json,
-capacity.json, plots/, the resolved recipe and the environment; it is never overwritten.
+by `mla-eval gate --tolerances RECIPE`. Several GPU setups are an array of tables
+([[capacity]], each optionally `name`d). The results directory gets kld.json, needle.json,
+capacity.json (or capacity-<name>.json per setup), plots/, the resolved recipe and the
+environment; it is never overwritten.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import shutil
 from pathlib import Path
@@ -32,12 +36,43 @@ def load_recipe(path: Path) -> dict:
         doc = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise UserError(f"recipe {path}: {exc}") from None
-    unknown = [k for k, v in doc.items() if isinstance(v, dict) and k not in SECTIONS + ("gate",)]
+    unknown = [k for k, v in doc.items() if _is_table(v) and k not in SECTIONS + ("gate",)]
     if unknown:
         raise UserError(f"recipe {path}: unknown table(s) {', '.join(unknown)}; known: {', '.join(SECTIONS)}, gate")
     if not any(s in doc for s in SECTIONS):
         raise UserError(f"recipe {path} has none of the tables {', '.join(SECTIONS)}")
+    for s in ("kld", "needle"):
+        if s in doc and not isinstance(doc[s], dict):
+            raise UserError(f"recipe {path}: [{s}] is one table (write [{s}], not [[{s}]])")
+    if "capacity" in doc:
+        names = [n.removeprefix("capacity-") for n, _ in capacity_setups(doc["capacity"], path)]
+        if len(set(names)) != len(names):
+            raise UserError(f"recipe {path}: two [[capacity]] setups are both named {sorted(n for n in names if names.count(n) > 1)[0]!r}; give each a distinct name")
     return doc
+
+
+def _is_table(v) -> bool:
+    return isinstance(v, dict) or (isinstance(v, list) and bool(v) and all(isinstance(x, dict) for x in v))
+
+
+def capacity_setups(section, path: Path) -> list[tuple[str, dict]]:
+    """(file stem, capacity options) per setup: one [capacity] table -> capacity.json; an array
+    [[capacity]] -> capacity-<name>.json each, the name from its `name` key or from its
+    gpu / gpus / tp / dcp (e.g. capacity-h200-x8-tp8)."""
+    if isinstance(section, dict):
+        return [("capacity", section)]
+    if not _is_table(section):
+        raise UserError(f"recipe {path}: [capacity] must be a table or an array of tables ([[capacity]])")
+    out = []
+    for table in section:
+        opts = {k: v for k, v in table.items() if k != "name"}
+        name = table.get("name") or "-".join(
+            str(x) for x in (opts.get("gpu"), f"x{opts['gpus']}" if "gpus" in opts else None, f"tp{opts['tp']}" if "tp" in opts else None,
+                             f"dcp{opts['dcp']}" if "dcp" in opts else None) if x
+        ) or f"setup{len(out) + 1}"
+        safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in str(name))
+        out.append((f"capacity-{safe}", opts))
+    return out
 
 
 def _args(table: dict) -> list[str]:
@@ -78,22 +113,20 @@ def run(
     for section in SECTIONS:
         if section not in doc:
             continue
-        args = [section, *_args(doc[section]), "--out", str(out / f"{section}.json")]
         if section in ("kld", "needle"):
-            args += common + ["--plot", str(out / "plots")]
-            code = main(args)
-        else:
+            args = [section, *_args(doc[section]), "--out", str(out / f"{section}.json")]
+            code = main(args + common + ["--plot", str(out / "plots")])
+            if code != 0:
+                raise UserError(f"recipe section [{section}] failed (exit {code}); see the message above")
+            continue
+        for stem, opts in capacity_setups(doc[section], recipe):
             # capacity prints its one JSON document on stdout
-            import contextlib
-            import io
-
             buf = io.StringIO()
             with contextlib.redirect_stdout(buf):
-                code = main([section, *_args(doc[section]), "--json"])
-            if code == 0:
-                write_result(out / "capacity.json", json.loads(buf.getvalue()))
-        if code != 0:
-            raise UserError(f"recipe section [{section}] failed (exit {code}); see the message above")
+                code = main([section, *_args(opts), "--json"])
+            if code != 0:
+                raise UserError(f"recipe section [{section}] ({stem}) failed (exit {code}); see the message above")
+            write_result(out / f"{stem}.json", json.loads(buf.getvalue()))
     typer.echo(f"wrote {out}/")
 
 

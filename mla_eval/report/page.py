@@ -39,25 +39,27 @@ def sections(docs: dict[str, dict]) -> list[tuple[str, list[str], list[list[str]
         fails = d.get("format_induced_failures", [])
         if fails:
             out.append(("Format-induced failures (bf16 right, format wrong)", ["format", "length", "depth %", "expected", "output"], [[f["format"], str(f["length"]), f"{f['depth']:g}", ", ".join(f["expected"]), f["output"][:40]] for f in fails[:50]]))
-    if "capacity" in docs:
-        d = docs["capacity"]
+    for key in sorted(k for k in docs if k == "capacity" or k.startswith("capacity-")):
+        d = docs[key]
+        su = d["setup"]
         rows = [[r["name"], str(r["bytes_per_token_per_layer"]), f"{r['bytes_per_token']:,}", f"{r['pool_tokens']:,}", f"{r['max_concurrency']:.2f}", f"{r['ratio_vs_fp8_ds_mla']:.2f}"] for r in d["formats"]]
-        out.append(("KV-cache capacity", ["format", "B/token/layer", "B/token (model)", "pool tokens", "concurrency", "x fp8_ds_mla"], rows))
+        setup = f"{d['model']['name']} on {su['gpus']} x {su['gpu'] or 'GPU'}, TP {su['tp']}" + (f", DCP {su['dcp']}" if su.get("dcp", 1) > 1 else "")
+        out.append((f"KV-cache capacity — {setup}", ["format", "B/token/layer", "B/token (model)", "pool tokens", "concurrency", "x fp8_ds_mla"], rows))
     return out
 
 
 def load_results_dir(folder: Path) -> dict[str, dict]:
-    """kld.json, needle.json and capacity.json of a results directory, each validated."""
+    """kld.json, needle.json and capacity.json (or capacity-<setup>.json, several) of a results
+    directory, keyed by file stem, each validated."""
     from mla_eval.results import RESULTS_DIR_FILES, read_result
 
     docs = {}
     for kind, schema in RESULTS_DIR_FILES.items():
-        p = folder / f"{kind}.json"
-        if p.is_file():
+        for p in sorted({*folder.glob(f"{kind}.json"), *folder.glob(f"{kind}-*.json")} if kind == "capacity" else folder.glob(f"{kind}.json")):
             doc = read_result(p)
             if doc["schema"] != schema:
-                raise UserError(f"{p}: schema {doc['schema']!r}, but a results directory's {kind}.json is {schema}")
-            docs[kind] = doc
+                raise UserError(f"{p}: schema {doc['schema']!r}, but a results directory's {p.name} is {schema}")
+            docs[p.stem] = doc
     return docs
 
 
