@@ -10,7 +10,8 @@ from jsonschema import Draft202012Validator
 
 from mla_eval.cli import main
 from mla_eval.errors import UserError
-from mla_eval.results import ENVIRONMENT_SCHEMA, SCHEMA_FILES, json_path, load_schema, read_result, validate, write_result
+from mla_eval.result_schemas import ENVIRONMENT_SCHEMA, SCHEMA_FILES, json_path, load_schema, validate
+from mla_eval.results import read_result, write_result
 from tiny_models import tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,10 +75,10 @@ def test_every_schema_file_is_registered_and_names_its_id():
     assert len(ids) == len(SCHEMA_FILES)
 
 
-def test_writers_schema_ids_have_schema_files():
-    from mla_eval.commands import capacity, kld, needle
+def test_every_results_directory_document_has_a_schema_file():
+    from mla_eval.result_schemas import RESULTS_DIR_FILES
 
-    assert {kld.RESULT_SCHEMA, needle.RESULT_SCHEMA, capacity.SCHEMA, ENVIRONMENT_SCHEMA} == set(SCHEMA_FILES)
+    assert {*RESULTS_DIR_FILES.values(), ENVIRONMENT_SCHEMA} == set(SCHEMA_FILES)
 
 
 def test_shared_definitions_agree_across_schema_files():

@@ -35,9 +35,8 @@ from mla_eval.model_presets import (
     load_config,
     preset_names,
 )
-from mla_eval.results import CAPACITY_SCHEMA
+from mla_eval.result_schemas import CAPACITY_SCHEMA
 
-SCHEMA = CAPACITY_SCHEMA
 DEFAULT_GPU = "h200"
 
 
@@ -256,7 +255,7 @@ def capacity_document(
             f"{', '.join(short)}: the pool holds less than one request of {rows[0].max_model_len:,} tokens; vLLM refuses "
             "to start with that --max-model-len and names the largest that fits (about the pool size)"
         )
-    return {"schema": SCHEMA, "model": model, "setup": setup, "formats": [r.as_dict() for r in rows], "notes": notes}
+    return {"schema": CAPACITY_SCHEMA, "model": model, "setup": setup, "formats": [r.as_dict() for r in rows], "notes": notes}
 
 
 def _print_table(doc: dict, rows: list[FormatCapacity], plot: Path | None) -> None:

@@ -16,7 +16,8 @@ from mla_eval.evals.calibrate import calibrate as run_calibration
 from mla_eval.evals.ref_store import RefStore
 from mla_eval.evals.kld import KldSettings, Variant, gather_arrays, plan_windows, run_kld, summarize_result
 from mla_eval.formats import OuterScales, get_format
-from mla_eval.results import KLD_SCHEMA as RESULT_SCHEMA
+from mla_eval.model.loader import DEVICE_MAP_HELP
+from mla_eval.result_schemas import KLD_SCHEMA
 from mla_eval.results import default_result_path, environment, write_result
 DEFAULT_FORMATS = (
     "fp8_ds_mla,fp8_ds_mla_pow2,nvfp4,nvfp4+s_l,nvfp4_fp8rope,nvfp4_fp8rope+s_l,nvfp4_fp8rope_st,mxfp4,fp8_e4m3"
@@ -108,11 +109,7 @@ def kld(
     ref_store: str = typer.Option("topk", "--ref-store", help="--save-ref encoding: topk (64 largest + tail mass; KL is a lower bound) or fp16 (full rows)."),
     plot: Path = typer.Option(None, "--plot", help="Folder for PNG plots: KLD CDF, KLD by depth, per-layer error."),
     device: str = typer.Option("auto", "--device", help="cpu, cuda, cuda:N or auto."),
-    device_map: str = typer.Option(
-        "none", "--device-map",
-        help="'auto': spread the model's layers over every visible GPU (a checkpoint too large for one; needs accelerate); "
-        "each layer's cache lives on its layer's GPU. 'none': the whole model on --device.",
-    ),
+    device_map: str = typer.Option("none", "--device-map", help=DEVICE_MAP_HELP),
     seed: int = typer.Option(0, "--seed", help="Seed of the self-samples."),
 ) -> None:
     """Teacher-forced KL divergence of each cache format vs a reference format.
@@ -181,7 +178,7 @@ def kld(
         return
     summary = summarize_result(result)
     doc = {
-        "schema": RESULT_SCHEMA,
+        "schema": KLD_SCHEMA,
         "model": {"name": lm.name, "path": str(lm.path), "default": lm.is_default, "layers": lm.num_layers},
         "text": {"kind": source.kind, "label": source.label, "digest": source.digest, "tokens": source.num_tokens},
         "settings": {"ref": ref_v.name, "ctx": ctx, "stride": stride, "min_context": settings.min_context if settings.min_context is not None else ctx // 2, "batch": batch, "block_size": settings.block_size, "world_size": world},
@@ -247,11 +244,7 @@ def calibrate_cmd(
     out: Path = typer.Option(..., "--out", "-o", help="Where to write the nvfp4_ds_mla_outer_scale_v1 JSON."),
     force: bool = typer.Option(False, "--force", help="Replace an existing --out file."),
     device: str = typer.Option("auto", "--device", help="cpu, cuda, cuda:N or auto."),
-    device_map: str = typer.Option(
-        "none", "--device-map",
-        help="'auto': spread the model's layers over every visible GPU (a checkpoint too large for one; needs accelerate); "
-        "each layer's cache lives on its layer's GPU. 'none': the whole model on --device.",
-    ),
+    device_map: str = typer.Option("none", "--device-map", help=DEVICE_MAP_HELP),
 ) -> None:
     """Compute per-layer outer scales s_l = max|c_kv| / (6*448) and write the published JSON schema."""
     from mla_eval.model.loader import load_model

@@ -17,8 +17,9 @@ from mla_eval.evals.calibrate import calibrate as run_calibration
 from mla_eval.evals.needle_tasks import TASKS, VALUE_KINDS, PromptBuilder, load_haystack
 from mla_eval.evals.text_sources import TokenSource
 from mla_eval.formats import OuterScales
+from mla_eval.model.loader import DEVICE_MAP_HELP
 from mla_eval.model.session import PREFILL_MODES
-from mla_eval.results import NEEDLE_SCHEMA as RESULT_SCHEMA
+from mla_eval.result_schemas import NEEDLE_SCHEMA
 from mla_eval.results import default_result_path, environment, write_result
 console = Console(stderr=True)
 
@@ -77,11 +78,7 @@ def needle(
     force: bool = typer.Option(False, "--force", help="Replace an existing --out file."),
     plot: Path = typer.Option(None, "--plot", help="Folder for heatmap PNGs (one per format + difference vs bf16)."),
     device: str = typer.Option("auto", "--device", help="cpu, cuda, cuda:N or auto."),
-    device_map: str = typer.Option(
-        "none", "--device-map",
-        help="'auto': spread the model's layers over every visible GPU (a checkpoint too large for one; needs accelerate); "
-        "each layer's cache lives on its layer's GPU. 'none': the whole model on --device.",
-    ),
+    device_map: str = typer.Option("none", "--device-map", help=DEVICE_MAP_HELP),
 ) -> None:
     """Needle-in-a-haystack retrieval per cache format, on identical prompts of exact token length.
 
@@ -149,7 +146,7 @@ def needle(
     failures = nd.format_failures(records, "bf16")
     _print(summary, failures, lens, deps, threshold)
     doc = {
-        "schema": RESULT_SCHEMA,
+        "schema": NEEDLE_SCHEMA,
         "model": {"name": lm.name, "path": str(lm.path), "default": lm.is_default, "max_positions": lm.max_positions},
         "settings": {"task": task, "values": values, "haystack": hay_label, "lengths": lens, "depths": deps, "trials": trials, "seed": seed, "threshold": threshold, "prefill": prefill, "max_new_tokens": result["max_new_tokens"], "stop_at_answer": not full_answers},
         "outer_scales": None if outer is None else outer.to_json(),

@@ -20,7 +20,8 @@ from pathlib import Path
 import typer
 
 from mla_eval.errors import UserError
-from mla_eval.results import ENVIRONMENT_SCHEMA, environment, write_result
+from mla_eval.result_schemas import ENVIRONMENT_SCHEMA
+from mla_eval.results import environment, write_result
 
 SECTIONS = ("kld", "needle", "capacity")
 
@@ -64,14 +65,12 @@ def capacity_setups(section, path: Path) -> list[tuple[str, dict]]:
     if not _is_table(section):
         raise UserError(f"recipe {path}: [capacity] must be a table or an array of tables ([[capacity]])")
     out = []
-    for table in section:
+    for i, table in enumerate(section, 1):
         opts = {k: v for k, v in table.items() if k != "name"}
-        name = table.get("name") or "-".join(
-            str(x) for x in (opts.get("gpu"), f"x{opts['gpus']}" if "gpus" in opts else None, f"tp{opts['tp']}" if "tp" in opts else None,
-                             f"dcp{opts['dcp']}" if "dcp" in opts else None) if x
-        ) or f"setup{len(out) + 1}"
-        safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in str(name))
-        out.append((f"capacity-{safe}", opts))
+        parts = [str(opts["gpu"])] if "gpu" in opts else []
+        parts += [f"{prefix}{opts[key]}" for key, prefix in (("gpus", "x"), ("tp", "tp"), ("dcp", "dcp")) if key in opts]
+        name = str(table.get("name") or "-".join(parts) or f"setup{i}")
+        out.append(("capacity-" + "".join(c if c.isalnum() or c in "-_." else "-" for c in name), opts))
     return out
 
 

@@ -65,11 +65,16 @@ def bench_kld(lm, variants, ctx: int, batch: int, repeats: int) -> dict:
     return {"batch": batch, "ctx": ctx, "stock_seconds": stock, "tokens_per_s_stock": batch * ctx / stock, "formats": rows}
 
 
-@torch.no_grad()
-def bench_needle(lm, variants, length: int, repeats: int, absorbed_format: str | None) -> dict:
+def _needle_cell(lm, length: int):
+    """(prompt, answer budget) of one passkey cell of `length` tokens, needle at 50 %."""
     hay, noise, _ = load_haystack(lm.tokenizer, None)
     max_new = nd.new_tokens_for("number", "passkey")
-    prompt = PromptBuilder(lm.tokenizer, hay, noise).build("passkey", "number", length - max_new, 50.0, 0, 1234)
+    return PromptBuilder(lm.tokenizer, hay, noise).build("passkey", "number", length - max_new, 50.0, 0, 1234), max_new
+
+
+@torch.no_grad()
+def bench_needle(lm, variants, length: int, repeats: int, absorbed_format: str | None) -> dict:
+    prompt, max_new = _needle_cell(lm, length)
     ids = torch.tensor([prompt.ids], device=lm.device)
     t = ids.shape[1]
     pos = torch.arange(t, device=lm.device).view(1, -1)
@@ -100,9 +105,7 @@ def profile_cell(lm, variant, length: int, path: Path) -> None:
     """torch.profiler tables (by host time and by device time) of one needle cell, to `path`."""
     from torch.profiler import ProfilerActivity, profile
 
-    hay, noise, _ = load_haystack(lm.tokenizer, None)
-    max_new = nd.new_tokens_for("number", "passkey")
-    prompt = PromptBuilder(lm.tokenizer, hay, noise).build("passkey", "number", length - max_new, 50.0, 0, 1234)
+    prompt, max_new = _needle_cell(lm, length)
     nd.generate(lm, variant, [prompt], max_new, None, "mha")  # warm-up (compiles)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if lm.device.type == "cuda" else [])
     with profile(activities=acts) as prof:

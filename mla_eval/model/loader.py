@@ -66,6 +66,10 @@ def load_config(path: Path):
 
 
 DEVICE_MAPS = ("none", "auto")
+DEVICE_MAP_HELP = (
+    "'auto': spread the model's layers over every visible GPU (a checkpoint too large for one; needs accelerate); "
+    "each layer's cache lives on its layer's GPU. 'none': the whole model on --device."
+)
 
 
 def load_model(

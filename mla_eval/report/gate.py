@@ -9,13 +9,13 @@ regression too (a format silently dropped must not pass).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from pathlib import Path
 from xml.sax.saxutils import escape
 
 from mla_eval.errors import UserError
-from mla_eval.results import read_result
+from mla_eval.result_schemas import validate
+from mla_eval.results import load_json, read_result
 
 # metric -> (direction, default abs tolerance, default rel tolerance); direction "lower" means
 # lower is better, "higher" higher is better, "exact" any change fails.
@@ -69,12 +69,10 @@ def load_docs(path: Path) -> dict[str, dict]:
         return {path.name: read_result(path)}
     docs = {}
     for f in sorted(path.glob("*.json")):
-        try:
-            doc = json.loads(f.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise UserError(f"{f} is not readable JSON ({exc})") from None
+        doc = load_json(f)
         if isinstance(doc, dict) and str(doc.get("schema", "")).startswith("mla-eval"):
-            docs[f.name] = read_result(f)
+            validate(doc, str(f))
+            docs[f.name] = doc
     if not docs:
         raise UserError(f"{path} holds no mla-eval result JSON")
     return docs

@@ -24,23 +24,25 @@ def _fmt(v, spec: str) -> str:
     return "–" if v is None else spec.format(v)
 
 
+def _of_kind(docs: dict[str, dict], kind: str) -> list[dict]:
+    """The documents of one kind: `<kind>.json` and any `<kind>-<name>.json`, in name order."""
+    return [docs[k] for k in sorted(docs) if k == kind or k.startswith(kind + "-")]
+
+
 def sections(docs: dict[str, dict]) -> list[tuple[str, list[str], list[list[str]]]]:
     """(title, header, rows) for every table the page shows."""
     out = []
-    if "kld" in docs:
-        d = docs["kld"]
+    for d in _of_kind(docs, "kld"):
         rows = [[name] + [_fmt(s.get(k), f) for _, k, f in KLD_COLUMNS] for name, s in d["formats"].items()]
         out.append((f"Teacher-forced KLD vs {d['settings']['ref']} — {d['text']['label']}", ["format"] + [c for c, _, _ in KLD_COLUMNS], rows))
-    if "needle" in docs:
-        d = docs["needle"]
+    for d in _of_kind(docs, "needle"):
         s = d["settings"]
         rows = [[name, f"{v['mean_accuracy']:.3f}", str(v["effective_length"] or "–")] for name, v in d["formats"].items()]
         out.append((f"Needle retrieval ({s['task']}, {s['values']}; lengths {s['lengths']})", ["format", "mean accuracy", "effective length"], rows))
         fails = d.get("format_induced_failures", [])
         if fails:
             out.append(("Format-induced failures (bf16 right, format wrong)", ["format", "length", "depth %", "expected", "output"], [[f["format"], str(f["length"]), f"{f['depth']:g}", ", ".join(f["expected"]), f["output"][:40]] for f in fails[:50]]))
-    for key in sorted(k for k in docs if k == "capacity" or k.startswith("capacity-")):
-        d = docs[key]
+    for d in _of_kind(docs, "capacity"):
         su = d["setup"]
         rows = [[r["name"], str(r["bytes_per_token_per_layer"]), f"{r['bytes_per_token']:,}", f"{r['pool_tokens']:,}", f"{r['max_concurrency']:.2f}", f"{r['ratio_vs_fp8_ds_mla']:.2f}"] for r in d["formats"]]
         setup = f"{d['model']['name']} on {su['gpus']} x {su['gpu'] or 'GPU'}, TP {su['tp']}" + (f", DCP {su['dcp']}" if su.get("dcp", 1) > 1 else "")
@@ -49,13 +51,15 @@ def sections(docs: dict[str, dict]) -> list[tuple[str, list[str], list[list[str]
 
 
 def load_results_dir(folder: Path) -> dict[str, dict]:
-    """kld.json, needle.json and capacity.json (or capacity-<setup>.json, several) of a results
-    directory, keyed by file stem, each validated."""
-    from mla_eval.results import RESULTS_DIR_FILES, read_result
+    """The result documents of a results directory, keyed by file stem, each validated: for
+    each kind (kld, needle, capacity) `<kind>.json` and any `<kind>-<name>.json` (a recipe with
+    several capacity setups writes one per setup)."""
+    from mla_eval.result_schemas import RESULTS_DIR_FILES
+    from mla_eval.results import read_result
 
     docs = {}
     for kind, schema in RESULTS_DIR_FILES.items():
-        for p in sorted({*folder.glob(f"{kind}.json"), *folder.glob(f"{kind}-*.json")} if kind == "capacity" else folder.glob(f"{kind}.json")):
+        for p in sorted([*folder.glob(f"{kind}.json"), *folder.glob(f"{kind}-*.json")]):
             doc = read_result(p)
             if doc["schema"] != schema:
                 raise UserError(f"{p}: schema {doc['schema']!r}, but a results directory's {p.name} is {schema}")

@@ -1,0 +1,127 @@
+"""Result-document schemas: the schema id of each document, its JSON Schema file in
+mla_eval/schemas/ (draft 2020-12), and validation with one-line errors that name the JSON path
+of the first problem.
+
+Within one schema id documents only grow: readers ignore keys they do not know; removing,
+renaming or retyping a key needs a new id and a new schema file.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import reprlib
+from importlib import resources
+from typing import Any
+
+from mla_eval import __version__
+from mla_eval.errors import UserError
+
+# The schema id of each result document (the writers stamp these; readers check them).
+KLD_SCHEMA = "mla-eval/kld/v1"
+NEEDLE_SCHEMA = "mla-eval/needle/v1"
+CAPACITY_SCHEMA = "mla-eval.capacity/1"
+ENVIRONMENT_SCHEMA = "mla-eval/environment/v1"  # environment.json (has no "schema" key)
+
+# document schema id -> its JSON Schema file in mla_eval/schemas/
+SCHEMA_FILES = {
+    KLD_SCHEMA: "kld-v1.schema.json",
+    NEEDLE_SCHEMA: "needle-v1.schema.json",
+    CAPACITY_SCHEMA: "capacity-v1.schema.json",
+    ENVIRONMENT_SCHEMA: "environment-v1.schema.json",
+}
+# a results directory's file stem -> the schema its document must have
+RESULTS_DIR_FILES = {"kld": KLD_SCHEMA, "needle": NEEDLE_SCHEMA, "capacity": CAPACITY_SCHEMA}
+
+
+@functools.lru_cache(maxsize=None)
+def load_schema(schema_id: str) -> dict:
+    """The JSON Schema of a document schema id (KeyError when the id has none)."""
+    name = SCHEMA_FILES[schema_id]
+    return json.loads(resources.files("mla_eval").joinpath("schemas", name).read_text(encoding="utf-8"))
+
+
+@functools.lru_cache(maxsize=None)
+def _validator(schema_id: str):
+    from jsonschema import Draft202012Validator
+
+    return Draft202012Validator(load_schema(schema_id))
+
+
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+
+def json_path(parts) -> str:
+    """['formats', 'nvfp4+s_l', 'layers', 2, 'kld_mean'] -> formats["nvfp4+s_l"].layers[2].kld_mean"""
+    out = ""
+    for p in parts:
+        if isinstance(p, int):
+            out += f"[{p}]"
+        elif _IDENT.match(p):
+            out += f".{p}" if out else p
+        else:
+            out += f"[{json.dumps(p)}]"
+    return out or "(top level)"
+
+
+def _short_repr(x: Any) -> str:
+    r = reprlib.Repr()
+    r.maxstring, r.maxother, r.maxdict, r.maxlist, r.maxlevel = 40, 40, 3, 3, 2
+    return r.repr(x)
+
+
+def _alternatives(subschemas: list) -> str:
+    """anyOf [{"type": "number"}, {"type": "null"}, {"enum": [...]}] -> "of type 'number' or 'null', nor one of [...]"."""
+    parts: list[str] = []
+    types: list[str] = []
+    for sub in subschemas:
+        if isinstance(sub, dict) and set(sub) <= {"type", "description"} and "type" in sub:
+            types += [repr(t) for t in (sub["type"] if isinstance(sub["type"], list) else [sub["type"]])]
+        elif isinstance(sub, dict) and "enum" in sub:
+            parts.append(f"one of {sub['enum']!r}")
+        elif isinstance(sub, dict) and "const" in sub:
+            parts.append(f"equal to {sub['const']!r}")
+        elif isinstance(sub, dict) and sub.get("type"):
+            t = sub["type"]
+            parts.append("a valid " + " or ".join(t if isinstance(t, list) else [t]))
+        else:
+            parts.append("valid under the other alternatives")
+    if types:
+        parts.insert(0, "of type " + " or ".join(types))
+    return ", nor ".join(parts)
+
+
+def _short_message(error) -> str:
+    """jsonschema's message, one line, a long instance repr (a whole sub-document) shortened and
+    an anyOf failure spelled out ("'abc' is not of type 'number' or 'null', nor one of [...]")."""
+    msg = error.message
+    full = repr(error.instance)
+    if error.validator in ("anyOf", "oneOf") and isinstance(error.validator_value, list):
+        msg = f"{_short_repr(error.instance)} is not {_alternatives(error.validator_value)}"
+    elif len(full) > 80 and msg.startswith(full):
+        msg = _short_repr(error.instance) + msg[len(full):]
+    msg = " ".join(msg.split())
+    return msg if len(msg) <= 300 else msg[:297] + "..."
+
+
+def validate(doc: Any, where: str, schema: str | None = None) -> None:
+    """Check a result document against the JSON Schema its `schema` key names (or `schema`).
+
+    Raises UserError with one line: `<where>: <JSON path of the first problem>: <message>`.
+    Validate the document as written: NaN as null, infinities as "inf"/"-inf" (see _clean).
+    """
+    known = ", ".join(sorted(SCHEMA_FILES))
+    if schema is None:
+        if not isinstance(doc, dict):
+            raise UserError(f"{where}: a result document is a JSON object, not {type(doc).__name__}")
+        if "schema" not in doc:
+            raise UserError(f"{where}: no \"schema\" key, so not an mla-eval result document (known schemas: {known})")
+        schema = doc["schema"]
+    if not isinstance(schema, str) or schema not in SCHEMA_FILES:
+        raise UserError(f"{where}: unknown result schema {schema!r}; this mla-eval {__version__} knows {known}")
+    from jsonschema.exceptions import best_match
+
+    error = best_match(_validator(schema).iter_errors(doc))
+    if error is not None:
+        raise UserError(f"{where}: {json_path(error.absolute_path)}: {_short_message(error)} (schema {schema})")
