@@ -72,6 +72,11 @@ def needle(
         help="Decode every answer to its full token budget. By default a prompt stops once its output holds every "
         "expected string: the score cannot change by that (appending never removes a match); only the recorded output is shorter.",
     ),
+    cuda_graphs: bool = typer.Option(
+        True, "--cuda-graphs/--no-cuda-graphs",
+        help="On a GPU, capture each prompt batch's decode step once as a CUDA graph and replay it (the step is host-bound "
+        "otherwise). The arithmetic is identical; --no-cuda-graphs runs every step eagerly (for debugging).",
+    ),
     threshold: float = typer.Option(0.9, "--threshold", help="Accuracy that a length must keep to count toward the effective length."),
     seed: int = typer.Option(0, "--seed", help="Seed of the needles and haystack offsets."),
     out: Path = typer.Option(None, "--out", "-o", help="Result JSON (default results/needle-<model>-<time>.json)."),
@@ -111,7 +116,9 @@ def needle(
         )
     hay_ids, noise, hay_label = load_haystack(lm.tokenizer, haystack)
     builder = PromptBuilder(lm.tokenizer, hay_ids, noise)
-    st = nd.NeedleSettings(variants, lens, deps, trials, task, values, seed=seed, batch=batch, prefill=prefill, stop_at_answer=not full_answers)
+    st = nd.NeedleSettings(
+        variants, lens, deps, trials, task, values, seed=seed, batch=batch, prefill=prefill, stop_at_answer=not full_answers, cuda_graphs=cuda_graphs
+    )
     if min(lens) <= max_new + 16:
         raise UserError(f"--lengths {min(lens)} is too short: a cell holds the prompt and {max_new} answer tokens")
     builder.build(task, values, max(lens) - max_new, deps[-1], 0, seed)  # fails early if the haystack is too short
@@ -142,13 +149,14 @@ def needle(
             "mean_accuracy": sum(map(sum, acc)) / (len(lens) * len(deps)),
             "effective_length": nd.effective_length(acc, lens, threshold),
             "seconds": result["seconds"][v.name],
+            "decode_steps": result["decode_steps"][v.name],
         }
     failures = nd.format_failures(records, "bf16")
     _print(summary, failures, lens, deps, threshold)
     doc = {
         "schema": NEEDLE_SCHEMA,
         "model": {"name": lm.name, "path": str(lm.path), "default": lm.is_default, "max_positions": lm.max_positions},
-        "settings": {"task": task, "values": values, "haystack": hay_label, "lengths": lens, "depths": deps, "trials": trials, "seed": seed, "threshold": threshold, "prefill": prefill, "max_new_tokens": result["max_new_tokens"], "stop_at_answer": not full_answers},
+        "settings": {"task": task, "values": values, "haystack": hay_label, "lengths": lens, "depths": deps, "trials": trials, "seed": seed, "threshold": threshold, "prefill": prefill, "max_new_tokens": result["max_new_tokens"], "stop_at_answer": not full_answers, "cuda_graphs": cuda_graphs},
         "outer_scales": None if outer is None else outer.to_json(),
         "environment": environment(),
         "formats": summary,

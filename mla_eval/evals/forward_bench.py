@@ -8,7 +8,8 @@ Two measurements, both on the embedded model (or --model), each ratio taken in t
           prompt vs our cell (cache writer, prefill over the decoded cache, absorbed decode steps),
           per format, and the same cell with --prefill absorbed for one format. Each cell is timed
           with the full answer budget (what a cell that misses its needle costs) and stopped at
-          the answer (`mla-eval needle`'s default).
+          the answer (`mla-eval needle`'s default), with decode steps replayed as a CUDA graph
+          (the default) and eager.
 
     python -m mla_eval.evals.forward_bench --out results/h200/forward-bench.json
 Prints a table and writes JSON (atomically). Medians of --repeats timed runs after one warm-up.
@@ -83,19 +84,31 @@ def bench_needle(lm, variants, length: int, repeats: int, absorbed_format: str |
     rows = {}
     for v in variants:
         for mode in ("mha",) + (("absorbed",) if v.name == absorbed_format else ()):
-            answer = []
             reps = repeats if mode == "mha" else 1  # an absorbed 64K prefill takes seconds
-            sec = _time(lambda: answer.append(nd.generate(lm, v, [prompt], max_new, None, mode)[0]), reps, lm.device)
-            prefill = _time(lambda: nd.generate(lm, v, [prompt], 1, None, mode), reps, lm.device)
-            stopped = []
-            stop_sec = _time(lambda: stopped.append(nd.generate(lm, v, [prompt], max_new, None, mode, stop_at_answer=True)[0]), reps, lm.device)
+
+            def cell(tokens: int, graphs: bool = True, stop: bool = False, keep: list | None = None, info: dict | None = None):
+                answer = nd.generate(lm, v, [prompt], tokens, None, mode, stop_at_answer=stop, graphs=graphs, info=info)[0]
+                if keep is not None:
+                    keep.append(answer)
+
+            answer, stopped, info = [], [], {}
+            sec = _time(lambda: cell(max_new, keep=answer, info=info), reps, lm.device)
+            prefill = _time(lambda: cell(1), reps, lm.device)
+            stop_sec = _time(lambda: cell(max_new, stop=True, keep=stopped), reps, lm.device)
+            # max_new - 3 replays separate a full cell from a 3-token one (prefill, eager step, capture + replay)
+            three = _time(lambda: cell(3), reps, lm.device)
+            eager = _time(lambda: cell(max_new, graphs=False), reps, lm.device)
             text = lm.tokenizer.decode(answer[-1], skip_special_tokens=True)
             rows[f"{v.name} ({mode} prefill)"] = {
+                "decode_steps": info["decode_steps"] if info["why_eager"] is None else f"eager ({info['why_eager']})",
                 "stop_at_answer_seconds": stop_sec, "stop_at_answer_tokens": len(stopped[-1]),
                 "stop_at_answer_ratio_vs_stock_prefill": stop_sec / stock,
                 "seconds": sec, "ratio_vs_stock_prefill": sec / stock, "ratio_vs_stock_cell": sec / stock_cell,
                 "prefill_seconds": prefill, "prefill_ratio_vs_stock_prefill": prefill / stock,
-                "decode_step_seconds": (sec - prefill) / (max_new - 1), "retrieved": all(e in text for e in prompt.expected),
+                "decode_step_seconds": (sec - prefill) / (max_new - 1),
+                "replay_step_seconds": (sec - three) / (max_new - 3) if info["why_eager"] is None else None,
+                "eager_cell_seconds": eager, "eager_decode_step_seconds": (eager - prefill) / (max_new - 1),
+                "retrieved": all(e in text for e in prompt.expected),
             }
     return {"length": length, "prompt_tokens": t, "answer_tokens": max_new, "stock_prefill_seconds": stock,
             "stock_cell_seconds": stock_cell, "cells": rows}
@@ -116,6 +129,10 @@ def profile_cell(lm, variant, length: int, path: Path) -> None:
     if lm.device.type == "cuda":
         text.append("== by device time ==\n" + ka.table(sort_by="cuda_time_total", row_limit=30))
     write_text_atomic(path, "\n".join(text))
+
+
+def _ms(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds * 1e3:.2f} ms"
 
 
 def _stock_cell(lm, ids, max_new: int) -> None:
@@ -164,7 +181,9 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"  {name:28s} cell {r['seconds'] * 1e3:8.1f} ms (x{r['ratio_vs_stock_prefill']:.2f} of stock prefill, "
                 f"x{r['ratio_vs_stock_cell']:.2f} of stock cell); prefill {r['prefill_seconds'] * 1e3:8.1f} ms "
-                f"(x{r['prefill_ratio_vs_stock_prefill']:.2f}); decode step {r['decode_step_seconds'] * 1e3:.2f} ms; retrieved={r['retrieved']}; "
+                f"(x{r['prefill_ratio_vs_stock_prefill']:.2f}); decode step {r['decode_step_seconds'] * 1e3:.2f} ms "
+                f"({r['decode_steps']}; replayed step {_ms(r['replay_step_seconds'])}; eager step {_ms(r['eager_decode_step_seconds'])}); "
+                f"retrieved={r['retrieved']}; "
                 f"stopped at the answer after {r['stop_at_answer_tokens']} tokens: {r['stop_at_answer_seconds'] * 1e3:.1f} ms "
                 f"(x{r['stop_at_answer_ratio_vs_stock_prefill']:.2f} of stock prefill)"
             )

@@ -16,6 +16,7 @@ import torch
 
 from mla_eval.evals.needle_tasks import Prompt, PromptBuilder
 from mla_eval.evals.kld import Variant
+from mla_eval.model.decode_steps import DecodeSteps
 from mla_eval.model.session import CacheSession
 
 
@@ -33,6 +34,7 @@ class NeedleSettings:
     outer_scales: object = None
     prefill: str = "mha"  # session.PREFILL_MODES
     stop_at_answer: bool = True  # end a prompt's decode once its answer is complete (exact for the score)
+    cuda_graphs: bool = True  # decode steps replay as one CUDA graph where they can (model.decode_steps)
 
 
 def new_tokens_for(values: str, task: str) -> int:
@@ -56,12 +58,22 @@ def make_prompts(builder: PromptBuilder, st: NeedleSettings) -> list[Prompt]:
 
 @torch.no_grad()
 def generate(
-    lm, variant: Variant, prompts: list[Prompt], max_new: int, outer_scales, prefill: str = "mha", stop_at_answer: bool = False
+    lm,
+    variant: Variant,
+    prompts: list[Prompt],
+    max_new: int,
+    outer_scales,
+    prefill: str = "mha",
+    stop_at_answer: bool = False,
+    graphs: bool = True,
+    info: dict | None = None,
 ) -> list[list[int]]:
     """Greedy answers of a batch of equal-length prompts, through the variant's cache.
 
     The prefill reads the quantised cache in `prefill` mode (see session.PREFILL_MODES); every
-    decode step runs the absorbed attention (our kernel on CUDA) over the same cache.
+    decode step runs the absorbed attention (our kernel on CUDA) over the same cache, replayed as
+    a CUDA graph where it can be (see model.decode_steps; `graphs=False` keeps steps eager).
+    `info`, when given, receives how the steps ran ({"decode_steps": "cuda_graph" | "eager", "why_eager"}).
 
     With `stop_at_answer`, a prompt stops growing once its decoded text holds every expected
     string, and decoding ends when every prompt of the batch has stopped (or at `max_new`).
@@ -81,6 +93,7 @@ def generate(
         logits = lm.model(
             input_ids=ids, position_ids=torch.arange(t, device=lm.device).expand(b, -1), use_cache=False, logits_to_keep=1
         ).logits[:, -1]
+        steps = DecodeSteps(lm, session, graphs=graphs)
         for step in range(max_new):
             nxt = logits.float().argmax(-1)
             for i, tok in enumerate(nxt.tolist()):
@@ -92,8 +105,9 @@ def generate(
                     done[i] = all(e in text for e in prompts[i].expected)
             if step == max_new - 1 or all(done):
                 break
-            pos = torch.full((b, 1), t + step, device=lm.device)
-            logits = lm.model(input_ids=nxt.view(b, 1).to(lm.device), position_ids=pos, use_cache=False).logits[:, -1]
+            logits = steps(nxt, t + step)
+    if info is not None:
+        info.update({"decode_steps": steps.mode, "why_eager": steps.blocker})
     return out
 
 
@@ -105,13 +119,16 @@ def run_needle(lm, builder: PromptBuilder, st: NeedleSettings, progress: Callabl
     done = 0
     t0 = time.perf_counter()
     seconds: dict[str, float] = {}
+    decode_steps: dict[str, str] = {}
     for v in st.variants:
         tv = time.perf_counter()
         for length in st.lengths:
             group = [p for p in prompts if p.length == length]
             for i in range(0, len(group), st.batch):
                 chunk = group[i : i + st.batch]
-                answers = generate(lm, v, chunk, max_new, st.outer_scales, st.prefill, st.stop_at_answer)
+                info: dict = {}
+                answers = generate(lm, v, chunk, max_new, st.outer_scales, st.prefill, st.stop_at_answer, st.cuda_graphs, info)
+                decode_steps[v.name] = info["decode_steps"] if info["why_eager"] is None else f"eager ({info['why_eager']})"
                 for p, a in zip(chunk, answers):
                     text = lm.tokenizer.decode(a, skip_special_tokens=True)
                     records.append(
@@ -126,7 +143,7 @@ def run_needle(lm, builder: PromptBuilder, st: NeedleSettings, progress: Callabl
                 if progress:
                     progress(done, total)
         seconds[v.name] = time.perf_counter() - tv
-    return {"records": records, "seconds": seconds, "total_seconds": time.perf_counter() - t0, "max_new_tokens": max_new}
+    return {"records": records, "seconds": seconds, "decode_steps": decode_steps, "total_seconds": time.perf_counter() - t0, "max_new_tokens": max_new}
 
 
 def grid(records: list[dict], fmt: str, lengths: list[int], depths: list[float]) -> list[list[float]]:

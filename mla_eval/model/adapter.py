@@ -88,6 +88,7 @@ class MlaAdapter:
         self.num_heads = self.config.num_attention_heads
         self.is_dsa = self.config.model_type in DSA_TYPES
         self._session: CacheSession | None = None
+        self.graph_failure: str | None = None  # why decode-step CUDA graphs failed here, once they have
         for m in self.modules:
             if not hasattr(m, "_mla_eval_stock_forward"):
                 m._mla_eval_stock_forward = m.forward

@@ -15,6 +15,7 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from mla_eval.attention import dispatch
+from mla_eval.errors import NonFiniteInputError
 from mla_eval.formats import FormatSpec, OuterScales, decode
 
 
@@ -42,6 +43,19 @@ class LayerEvent:
     q: torch.Tensor  # [B, T, H, 576] absorbed queries
     out: torch.Tensor  # [B, T, H, 512] attention output (latent space) read from the cache
     session: "CacheSession"
+
+
+@dataclasses.dataclass
+class _StepBuffers:
+    """Where a one-token decode step writes and how far it reads, per sequence, on one device.
+
+    Device tensors at fixed addresses, refilled before every step: a CUDA graph captured once
+    replays the step at any position (see mla_eval.model.decode_steps).
+    """
+
+    seq_base: torch.Tensor  # [B] int64: slot of position 0 of each sequence
+    slots: torch.Tensor  # [B] int64: slot of the step's token
+    seq_lens: torch.Tensor  # [B] int32: keys the step's query sees (position + 1)
 
 
 class CacheSession:
@@ -96,6 +110,10 @@ class CacheSession:
         self.last_scale = [1.0] * num_layers  # softmax scale of each layer's last attend()
         # Unquantised history, only when an observer compares against it (per-layer error stats).
         self.exact: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers if keep_exact else []
+        # Decode-step mode (begin_step): the position of the step in flight and its buffers.
+        self.step_pos: int | None = None
+        self._step: dict[torch.device, _StepBuffers] = {}
+        self._step_finite: list[torch.Tensor] = []  # per layer: were the step's latent and rope finite?
 
     def outer_scale(self, layer: int) -> float | None:
         return None if self.outer_scales is None else self.outer_scales.for_layer(layer)
@@ -113,7 +131,8 @@ class CacheSession:
         start = self.lengths[layer]
         if start + t > self.capacity:
             raise ValueError(f"cache session holds {self.capacity} tokens per sequence; {start + t} requested")
-        slots = self._slots(layer, start, t).reshape(-1)
+        step = self._in_step(layer, t)
+        slots = self._step[self.devices[layer]].slots if step else self._slots(layer, start, t).reshape(-1)
         dispatch.write_cache(
             self.spec,
             latent.reshape(b * t, -1),
@@ -122,7 +141,10 @@ class CacheSession:
             self.caches[layer],
             outer_scale=self.outer_scale(layer),
             layer=layer,
+            check_finite=not step,  # a step records a flag instead of a device sync (check_step)
         )
+        if step:
+            self._step_finite[layer].copy_(torch.isfinite(latent).all() & torch.isfinite(rope).all())
         self.lengths[layer] = start + t
         if self.exact:
             prev = self.exact[layer]
@@ -154,6 +176,21 @@ class CacheSession:
         self.last_scale[layer] = softmax_scale
         end = self.lengths[layer]
         dev = self.devices[layer]
+        if topk is None and self._in_step(layer, t, end - 1):
+            # one token per sequence at the step's position: lengths from the step buffers, and
+            # the split-KV grid sized for the session's capacity, so every step launches the same
+            # kernels (eager or replayed from a CUDA graph, identical arithmetic)
+            out, _ = dispatch.mla_attention_dense(
+                self.spec,
+                q.reshape(b, h, -1),
+                self.caches[layer],
+                block_table=self.block_tables[dev],
+                seq_lens=self._step[dev].seq_lens,
+                softmax_scale=softmax_scale,
+                outer_scale=self.outer_scale(layer),
+                max_seq_len=self.capacity,
+            )
+            return out.view(b, t, h, -1)
         q_pos = torch.arange(end - t, end, device=dev)
         if topk is None:
             out, _ = dispatch.mla_attention_dense(
@@ -184,3 +221,52 @@ class CacheSession:
                 outer_scale=self.outer_scale(layer),
             )
         return out.view(b, t, h, -1)
+
+    # ---------------------------------------------------------------- one-token decode steps
+    def begin_step(self, pos: int) -> None:
+        """The next forward is a decode step: one token per sequence at position `pos`.
+
+        Its write slots and attention lengths come from device buffers refilled here, and
+        finiteness is recorded per layer rather than checked with a sync (call `check_step`
+        after the forward). Every layer must hold exactly `pos` tokens.
+        """
+        if any(n != pos for n in self.lengths):
+            raise ValueError(f"decode step at position {pos}, but the layers hold {sorted(set(self.lengths))} tokens")
+        if pos + 1 > self.capacity:
+            raise ValueError(f"cache session holds {self.capacity} tokens per sequence; a step at position {pos} needs {pos + 1}")
+        if not self._step:
+            per_seq = self.blocks_per_seq * self.block_size  # block tables are contiguous per sequence
+            for d in set(self.devices):
+                base = torch.arange(self.batch, dtype=torch.int64, device=d) * per_seq
+                self._step[d] = _StepBuffers(base, base.clone(), torch.zeros(self.batch, dtype=torch.int32, device=d))
+            self._step_finite = [torch.ones((), dtype=torch.bool, device=d) for d in self.devices]
+        for buf in self._step.values():
+            torch.add(buf.seq_base, pos, out=buf.slots)
+            buf.seq_lens.fill_(pos + 1)
+        self.step_pos = pos
+
+    def end_replayed_step(self) -> None:
+        """Account for a step whose forward ran as a CUDA graph replay (no Python ran: the layers'
+        lengths are advanced here)."""
+        self.lengths = [self.step_pos + 1] * self.num_layers
+
+    def check_step(self) -> None:
+        """Raise NonFiniteInputError if any layer's step latent or rope held NaN or inf (one sync per device)."""
+        for d in set(self.devices):
+            layers = [i for i, dev in enumerate(self.devices) if dev == d]
+            ok = torch.stack([self._step_finite[i] for i in layers]).tolist()
+            bad = [layer for layer, fine in zip(layers, ok) if not fine]
+            if bad:
+                raise NonFiniteInputError(
+                    f"the decode step at position {self.step_pos} produced a non-finite latent or rope at layer {bad[0]}; "
+                    "cache formats need finite values: check the model's activations (overflow?) or the input text"
+                )
+
+    def _in_step(self, layer: int, new_tokens: int, start: int | None = None) -> bool:
+        """True when this write/attend is the decode step begun with begin_step."""
+        if self.step_pos is None or new_tokens != 1:
+            return False
+        start = self.lengths[layer] if start is None else start
+        if start != self.step_pos:
+            raise ValueError(f"layer {layer} at position {start} inside the decode step at {self.step_pos}; call begin_step")
+        return True

@@ -3,8 +3,9 @@
 # copy the CuTe DSL wheel parts, see kernels/device_check.sh):
 #   bash results/h200/device_eval.sh [tests] [bench] [recipe]
 #     (always) install CuTe DSL + the jsonschema wheels carried in .devwheels/js
-#     tests    the kernel GPU tests (tests/test_kernels_gpu.py)
+#     tests    the GPU tests (tests/test_kernels_gpu.py, tests/test_decode_steps_gpu.py; KEXPR=expr selects)
 #     bench    python -m mla_eval.evals.forward_bench: kld window and 64K needle cell vs stock SDPA
+#              (BENCH_ARGS are added to its command line)
 #     recipe   mla-eval run recipes/h200-full.toml + mla-eval report, packed as one .tgz
 #              (a call returns at most 8 files)
 # Needs .devdata/wiki.test.raw carried (never committed). Logs and JSON under $OUT.
@@ -25,11 +26,11 @@ for what in "${@:-bench}"; do
 case "$what" in
 tests)
     step "kernel GPU tests"
-    bash kernels/device_check.sh tests > "$OUT/kernel_tests.log" 2>&1; echo "kernel tests rc=$?"; tail -4 "$OUT/kernel_tests.log"
+    bash kernels/device_check.sh tests "${KEXPR:-}" > "$OUT/kernel_tests.log" 2>&1; echo "kernel tests rc=$?"; tail -4 "$OUT/kernel_tests.log"
     ;;
 bench)
     step "forward benchmark (kld window and 64K needle cell vs stock SDPA)"
-    timeout ${BENCH_TIMEOUT:-200} python3 -m mla_eval.evals.forward_bench --out "$OUT/forward-bench-h200.json" --profile "$OUT/profile-needle-64k.txt"
+    timeout ${BENCH_TIMEOUT:-200} python3 -m mla_eval.evals.forward_bench --out "$OUT/forward-bench-h200.json" --profile "$OUT/profile-needle-64k.txt" ${BENCH_ARGS:-}
     ;;
 recipe)
     step "mla-eval run recipes/h200-full.toml"
