@@ -79,6 +79,12 @@ def test_needle_answers_are_the_same_with_and_without_graphs(lm):
     assert with_graphs == eager
     for p, a in zip(prompts, with_graphs):
         assert all(e in lm.tokenizer.decode(a, skip_special_tokens=True) for e in p.expected)
+    # cells of one shape share a session and its graph (captured once): the same answers
+    reuse: dict = {}
+    one_by_one = [nd.generate(lm, v, [p], 10, None, reuse=reuse)[0] for p in prompts]
+    assert one_by_one == [nd.generate(lm, v, [p], 10, None, graphs=False)[0] for p in prompts]
+    steps = reuse["steps"]
+    assert steps.eager_steps == 1 and steps.replays == 3 * 9 - 1
 
 
 @torch.no_grad()

@@ -74,8 +74,9 @@ def needle(
     ),
     cuda_graphs: bool = typer.Option(
         True, "--cuda-graphs/--no-cuda-graphs",
-        help="On a GPU, capture each prompt batch's decode step once as a CUDA graph and replay it (the step is host-bound "
-        "otherwise). The arithmetic is identical; --no-cuda-graphs runs every step eagerly (for debugging).",
+        help="On a GPU, capture the decode step once per prompt shape as a CUDA graph and replay it for every step of "
+        "every cell of that shape (a step is host-bound otherwise). The arithmetic is identical; --no-cuda-graphs runs "
+        "every step eagerly (for debugging).",
     ),
     threshold: float = typer.Option(0.9, "--threshold", help="Accuracy that a length must keep to count toward the effective length."),
     seed: int = typer.Option(0, "--seed", help="Seed of the needles and haystack offsets."),

@@ -8,8 +8,9 @@ Two measurements, both on the embedded model (or --model), each ratio taken in t
           prompt vs our cell (cache writer, prefill over the decoded cache, absorbed decode steps),
           per format, and the same cell with --prefill absorbed for one format. Each cell is timed
           with the full answer budget (what a cell that misses its needle costs) and stopped at
-          the answer (`mla-eval needle`'s default), with decode steps replayed as a CUDA graph
-          (the default) and eager.
+          the answer (`mla-eval needle`'s default), as a grid's later cell of the same shape
+          (session and decode graph reused), and with eager decode steps; one decode step is also
+          timed alone, replayed and eager.
 
     python -m mla_eval.evals.forward_bench --out results/h200/forward-bench.json
 Prints a table and writes JSON (atomically). Medians of --repeats timed runs after one warm-up.
@@ -28,6 +29,7 @@ from mla_eval.commands.kld import parse_variants
 from mla_eval.evals import needle as nd
 from mla_eval.evals.needle_tasks import PromptBuilder, load_haystack
 from mla_eval.model.loader import load_model
+from mla_eval.model.decode_steps import DecodeSteps
 from mla_eval.model.session import CacheSession
 from mla_eval.results import environment
 from mla_eval.atomic_io import write_json_atomic, write_text_atomic
@@ -85,33 +87,57 @@ def bench_needle(lm, variants, length: int, repeats: int, absorbed_format: str |
     for v in variants:
         for mode in ("mha",) + (("absorbed",) if v.name == absorbed_format else ()):
             reps = repeats if mode == "mha" else 1  # an absorbed 64K prefill takes seconds
+            answers, info, reuse = {}, {}, {}
 
-            def cell(tokens: int, graphs: bool = True, stop: bool = False, keep: list | None = None, info: dict | None = None):
-                answer = nd.generate(lm, v, [prompt], tokens, None, mode, stop_at_answer=stop, graphs=graphs, info=info)[0]
-                if keep is not None:
-                    keep.append(answer)
+            def cell(name: str, tokens: int, **kw):
+                answers[name] = nd.generate(lm, v, [prompt], tokens, None, mode, **kw)[0]
 
-            answer, stopped, info = [], [], {}
-            sec = _time(lambda: cell(max_new, keep=answer, info=info), reps, lm.device)
-            prefill = _time(lambda: cell(1), reps, lm.device)
-            stop_sec = _time(lambda: cell(max_new, stop=True, keep=stopped), reps, lm.device)
-            # max_new - 3 replays separate a full cell from a 3-token one (prefill, eager step, capture + replay)
-            three = _time(lambda: cell(3), reps, lm.device)
-            eager = _time(lambda: cell(max_new, graphs=False), reps, lm.device)
-            text = lm.tokenizer.decode(answer[-1], skip_special_tokens=True)
+            sec = _time(lambda: cell("full", max_new, info=info), reps, lm.device)
+            prefill = _time(lambda: cell("prefill", 1), reps, lm.device)
+            stop_sec = _time(lambda: cell("stop", max_new, stop_at_answer=True), reps, lm.device)
+            # a later cell of the same shape in a grid: its session and decode graph already exist
+            grid_sec = _time(lambda: cell("grid", max_new, stop_at_answer=True, reuse=reuse), reps, lm.device)
+            grid_full = _time(lambda: cell("grid_full", max_new, reuse=reuse), reps, lm.device)
+            eager = _time(lambda: cell("eager", max_new, graphs=False), reps, lm.device)
+            text = lm.tokenizer.decode(answers["full"], skip_special_tokens=True)
             rows[f"{v.name} ({mode} prefill)"] = {
                 "decode_steps": info["decode_steps"] if info["why_eager"] is None else f"eager ({info['why_eager']})",
-                "stop_at_answer_seconds": stop_sec, "stop_at_answer_tokens": len(stopped[-1]),
-                "stop_at_answer_ratio_vs_stock_prefill": stop_sec / stock,
                 "seconds": sec, "ratio_vs_stock_prefill": sec / stock, "ratio_vs_stock_cell": sec / stock_cell,
+                "stop_at_answer_seconds": stop_sec, "stop_at_answer_tokens": len(answers["stop"]),
+                "stop_at_answer_ratio_vs_stock_prefill": stop_sec / stock,
+                "grid_cell_seconds": grid_sec, "grid_cell_ratio_vs_stock_prefill": grid_sec / stock,
+                "grid_cell_full_seconds": grid_full, "grid_cell_full_ratio_vs_stock_prefill": grid_full / stock,
                 "prefill_seconds": prefill, "prefill_ratio_vs_stock_prefill": prefill / stock,
                 "decode_step_seconds": (sec - prefill) / (max_new - 1),
-                "replay_step_seconds": (sec - three) / (max_new - 3) if info["why_eager"] is None else None,
-                "eager_cell_seconds": eager, "eager_decode_step_seconds": (eager - prefill) / (max_new - 1),
+                "replay_step_seconds": _step_seconds(lm, v, prompt, mode, graphs=True) if info["why_eager"] is None else None,
+                "eager_cell_seconds": eager, "eager_step_seconds": _step_seconds(lm, v, prompt, mode, graphs=False),
+                "same_answers": len({tuple(answers[k]) for k in ("full", "grid_full", "eager")}) == 1,
                 "retrieved": all(e in text for e in prompt.expected),
             }
     return {"length": length, "prompt_tokens": t, "answer_tokens": max_new, "stock_prefill_seconds": stock,
             "stock_cell_seconds": stock_cell, "cells": rows}
+
+
+@torch.no_grad()
+def _step_seconds(lm, variant, prompt, mode: str, graphs: bool, steps_timed: int = 8) -> float:
+    """Median seconds of one decode step timed alone, after the first two (eager warm-up, capture)."""
+    ids = torch.tensor([prompt.ids], device=lm.device)
+    t = ids.shape[1]
+    session = CacheSession(variant.spec, lm.num_layers, 1, t + 2 + steps_timed, lm.layer_devices, prefill=mode)
+    steps = DecodeSteps(lm, session, graphs=graphs)
+    with lm.adapter.session(session):
+        logits = lm.model(input_ids=ids, position_ids=torch.arange(t, device=lm.device).view(1, -1), use_cache=False, logits_to_keep=1)
+    nxt = logits.logits[:, -1].argmax(-1)
+    times = []
+    for i in range(2 + steps_timed):
+        if lm.device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        nxt = steps(nxt, t + i).argmax(-1)
+        if lm.device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[2:])
 
 
 def profile_cell(lm, variant, length: int, path: Path) -> None:
@@ -180,12 +206,13 @@ def main(argv: list[str] | None = None) -> int:
         for name, r in n["cells"].items():
             print(
                 f"  {name:28s} cell {r['seconds'] * 1e3:8.1f} ms (x{r['ratio_vs_stock_prefill']:.2f} of stock prefill, "
-                f"x{r['ratio_vs_stock_cell']:.2f} of stock cell); prefill {r['prefill_seconds'] * 1e3:8.1f} ms "
-                f"(x{r['prefill_ratio_vs_stock_prefill']:.2f}); decode step {r['decode_step_seconds'] * 1e3:.2f} ms "
-                f"({r['decode_steps']}; replayed step {_ms(r['replay_step_seconds'])}; eager step {_ms(r['eager_decode_step_seconds'])}); "
-                f"retrieved={r['retrieved']}; "
-                f"stopped at the answer after {r['stop_at_answer_tokens']} tokens: {r['stop_at_answer_seconds'] * 1e3:.1f} ms "
-                f"(x{r['stop_at_answer_ratio_vs_stock_prefill']:.2f} of stock prefill)"
+                f"x{r['ratio_vs_stock_cell']:.2f} of stock cell); stopped at the answer after {r['stop_at_answer_tokens']} tokens "
+                f"{r['stop_at_answer_seconds'] * 1e3:.1f} ms (x{r['stop_at_answer_ratio_vs_stock_prefill']:.2f}); "
+                f"a later grid cell {r['grid_cell_seconds'] * 1e3:.1f} ms (x{r['grid_cell_ratio_vs_stock_prefill']:.2f}), "
+                f"full budget {r['grid_cell_full_seconds'] * 1e3:.1f} ms (x{r['grid_cell_full_ratio_vs_stock_prefill']:.2f})\n"
+                f"  {'':28s} prefill {r['prefill_seconds'] * 1e3:.1f} ms (x{r['prefill_ratio_vs_stock_prefill']:.2f}); "
+                f"decode steps {r['decode_steps']}: replayed {_ms(r['replay_step_seconds'])}, eager {_ms(r['eager_step_seconds'])} "
+                f"(eager cell {r['eager_cell_seconds'] * 1e3:.1f} ms); same answers={r['same_answers']}; retrieved={r['retrieved']}"
             )
     if a.profile:
         profile_cell(lm, next(v for v in variants if v.name == (a.absorbed_format or variants[0].name)), a.needle_length, a.profile)

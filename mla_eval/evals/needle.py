@@ -67,6 +67,7 @@ def generate(
     stop_at_answer: bool = False,
     graphs: bool = True,
     info: dict | None = None,
+    reuse: dict | None = None,
 ) -> list[list[int]]:
     """Greedy answers of a batch of equal-length prompts, through the variant's cache.
 
@@ -74,6 +75,9 @@ def generate(
     decode step runs the absorbed attention (our kernel on CUDA) over the same cache, replayed as
     a CUDA graph where it can be (see model.decode_steps; `graphs=False` keeps steps eager).
     `info`, when given, receives how the steps ran ({"decode_steps": "cuda_graph" | "eager", "why_eager"}).
+    `reuse`, a dict the caller keeps across calls, holds the last call's session and decode steps:
+    a call of the same format and shape (batch, prompt length, budget) resets and reuses them,
+    so its steps replay the graph captured before instead of capturing a new one.
 
     With `stop_at_answer`, a prompt stops growing once its decoded text holds every expected
     string, and decoding ends when every prompt of the batch has stopped (or at `max_new`).
@@ -83,9 +87,18 @@ def generate(
     """
     ids = torch.tensor([p.ids for p in prompts], device=lm.device)
     b, t = ids.shape
-    session = CacheSession(
-        variant.spec, lm.num_layers, b, t + max_new, lm.layer_devices, outer_scales=outer_scales if variant.outer else None, prefill=prefill
-    )
+    outer = outer_scales if variant.outer else None
+    key = (variant.name, id(outer), b, t + max_new, prefill, graphs)
+    if reuse is not None and reuse.get("key") == key:
+        session, steps = reuse["session"], reuse["steps"]
+        session.reset()
+    else:
+        if reuse is not None:
+            reuse.clear()  # frees the previous shape's caches and graph first
+        session = CacheSession(variant.spec, lm.num_layers, b, t + max_new, lm.layer_devices, outer_scales=outer, prefill=prefill)
+        steps = DecodeSteps(lm, session, graphs=graphs)
+        if reuse is not None:
+            reuse.update(key=key, session=session, steps=steps)
     out: list[list[int]] = [[] for _ in prompts]
     done = [False] * len(prompts)
     with lm.adapter.session(session):
@@ -93,7 +106,6 @@ def generate(
         logits = lm.model(
             input_ids=ids, position_ids=torch.arange(t, device=lm.device).expand(b, -1), use_cache=False, logits_to_keep=1
         ).logits[:, -1]
-        steps = DecodeSteps(lm, session, graphs=graphs)
         for step in range(max_new):
             nxt = logits.float().argmax(-1)
             for i, tok in enumerate(nxt.tolist()):
@@ -122,12 +134,13 @@ def run_needle(lm, builder: PromptBuilder, st: NeedleSettings, progress: Callabl
     decode_steps: dict[str, str] = {}
     for v in st.variants:
         tv = time.perf_counter()
+        reuse: dict = {}  # one session (and decode graph) per prompt shape, kept across its cells
         for length in st.lengths:
             group = [p for p in prompts if p.length == length]
             for i in range(0, len(group), st.batch):
                 chunk = group[i : i + st.batch]
                 info: dict = {}
-                answers = generate(lm, v, chunk, max_new, st.outer_scales, st.prefill, st.stop_at_answer, st.cuda_graphs, info)
+                answers = generate(lm, v, chunk, max_new, st.outer_scales, st.prefill, st.stop_at_answer, st.cuda_graphs, info, reuse)
                 decode_steps[v.name] = info["decode_steps"] if info["why_eager"] is None else f"eager ({info['why_eager']})"
                 for p, a in zip(chunk, answers):
                     text = lm.tokenizer.decode(a, skip_special_tokens=True)

@@ -62,7 +62,7 @@ class DecodeSteps:
         # mask; handing the model a prepared 4-D mask spares it building one (transformers'
         # packed-sequence check syncs, which a graph capture cannot hold).
         self.mask = torch.ones(b, 1, 1, 1, dtype=torch.bool, device=dev)
-        self.blocker = "disabled (--no-cuda-graphs)" if not graphs else getattr(self.adapter, "graph_failure", None) or graph_blocker(session)
+        self.blocker = "disabled by --no-cuda-graphs" if not graphs else getattr(self.adapter, "graph_failure", None) or graph_blocker(session)
         self.graph: torch.cuda.CUDAGraph | None = None
         self._graph_logits: torch.Tensor | None = None
         self.eager_steps = 0

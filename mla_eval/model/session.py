@@ -115,6 +115,16 @@ class CacheSession:
         self._step: dict[torch.device, _StepBuffers] = {}
         self._step_finite: list[torch.Tensor] = []  # per layer: were the step's latent and rope finite?
 
+    def reset(self) -> None:
+        """Empty every sequence, for a new batch of prompts of the same shape (reusing the caches
+        and a captured decode graph). The cache bytes stay: no read reaches a slot before it is
+        written again, since every read stops at its sequence's length."""
+        self.lengths = [0] * self.num_layers
+        self.last_scale = [1.0] * self.num_layers
+        self.step_pos = None
+        if self.exact:
+            self.exact = [None] * self.num_layers
+
     def outer_scale(self, layer: int) -> float | None:
         return None if self.outer_scales is None else self.outer_scales.for_layer(layer)
 

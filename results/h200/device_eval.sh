@@ -8,6 +8,8 @@
 #              (BENCH_ARGS are added to its command line)
 #     recipe   mla-eval run recipes/h200-full.toml + mla-eval report, packed as one .tgz
 #              (a call returns at most 8 files)
+#     needle   only the [needle] grid of recipes/h200-full.toml, twice: decode steps replayed as
+#              CUDA graphs (the default) and eager (cuda_graphs = false), one .tgz each
 # Needs .devdata/wiki.test.raw carried (never committed). Logs and JSON under $OUT.
 set -o pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -40,6 +42,22 @@ recipe)
     step "report"
     python3 -m mla_eval report "$OUT/h200-full" 2>&1 | tail -3
     tar -C "$OUT" -czf "$OUT/h200-full.tgz" h200-full && rm -rf "$OUT/h200-full"
+    ;;
+needle)
+    for graphs in true false; do
+        name=h200-needle$([ $graphs = true ] || echo -eager)
+        step "needle grid of recipes/h200-full.toml, cuda_graphs = $graphs"
+        python3 - "$graphs" > "/tmp/$name.toml" <<'PY'
+import json, sys, tomllib
+doc = tomllib.load(open("recipes/h200-full.toml", "rb"))
+print(f'device = {json.dumps(doc["device"])}\n[needle]')
+for key, value in {**doc["needle"], "cuda_graphs": sys.argv[1] == "true"}.items():
+    print(f"{key} = {json.dumps(value)}")  # strings, numbers and booleans: JSON spells them as TOML does
+PY
+        timeout ${RECIPE_TIMEOUT:-400} python3 -m mla_eval run "/tmp/$name.toml" --out "$OUT/$name" 2>&1 \
+            | grep -v -E "prompts +[0-9━╸ ]|^[│┃┏┡└]" | tail -8
+        tar -C "$OUT" -czf "$OUT/$name.tgz" "$name" && rm -rf "${OUT:?}/$name"
+    done
     ;;
 esac
 done
