@@ -12,10 +12,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from mla_eval.errors import UserError
+
 
 def write_text_atomic(path: Path, text: str) -> None:
     """Write `text` (UTF-8) to `path`, creating its folder."""
     path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{path} is a folder; give a file path to write")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:

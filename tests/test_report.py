@@ -33,3 +33,23 @@ def test_report_bad_input(tmp_path, capsys):
     assert main(["report", str(tmp_path / "missing")]) == 2
     assert main(["report", str(tmp_path)]) == 2
     assert "holds no" in capsys.readouterr().err
+
+
+def test_report_out_may_be_a_folder(tmp_path, capsys):
+    res = tmp_path / "r"
+    shutil.copytree(BASELINE, res)
+    folder = tmp_path / "pages"
+    folder.mkdir()
+    assert main(["report", str(res), "--out", str(folder)]) == 0
+    assert (folder / "report.html").is_file() and (folder / "report.md").is_file()
+
+
+def test_atomic_write_to_a_folder_is_a_clear_error(tmp_path):
+    import pytest
+
+    from mla_eval.atomic_io import write_text_atomic
+    from mla_eval.errors import UserError
+
+    with pytest.raises(UserError, match="is a folder; give a file path"):
+        write_text_atomic(tmp_path, "x")
+    assert not list(tmp_path.glob(".*tmp"))

@@ -13,7 +13,7 @@ from mla_eval.report import page
 
 def report(
     results: Path = typer.Argument(..., help="A results directory written by `mla-eval run`."),
-    out: Path = typer.Option(None, "--out", "-o", help="HTML file (default RESULTS/report.html; report.md beside it)."),
+    out: Path = typer.Option(None, "--out", "-o", help="HTML file, or a folder to hold report.html (default RESULTS/report.html; report.md beside it)."),
 ) -> None:
     """Tables of every evaluation side by side across formats, with the plots embedded."""
     if not results.is_dir():
@@ -22,6 +22,8 @@ def report(
     if not docs:
         raise UserError(f"{results} holds no kld.json, needle.json or capacity.json")
     out = out or results / "report.html"
+    if out.is_dir():
+        out = out / "report.html"
     secs = page.sections(docs)
     images = sorted((results / "plots").glob("*.png")) if (results / "plots").is_dir() else []
     title = f"mla-eval report — {results.name}"
