@@ -29,7 +29,7 @@ from mla_eval.commands.kld import parse_variants
 from mla_eval.evals import needle as nd
 from mla_eval.evals.needle_tasks import PromptBuilder, load_haystack
 from mla_eval.model.loader import load_model
-from mla_eval.model.decode_steps import DecodeSteps
+from mla_eval.model.decode_steps import DecodeSteps, steps_label
 from mla_eval.model.session import CacheSession
 from mla_eval.results import environment
 from mla_eval.atomic_io import write_json_atomic, write_text_atomic
@@ -101,7 +101,7 @@ def bench_needle(lm, variants, length: int, repeats: int, absorbed_format: str |
             eager = _time(lambda: cell("eager", max_new, graphs=False), reps, lm.device)
             text = lm.tokenizer.decode(answers["full"], skip_special_tokens=True)
             rows[f"{v.name} ({mode} prefill)"] = {
-                "decode_steps": info["decode_steps"] if info["why_eager"] is None else f"eager ({info['why_eager']})",
+                "decode_steps": steps_label(info),
                 "seconds": sec, "ratio_vs_stock_prefill": sec / stock, "ratio_vs_stock_cell": sec / stock_cell,
                 "stop_at_answer_seconds": stop_sec, "stop_at_answer_tokens": len(answers["stop"]),
                 "stop_at_answer_ratio_vs_stock_prefill": stop_sec / stock,

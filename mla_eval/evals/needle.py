@@ -16,7 +16,7 @@ import torch
 
 from mla_eval.evals.needle_tasks import Prompt, PromptBuilder
 from mla_eval.evals.kld import Variant
-from mla_eval.model.decode_steps import DecodeSteps
+from mla_eval.model.decode_steps import DecodeSteps, steps_label
 from mla_eval.model.session import CacheSession
 
 
@@ -141,7 +141,7 @@ def run_needle(lm, builder: PromptBuilder, st: NeedleSettings, progress: Callabl
                 chunk = group[i : i + st.batch]
                 info: dict = {}
                 answers = generate(lm, v, chunk, max_new, st.outer_scales, st.prefill, st.stop_at_answer, st.cuda_graphs, info, reuse)
-                decode_steps[v.name] = info["decode_steps"] if info["why_eager"] is None else f"eager ({info['why_eager']})"
+                decode_steps[v.name] = steps_label(info)
                 for p, a in zip(chunk, answers):
                     text = lm.tokenizer.decode(a, skip_special_tokens=True)
                     records.append(

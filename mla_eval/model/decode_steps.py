@@ -43,6 +43,12 @@ def graph_blocker(session: CacheSession) -> str | None:
     return None
 
 
+def steps_label(info: dict) -> str:
+    """How decode steps ran, as results record it: 'cuda_graph' or 'eager (<why>)'.
+    `info` is what needle.generate fills ({"decode_steps", "why_eager"})."""
+    return info["decode_steps"] if info["why_eager"] is None else f"eager ({info['why_eager']})"
+
+
 class DecodeSteps:
     """`steps(tokens [B], pos)` -> next-token logits [B, vocab] of one decode step.
 
@@ -62,7 +68,7 @@ class DecodeSteps:
         # mask; handing the model a prepared 4-D mask spares it building one (transformers'
         # packed-sequence check syncs, which a graph capture cannot hold).
         self.mask = torch.ones(b, 1, 1, 1, dtype=torch.bool, device=dev)
-        self.blocker = "disabled by --no-cuda-graphs" if not graphs else getattr(self.adapter, "graph_failure", None) or graph_blocker(session)
+        self.blocker = "disabled by --no-cuda-graphs" if not graphs else self.adapter.graph_failure or graph_blocker(session)
         self.graph: torch.cuda.CUDAGraph | None = None
         self._graph_logits: torch.Tensor | None = None
         self.eager_steps = 0
