@@ -22,8 +22,11 @@ from mla_eval.atomic_io import write_json_atomic
 from mla_eval.result_schemas import validate
 
 
-def environment() -> dict[str, Any]:
-    """Versions, device and git commit: enough to reproduce or question a number."""
+def environment(attention=None) -> dict[str, Any]:
+    """Versions, device and git commit: enough to reproduce or question a number.
+
+    `attention`: the `dispatch.PathLog` of the run (which path computed each format), if any.
+    """
     env: dict[str, Any] = {
         "mla_eval": __version__,
         "python": platform.python_version(),
@@ -49,6 +52,8 @@ def environment() -> dict[str, Any]:
         env["git_dirty"] = bool(status.stdout.strip()) if status.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
         env["git_commit"] = None
+    if attention is not None:
+        env["attention"] = {"backend": attention.backend, "paths": dict(attention.paths)}
     return env
 
 

@@ -8,15 +8,22 @@ reference (same signatures; the writer's bytes are identical, attention agrees w
 
 Slot lists and the math are documented in `mla_eval.attention.reference`. `backend` picks the path:
 "auto" (kernel for CUDA tensors when `nvidia-cutlass-dsl` is installed and the format is within
-the kernels' scope, else reference), "kernel" (raise if the kernel cannot run) or "reference".
+the kernels' scope, else reference), "kernel" (UserError if the kernel cannot run) or "reference".
+A call's "auto" defers to the enclosing `with use_backend(name) as log:` scope (the library's
+evaluations open one from their settings), then to the MLA_EVAL_BACKEND variable; `log.paths`
+records which path served each format, for the result's provenance.
 `kernel_status(spec, device)` says which path "auto" takes, and why. `cutlass` is imported only
 when a kernel actually runs.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
 import functools
 import os
+from typing import Iterator
 
 import torch
 
@@ -27,6 +34,53 @@ from mla_eval.formats.codec import check_finite as require_finite
 from mla_eval.formats.codec import outer_scale_tensor
 
 QK_DIM = 576
+
+BACKENDS = ("auto", "kernel", "reference")
+BACKEND_ENV = "MLA_EVAL_BACKEND"
+
+
+@dataclasses.dataclass
+class PathLog:
+    """Which attention path served each (operation, format, device) inside one `use_backend` scope.
+
+    `paths` maps "write|attend <format> on <device>" -> "kernel" or "reference (why)"; result
+    documents carry it as their provenance (what computed the number).
+    """
+
+    backend: str
+    paths: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def record(self, op: str, spec_name: str, device: torch.device, path: str) -> None:
+        self.paths.setdefault(f"{op} {spec_name} on {device}", path)
+
+
+_scope: contextvars.ContextVar[PathLog | None] = contextvars.ContextVar("mla_eval_backend", default=None)
+
+
+def check_backend(name: str, source: str = "--backend") -> str:
+    """Validate a backend name (one-line UserError naming where the bad value came from)."""
+    if name not in BACKENDS:
+        raise UserError(f"{source} {name!r} is not a backend; choose one of {', '.join(BACKENDS)}")
+    return name
+
+
+def default_backend() -> str:
+    """The backend when none is given: MLA_EVAL_BACKEND if set (validated), else auto."""
+    return check_backend(os.environ.get(BACKEND_ENV, "auto") or "auto", source=BACKEND_ENV)
+
+
+@contextlib.contextmanager
+def use_backend(name: str | None = None) -> Iterator[PathLog]:
+    """Route every dispatch call inside the block through `name` (None: `default_backend()`).
+
+    Yields the PathLog that records which path each call took. Nested scopes restore the outer one.
+    """
+    log = PathLog(check_backend(name) if name is not None else default_backend())
+    token = _scope.set(log)
+    try:
+        yield log
+    finally:
+        _scope.reset(token)
 
 
 @functools.lru_cache(maxsize=None)
@@ -60,16 +114,21 @@ def kernel_status(spec, device: torch.device | str) -> tuple[bool, str]:
     return True, "kernel"
 
 
-def _use_kernel(spec, device: torch.device, backend: str) -> bool:
-    if backend == "auto":  # MLA_EVAL_BACKEND=reference forces the torch path (kernel-vs-reference runs)
-        backend = os.environ.get("MLA_EVAL_BACKEND", "auto")
+def _use_kernel(spec, device: torch.device, backend: str, op: str = "attend") -> bool:
+    """Whether this call runs the CuTe kernel. An explicit `backend` argument wins; "auto" defers
+    to the enclosing `use_backend` scope, then to MLA_EVAL_BACKEND."""
+    scope = _scope.get()
+    if backend == "auto":
+        backend = scope.backend if scope is not None else default_backend()
+    check_backend(backend, source="backend")
     if backend == "reference":
-        return False
-    ok, why = kernel_status(spec, device)
-    if backend == "kernel" and not ok:
-        raise RuntimeError(f"CuTe kernel requested but unavailable: {why}")
-    if backend not in ("auto", "kernel"):
-        raise ValueError(f"backend must be auto, kernel or reference, not {backend!r}")
+        ok, why = False, "asked for"
+    else:
+        ok, why = kernel_status(spec, device)
+        if backend == "kernel" and not ok:
+            raise UserError(f"--backend kernel, but the CuTe kernels cannot run here: {why}")
+    if scope is not None:
+        scope.record(op, get_format(spec).name, device, "kernel" if ok else f"reference ({why})")
     return ok
 
 
@@ -101,7 +160,7 @@ def write_cache(
         raise UserError(f"cache must be a contiguous uint8 [num_blocks, block_size, {spec.record_bytes}] tensor")
     if latent.shape[-1:] != (512,) or rope.shape[-1:] != (64,) or latent.shape[:-1] != rope.shape[:-1]:
         raise UserError(f"latent [T, 512] and rope [T, 64] expected, got {tuple(latent.shape)} and {tuple(rope.shape)}")
-    if not _use_kernel(spec, cache.device, backend) or latent.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+    if not _use_kernel(spec, cache.device, backend, op="write") or latent.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         reference.write_cache(spec, latent, rope, slot_mapping, cache, outer_scale=outer_scale, layer=layer)
         return
     s_l = _outer_scale_value(spec, outer_scale)
