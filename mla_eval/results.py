@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import math
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -107,6 +108,28 @@ def default_result_path(kind: str, model_name: str) -> Path:
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in model_name)
     return Path("results") / f"{kind}-{safe}-{stamp}.json"
+
+
+def check_output_path(path: Path, force: bool = False) -> Path:
+    """Before any long work: can a result document be written at `path`? One-line UserError if not
+    (exists without --force, is a folder, its folder cannot be created or written).
+
+    Commands call this on --out (or the default path) first, so a bad --out never costs a run.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"--out {path} is a folder; give a file path (e.g. {path / 'result.json'})")
+    if path.exists() and not force:
+        raise UserError(f"{path} exists; choose another --out or pass --force to replace it")
+    parent = path.parent
+    probe = parent
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise UserError(f"cannot write {path}: {probe} is a file, not a folder")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise UserError(f"cannot write {path}: no write permission in {probe}")
+    return path
 
 
 def write_result(path: Path, doc: dict, force: bool = False, schema: str | None = None) -> Path:
