@@ -197,7 +197,7 @@ def _owned_forward(self, hidden_states, *args, **kwargs):
         topk = _dsa_topk(self, hidden_states, q_resid, position_embeddings)
     out_lat = session.attend(layer, q_abs, float(self.scaling), topk=topk)  # [B, T, H, 512] fp32
     for obs in session.observers:
-        obs(LayerEvent(layer, c_kv, k_pe, q_abs, out_lat, session))
+        obs(LayerEvent(layer, c_kv, k_pe, q_abs, out_lat, session, topk))
     out = torch.einsum("bthc,hvc->bthv", out_lat, w_uv).reshape(bsz, seq, heads * v_d)
     out = self.o_proj(out.to(hidden_states.dtype))
     if self.config.model_type == "glm_moe_dsa":  # its decoder layer passes top-k on to the next
