@@ -21,7 +21,7 @@ from mla_eval.model_presets import preset_names
 # The one help text of every command's --model option.
 MODEL_HELP = (
     "A local Hugging Face MLA checkpoint folder (default: the embedded model), or "
-    "'random:<preset>[:layers=N][:seed=S][:hidden=H]': random weights with a preset's exact attention "
+    "'random:<preset>[:layers=N][:seed=S][:hidden=H][:topk=K]': random weights with a preset's exact attention "
     f"geometry ({', '.join(preset_names())}), N layers (default 3), for plumbing, timing and memory, not quality."
 )
 
@@ -164,7 +164,7 @@ def load_model(
     """Load weights + tokenizer, patch the attention modules, put the model in eval mode.
 
     `model`: None (the embedded default model), a local Hugging Face checkpoint folder, or a random
-    preset spec `random:<preset>[:layers=N][:seed=S][:hidden=H]` (see mla_eval.model.random_models):
+    preset spec `random:<preset>[:layers=N][:seed=S][:hidden=H][:topk=K]` (see mla_eval.model.random_models):
     random weights with the preset's exact attention geometry (heads, q_lora, nope/rope/v dims,
     kv_lora 512, DSA indexer and its layer schedule, rope), N layers (default 3) of small dense MLP,
     the embedded tokenizer, built directly on the device (bf16 on CUDA), seeded by S (default 0):
