@@ -59,3 +59,22 @@ def test_score_blocks_do_not_change_the_selection(monkeypatch):
         monkeypatch.setattr(ix, "_SCORE_BLOCK_BYTES", 4 * 64 * 40 * 7)  # 7 query rows per block
         blocked = ix.indexer_topk(attn.indexer, "deepseek_v32", hidden, q_resid, cos_sin, 16)
     assert torch.equal(whole, blocked)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["deepseek-v3.2", "glm-5.2"])
+def test_owned_topk_at_the_published_top_k(preset):
+    """The published top-k (2048) over 2100 keys: queries past 2048 really drop keys, and the
+    selection equals the stock indexer's (compared on the last 52 queries, the ones that choose)."""
+    seq = 2100
+    model = preset_model(preset, layers=1)
+    assert model.config.index_topk == 2048
+    attn, hidden, q_resid, cos_sin, pos = _indexer_inputs(model, seq, seed=4)
+    mask = torch.full((seq, seq), torch.finfo(torch.float32).min).triu(1).unsqueeze(0)
+    with torch.no_grad():
+        stock = attn.indexer(hidden, q_resid, cos_sin, mask, pos)
+        ours = indexer_topk(attn.indexer, model.config.model_type, hidden, q_resid, cos_sin, 2048)
+    for t in range(2048, seq):
+        got, want = ours[0, t].sort().values, stock[0, t].sort().values
+        assert torch.equal(got, want), f"query {t}"
+        assert int((got <= t).sum()) == 2048 < t + 1

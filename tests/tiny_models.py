@@ -72,15 +72,11 @@ def tiny_checkpoint(folder, model_type: str = "deepseek_v3"):
 def preset_model(preset: str, layers: int = 2, hidden: int = 128, seed: int = 0, index_topk: int | None = None):
     """A random float32 CPU model with a preset's attention geometry (mla_eval.model.random_models),
     a small hidden size, and optionally a smaller indexer top-k so short windows already select."""
-    import dataclasses
-
     from mla_eval.model.random_models import RandomSpec, build_random_model
     from mla_eval.model_presets import get_preset
 
-    p = get_preset(preset)
-    if index_topk is not None:
-        p = dataclasses.replace(p, config={**p.config, "index_topk": index_topk})
-    model = build_random_model(RandomSpec(p, layers=layers, seed=seed, hidden=hidden), 320, torch.device("cpu"), torch.float32)
+    spec = RandomSpec(get_preset(preset), layers=layers, seed=seed, hidden=hidden, topk=index_topk)
+    model = build_random_model(spec, 320, torch.device("cpu"), torch.float32)
     with torch.no_grad():  # as tiny_model: make the latent large enough for quantisation error to show
         for layer in model.model.layers:
             layer.self_attn.kv_a_layernorm.weight.mul_(3.0)
