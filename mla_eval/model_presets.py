@@ -336,12 +336,22 @@ MODEL_PRESETS: tuple[ModelPreset, ...] = (
             "kv_lora_rank": 512,
             "qk_rope_head_dim": 64,
             "max_position_embeddings": 163840,
+            "hidden_size": 7168,
+            "num_attention_heads": 128,
+            "q_lora_rank": 1536,
+            "qk_nope_head_dim": 128,
+            "v_head_dim": 128,
+            "rope_theta": 10000,
+            "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                             "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
         },
         param_count=685_000_000_000,
         weights_dtype="fp8",
         sources=(
             ("num_hidden_layers=61, num_nextn_predict_layers=1, kv_lora_rank=512, qk_rope_head_dim=64, "
              "max_position_embeddings=163840, FP8 e4m3 128x128 block weights", _DSV3_CONFIG_SRC),
+            ("attention: hidden_size=7168, num_attention_heads=128, q_lora_rank=1536, qk_nope_head_dim=128, "
+             "v_head_dim=128, rope_theta=10000, yarn factor 40 over 4096 (beta 32/1, mscale 1/1)", _DSV3_CONFIG_SRC),
             ("685B parameters = 671B main model + 14B MTP module",
              "github.com/deepseek-ai/DeepSeek-V3 README.md ('The total size of DeepSeek-V3 models on HuggingFace is 685B')"),
             ("checkpoint 688,586,727,753 B of safetensors (for comparison with 685B x 1 B)",
@@ -362,6 +372,14 @@ MODEL_PRESETS: tuple[ModelPreset, ...] = (
             "index_topk": 2048,
             "index_head_dim": 128,
             "index_n_heads": 64,
+            "hidden_size": 7168,
+            "num_attention_heads": 128,
+            "q_lora_rank": 1536,
+            "qk_nope_head_dim": 128,
+            "v_head_dim": 128,
+            "rope_theta": 10000,
+            "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                             "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
         },
         param_count=685_000_000_000,
         weights_dtype="fp8",
@@ -369,6 +387,9 @@ MODEL_PRESETS: tuple[ModelPreset, ...] = (
             ("num_hidden_layers=61, num_nextn_predict_layers=1, kv_lora_rank=512, qk_rope_head_dim=64, "
              "max_position_embeddings=163840, index_topk=2048, index_head_dim=128, index_n_heads=64, "
              "no index_topk_freq (every layer owns an indexer), FP8 e4m3 block weights (ue8m0 scales)", _DSV32_CONFIG_SRC),
+            ("attention: hidden_size=7168, num_attention_heads=128, q_lora_rank=1536, qk_nope_head_dim=128, "
+             "v_head_dim=128, rope as DeepSeek-V3 (theta 10000, yarn factor 40 over 4096)",
+             _DSV32_CONFIG_SRC + "; transformers 5.25 DeepseekV32Config defaults agree"),
             ("685B parameters",
              "UNVERIFIED in this session: the figure the Hugging Face model page lists; V3 (685B) plus about "
              "0.9B of indexer weights, so 685B-686B"),
@@ -385,6 +406,14 @@ MODEL_PRESETS: tuple[ModelPreset, ...] = (
             "kv_lora_rank": 512,
             "qk_rope_head_dim": 64,
             "max_position_embeddings": 131072,
+            "hidden_size": 7168,
+            "num_attention_heads": 64,
+            "q_lora_rank": 1536,
+            "qk_nope_head_dim": 128,
+            "v_head_dim": 128,
+            "rope_theta": 50000.0,
+            "rope_scaling": {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
+                             "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
         },
         param_count=1_000_000_000_000,
         weights_dtype="fp8",
@@ -395,6 +424,12 @@ MODEL_PRESETS: tuple[ModelPreset, ...] = (
             ("max_position_embeddings=131072",
              "vLLM/SGLang serve moonshotai/Kimi-K2-Instruct with max_model_len 131072 "
              "(pbelevich/awsome-ai-research kimi-k2/README.md); Kimi-K2-Instruct-0905 and -Thinking use 262144"),
+            ("attention: hidden_size=7168, num_attention_heads=64, q_lora_rank=1536, qk_nope_head_dim=128, v_head_dim=128, "
+             "rope_theta=50000, yarn over original 4096 (beta 32/1, mscale 1/1)",
+             "the text_config of a public Kimi-K2.5 config.json copy (find_string id 62530201892) and vLLM's Kimi-K2.5 "
+             "MLA tests (64 local heads, nope 128, rope 64, theta 50000); same attention as K2"),
+            ("yarn factor 32 (131072 = 32 x 4096)",
+             "UNVERIFIED: derived from Kimi-K2-Instruct's 131072 context over 4096; K2-0905 / K2.5 use factor 64 (262144)"),
             ("num_nextn_predict_layers=0",
              "UNVERIFIED: Kimi-K2 ships no MTP layer (test fixtures modelled on it use 0); the HF field itself was not read"),
             ("1T parameters, FP8 block-quantized weights",
@@ -415,6 +450,12 @@ MODEL_PRESETS: tuple[ModelPreset, ...] = (
             "index_topk": 2048,
             "index_head_dim": 128,
             "index_n_heads": 32,
+            "hidden_size": 6144,
+            "num_attention_heads": 64,
+            "q_lora_rank": 2048,
+            "qk_nope_head_dim": 192,
+            "v_head_dim": 256,
+            "rope_theta": 1000000,
         },
         param_count=744_000_000_000,
         weights_dtype="fp8",
@@ -427,6 +468,12 @@ MODEL_PRESETS: tuple[ModelPreset, ...] = (
             ("no indexer sharing (every layer owns an indexer)",
              "UNVERIFIED: the GLM-5 config is reported without index_topk_freq/indexer_types (miles test ids "
              "'glm5' freq 1 vs 'glm52-shared-indices'); GLM-5.2 introduced IndexShare"),
+            ("attention: hidden_size=6144, num_attention_heads=64, q_lora_rank=2048, qk_nope_head_dim=192, "
+             "v_head_dim=256, indexer 32 heads x 128, top-k 2048",
+             "transformers 5.25 GlmMoeDsaConfig defaults (checkpoint zai-org/GLM-5); public GLM-5.2 config slices in "
+             "third-party tests agree (find_string ids 71388775027, 57908587671, 62224990777)"),
+            ("rope_theta=1000000, no yarn scaling",
+             "UNVERIFIED: GLM-4.x MLA siblings (glm4_moe_lite configs) publish 1000000; GLM-5's own field not read"),
             ("744B parameters (40B active); FP8 release zai-org/GLM-5-FP8, BF16 release zai-org/GLM-5 (--weights-dtype bf16)",
              "zai-org/GLM-5-FP8 model card README ('744B parameters (40B active)')"),
         ),
@@ -448,6 +495,12 @@ MODEL_PRESETS: tuple[ModelPreset, ...] = (
             "index_topk_freq": 4,
             "index_skip_topk_offset": 3,
             "indexer_types": _glm52_indexer_types(),
+            "hidden_size": 6144,
+            "num_attention_heads": 64,
+            "q_lora_rank": 2048,
+            "qk_nope_head_dim": 192,
+            "v_head_dim": 256,
+            "rope_theta": 1000000,
         },
         param_count=753_000_000_000,
         weights_dtype="fp8",
@@ -459,6 +512,12 @@ MODEL_PRESETS: tuple[ModelPreset, ...] = (
             ("indexer_types: 21 full (0,1,2,6,10,...,74), 57 shared",
              "the same freq/offset rule in vLLM deepseek_v2.py and transformers glm_moe_dsa; public notes on the "
              "GLM-5.2 config agree (21 full / 57 shared)"),
+            ("attention: hidden_size=6144, num_attention_heads=64, q_lora_rank=2048, qk_nope_head_dim=192, "
+             "v_head_dim=256, indexer 32 heads x 128, top-k 2048",
+             "transformers 5.25 GlmMoeDsaConfig defaults (checkpoint zai-org/GLM-5); public GLM-5.2 config slices in "
+             "third-party tests agree (find_string ids 71388775027, 57908587671, 62224990777)"),
+            ("rope_theta=1000000, no yarn scaling",
+             "UNVERIFIED: GLM-4.x MLA siblings (glm4_moe_lite configs) publish 1000000; GLM-5's own field not read"),
             ("753B parameters", "UNVERIFIED: secondary blog figure ('about 753B'); GLM-5.1 is reported as 754B"),
         ),
     ),

@@ -67,3 +67,17 @@ def tiny_checkpoint(folder, model_type: str = "deepseek_v3"):
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer_dir / f, folder / f)
     return folder
+
+
+def preset_model(preset: str, layers: int = 2, hidden: int = 128, seed: int = 0, index_topk: int | None = None):
+    """A random float32 CPU model with a preset's attention geometry (mla_eval.model.random_models),
+    a small hidden size, and optionally a smaller indexer top-k so short windows already select."""
+    from mla_eval.model.random_models import RandomSpec, build_random_model
+    from mla_eval.model_presets import get_preset
+
+    spec = RandomSpec(get_preset(preset), layers=layers, seed=seed, hidden=hidden, topk=index_topk)
+    model = build_random_model(spec, 320, torch.device("cpu"), torch.float32)
+    with torch.no_grad():  # as tiny_model: make the latent large enough for quantisation error to show
+        for layer in model.model.layers:
+            layer.self_attn.kv_a_layernorm.weight.mul_(3.0)
+    return model

@@ -1,8 +1,10 @@
 """Per-layer error of a format, measured inside the same forward on the same activations.
 
 - attention-output error: the latent-space attention output read from the quantised cache vs
-  the output of exact float32 attention over the unquantised latents, for the same queries
-  (relative L2 over all tokens and heads, and mean cosine per token-head);
+  the output of exact float32 attention over the unquantised latents, for the same queries and
+  the same keys (on DSA models, the top-k positions the layer's indexer chose: the reference is
+  sparse too, so the error is the format's alone, not the sparsity's); relative L2 over all
+  tokens and heads, and mean cosine per token-head;
 - latent quantisation SNR: c_kv and k_pe vs what the cache actually stores (read back).
 """
 
@@ -15,16 +17,26 @@ import torch
 from mla_eval.formats import FormatSpec
 
 
-def exact_attention(q: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor, scale: float) -> torch.Tensor:
-    """Dense causal float32 MLA attention of the last T queries q [B, T, H, 576] over the whole
-    unquantised history latent [B, S, 512] / rope [B, S, 64]; returns [B, T, H, 512]."""
+def exact_attention(q: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor, scale: float,
+                    topk: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal float32 MLA attention of the last T queries q [B, T, H, 576] over the whole
+    unquantised history latent [B, S, 512] / rope [B, S, 64]; returns [B, T, H, 512].
+
+    With `topk` [B, T, k] (positions within the sequence; -1 or future positions are ignored, as the
+    cache reader ignores them) each query reads only those positions: sparse attention over the
+    same keys a DSA model's indexer chose."""
     b, t, h, _ = q.shape
     s = latent.shape[1]
     kv = torch.cat([latent, rope], -1).float()
     scores = torch.einsum("bthd,bsd->bhts", q.float(), kv) * scale
     q_pos = torch.arange(s - t, s, device=q.device).view(t, 1)
-    mask = torch.arange(s, device=q.device).view(1, s) > q_pos
-    scores = scores.masked_fill(mask, torch.finfo(torch.float32).min)
+    hidden = (torch.arange(s, device=q.device).view(1, s) > q_pos).expand(b, t, s)
+    if topk is not None:
+        idx = topk.long()
+        chosen = torch.zeros(b, t, s + 1, dtype=torch.bool, device=q.device)
+        chosen.scatter_(-1, torch.where((idx >= 0) & (idx < s), idx, s), True)  # invalid ones land in slot s
+        hidden = hidden | ~chosen[..., :s]
+    scores = scores.masked_fill(hidden.unsqueeze(1), torch.finfo(torch.float32).min)
     return torch.einsum("bhts,bsc->bthc", scores.softmax(-1), kv[..., :512])
 
 
@@ -49,7 +61,7 @@ class LayerStats:
                 self.noise[key][layer] += float(((x - xh) ** 2).sum())
             lat, rope = sess.exact[layer]
             scale = sess.last_scale[layer]
-            ref = exact_attention(ev.q, lat, rope, scale)
+            ref = exact_attention(ev.q, lat, rope, scale, topk=ev.topk)
             self.err2[layer] += float(((ev.out - ref) ** 2).sum())
             self.ref2[layer] += float((ref * ref).sum())
             cos = torch.nn.functional.cosine_similarity(ev.out.reshape(-1, 512), ref.reshape(-1, 512), dim=-1, eps=1e-30)

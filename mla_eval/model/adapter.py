@@ -24,6 +24,7 @@ from typing import Iterator
 import torch
 
 from mla_eval.errors import UserError
+from mla_eval.model.indexer import INDEXER_FIELDS, indexer_topk
 from mla_eval.model.session import CacheSession, LayerEvent
 
 # model_type -> how its attention applies RoPE; DSA models also run their indexer.
@@ -39,6 +40,11 @@ DSA_TYPES = ("deepseek_v32", "glm_moe_dsa")
 
 def check_supported(config) -> None:
     model_type = getattr(config, "model_type", None)
+    if model_type == "deepseek_v4":
+        raise UserError(
+            "DeepSeek-V4 is not supported: its attention (448 nope + 64 rope per head) caches different records "
+            "than the 512 + 64 MLA latent our formats define"
+        )
     if model_type not in SUPPORTED:
         raise UserError(
             f"unsupported architecture {model_type!r}: mla-eval runs MLA models of type {', '.join(SUPPORTED)}"
@@ -51,6 +57,10 @@ def check_supported(config) -> None:
             f"cache formats are defined for kv_lora_rank 512 + rope 64; this model has "
             f"{config.kv_lora_rank} + {config.qk_rope_head_dim}"
         )
+    if model_type in DSA_TYPES:
+        missing = [f for f in INDEXER_FIELDS if not getattr(config, f, None)]
+        if missing:
+            raise UserError(f"config of {model_type!r} (a DSA model) has no {', '.join(missing)}: give its full config.json")
 
 
 def attention_modules(model) -> list[torch.nn.Module]:
@@ -77,7 +87,11 @@ def _rope_fn(module):
 
 
 class MlaAdapter:
-    """Patches a loaded MLA model in place; `with adapter.session(...)` routes attention."""
+    """Patches a loaded MLA model in place; `with adapter.session(...)` routes attention.
+
+    The patch is undone by `restore()` (or by leaving `with MlaAdapter(model) as adapter:`): every
+    attention module gets its stock forward back and the model is as transformers built it.
+    """
 
     def __init__(self, model) -> None:
         check_supported(model.config)
@@ -89,12 +103,43 @@ class MlaAdapter:
         self.is_dsa = self.config.model_type in DSA_TYPES
         self._session: CacheSession | None = None
         self.graph_failure: str | None = None  # why decode-step CUDA graphs failed here, once they have
+        # GLM-5 "shared" indexer layers reuse the top-k of the last full layer of the same forward;
+        # we keep it here rather than rely on how a transformers version threads it between layers
+        self.last_topk: torch.Tensor | None = None
+        # sparse reads so far: keys the top-k really selected vs keys dense causal attention would read
+        # (a device tensor, so counting never syncs; `sparse_read_counts()` reads it)
+        self._selected_keys: torch.Tensor | int = 0
+        self._causal_keys = 0
         for m in self.modules:
             if not hasattr(m, "_mla_eval_stock_forward"):
                 m._mla_eval_stock_forward = m.forward
                 m._mla_eval_rope = _rope_fn(m)
             m._mla_eval_adapter = self
             m.forward = types.MethodType(_owned_forward, m)
+
+    def restore(self) -> None:
+        """Put every stock forward back and drop our attributes (idempotent)."""
+        for m in self.modules:
+            stock = m.__dict__.pop("_mla_eval_stock_forward", None)
+            if stock is None:
+                continue
+            if getattr(stock, "__self__", None) is m and getattr(stock, "__func__", None) is type(m).forward:
+                m.__dict__.pop("forward", None)  # the class's own forward again, as transformers built it
+            else:
+                m.forward = stock  # someone else had wrapped it before us: give theirs back
+            for attr in ("_mla_eval_rope", "_mla_eval_adapter"):
+                m.__dict__.pop(attr, None)
+
+    def sparse_read_counts(self) -> tuple[int, int]:
+        """(keys selected by the indexers, keys a dense causal read would take), summed over every
+        DSA layer forward since the adapter was made: selected < causal proves the sparse path ran."""
+        return int(self._selected_keys), self._causal_keys
+
+    def __enter__(self) -> "MlaAdapter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.restore()
 
     @contextlib.contextmanager
     def session(self, session: CacheSession) -> Iterator[CacheSession]:
@@ -105,6 +150,7 @@ class MlaAdapter:
             yield session
         finally:
             self._session = prev
+            self.last_topk = None
 
 
 def _owned_forward(self, hidden_states, *args, **kwargs):
@@ -113,11 +159,9 @@ def _owned_forward(self, hidden_states, *args, **kwargs):
     if session is None:
         return self._mla_eval_stock_forward(hidden_states, *args, **kwargs)
     # The argument order differs between architectures (DeepSeek-V2 takes the mask first): bind
-    # the call to the stock signature and take the two arguments we need by name.
+    # the call to the stock signature and take the argument we need by name.
     bound = inspect.signature(self._mla_eval_stock_forward).bind(hidden_states, *args, **kwargs)
     position_embeddings = bound.arguments.get("position_embeddings")
-    attention_mask = bound.arguments.get("attention_mask")
-    kwargs = {**{k: v for k, v in bound.arguments.items() if k not in ("hidden_states", "kwargs")}, **bound.arguments.get("kwargs", {})}
 
     bsz, seq, _ = hidden_states.shape
     heads, nope, rope_d, v_d = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
@@ -150,10 +194,10 @@ def _owned_forward(self, hidden_states, *args, **kwargs):
 
     topk = None
     if adapter.is_dsa:
-        topk = _dsa_topk(self, hidden_states, q_resid, position_embeddings, attention_mask, kwargs)
+        topk = _dsa_topk(self, hidden_states, q_resid, position_embeddings)
     out_lat = session.attend(layer, q_abs, float(self.scaling), topk=topk)  # [B, T, H, 512] fp32
     for obs in session.observers:
-        obs(LayerEvent(layer, c_kv, k_pe, q_abs, out_lat, session))
+        obs(LayerEvent(layer, c_kv, k_pe, q_abs, out_lat, session, topk))
     out = torch.einsum("bthc,hvc->bthv", out_lat, w_uv).reshape(bsz, seq, heads * v_d)
     out = self.o_proj(out.to(hidden_states.dtype))
     if self.config.model_type == "glm_moe_dsa":  # its decoder layer passes top-k on to the next
@@ -179,16 +223,28 @@ def _mha_prefill(self, session: CacheSession, q_nope, q_pe, dtype) -> torch.Tens
     return out.transpose(1, 2).reshape(bsz, seq, heads * v_d)
 
 
-def _dsa_topk(self, hidden_states, q_resid, position_embeddings, attention_mask, kwargs):
-    """The model's own (bf16) indexer picks top-k positions per query, as in the stock forward.
+def _dsa_topk(self, hidden_states, q_resid, position_embeddings) -> torch.Tensor:
+    """Top-k positions [B, T, k] per query from our own indexer (mla_eval.model.indexer).
 
     Only whole-prompt forwards (no decode cache) are supported for DSA models: the indexer then
-    scores the full window, which is what the teacher-forced protocol runs.
+    scores the full window, which is what the teacher-forced protocol runs. A GLM-5 "shared" layer
+    (no indexer of its own) reuses the top-k of the last full layer of this forward.
     """
-    session = self._mla_eval_adapter._session
-    if session.lengths[self.layer_idx] != hidden_states.shape[1]:
+    adapter = self._mla_eval_adapter
+    session = adapter._session
+    seq = hidden_states.shape[1]
+    if session.lengths[self.layer_idx] != seq:
         raise UserError("DSA models are evaluated on whole windows only (no incremental decode yet)")
-    if getattr(self, "skip_topk", False):  # GLM-5 shared-indexer layer: the previous full layer's top-k
-        return kwargs["prev_topk_indices"]
-    mask = attention_mask[:, 0] if attention_mask is not None and attention_mask.dim() == 4 else attention_mask
-    return self.indexer(hidden_states, q_resid, position_embeddings, mask, kwargs.get("position_ids"), cache=None)
+    if getattr(self, "indexer", None) is None:
+        if adapter.last_topk is None or adapter.last_topk.shape[1] != seq:
+            raise ValueError(f"layer {self.layer_idx} shares the indexer of a previous layer, but none ran in this forward")
+        topk = adapter.last_topk.to(hidden_states.device)
+    else:
+        topk = indexer_topk(self.indexer, self.config.model_type, hidden_states, q_resid, position_embeddings,
+                            self.config.index_topk)
+        adapter.last_topk = topk
+    start = session.lengths[self.layer_idx] - seq
+    q_pos = torch.arange(start, start + seq, device=topk.device).view(1, seq, 1)
+    adapter._selected_keys = adapter._selected_keys + ((topk >= 0) & (topk <= q_pos)).sum()
+    adapter._causal_keys += topk.shape[0] * (seq * (seq + 1) // 2 + start * seq)
+    return topk

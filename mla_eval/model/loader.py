@@ -1,15 +1,29 @@
-"""Load a local Hugging Face MLA checkpoint (or the embedded default model), offline."""
+"""Load a local Hugging Face MLA checkpoint, the embedded default model, or a random preset model, offline."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import os
+import re
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
 from mla_eval.errors import UserError
 from mla_eval.model.adapter import DSA_TYPES, MlaAdapter, check_supported
+from mla_eval.model.indexer import INDEXER_FIELDS
+from mla_eval.model.random_models import build_random_model, is_random_spec, parse_random_spec
+from mla_eval.model_presets import preset_names
+
+# The one help text of every command's --model option.
+MODEL_HELP = (
+    "A local Hugging Face MLA checkpoint folder (default: the embedded model), or "
+    "'random:<preset>[:layers=N][:seed=S][:hidden=H][:topk=K]': random weights with a preset's exact attention "
+    f"geometry ({', '.join(preset_names())}), N layers (default 3), for plumbing, timing and memory, not quality."
+)
 
 
 @dataclasses.dataclass
@@ -21,6 +35,12 @@ class LoadedModel:
     name: str
     device: torch.device
     is_default: bool
+    is_random: bool = False  # random weights (a `random:` spec): numbers about cost, never about quality
+    label: str = ""  # one line saying what was loaded, for output headers
+
+    def __post_init__(self) -> None:
+        if not self.label:
+            self.label = "the embedded default model" if self.is_default else f"checkpoint {self.path}"
 
     @property
     def num_layers(self) -> int:
@@ -43,11 +63,43 @@ def default_model_path() -> Path:
 
 
 def resolve_device(device: str | None) -> torch.device:
+    """'auto' (or None): cuda when a GPU is visible, else cpu; or exactly cpu, cuda, cuda:N."""
     if device in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"--device {device} asked for, but no CUDA GPU is visible; use --device cpu")
+    if not isinstance(device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", device.strip()):
+        raise UserError(f"--device {device!r}: give one of auto, cpu, cuda, cuda:N")
+    device = device.strip()
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise UserError(f"--device {device} asked for, but no CUDA GPU is visible; use --device cpu")
+        index = int(device.split(":")[1]) if ":" in device else 0
+        if index >= torch.cuda.device_count():
+            raise UserError(f"--device {device}: only {torch.cuda.device_count()} CUDA GPU(s) visible (cuda:0..)")
     return torch.device(device)
+
+
+def _check_raw_config(path: Path) -> None:
+    """Refuse what transformers would silently fill in: a missing kv_lora_rank (it defaults to 512)
+    or missing DSA indexer fields (they default to the DeepSeek/GLM values)."""
+    try:
+        raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"cannot read {path}/config.json ({str(exc).splitlines()[0]})") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"{path}/config.json must hold a JSON object")
+    raw = raw.get("text_config") if "kv_lora_rank" not in raw and isinstance(raw.get("text_config"), dict) else raw
+    model_type = raw.get("model_type")
+    if model_type == "deepseek_v4":
+        check_supported(type("Config", (), {"model_type": model_type})())  # its own one-line refusal
+    if raw.get("kv_lora_rank") is None:
+        raise UserError(
+            f"{path}/config.json has no kv_lora_rank (model_type {model_type!r}): not an MLA checkpoint, or an incomplete "
+            "config; give the checkpoint's full config.json"
+        )
+    if model_type in DSA_TYPES:
+        missing = [f for f in INDEXER_FIELDS if raw.get(f) is None]
+        if missing:
+            raise UserError(f"{path}/config.json is a DSA model ({model_type}) without {', '.join(missing)}: give its full config.json")
 
 
 def load_config(path: Path):
@@ -57,6 +109,7 @@ def load_config(path: Path):
         raise UserError(f"model directory {path} does not exist; give --model a local Hugging Face checkpoint folder")
     if not (path / "config.json").is_file():
         raise UserError(f"{path} has no config.json: not a Hugging Face model folder")
+    _check_raw_config(path)
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except (ValueError, KeyError, OSError) as exc:
@@ -72,29 +125,88 @@ DEVICE_MAP_HELP = (
 )
 
 
+@contextlib.contextmanager
+def _quiet_offline() -> Iterator[None]:
+    """Offline and quiet only while loading: HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE set (unless the
+    user set them), transformers' verbosity at error and its progress bars off; all restored after."""
+    from transformers.utils import logging as hf_logging
+
+    saved_env = {k: os.environ.get(k) for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    for key in saved_env:
+        os.environ.setdefault(key, "1")
+    hf_logging.set_verbosity_error()  # our own progress bar and errors own stderr
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def _torch_dtype(dtype: str, dev: torch.device) -> torch.dtype:
+    torch_dtype = {"auto": torch.float32 if dev.type == "cpu" else torch.bfloat16, "float32": torch.float32,
+                   "bfloat16": torch.bfloat16}.get(dtype)
+    if torch_dtype is None:
+        raise UserError(f"--dtype {dtype!r} is not one of auto, float32, bfloat16")
+    return torch_dtype
+
+
 def load_model(
     model: str | Path | None, device: str | None = None, dtype: str = "auto", device_map: str = "none"
 ) -> LoadedModel:
     """Load weights + tokenizer, patch the attention modules, put the model in eval mode.
 
+    `model`: None (the embedded default model), a local Hugging Face checkpoint folder, or a random
+    preset spec `random:<preset>[:layers=N][:seed=S][:hidden=H][:topk=K]` (see mla_eval.model.random_models):
+    random weights with the preset's exact attention geometry (heads, q_lora, nope/rope/v dims,
+    kv_lora 512, DSA indexer and its layer schedule, rope), N layers (default 3) of small dense MLP,
+    the embedded tokenizer, built directly on the device (bf16 on CUDA), seeded by S (default 0):
+    the same spec gives the same weights. Its LoadedModel has is_random=True and a label saying the
+    numbers are for plumbing, timing and memory, not quality.
     dtype 'auto': float32 on CPU (the reference path is exact there), bfloat16 on CUDA.
     device_map 'auto': transformers spreads the layers over every visible GPU (a checkpoint too
     large for one; needs `accelerate`); each layer's cache then lives on that layer's GPU, and
     `device` is ignored.
+    Environment variables and transformers' logging state are changed only during the load.
     """
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
+    if device_map not in DEVICE_MAPS:
+        raise UserError(f"--device-map {device_map!r}: one of {', '.join(DEVICE_MAPS)}")
+    with _quiet_offline():
+        if model is not None and is_random_spec(str(model)):
+            return _load_random(str(model), device, dtype, device_map)
+        return _load_checkpoint(model, device, dtype, device_map)
 
-    hf_logging.disable_progress_bar()  # our own progress bar and errors own stderr
-    hf_logging.set_verbosity_error()
+
+def _load_random(text: str, device: str | None, dtype: str, device_map: str) -> LoadedModel:
+    from transformers import AutoTokenizer
+
+    spec = parse_random_spec(text)
+    if device_map != "none":
+        raise UserError("--device-map auto is for checkpoints too large for one GPU; a random model is built on --device")
+    dev = resolve_device(device)
+    tokenizer_dir = default_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    vocab = json.loads((tokenizer_dir / "config.json").read_text(encoding="utf-8"))["vocab_size"]  # the embedded model's
+    hf = build_random_model(spec, vocab, dev, _torch_dtype(dtype, dev))
+    return LoadedModel(
+        model=hf, tokenizer=tokenizer, adapter=MlaAdapter(hf), path=tokenizer_dir, name=spec.name, device=dev,
+        is_default=False, is_random=True, label=spec.label,
+    )
+
+
+def _load_checkpoint(model: str | Path | None, device: str | None, dtype: str, device_map: str) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     is_default = model is None
     path = default_model_path() if is_default else Path(model).expanduser()
     config = load_config(path)
-    if device_map not in DEVICE_MAPS:
-        raise UserError(f"--device-map {device_map!r}: one of {', '.join(DEVICE_MAPS)}")
     if device_map == "auto":
         import importlib.util
 
@@ -102,9 +214,7 @@ def load_model(
             raise UserError("--device-map auto needs the accelerate package: pip install accelerate")
         device = "auto"
     dev = resolve_device(device)
-    torch_dtype = {"auto": torch.float32 if dev.type == "cpu" else torch.bfloat16, "float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
-    if torch_dtype is None:
-        raise UserError(f"--dtype {dtype!r} is not one of auto, float32, bfloat16")
+    torch_dtype = _torch_dtype(dtype, dev)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, TypeError) as exc:

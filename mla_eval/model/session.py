@@ -43,6 +43,7 @@ class LayerEvent:
     q: torch.Tensor  # [B, T, H, 576] absorbed queries
     out: torch.Tensor  # [B, T, H, 512] attention output (latent space) read from the cache
     session: "CacheSession"
+    topk: torch.Tensor | None = None  # [B, T, k] positions a DSA layer's queries read (None: dense causal)
 
 
 @dataclasses.dataclass

@@ -1,0 +1,136 @@
+"""Randomly initialised models with a preset's exact attention geometry: dry runs at production shapes.
+
+A spec string names one, anywhere `--model` takes a checkpoint:
+
+    random:<preset>[:layers=N][:seed=S][:hidden=H][:topk=K]
+
+<preset> is a name of `mla_eval.model_presets` (deepseek-v3, deepseek-v3.2, kimi-k2, glm-5, glm-5.2).
+The attention geometry (heads, q_lora, nope/rope/v dims, kv_lora 512, the indexer's heads, dims,
+top-k and its per-layer full/shared schedule, rope theta and yarn factors) is the preset's; the rest
+is small: N decoder layers (default 3) with a dense MLP of SMALL_MLP units, no MTP layer (transformers
+builds none), the vocabulary of the embedded tokenizer. `hidden=H` replaces hidden_size (the only
+attention number one may change; it keeps CPU tests fast); `topk=K` replaces a DSA preset's
+index_topk (so short CPU windows already select sparsely). Both are recorded in the model's name. Same spec, same device -> same weights:
+the weights are drawn from a generator seeded with S (default 0), without touching the global RNG.
+Nothing is written to disk. The weights are noise: fit for plumbing, timing and memory, not quality.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from mla_eval.errors import UserError
+from mla_eval.model_presets import ModelPreset, get_preset, preset_names
+
+PREFIX = "random:"
+DEFAULT_LAYERS = 3
+SMALL_MLP = 1024  # dense MLP width of every layer (the MoE of the real models is not what we measure)
+_ATTENTION_FIELDS = ("hidden_size", "num_attention_heads", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                     "v_head_dim", "kv_lora_rank", "max_position_embeddings")
+_INDEXER_FIELDS = ("index_topk", "index_n_heads", "index_head_dim")
+_LOW = {"layers": 1, "seed": 0, "hidden": 64, "topk": 1}  # smallest value of each spec key
+# preset model_type -> the transformers class family that builds it (Kimi-K2 is DeepSeek-V3 code)
+_FAMILY = {"deepseek_v3": "DeepseekV3", "kimi_k2": "DeepseekV3", "deepseek_v32": "DeepseekV32", "glm_moe_dsa": "GlmMoeDsa"}
+
+
+@dataclasses.dataclass(frozen=True)
+class RandomSpec:
+    preset: ModelPreset
+    layers: int = DEFAULT_LAYERS
+    seed: int = 0
+    hidden: int | None = None
+    topk: int | None = None
+
+    @property
+    def name(self) -> str:
+        extra = (f":hidden={self.hidden}" if self.hidden else "") + (f":topk={self.topk}" if self.topk else "")
+        return f"{PREFIX}{self.preset.name}:layers={self.layers}:seed={self.seed}{extra}"
+
+    @property
+    def label(self) -> str:
+        return f"random weights with the {self.preset.name} attention geometry: for plumbing, timing and memory, not quality"
+
+
+def is_random_spec(model) -> bool:
+    return isinstance(model, str) and model.strip().lower().startswith(PREFIX)
+
+
+def parse_random_spec(text: str) -> RandomSpec:
+    """Parse `random:<preset>[:layers=N][:seed=S][:hidden=H][:topk=K]`; UserError naming what is wrong."""
+    parts = text.strip()[len(PREFIX):].split(":")
+    name = parts[0].strip().lower()
+    if name not in preset_names():
+        raise UserError(f"--model {text!r}: no preset {name!r}; random models exist for: {', '.join(preset_names())}")
+    values: dict[str, int] = {}
+    for part in parts[1:]:
+        key, sep, raw = part.partition("=")
+        key = key.strip()
+        if not sep or key not in _LOW:
+            raise UserError(f"--model {text!r}: {part!r} is not layers=N, seed=S, hidden=H or topk=K")
+        if key in values:
+            raise UserError(f"--model {text!r}: {key} given twice")
+        try:
+            value = int(raw.strip())
+        except ValueError:
+            raise UserError(f"--model {text!r}: {key} must be an integer, got {raw!r}") from None
+        low = _LOW[key]
+        if value < low:
+            raise UserError(f"--model {text!r}: {key} must be >= {low}, got {value}")
+        values[key] = value
+    preset = get_preset(name)
+    if "topk" in values and "index_topk" not in preset.config:
+        raise UserError(f"--model {text!r}: topk applies to DSA presets only; {name} has no indexer")
+    return RandomSpec(preset, layers=values.get("layers", DEFAULT_LAYERS), seed=values.get("seed", 0),
+                      hidden=values.get("hidden"), topk=values.get("topk"))
+
+
+def random_config(spec: RandomSpec, vocab_size: int):
+    """The transformers config of `spec`: the preset's attention geometry, small everything else."""
+    import transformers
+
+    cfg = spec.preset.config
+    kw = {f: cfg[f] for f in _ATTENTION_FIELDS}
+    if spec.hidden:
+        kw["hidden_size"] = spec.hidden
+    rope = {"rope_type": "default", "rope_theta": float(cfg["rope_theta"])}
+    if cfg.get("rope_scaling"):
+        scaling = dict(cfg["rope_scaling"])
+        rope = {**rope, "rope_type": scaling.pop("type"), **{k: float(v) for k, v in scaling.items()}}
+    kw.update(
+        rope_parameters=rope,
+        num_hidden_layers=spec.layers,
+        num_key_value_heads=cfg["num_attention_heads"],
+        vocab_size=vocab_size,
+        intermediate_size=SMALL_MLP,
+        first_k_dense_replace=spec.layers,  # every layer dense: a small MLP, no experts
+        tie_word_embeddings=False,
+    )
+    if "index_topk" in cfg:
+        kw.update({f: cfg[f] for f in _INDEXER_FIELDS})
+        if spec.topk:
+            kw["index_topk"] = spec.topk
+    if cfg["model_type"] == "glm_moe_dsa":
+        kinds = cfg.get("indexer_types") or ["full"] * cfg["num_hidden_layers"]
+        kw["indexer_types"] = list(kinds[: spec.layers])  # the first N layers of the published schedule
+        kw["mlp_layer_types"] = ["dense"] * spec.layers
+    family = _FAMILY[cfg["model_type"]]
+    config = getattr(transformers, f"{family}Config")(**kw)
+    config._attn_implementation = "eager"
+    return config, getattr(transformers, f"{family}ForCausalLM")
+
+
+def build_random_model(spec: RandomSpec, vocab_size: int, device: torch.device, dtype: torch.dtype):
+    """Initialise the model directly on `device` in `dtype` (no CPU copy, no file), seeded by spec.seed."""
+    config, cls = random_config(spec, vocab_size)
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), torch.device(device):
+        torch.manual_seed(spec.seed)
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            model = cls(config)
+        finally:
+            torch.set_default_dtype(default)
+    return model.eval()
