@@ -31,7 +31,7 @@ from typing import Any
 UNKNOWN = "unknown"
 BUILD_INFO = "_build_info.json"
 CUTLASS_DSL_DIST = "nvidia-cutlass-dsl"
-_SOURCE_SUFFIXES = (".py", ".json", ".sh")
+_SOURCE_SUFFIXES = (".py", ".json")  # the code and data that compute numbers (not helper scripts)
 
 
 def _git(args: list[str], cwd: Path) -> str | None:
@@ -95,32 +95,36 @@ def package_commit(package_dir: Path, extra_dirs: tuple[Path, ...] = ()) -> dict
     return found or {"commit": UNKNOWN, "dirty": None, "source": UNKNOWN}
 
 
-def source_digest(dirs: tuple[Path, ...]) -> str:
-    """'sha256:<hex>' over the source files (.py, .json, .sh) of `dirs`, by relative path and
-    content; the build stamp and caches are left out."""
+def source_digest(packages: dict[str, Path]) -> str:
+    """'sha256:<16 hex>' over the source files (.py, .json) of `packages` (import name ->
+    folder), by import name, relative path and content, so a checkout and a wheel of the same code
+    agree (the kernels' folder is `kernels/` in one and `mla_eval_kernels/` in the other); the build
+    stamp and caches are left out."""
     h = hashlib.sha256()
-    for base in dirs:
+    for name, base in sorted(packages.items()):
         base = Path(base)
         files = sorted(p for p in base.rglob("*") if p.is_file() and p.suffix in _SOURCE_SUFFIXES)
         for path in files:
             rel = path.relative_to(base)
             if path.name == BUILD_INFO or "__pycache__" in rel.parts:
                 continue
-            h.update(f"{base.name}/{rel.as_posix()}\0".encode())
+            h.update(f"{name}/{rel.as_posix()}\0".encode())
             h.update(path.read_bytes())
             h.update(b"\0")
     return "sha256:" + h.hexdigest()[:16]
 
 
-def installed_dirs() -> tuple[Path, ...]:
-    """The folders of the imported `mla_eval` and `mla_eval_kernels` packages (resolved)."""
+def installed_packages() -> dict[str, Path]:
+    """Import name -> folder (resolved) of the imported `mla_eval` and of `mla_eval_kernels`."""
     import mla_eval  # noqa: PLC0415 - the package this module belongs to
 
-    dirs = [Path(mla_eval.__file__).resolve().parent]
+    found = {"mla_eval": Path(mla_eval.__file__).resolve().parent}
     spec = importlib.util.find_spec("mla_eval_kernels")  # finds the folder without importing cutlass
     if spec is not None and spec.submodule_search_locations:
-        dirs += [Path(p).resolve() for p in spec.submodule_search_locations if Path(p).is_dir()]
-    return tuple(dict.fromkeys(dirs))
+        folders = [Path(p).resolve() for p in spec.submodule_search_locations if Path(p).is_dir()]
+        if folders:
+            found["mla_eval_kernels"] = folders[0]
+    return found
 
 
 @functools.lru_cache(maxsize=1)
@@ -129,13 +133,14 @@ def code_identity() -> dict[str, Any]:
 
     Cached: the code of a running process does not change.
     """
-    dirs = installed_dirs()
-    found = package_commit(dirs[0], dirs[1:])
+    packages = installed_packages()
+    kernels = (packages["mla_eval_kernels"],) if "mla_eval_kernels" in packages else ()
+    found = package_commit(packages["mla_eval"], kernels)
     return {
         "git_commit": found["commit"],
         "git_dirty": found["dirty"],
         "git_commit_source": found["source"],
-        "source_digest": source_digest(dirs),
+        "source_digest": source_digest(packages),
     }
 
 

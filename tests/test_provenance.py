@@ -140,14 +140,35 @@ def test_copied_package_outside_any_checkout_reports_unknown(tmp_path):
 
 def test_source_digest_follows_content_only(tmp_path):
     a, b = fake_package(tmp_path / "a"), fake_package(tmp_path / "b")
-    assert provenance.source_digest((a,)) == provenance.source_digest((b,))
+    kernels = tmp_path / "a" / "kernels"  # as in a checkout; a wheel names the folder mla_eval_kernels
+    kernels.mkdir()
+    (kernels / "k.py").write_text("K = 1\n")
+    shutil.copytree(kernels, tmp_path / "b" / "mla_eval_kernels")
+    digest_a = provenance.source_digest({"mla_eval": a, "mla_eval_kernels": kernels})
+
+    def digest_b():
+        return provenance.source_digest({"mla_eval": b, "mla_eval_kernels": tmp_path / "b" / "mla_eval_kernels"})
+
+    assert digest_a == digest_b()
     (b / "__pycache__").mkdir()
     (b / "__pycache__" / "mod.py").write_text("cache")
     (b / provenance.BUILD_INFO).write_text('{"commit": "x"}')
-    assert provenance.source_digest((a,)) == provenance.source_digest((b,))
+    (b / "NOTES.md").write_text("not source")
+    assert digest_a == digest_b()
     (b / "mod.py").write_text("X = 2\n")
-    assert provenance.source_digest((a,)) != provenance.source_digest((b,))
-    assert provenance.source_digest((a,)).startswith("sha256:") and len(provenance.source_digest((a,))) == 23
+    assert digest_a != digest_b()
+    (b / "mod.py").write_text("X = 1\n")
+    (b / "mod.py").rename(b / "renamed.py")
+    assert digest_a != digest_b()
+    assert digest_a.startswith("sha256:") and len(digest_a) == 23
+
+
+def test_installed_packages_are_the_imported_ones():
+    import mla_eval_kernels
+
+    found = provenance.installed_packages()
+    assert found["mla_eval"] == PKG
+    assert found["mla_eval_kernels"] == Path(list(mla_eval_kernels.__path__)[0]).resolve()
 
 
 def test_cutlass_dsl_version_or_not_installed(monkeypatch):
