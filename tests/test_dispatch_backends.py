@@ -60,8 +60,11 @@ def test_cpu_tensors_are_a_choice_not_a_fallback(no_env):
         warnings.simplefilter("error", dispatch.KernelFallbackWarning)
         with dispatch.use_backend("auto") as log:
             dispatch.mla_attention_dense(spec, q, cache, block_table=table, seq_lens=lens, softmax_scale=0.1)
-    assert log.fallbacks == []
+    assert log.fallbacks == [] and log.source == "--backend"
     assert log.paths == {"attend nvfp4 on cpu": "reference (cpu tensors: the kernels need a CUDA GPU)"}
+    with dispatch.use_backend() as default_log:
+        pass
+    assert (default_log.backend, default_log.source) == ("auto", "default")
 
 
 def test_cuda_fallback_warns_once_per_reason_and_is_recorded(gpu, no_env):

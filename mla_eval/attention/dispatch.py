@@ -63,7 +63,7 @@ class PathLog:
     `paths` maps "write|attend <format> on <device>" -> "kernel" or "reference (why)"; `fallbacks`
     holds one line per (device, reason) where "auto" could not use the kernels on a CUDA device.
     Result documents carry both as their provenance (what computed the number). `source` names
-    where the backend came from ("--backend" or MLA_EVAL_BACKEND), for error messages.
+    where the backend came from ("--backend", MLA_EVAL_BACKEND or "default"), for error messages.
     """
 
     backend: str
@@ -102,13 +102,20 @@ def default_backend() -> str:
     return check_backend(os.environ.get(BACKEND_ENV, "auto") or "auto", source=BACKEND_ENV)
 
 
+def _resolve(name: str | None) -> tuple[str, str]:
+    """(backend, where it came from): `name` ("--backend"), else MLA_EVAL_BACKEND, else "default"."""
+    if name is not None:
+        return check_backend(name), "--backend"
+    return default_backend(), BACKEND_ENV if os.environ.get(BACKEND_ENV) else "default"
+
+
 @contextlib.contextmanager
 def use_backend(name: str | None = None) -> Iterator[PathLog]:
     """Route every dispatch call inside the block through `name` (None: `default_backend()`).
 
     Yields the PathLog that records which path each call took. Nested scopes restore the outer one.
     """
-    log = PathLog(check_backend(name), "--backend") if name is not None else PathLog(default_backend(), BACKEND_ENV)
+    log = PathLog(*_resolve(name))
     token = _scope.set(log)
     try:
         yield log
@@ -160,8 +167,7 @@ def preflight(backend: str | None, devices: Iterable[torch.device | str]) -> str
     """Before any work: the backend a run will use (None: `default_backend()`), validated; with
     "kernel", a one-line UserError when a device cannot run the kernels (a CPU, an untested GPU
     architecture, no CuTe DSL). Formats are checked per call (`kernel_status`)."""
-    source = "--backend" if backend is not None else BACKEND_ENV
-    backend = check_backend(backend) if backend is not None else default_backend()
+    backend, source = _resolve(backend)
     if backend == "kernel":
         for device in devices:
             why = _device_reason(torch.device(device))
@@ -190,7 +196,7 @@ def _use_kernel(spec, device: torch.device, backend: str, op: str = "attend", bl
     scope = _scope.get()
     source = "--backend"
     if backend == "auto":
-        backend, source = (scope.backend, scope.source) if scope is not None else (default_backend(), BACKEND_ENV)
+        backend, source = (scope.backend, scope.source) if scope is not None else _resolve(None)
     check_backend(backend, source="backend")
     if backend == "reference":
         ok, why = False, "asked for"
