@@ -39,6 +39,7 @@ import torch
 
 from mla_eval_kernels import ptx
 from mla_eval_kernels.compile_cache import arch_tag, compiled
+from mla_eval_kernels.device_limits import smem_per_block, smem_per_sm
 from mla_eval_kernels.mla_combine import MlaCombine
 from mla_eval_kernels.record_plan import RecordPlan
 
@@ -46,12 +47,11 @@ D_QK = 576
 D_V = 512
 LOG2_E = 1.4426950408889634
 LN_2 = 0.6931471805599453
-SMEM_LIMIT = 227 * 1024  # per CTA (sm_90)
-SMEM_PER_SM = 228 * 1024
 
 
-def tile_config(plan: RecordPlan, num_heads: int) -> tuple[int, int, int, int]:
-    """(M rows per CTA, warps along M, warps along N, key tile BN) for a format and head count."""
+def tile_config(plan: RecordPlan, num_heads: int, smem_limit: int) -> tuple[int, int, int, int]:
+    """(M rows per CTA, warps along M, warps along N, key tile BN) for a format and head count, the
+    largest key tile whose shared memory fits `smem_limit` bytes per CTA (the device's opt-in limit)."""
     if num_heads <= 16:
         m, wm, wn = 16, 1, 8
     elif num_heads <= 32:
@@ -59,9 +59,9 @@ def tile_config(plan: RecordPlan, num_heads: int) -> tuple[int, int, int, int]:
     else:
         m, wm, wn = 64, 4, 2
     for bn in (64, 32):
-        if smem_bytes(plan, m, bn, wn) <= SMEM_LIMIT:
+        if smem_bytes(plan, m, bn, wn) <= smem_limit:
             return m, wm, wn, bn
-    raise ValueError(f"no tile fits shared memory for {plan.name}")
+    raise ValueError(f"no tile fits {smem_limit} bytes of shared memory per CTA for {plan.name}")
 
 
 def is_bf16_plan(plan: RecordPlan) -> bool:
@@ -623,7 +623,7 @@ def mla_attention(
     if n == 0:
         return out, lse
     sparse = indices is not None
-    tile = tile_config(plan, h)
+    tile = tile_config(plan, h, smem_per_block(dev))
     m, bn = tile[0], tile[3]
     if sparse:
         idx, seqlen, stride = indices, indices, indices.shape[1]
@@ -635,7 +635,7 @@ def mla_attention(
     head_tiles = -(-h // m)
     if num_splits is None:
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        per_sm = max(1, SMEM_PER_SM // smem_bytes(plan, tile[0], tile[3], tile[2]))
+        per_sm = max(1, smem_per_sm(dev) // smem_bytes(plan, tile[0], tile[3], tile[2]))
         num_splits, per = choose_splits(n * head_tiles, max_tiles, sms * per_sm)
     else:
         per = max(1, -(-max_tiles // max(1, num_splits)))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+import warnings
 
 import typer
 
@@ -42,11 +43,18 @@ for _name in COMMAND_MODULES:
     importlib.import_module(f"mla_eval.commands.{_name}").register(app)
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """The library's warnings (e.g. the kernel fallback) as one `warning: ...` line on stderr."""
+    typer.echo(f"warning: {message}", err=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console entry point: runs the app and turns UserError into a one-line message, exit 2."""
     try:
-        # without standalone mode click returns a command's typer.Exit code instead of exiting
-        code = app(args=argv, standalone_mode=False)
+        with warnings.catch_warnings():
+            warnings.showwarning = _show_warning
+            # without standalone mode click returns a command's typer.Exit code instead of exiting
+            code = app(args=argv, standalone_mode=False)
     except UserError as exc:
         typer.echo(f"error: {exc}", err=True)
         return 2

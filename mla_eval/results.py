@@ -11,22 +11,23 @@ import json
 import math
 import os
 import platform
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from mla_eval import __version__
+from mla_eval import __version__, provenance
 from mla_eval.errors import UserError
 from mla_eval.atomic_io import write_json_atomic
 from mla_eval.result_schemas import validate
 
 
 def environment(attention=None) -> dict[str, Any]:
-    """Versions, device and git commit: enough to reproduce or question a number.
+    """Versions, devices, the code's commit and the attention paths: enough to reproduce or question a number.
 
-    `attention`: the `dispatch.PathLog` of the run (which path computed each format), if any.
+    `attention`: the `dispatch.PathLog` of the run (which path computed each format, and the
+    kernel fallbacks), if any; its CUDA devices are the GPUs listed (else every visible GPU).
+    The commit comes from the imported package (`mla_eval.provenance`), "unknown" when unknown.
     """
     env: dict[str, Any] = {
         "mla_eval": __version__,
@@ -40,21 +41,12 @@ def environment(attention=None) -> dict[str, Any]:
         env["transformers"] = transformers.__version__
     except ImportError:
         pass
-    try:
-        here = Path(__file__).resolve().parent
-        env["git_commit"] = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5
-        ).stdout.strip() or None
-        # A commit id alone can lie: edited files, or a copied tree whose .git is older than its
-        # files. Tracked changes make the id a lower bound only.
-        status = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, capture_output=True, text=True, timeout=10
-        )
-        env["git_dirty"] = bool(status.stdout.strip()) if status.returncode == 0 else None
-    except (OSError, subprocess.SubprocessError):
-        env["git_commit"] = None
+    env["cutlass_dsl"] = provenance.cutlass_dsl_version()
+    used = [d for d in attention.devices() if d.startswith("cuda")] if attention is not None else []
+    env["gpus"] = provenance.gpus(used or None)
+    env.update(provenance.code_identity())
     if attention is not None:
-        env["attention"] = {"backend": attention.backend, "paths": dict(attention.paths)}
+        env["attention"] = attention.as_dict()
     return env
 
 

@@ -7,13 +7,24 @@ reference (same signatures; the writer's bytes are identical, attention agrees w
     mla_attention_sparse(spec, q, cache, indices=[N,topk] int32, softmax_scale=..., ...)
 
 Slot lists and the math are documented in `mla_eval.attention.reference`. `backend` picks the path:
-"auto" (kernel for CUDA tensors when `nvidia-cutlass-dsl` is installed and the format is within
-the kernels' scope, else reference), "kernel" (UserError if the kernel cannot run) or "reference".
+"auto" (kernel for CUDA tensors when `nvidia-cutlass-dsl` is installed, the GPU's architecture is
+one the kernels were compiled and tested for (`mla_eval_kernels.device_limits.TESTED_ARCHS`) and
+the format is within the kernels' scope, else reference), "kernel" (UserError naming why, if the
+kernel cannot run) or "reference".
 A call's "auto" defers to the enclosing `with use_backend(name) as log:` scope (the library's
 evaluations open one from their settings), then to the MLA_EVAL_BACKEND variable; `log.paths`
 records which path served each format, for the result's provenance.
-`kernel_status(spec, device)` says which path "auto" takes, and why. `cutlass` is imported only
-when a kernel actually runs.
+`kernel_status(spec, device)` says which path "auto" takes, and why; `preflight(backend, devices)`
+raises the "kernel" error before any work (commands call it before loading a model). `cutlass` is
+imported only when a kernel actually runs.
+
+Fallbacks are said out loud, once: when "auto" sends CUDA work to the torch reference (no CuTe DSL,
+an untested GPU architecture, a format or dtype outside the kernels' scope), the library does not
+print; it records one line per (device, reason) in `log.fallbacks` (result documents carry it in
+`environment.attention.fallbacks`) and emits that line once as a `KernelFallbackWarning` through
+`warnings.warn` (once per `use_backend` scope; once per process outside any scope). The CLI shows
+it as one `warning: ...` line on stderr. CPU tensors and an explicit "reference" are choices, not
+fallbacks: they are logged in `paths` and never warned about.
 """
 
 from __future__ import annotations
@@ -23,7 +34,8 @@ import contextvars
 import dataclasses
 import functools
 import os
-from typing import Iterator
+import warnings
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -34,27 +46,48 @@ from mla_eval.formats.codec import check_finite as require_finite
 from mla_eval.formats.codec import outer_scale_tensor
 
 QK_DIM = 576
+_WRITER_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 BACKENDS = ("auto", "kernel", "reference")
 BACKEND_ENV = "MLA_EVAL_BACKEND"
+
+
+class KernelFallbackWarning(UserWarning):
+    """CUDA attention under "auto" ran on the torch reference instead of the CuTe kernels."""
 
 
 @dataclasses.dataclass
 class PathLog:
     """Which attention path served each (operation, format, device) inside one `use_backend` scope.
 
-    `paths` maps "write|attend <format> on <device>" -> "kernel" or "reference (why)"; result
-    documents carry it as their provenance (what computed the number).
+    `paths` maps "write|attend <format> on <device>" -> "kernel" or "reference (why)"; `fallbacks`
+    holds one line per (device, reason) where "auto" could not use the kernels on a CUDA device.
+    Result documents carry both as their provenance (what computed the number). `source` names
+    where the backend came from ("--backend", MLA_EVAL_BACKEND or "default"), for error messages.
     """
 
     backend: str
+    source: str = "--backend"
     paths: dict[str, str] = dataclasses.field(default_factory=dict)
+    fallbacks: list[str] = dataclasses.field(default_factory=list)
 
     def record(self, op: str, spec_name: str, device: torch.device, path: str) -> None:
         self.paths.setdefault(f"{op} {spec_name} on {device}", path)
 
+    def devices(self) -> list[str]:
+        """The devices the logged calls ran on ('cpu', 'cuda:0', ...), sorted."""
+        return sorted({key.rsplit(" on ", 1)[1] for key in self.paths})
+
+    def as_dict(self) -> dict:
+        """The log as result documents record it (environment.attention)."""
+        return {
+            "backend": self.backend, "backend_from": self.source,
+            "paths": dict(self.paths), "fallbacks": list(self.fallbacks),
+        }
+
 
 _scope: contextvars.ContextVar[PathLog | None] = contextvars.ContextVar("mla_eval_backend", default=None)
+_unscoped_fallbacks: set[str] = set()  # fallback lines already warned about outside any scope
 
 
 def check_backend(name: str, source: str = "--backend") -> str:
@@ -69,13 +102,20 @@ def default_backend() -> str:
     return check_backend(os.environ.get(BACKEND_ENV, "auto") or "auto", source=BACKEND_ENV)
 
 
+def _resolve(name: str | None) -> tuple[str, str]:
+    """(backend, where it came from): `name` ("--backend"), else MLA_EVAL_BACKEND, else "default"."""
+    if name is not None:
+        return check_backend(name), "--backend"
+    return default_backend(), BACKEND_ENV if os.environ.get(BACKEND_ENV) else "default"
+
+
 @contextlib.contextmanager
 def use_backend(name: str | None = None) -> Iterator[PathLog]:
     """Route every dispatch call inside the block through `name` (None: `default_backend()`).
 
     Yields the PathLog that records which path each call took. Nested scopes restore the outer one.
     """
-    log = PathLog(check_backend(name) if name is not None else default_backend())
+    log = PathLog(*_resolve(name))
     token = _scope.set(log)
     try:
         yield log
@@ -94,39 +134,80 @@ def _cutlass_importable() -> str | None:
     return None
 
 
+def _device_reason(device: torch.device) -> str | None:
+    """Why the CuTe kernels cannot run on `device` at all (any format), or None when they can."""
+    if device.type != "cuda":
+        return f"{device.type} tensors: the kernels need a CUDA GPU"
+    from mla_eval_kernels.device_limits import untested_arch_reason  # noqa: PLC0415 - torch only
+
+    return untested_arch_reason(device) or _cutlass_importable()
+
+
 def kernel_status(spec, device: torch.device | str) -> tuple[bool, str]:
     """(True, 'kernel') if the CuTe kernels serve this format on this device, else (False, why)."""
     device = torch.device(device)
     if device.type != "cuda":
-        return False, f"{device.type} tensors use the torch reference"
+        return False, _device_reason(device)
     from mla_eval_kernels.record_plan import UnsupportedFormat, plan_for  # noqa: PLC0415 - pure Python
 
     try:
         plan_for(get_format(spec))
     except UnsupportedFormat as exc:
         return False, f"format {get_format(spec).name} is outside the kernels' scope: {exc}"
-    why = _cutlass_importable()
-    if why is not None:
-        return False, why
-    major, _ = torch.cuda.get_device_capability(device)
-    if major < 8:
-        return False, "the kernels need sm_80 or newer (bf16 mma.sync, cp.async)"
-    return True, "kernel"
+    why = _device_reason(device)
+    return (False, why) if why is not None else (True, "kernel")
 
 
-def _use_kernel(spec, device: torch.device, backend: str, op: str = "attend") -> bool:
+def _kernel_error(source: str, why: str) -> UserError:
+    asked = f"{BACKEND_ENV}=kernel" if source == BACKEND_ENV else f"{source} kernel"
+    return UserError(f"{asked}, but the CuTe kernels cannot run here: {why}; use auto or reference")
+
+
+def preflight(backend: str | None, devices: Iterable[torch.device | str]) -> str:
+    """Before any work: the backend a run will use (None: `default_backend()`), validated; with
+    "kernel", a one-line UserError when a device cannot run the kernels (a CPU, an untested GPU
+    architecture, no CuTe DSL). Formats are checked per call (`kernel_status`)."""
+    backend, source = _resolve(backend)
+    if backend == "kernel":
+        for device in devices:
+            why = _device_reason(torch.device(device))
+            if why is not None:
+                raise _kernel_error(source, why)
+    return backend
+
+
+def _fallback(scope: PathLog | None, device: torch.device, why: str) -> None:
+    """Say once (per scope, or per process outside a scope) that CUDA work runs on the reference."""
+    line = f"attention on {device} runs on the torch reference, not the CuTe kernels: {why}"
+    seen = scope.fallbacks if scope is not None else _unscoped_fallbacks
+    if line in seen:
+        return
+    if scope is not None:
+        scope.fallbacks.append(line)
+    else:
+        _unscoped_fallbacks.add(line)
+    warnings.warn(line, KernelFallbackWarning, stacklevel=4)
+
+
+def _use_kernel(spec, device: torch.device, backend: str, op: str = "attend", blocker: str | None = None) -> bool:
     """Whether this call runs the CuTe kernel. An explicit `backend` argument wins; "auto" defers
-    to the enclosing `use_backend` scope, then to MLA_EVAL_BACKEND."""
+    to the enclosing `use_backend` scope, then to MLA_EVAL_BACKEND. `blocker`: why this call's
+    arguments (not the device or format) keep it off the kernel, if they do."""
     scope = _scope.get()
+    source = "--backend"
     if backend == "auto":
-        backend = scope.backend if scope is not None else default_backend()
+        backend, source = (scope.backend, scope.source) if scope is not None else _resolve(None)
     check_backend(backend, source="backend")
     if backend == "reference":
         ok, why = False, "asked for"
     else:
         ok, why = kernel_status(spec, device)
-        if backend == "kernel" and not ok:
-            raise UserError(f"--backend kernel, but the CuTe kernels cannot run here: {why}")
+        if ok and blocker is not None:
+            ok, why = False, blocker
+        if not ok and backend == "kernel":
+            raise _kernel_error(source, why)
+        if not ok and device.type == "cuda":
+            _fallback(scope, device, why)
     if scope is not None:
         scope.record(op, get_format(spec).name, device, "kernel" if ok else f"reference ({why})")
     return ok
@@ -160,7 +241,10 @@ def write_cache(
         raise UserError(f"cache must be a contiguous uint8 [num_blocks, block_size, {spec.record_bytes}] tensor")
     if latent.shape[-1:] != (512,) or rope.shape[-1:] != (64,) or latent.shape[:-1] != rope.shape[:-1]:
         raise UserError(f"latent [T, 512] and rope [T, 64] expected, got {tuple(latent.shape)} and {tuple(rope.shape)}")
-    if not _use_kernel(spec, cache.device, backend, op="write") or latent.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+    blocker = None
+    if latent.dtype not in _WRITER_DTYPES:
+        blocker = f"the kernel writer takes bf16, fp16 or fp32 latents, not {latent.dtype}"
+    if not _use_kernel(spec, cache.device, backend, op="write", blocker=blocker):
         reference.write_cache(spec, latent, rope, slot_mapping, cache, outer_scale=outer_scale, layer=layer)
         return
     s_l = _outer_scale_value(spec, outer_scale)
