@@ -54,8 +54,8 @@ def _publish_no_replace(tmp: Path, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def write_text_atomic(path: Path, text: str, replace: bool = True) -> None:
-    """Write `text` (UTF-8) to `path`, creating its folder.
+def write_bytes_atomic(path: Path, data: bytes, replace: bool = True) -> None:
+    """Write `data` to `path`, creating its folder.
 
     replace=False: refuse (TargetExistsError) if `path` exists, even when another process creates it
     while this one writes.
@@ -66,14 +66,19 @@ def write_text_atomic(path: Path, text: str, replace: bool = True) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = _temp_file(path)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
         if replace:
             os.replace(tmp, path)
         else:
             _publish_no_replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)  # after a link (or on any failure) the temporary name goes
+
+
+def write_text_atomic(path: Path, text: str, replace: bool = True) -> None:
+    """Write `text` (UTF-8) to `path`; see `write_bytes_atomic`."""
+    write_bytes_atomic(path, text.encode("utf-8"), replace=replace)
 
 
 def write_json_atomic(path: Path, doc: Any, replace: bool = True) -> None:
