@@ -14,6 +14,8 @@ import os
 import platform
 import subprocess
 import tempfile
+import threading
+import time
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
@@ -111,9 +113,22 @@ def read_result(path: Path, schema: str | None = None) -> dict:
 def default_result_path(kind: str, model_name: str) -> Path:
     """results/<kind>-<model>-<date>-<time>-<microseconds>-p<pid>.json: unique per run, so two runs
     finishing in the same second never share a name (and the no-replace write catches the rest)."""
-    now = _dt.datetime.now()
+    now = _dt.datetime.fromtimestamp(_unique_microseconds() / 1e6)
     safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in model_name)
     return Path("results") / f"{kind}-{safe}-{now:%Y%m%d-%H%M%S-%f}-p{os.getpid()}.json"
+
+
+_last_stamp = 0
+_stamp_lock = threading.Lock()
+
+
+def _unique_microseconds() -> int:
+    """Wall-clock microseconds, strictly increasing within this process (two threads asking in the
+    same microsecond get different stamps; other processes differ by pid)."""
+    global _last_stamp
+    with _stamp_lock:
+        _last_stamp = max(time.time_ns() // 1000, _last_stamp + 1)
+        return _last_stamp
 
 
 class _PendingOutputs:
@@ -138,13 +153,15 @@ def pending_outputs():
         _pending.reset(token)
 
 
-def _promise(path: Path) -> None:
+def promise_output(path: Path) -> None:
+    """Record that this call will write `path` (an interrupted run then names it as not written)."""
     ledger = _pending.get()
     if ledger is not None and path not in ledger.paths:
         ledger.paths.append(path)
 
 
-def _fulfil(path: Path) -> None:
+def fulfil_output(path: Path) -> None:
+    """`path` has been written."""
     ledger = _pending.get()
     if ledger is not None and path in ledger.paths:
         ledger.paths.remove(path)
@@ -210,7 +227,7 @@ def check_output_path(path: Path, force: bool = False, schema: str | None = None
         raise UserError(f"{path} is a folder; give a file path (e.g. {path / 'result.json'})")
     check_replaceable(path, force, schema)
     check_writable_folder(path)
-    _promise(path)
+    promise_output(path)
     return path
 
 
@@ -226,5 +243,5 @@ def write_result(path: Path, doc: dict, force: bool = False, schema: str | None 
     cleaned = _clean(doc)
     validate(cleaned, str(path), schema)
     write_json_atomic(path, cleaned, replace=force)
-    _fulfil(path)
+    fulfil_output(path)
     return path

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import typer
 
-from mla_eval.atomic_io import write_text_atomic
 from mla_eval.report import gate as g
 
 
@@ -37,7 +36,7 @@ def gate(
     verdict = g.run_gate(g.GateSettings(results=results, baseline=baseline, tolerances=tolerances))
     typer.echo(verdict.markdown())
     if junit is not None:
-        write_text_atomic(junit, verdict.junit())
+        g.write_junit(verdict, junit)
     if not verdict.ok:
         raise typer.Exit(verdict.exit_code)
 

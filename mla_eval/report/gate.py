@@ -16,7 +16,7 @@ from xml.sax.saxutils import escape
 from mla_eval.atomic_io import write_text_atomic
 from mla_eval.errors import UserError
 from mla_eval.result_schemas import validate
-from mla_eval.results import check_writable_folder, is_our_document, load_json, read_result
+from mla_eval.results import check_writable_folder, fulfil_output, is_our_document, load_json, promise_output, read_result
 
 JUNIT_SUITE = "mla-eval gate"  # the testsuite name of our JUnit files: how --junit recognises one it may replace
 
@@ -215,7 +215,13 @@ def check_junit_path(path: Path) -> Path:
         if f'<testsuite name="{JUNIT_SUITE}"' not in head:
             raise UserError(f"--junit {path} exists and is not a gate report mla-eval wrote; choose another path")
     check_writable_folder(path)
+    promise_output(path)
     return path
+
+
+def write_junit(result: GateResult, path: Path) -> None:
+    write_text_atomic(path, result.junit())
+    fulfil_output(path)
 
 
 def update_baseline(results: Path, baseline: Path) -> list[str]:

@@ -157,7 +157,7 @@ def _is_our_page(path: Path) -> bool:
 def report_paths(results: Path, out: Path | None) -> tuple[Path, Path]:
     """(html, markdown) paths for `--out` (a file, a folder to hold report.html, or None: inside
     `results`), checked before any work: writable, and an existing page replaced only if we wrote it."""
-    from mla_eval.results import check_writable_folder
+    from mla_eval.results import check_writable_folder, promise_output
 
     out = Path(out) if out is not None else Path(results) / "report.html"
     if out.is_dir():
@@ -171,9 +171,14 @@ def report_paths(results: Path, out: Path | None) -> tuple[Path, Path]:
         if path.exists() and not _is_our_page(path):
             raise UserError(f"{path} exists and is not a report mla-eval wrote; choose another --out")
     check_writable_folder(out)
+    for path in pair:
+        promise_output(path)
     return pair
 
 
 def write_report(report: Report, html_path: Path, md_path: Path) -> None:
-    write_text_atomic(html_path, report.html())
-    write_text_atomic(md_path, report.markdown())
+    from mla_eval.results import fulfil_output
+
+    for path, text in ((html_path, report.html()), (md_path, report.markdown())):
+        write_text_atomic(path, text)
+        fulfil_output(path)

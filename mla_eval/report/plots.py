@@ -81,6 +81,9 @@ def _save(fig, path: Path) -> Path:
         write_bytes_atomic(path, buf.getvalue())
     except OSError as exc:
         raise UserError(f"cannot write the plot {path}: {exc.strerror or exc}") from None
+    from mla_eval.results import fulfil_output
+
+    fulfil_output(path)
     return path
 
 
@@ -98,7 +101,7 @@ def plot_path(path: Path, default_name: str) -> Path:
     """Where `--plot PATH` writes: an existing folder gets `default_name` inside it, a path without a
     suffix gets `.png`; an existing file is replaced only if it is a plot we wrote. Checked before the
     work (one-line UserError)."""
-    from mla_eval.results import check_writable_folder
+    from mla_eval.results import check_writable_folder, promise_output
 
     path = Path(path)
     if path.is_dir():
@@ -112,6 +115,7 @@ def plot_path(path: Path, default_name: str) -> Path:
     if path.exists() and not is_our_png(path):
         raise UserError(f"--plot {path} exists and is not a plot mla-eval wrote; choose another path")
     check_writable_folder(path)
+    promise_output(path)
     return path
 
 
