@@ -34,15 +34,21 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
 
 from mla_eval.errors import UserError
-from mla_eval.formats import FormatSpec, get_format
-from mla_eval.model_presets import MlaCacheGeometry
+from mla_eval.formats import FormatSpec, get_format, parse_format_list
+from mla_eval.gpu_presets import get_gpu
+from mla_eval.model_presets import MlaCacheGeometry, WeightsInfo, get_preset, load_config, preset_names
+from mla_eval.result_schemas import CAPACITY_SCHEMA
 
 GIB = 1 << 30
 REFERENCE_FORMAT = "fp8_ds_mla"  # the ratio column compares every format with this one
 DEFAULT_RESERVE_GIB = 5.0  # peak activations + non-torch memory + CUDA graphs, per GPU (rough)
+DEFAULT_PRESET = "deepseek-v3"  # what a bare `mla-eval capacity` shows
+DEFAULT_GPU = "h200"
 
 
 def cdiv(a: int, b: int) -> int:
@@ -269,3 +275,205 @@ def capacity_table(
         )
         for spec in specs
     ]
+
+
+# --- the capacity evaluation as one call: settings in, a result (and its JSON document) out -------
+
+
+@dataclasses.dataclass(frozen=True)
+class CapacitySettings:
+    """One capacity question. Field names are the `mla-eval capacity` long options (and a recipe's
+    [capacity] keys) with `_` for `-`; None means that option's default. Sizes in GiB are 2^30 bytes.
+
+    Model: `preset` or `config` (a config.json or checkpoint folder); neither = DEFAULT_PRESET.
+    Budget: `kv_memory_gib` / `kv_cache_memory_bytes` given directly, or derived from the GPU
+    (`gpu` preset or `gpu_mem_gib`), `gpu_memory_utilization`, the weights and `reserve_gib`.
+    """
+
+    preset: str | None = None
+    config: Path | None = None
+    gpu: str | None = None
+    gpu_mem_gib: float | None = None
+    tp: int = 8
+    gpus: int | None = None
+    dcp: int = 1
+    gpu_memory_utilization: float = 0.9
+    block_size: int = 64
+    weights_gib: float | None = None
+    weights_dtype: str | None = None
+    reserve_gib: float = DEFAULT_RESERVE_GIB
+    kv_memory_gib: float | None = None
+    kv_cache_memory_bytes: int | None = None
+    mtp: bool = True
+    max_model_len: int | None = None
+    formats: str | None = None  # comma-separated names; None = every registered format
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any], where: str = "capacity") -> CapacitySettings:
+        """Settings from a mapping of option names (`-` or `_` alike), e.g. a recipe's [capacity]
+        table; an unknown key is a one-line UserError naming the known ones."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        values = {str(k).replace("-", "_"): v for k, v in options.items()}
+        unknown = sorted(k for k in values if k not in known)
+        if unknown:
+            raise UserError(f"{where}: unknown capacity option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        if isinstance(values.get("formats"), (list, tuple)):
+            values["formats"] = ",".join(str(f) for f in values["formats"])
+        if values.get("config") is not None:
+            values["config"] = Path(values["config"])
+        return cls(**values)
+
+
+@dataclasses.dataclass(frozen=True)
+class CapacityResult:
+    """The resolved model, budget and setup, and one row per format; `to_document()` is the
+    versioned `mla-eval.capacity/1` JSON document."""
+
+    settings: CapacitySettings
+    geometry: MlaCacheGeometry
+    weights: WeightsInfo | None
+    budget: KvBudget
+    parallel: Parallelism
+    gpu_label: str | None
+    rows: tuple[FormatCapacity, ...]
+    notes: tuple[str, ...]
+
+    @property
+    def max_model_len(self) -> int | None:
+        s = self.settings
+        return s.max_model_len if s.max_model_len is not None else self.geometry.max_position_embeddings
+
+    def to_document(self) -> dict:
+        geometry, include_mtp = self.geometry, self.settings.mtp
+        indexer = geometry.indexer
+        derived = self.budget.source == "derived"
+        budget, parallel, weights = self.budget, self.parallel, self.weights
+        model = {
+            "name": geometry.name,
+            "source": geometry.source,
+            "model_type": geometry.model_type,
+            "num_hidden_layers": geometry.num_hidden_layers,
+            "num_nextn_predict_layers": geometry.num_nextn_predict_layers,
+            "include_mtp": include_mtp,
+            "cache_layers": geometry.cache_layers(include_mtp),
+            "kv_lora_rank": geometry.kv_lora_rank,
+            "qk_rope_head_dim": geometry.qk_rope_head_dim,
+            "max_position_embeddings": geometry.max_position_embeddings,
+            "indexer": None
+            if indexer is None
+            else {
+                "index_head_dim": indexer.head_dim,
+                "bytes_per_token_per_layer": indexer.bytes_per_token,
+                "indexed_layers": geometry.indexed_layers(include_mtp),
+                "full_main_layers": indexer.full_main_layers,
+                "shared_main_layers": indexer.shared_main_layers,
+                "mtp_layers": geometry.mtp_layers(include_mtp),
+                "rule": indexer.rule,
+            },
+        }
+        setup = {
+            "gpu": self.gpu_label,
+            "gpu_memory_bytes": budget.total_bytes_per_gpu,
+            "gpus": parallel.gpus,
+            "tp": parallel.tp,
+            "dcp": parallel.dcp,
+            "data_parallel_engines": parallel.dp,
+            "gpu_memory_utilization": budget.gpu_memory_utilization,
+            "block_size": self.settings.block_size,
+            "weights_bytes_total": weights.bytes if (weights and derived) else None,
+            "weights_source": weights.source if (weights and derived) else None,
+            "weights_bytes_per_gpu": budget.weights_bytes_per_gpu,
+            "reserve_bytes_per_gpu": budget.reserve_bytes_per_gpu,
+            "requested_bytes_per_gpu": budget.requested_bytes_per_gpu,
+            "kv_budget_bytes_per_gpu": budget.bytes_per_gpu,
+            "kv_budget_source": budget.source,
+            "max_model_len": self.max_model_len,
+        }
+        formats = [r.as_dict() for r in self.rows]
+        return {"schema": CAPACITY_SCHEMA, "model": model, "setup": setup, "formats": formats, "notes": list(self.notes)}
+
+
+def evaluate_capacity(settings: CapacitySettings) -> CapacityResult:
+    """Resolve the model, the parallel setup and the per-GPU KV budget, and size every format's pool.
+    Every bad setting is a one-line UserError naming the option."""
+    s = settings
+    if s.block_size < 1:
+        raise UserError(f"--block-size must be >= 1, got {s.block_size}")
+    if s.max_model_len is not None and s.max_model_len < 1:
+        raise UserError(f"--max-model-len must be >= 1, got {s.max_model_len}")
+    if s.tp < 1:  # before --gpus, whose default is --tp: the error must name what the user gave
+        raise UserError(f"--tp must be >= 1, got {s.tp}")
+    geometry, weights, notes = _resolve_model(s)
+    if s.weights_gib is not None:
+        if not 0 < s.weights_gib < math.inf:
+            raise UserError(f"--weights-gib must be positive, got {s.weights_gib}")
+        weights = WeightsInfo(bytes=gib_to_bytes(s.weights_gib), source="--weights-gib")
+    parallel = Parallelism(gpus=s.gpus if s.gpus is not None else s.tp, tp=s.tp, dcp=s.dcp)
+    specs = parse_format_list(s.formats)
+    gpu_label, budget = _resolve_budget(s, weights, parallel, geometry)
+    rows = capacity_table(
+        specs, geometry, budget, parallel, block_size=s.block_size, include_mtp=s.mtp, max_model_len=s.max_model_len
+    )
+    notes += list(geometry.notes)
+    if any(r.num_blocks == 0 for r in rows):
+        notes.append("a format with 0 blocks does not fit one block in the KV budget (vLLM would refuse to start)")
+    short = [r.name for r in rows if r.max_concurrency is not None and 0 < r.max_concurrency < 1]
+    if short:
+        notes.append(
+            f"{', '.join(short)}: the pool holds less than one request of {rows[0].max_model_len:,} tokens; vLLM refuses "
+            "to start with that --max-model-len and names the largest that fits (about the pool size)"
+        )
+    return CapacityResult(s, geometry, weights, budget, parallel, gpu_label, tuple(rows), tuple(notes))
+
+
+def _resolve_model(s: CapacitySettings) -> tuple[MlaCacheGeometry, WeightsInfo | None, list[str]]:
+    if s.preset and s.config:
+        raise UserError("give either --preset or --config, not both")
+    if s.config is None:
+        name = s.preset or DEFAULT_PRESET
+        chosen = get_preset(name)
+        notes = [] if s.preset else [f"no --preset or --config given: showing {name} (presets: {', '.join(preset_names())})"]
+        return chosen.geometry(), chosen.weights(s.weights_dtype), notes
+    if s.weights_dtype is not None:
+        raise UserError("--weights-dtype needs a parameter count, which only presets carry; give --weights-gib instead")
+    geometry, weights = load_config(s.config)
+    return geometry, weights, []
+
+
+def _positive_gib(option: str, value: float) -> int:
+    if not 0 < value < math.inf:
+        raise UserError(f"{option} must be positive, got {value}")
+    return gib_to_bytes(value)
+
+
+def _resolve_budget(
+    s: CapacitySettings, weights: WeightsInfo | None, parallel: Parallelism, geometry: MlaCacheGeometry
+) -> tuple[str | None, KvBudget]:
+    """The per-GPU KV budget and the GPU's label (None when the budget is given directly)."""
+    if s.kv_memory_gib is not None and s.kv_cache_memory_bytes is not None:
+        raise UserError("give either --kv-memory-gib or --kv-cache-memory-bytes, not both")
+    if s.kv_cache_memory_bytes is not None:
+        return None, kv_budget_given(s.kv_cache_memory_bytes, "--kv-cache-memory-bytes")
+    if s.kv_memory_gib is not None:
+        return None, kv_budget_given(_positive_gib("--kv-memory-gib", s.kv_memory_gib), "--kv-memory-gib")
+
+    if s.gpu_mem_gib is not None:
+        total, label = _positive_gib("--gpu-mem-gib", s.gpu_mem_gib), f"custom GPU ({s.gpu_mem_gib:g} GiB)"
+    else:
+        preset = get_gpu(s.gpu or DEFAULT_GPU)
+        total, label = preset.memory_bytes, preset.title + ("" if preset.verified else " [unverified memory figure]")
+    if weights is None:
+        raise UserError(
+            f"cannot tell the weights size of {geometry.name}: pass --weights-gib (whole checkpoint), "
+            "point --config at a checkpoint directory with model.safetensors.index.json, or give --kv-memory-gib"
+        )
+    if not 0 <= s.reserve_gib < math.inf:
+        raise UserError(f"--reserve-gib must be >= 0, got {s.reserve_gib}")
+    budget = kv_budget_from_memory(
+        total_bytes_per_gpu=total,
+        gpu_memory_utilization=s.gpu_memory_utilization,
+        weights_bytes_total=weights.bytes,
+        gpus=parallel.gpus,
+        reserve_bytes_per_gpu=gib_to_bytes(s.reserve_gib),
+    )
+    return label, budget

@@ -1,19 +1,25 @@
 """The `mla-eval` command line: a thin Typer layer over the library.
 
-Each command lives in `mla_eval/commands/<name>.py` and exposes `register(app)`. User errors
-(`UserError`) become one line on stderr and exit code 2, never a traceback.
+Each command lives in `mla_eval/commands/<name>.py` and exposes `register(app)`. `main` is the one
+place where failures meet the user: a `UserError` or a usage error (bad option, missing argument)
+becomes one `error: ...` line on stderr and exit code 2, never a traceback; SIGINT / SIGTERM end the
+run with one line naming the results that were not written (exit 130 / 143).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import signal
 import sys
+import threading
 import warnings
 
 import typer
 
 from mla_eval import __version__
 from mla_eval.errors import UserError
+from mla_eval.results import pending_outputs
 
 COMMAND_MODULES = ("formats", "capacity", "kld", "needle", "gate", "run", "report")
 
@@ -43,33 +49,109 @@ for _name in COMMAND_MODULES:
     importlib.import_module(f"mla_eval.commands.{_name}").register(app)
 
 
+def _usage_error_types() -> tuple[type[BaseException], ...]:
+    """The usage-error base classes of whichever click typer runs on: typer < 0.2x uses the `click`
+    package (errors derive from click.ClickException); newer typer bundles its own copy of click whose
+    errors derive from typer.exceptions.TyperException and are not click's classes at all."""
+    types: list[type[BaseException]] = []
+    with contextlib.suppress(ImportError):
+        import click
+
+        types.append(click.ClickException)
+    with contextlib.suppress(ImportError):
+        from typer.exceptions import TyperException
+
+        types.append(TyperException)
+    with contextlib.suppress(ImportError, AttributeError):
+        from typer import _click
+
+        types.append(_click.exceptions.ClickException)
+    return tuple(types)
+
+
+USAGE_ERRORS = _usage_error_types()
+SIGNAL_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}  # 128 + signal number, as shells report them
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _usage_message(exc: BaseException) -> str:
+    """A usage error as one line: Click's message plus where the help is."""
+    message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
+    ctx = getattr(exc, "ctx", None)
+    command = getattr(ctx, "command_path", None) or "mla-eval"
+    return f"{_one_line(message)} (see '{command} --help')"
+
+
+def _no_args_help(exc: BaseException) -> bool:
+    return type(exc).__name__ == "NoArgsIsHelpError"
+
+
+class _SignalScope:
+    """SIGINT and SIGTERM raise KeyboardInterrupt inside `main` (so `finally` blocks and atomic writes
+    clean up their temporary files) and remember which signal came; the previous handlers come back on
+    exit. Only the main thread may install handlers; elsewhere (an in-process test runner thread) this
+    does nothing."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._saved: dict[int, object] = {}
+
+    def _handler(self, signum, frame) -> None:
+        self.received = signum
+        raise KeyboardInterrupt
+
+    def __enter__(self) -> _SignalScope:
+        if threading.current_thread() is threading.main_thread():
+            for sig in SIGNAL_EXIT:
+                self._saved[sig] = signal.signal(sig, self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, old in self._saved.items():
+            signal.signal(sig, old)
+
+
+def _interrupted(scope: _SignalScope, pending) -> int:
+    sig = scope.received if scope.received is not None else signal.SIGINT
+    missing = [str(p) for p in pending.paths]
+    what = f"no result written (would have been {', '.join(missing)})" if missing else "no result written"
+    typer.echo(f"interrupted by {signal.Signals(sig).name}: {what}", err=True)
+    return SIGNAL_EXIT[sig]
+
+
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
     """The library's warnings (e.g. the kernel fallback) as one `warning: ...` line on stderr."""
-    typer.echo(f"warning: {message}", err=True)
+    typer.echo(f"warning: {_one_line(message)}", err=True)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Console entry point: runs the app and turns UserError into a one-line message, exit 2."""
-    try:
-        with warnings.catch_warnings():
-            warnings.showwarning = _show_warning
+    """Console entry point: runs the app; every failure a user can fix is one line and exit 2."""
+    with _SignalScope() as scope, pending_outputs() as pending, warnings.catch_warnings():
+        warnings.showwarning = _show_warning
+        try:
             # without standalone mode click returns a command's typer.Exit code instead of exiting
-            code = app(args=argv, standalone_mode=False)
-    except UserError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        return 2
-    except typer.Exit as exc:
-        return exc.exit_code
-    except typer.Abort:
-        typer.echo("aborted", err=True)
-        return 130
-    except Exception as exc:  # click usage errors carry their own exit code
-        import click
-
-        if isinstance(exc, click.ClickException):
-            exc.show()
-            return exc.exit_code
-        raise
+            code = app(args=argv, prog_name="mla-eval", standalone_mode=False)
+        except KeyboardInterrupt:
+            return _interrupted(scope, pending)
+        except UserError as exc:
+            typer.echo(f"error: {_one_line(exc)}", err=True)
+            return 2
+        except typer.Exit as exc:  # a command's own exit code (gate: 1 on a regression)
+            code = exc.exit_code
+        except typer.Abort:  # older click turns KeyboardInterrupt into Abort
+            return _interrupted(scope, pending)
+        except USAGE_ERRORS as exc:
+            if _no_args_help(exc):  # bare `mla-eval`: the command list, and one line saying what is missing
+                typer.echo(exc.format_message())
+                typer.echo("error: no command given; choose one of the commands above", err=True)
+                return 2
+            typer.echo(f"error: {_usage_message(exc)}", err=True)
+            return 2
+        if scope.received is not None:  # typer >= 0.2x turns KeyboardInterrupt into exit code 130
+            return _interrupted(scope, pending)
     return code if isinstance(code, int) else 0
 
 

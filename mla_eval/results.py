@@ -6,20 +6,26 @@ Every result document names its schema in its `schema` key (e.g. "mla-eval/kld/v
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import math
 import os
 import platform
+import tempfile
+import threading
+import time
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from mla_eval import __version__, provenance
-from mla_eval.errors import UserError
 from mla_eval.atomic_io import write_json_atomic
-from mla_eval.result_schemas import validate
+from mla_eval.errors import UserError
+from mla_eval.formats.spec import OUTER_SCALE_SCHEMA
+from mla_eval.result_schemas import SCHEMA_FILES, validate
 
 
 def environment(attention=None) -> dict[str, Any]:
@@ -97,43 +103,137 @@ def read_result(path: Path, schema: str | None = None) -> dict:
 
 
 def default_result_path(kind: str, model_name: str) -> Path:
-    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    """results/<kind>-<model>-<date>-<time>-<microseconds>-p<pid>.json: unique per run, so two runs
+    finishing in the same second never share a name (and the no-replace write catches the rest)."""
+    now = _dt.datetime.fromtimestamp(_unique_microseconds() / 1e6)
     safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in model_name)
-    return Path("results") / f"{kind}-{safe}-{stamp}.json"
+    return Path("results") / f"{kind}-{safe}-{now:%Y%m%d-%H%M%S-%f}-p{os.getpid()}.json"
 
 
-def check_output_path(path: Path, force: bool = False) -> Path:
-    """Before any long work: can a result document be written at `path`? One-line UserError if not
-    (exists without --force, is a folder, its folder cannot be created or written).
+_last_stamp = 0
+_stamp_lock = threading.Lock()
 
-    Commands call this on --out (or the default path) first, so a bad --out never costs a run.
-    """
-    path = Path(path)
-    if path.is_dir():
-        raise UserError(f"--out {path} is a folder; give a file path (e.g. {path / 'result.json'})")
-    if path.exists() and not force:
+
+def _unique_microseconds() -> int:
+    """Wall-clock microseconds, strictly increasing within this process (two threads asking in the
+    same microsecond get different stamps; other processes differ by pid)."""
+    global _last_stamp
+    with _stamp_lock:
+        _last_stamp = max(time.time_ns() // 1000, _last_stamp + 1)
+        return _last_stamp
+
+
+class _PendingOutputs:
+    """Result paths checked by `check_output_path` and not yet written, during one CLI call: what an
+    interrupted run names as "not written"."""
+
+    def __init__(self) -> None:
+        self.paths: list[Path] = []
+
+
+_pending: ContextVar[_PendingOutputs | None] = ContextVar("mla_eval_pending_outputs", default=None)
+
+
+@contextlib.contextmanager
+def pending_outputs():
+    """Track the result paths promised (checked) and not yet written inside this block."""
+    ledger = _PendingOutputs()
+    token = _pending.set(ledger)
+    try:
+        yield ledger
+    finally:
+        _pending.reset(token)
+
+
+def promise_output(path: Path) -> None:
+    """Record that this call will write `path` (an interrupted run then names it as not written)."""
+    ledger = _pending.get()
+    if ledger is not None and path not in ledger.paths:
+        ledger.paths.append(path)
+
+
+def fulfil_output(path: Path) -> None:
+    """`path` has been written."""
+    ledger = _pending.get()
+    if ledger is not None and path in ledger.paths:
+        ledger.paths.remove(path)
+
+
+def is_our_document(path: Path, schema: str | None = None) -> bool:
+    """Is the file at `path` a document mla-eval writes (valid JSON naming one of our schema ids,
+    an outer-scale file, or valid against `schema`)? Only such files may be replaced by --force."""
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    if not isinstance(doc, dict):
+        return False
+    if doc.get("schema") in SCHEMA_FILES or doc.get("format") == OUTER_SCALE_SCHEMA:
+        return True
+    if schema is not None:
+        try:
+            validate(doc, str(path), schema)
+        except UserError:
+            return False
+        return True
+    return False
+
+
+def check_replaceable(path: Path, force: bool, schema: str | None = None) -> None:
+    """An existing `path` may be replaced only with --force and only when it is a document we wrote."""
+    if not path.exists():
+        return
+    if not force:
         raise UserError(f"{path} exists; choose another --out or pass --force to replace it")
-    parent = path.parent
-    probe = parent
+    if not is_our_document(path, schema):
+        raise UserError(f"{path} exists and is not an mla-eval result; --force replaces only mla-eval results, choose another --out")
+
+
+def check_writable_folder(path: Path) -> None:
+    """Can a file be created beside `path`? Tried for real (a temporary file made and removed in the
+    nearest existing folder), because permission bits lie: root passes `os.access` in a read-only or
+    immutable folder, and a read-only mount has writable bits. One-line UserError if not."""
+    probe = path.parent
     while not probe.exists():
         probe = probe.parent
     if not probe.is_dir():
         raise UserError(f"cannot write {path}: {probe} is a file, not a folder")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise UserError(f"cannot write {path}: no write permission in {probe}")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".mla-eval-probe.", dir=probe)
+    except OSError as exc:
+        raise UserError(f"cannot write {path}: {probe} is not writable ({exc.strerror or exc}); choose another place") from None
+    os.close(fd)
+    os.unlink(tmp)
+
+
+def check_output_path(path: Path, force: bool = False, schema: str | None = None) -> Path:
+    """Before any long work: can a result document be written at `path`? One-line UserError if not
+    (exists without --force, exists and is not ours, is a folder, its folder cannot be created or
+    written).
+
+    Commands call this on --out (or the default path) first, so a bad --out never costs a run. Inside
+    `pending_outputs()` the path is remembered until it is written (an interrupted run names it).
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{path} is a folder; give a file path (e.g. {path / 'result.json'})")
+    check_replaceable(path, force, schema)
+    check_writable_folder(path)
+    promise_output(path)
     return path
 
 
 def write_result(path: Path, doc: dict, force: bool = False, schema: str | None = None) -> Path:
     """Validate (as it will be written: NaN -> null, inf -> "inf") and write atomically.
 
-    A document that does not match its schema is a bug in its writer: it is refused with a
-    one-line UserError and nothing is written.
+    Without `force` the write never replaces a file, even one another run creates meanwhile; with
+    `force` it replaces only a document we wrote. A document that does not match its schema is a bug
+    in its writer: it is refused with a one-line UserError and nothing is written.
     """
     path = Path(path)
-    if path.exists() and not force:
-        raise UserError(f"{path} exists; choose another --out or pass --force to replace it")
+    check_replaceable(path, force, schema)
     cleaned = _clean(doc)
     validate(cleaned, str(path), schema)
-    write_json_atomic(path, cleaned)
+    write_json_atomic(path, cleaned, replace=force)
+    fulfil_output(path)
     return path

@@ -166,7 +166,11 @@ BAD_CASES = {
     "unknown format": (lambda t: ["--preset", "deepseek-v3", "--formats", "fp8_ds_mla,int3"], "unknown cache format"),
     "unknown preset": (lambda t: ["--preset", "llama-3-70b"], "unknown model preset"),
     "unknown GPU": (lambda t: ["--preset", "deepseek-v3", "--gpu", "a100"], "unknown GPU"),
-    "no model": (lambda t: [], "give --preset"),
+    "zero tp names --tp": (lambda t: ["--preset", "deepseek-v3", "--tp", "0"], "--tp must be >= 1, got 0"),
+    "infinite KV memory": (lambda t: ["--preset", "deepseek-v3", "--kv-memory-gib", "inf"], "--kv-memory-gib must be positive"),
+    "plot with another suffix": (lambda t: ["--preset", "deepseek-v3", "--plot", str(t / "p.pdf")], "plots are PNG"),
+    "plot over a user's file": (lambda t: ["--preset", "deepseek-v3", "--plot", _bad(t, "mine.png", "my picture")],
+                                "not a plot mla-eval wrote"),
     "preset and config": (lambda t: ["--preset", "deepseek-v3", "--config", "x.json"], "not both"),
     "config without weights": (lambda t: ["--config", _bad(t, "v3.json", {"kv_lora_rank": 512, "qk_rope_head_dim": 64,
                                                                            "num_hidden_layers": 61})], "--weights-gib"),
@@ -188,6 +192,34 @@ def test_bad_input_exit_2_one_line_no_traceback(case, capsys, tmp_path):
     assert lines[0].startswith("error: ")
     assert needle in lines[0]
     assert "Traceback" not in err
+
+
+def test_bare_capacity_prints_the_default_preset(capsys):
+    code, out, err = run(capsys)
+    assert code == 0 and err == ""
+    assert out.startswith("deepseek-v3 (deepseek_v3)")
+    assert "no --preset or --config given: showing deepseek-v3" in out
+
+
+def test_huge_budget_prints_whole_numbers(capsys):
+    """A table wider than the terminal is printed at its own width: no number is cut to '…'."""
+    code, out, _ = run(capsys, "--preset", "glm-5", "--kv-memory-gib", "1e30", "--json")
+    assert code == 0
+    pool = json.loads(out)["formats"][0]["pool_tokens"]
+    code, out, _ = run(capsys, "--preset", "glm-5", "--kv-memory-gib", "1e30")
+    assert code == 0
+    assert f"{pool:,}" in out and "…" not in out
+
+
+def test_plot_into_a_folder_or_without_suffix_says_the_real_name(capsys, tmp_path):
+    code, out, _ = run(capsys, "--preset", "glm-5", "--plot", str(tmp_path))
+    assert code == 0 and f"wrote {tmp_path / 'capacity.png'}" in out
+    assert (tmp_path / "capacity.png").read_bytes().startswith(b"\x89PNG")
+    code, out, _ = run(capsys, "--preset", "glm-5", "--plot", str(tmp_path / "pool"))
+    assert code == 0 and f"wrote {tmp_path / 'pool.png'}" in out and (tmp_path / "pool.png").is_file()
+    assert not (tmp_path / "pool").exists()
+    # a plot we wrote may be rewritten
+    assert run(capsys, "--preset", "glm-5", "--plot", str(tmp_path / "pool.png"))[0] == 0
 
 
 def test_bad_input_in_a_real_process_has_no_traceback():

@@ -1,4 +1,7 @@
-"""`mla-eval capacity`: how many tokens each cache format fits for a model on a GPU setup."""
+"""`mla-eval capacity`: how many tokens each cache format fits for a model on a GPU setup.
+
+Parses the options into `mla_eval.capacity.CapacitySettings`, calls `evaluate_capacity`, prints.
+"""
 
 from __future__ import annotations
 
@@ -9,40 +12,27 @@ import typer
 from rich import box
 from rich.console import Console
 from rich.markup import escape
+from rich.measure import Measurement
 from rich.table import Table
 
 from mla_eval.capacity import (
+    DEFAULT_GPU,
+    DEFAULT_PRESET,
     DEFAULT_RESERVE_GIB,
     GIB,
     REFERENCE_FORMAT,
-    FormatCapacity,
-    KvBudget,
-    Parallelism,
-    capacity_table,
-    gib_to_bytes,
-    kv_budget_from_memory,
-    kv_budget_given,
+    CapacityResult,
+    CapacitySettings,
+    evaluate_capacity,
 )
-from mla_eval.errors import UserError
-from mla_eval.formats import parse_format_list
-from mla_eval.gpu_presets import GPU_PRESETS, get_gpu, gpu_names
-from mla_eval.model_presets import (
-    MODEL_PRESETS,
-    WEIGHT_DTYPE_BYTES,
-    MlaCacheGeometry,
-    WeightsInfo,
-    get_preset,
-    load_config,
-    preset_names,
-)
-from mla_eval.result_schemas import CAPACITY_SCHEMA
-
-DEFAULT_GPU = "h200"
+from mla_eval.gpu_presets import GPU_PRESETS, gpu_names
+from mla_eval.model_presets import MODEL_PRESETS, WEIGHT_DTYPE_BYTES, preset_names
+from mla_eval.report.plots import capacity_plot, plot_path
 
 
 def capacity(
     preset: str = typer.Option(
-        None, "--preset", "-p", help=f"Built-in model: {', '.join(preset_names())}. See --list-presets for sources."
+        None, "--preset", "-p", help=f"Built-in model: {', '.join(preset_names())} (default {DEFAULT_PRESET}). See --list-presets for sources."
     ),
     config: Path = typer.Option(
         None, "--config", "-c", help="A Hugging Face config.json, or a checkpoint directory holding one "
@@ -92,7 +82,7 @@ def capacity(
     ),
     names: str = typer.Option(None, "--formats", "-f", help="Comma-separated cache formats (default: all registered)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document (inputs + a row per format) instead of the table."),
-    plot: Path = typer.Option(None, "--plot", help="Also write a PNG bar chart of pool tokens and concurrency to this file."),
+    plot: Path = typer.Option(None, "--plot", help="Also write a PNG bar chart of pool tokens and concurrency: a .png file, or a folder (gets capacity.png)."),
     list_presets: bool = typer.Option(False, "--list-presets", help="List the model and GPU presets with their sources and exit."),
 ) -> None:
     """KV-cache capacity per cache format: bytes per token, blocks, pool tokens, max context, concurrency.
@@ -100,165 +90,31 @@ def capacity(
     Follows vLLM's pool arithmetic per GPU: KV budget = ceil(total x utilization) - weights/GPU -
     reserve (or --kv-memory-gib); num_blocks = budget // (block_size x bytes per token over all
     cache layers, latent + DSA indexer keys); pool tokens = num_blocks x block_size x DCP. The pool
-    is that of one engine (TP group). Ratios compare pool tokens with fp8_ds_mla.
+    is that of one engine (TP group). Ratios compare pool tokens with fp8_ds_mla. Without --preset
+    or --config it shows the default preset.
     """
     if list_presets:
         _print_presets(as_json)
         return
-
-    if block_size < 1:
-        raise UserError(f"--block-size must be >= 1, got {block_size}")
-    if max_model_len is not None and max_model_len < 1:
-        raise UserError(f"--max-model-len must be >= 1, got {max_model_len}")
-    geometry, weights = _resolve_model(preset, config, weights_dtype)
-    if weights_gib is not None:
-        if weights_gib <= 0:
-            raise UserError(f"--weights-gib must be positive, got {weights_gib}")
-        weights = WeightsInfo(bytes=gib_to_bytes(weights_gib), source="--weights-gib")
-    parallel = Parallelism(gpus=gpus if gpus is not None else tp, tp=tp, dcp=dcp)
-    specs = parse_format_list(names)
-    gpu_label, budget = _resolve_budget(
-        gpu, gpu_mem_gib, gpu_memory_utilization, weights, parallel, reserve_gib, kv_memory_gib, kv_cache_memory_bytes,
-        geometry,
+    settings = CapacitySettings(
+        preset=preset, config=config, gpu=gpu, gpu_mem_gib=gpu_mem_gib, tp=tp, gpus=gpus, dcp=dcp,
+        gpu_memory_utilization=gpu_memory_utilization, block_size=block_size, weights_gib=weights_gib,
+        weights_dtype=weights_dtype, reserve_gib=reserve_gib, kv_memory_gib=kv_memory_gib,
+        kv_cache_memory_bytes=kv_cache_memory_bytes, mtp=mtp, max_model_len=max_model_len, formats=names,
     )
-    rows = capacity_table(
-        specs, geometry, budget, parallel, block_size=block_size, include_mtp=mtp, max_model_len=max_model_len
-    )
-    doc = capacity_document(geometry, weights, budget, parallel, gpu_label, block_size, mtp, max_model_len, rows)
+    plot = plot_path(plot, "capacity.png") if plot is not None else None  # a bad path fails before the work
+    result = evaluate_capacity(settings)
+    doc = result.to_document()
     if plot is not None:
-        write_plot(doc, rows, plot)
+        capacity_plot(doc, plot)
     if as_json:
         typer.echo(json.dumps(doc, indent=2))
     else:
-        _print_table(doc, rows, plot)
+        _print_table(result, doc, plot)
 
 
-def _resolve_model(preset: str | None, config: Path | None, weights_dtype: str | None) -> tuple[MlaCacheGeometry, WeightsInfo | None]:
-    if preset and config:
-        raise UserError("give either --preset or --config, not both")
-    if preset:
-        chosen = get_preset(preset)
-        return chosen.geometry(), chosen.weights(weights_dtype)
-    if config is None:
-        raise UserError(f"give --preset NAME ({', '.join(preset_names())}) or --config PATH to a HF config.json")
-    if weights_dtype is not None:
-        raise UserError("--weights-dtype needs a parameter count, which only presets carry; give --weights-gib instead")
-    return load_config(config)
-
-
-def _resolve_budget(
-    gpu: str | None,
-    gpu_mem_gib: float | None,
-    utilization: float,
-    weights: WeightsInfo | None,
-    parallel: Parallelism,
-    reserve_gib: float,
-    kv_memory_gib: float | None,
-    kv_cache_memory_bytes: int | None,
-    geometry: MlaCacheGeometry,
-) -> tuple[str | None, KvBudget]:
-    """The per-GPU KV budget and the GPU's label (None when the budget is given directly)."""
-    if kv_memory_gib is not None and kv_cache_memory_bytes is not None:
-        raise UserError("give either --kv-memory-gib or --kv-cache-memory-bytes, not both")
-    if kv_cache_memory_bytes is not None:
-        return None, kv_budget_given(kv_cache_memory_bytes, "--kv-cache-memory-bytes")
-    if kv_memory_gib is not None:
-        if kv_memory_gib <= 0:
-            raise UserError(f"--kv-memory-gib must be positive, got {kv_memory_gib}")
-        return None, kv_budget_given(gib_to_bytes(kv_memory_gib), "--kv-memory-gib")
-
-    if gpu_mem_gib is not None:
-        if gpu_mem_gib <= 0:
-            raise UserError(f"--gpu-mem-gib must be positive, got {gpu_mem_gib}")
-        total, label = gib_to_bytes(gpu_mem_gib), f"custom GPU ({gpu_mem_gib:g} GiB)"
-    else:
-        preset = get_gpu(gpu or DEFAULT_GPU)
-        total, label = preset.memory_bytes, preset.title + ("" if preset.verified else " [unverified memory figure]")
-    if weights is None:
-        raise UserError(
-            f"cannot tell the weights size of {geometry.name}: pass --weights-gib (whole checkpoint), "
-            "point --config at a checkpoint directory with model.safetensors.index.json, or give --kv-memory-gib"
-        )
-    if reserve_gib < 0:
-        raise UserError(f"--reserve-gib must be >= 0, got {reserve_gib}")
-    budget = kv_budget_from_memory(
-        total_bytes_per_gpu=total,
-        gpu_memory_utilization=utilization,
-        weights_bytes_total=weights.bytes,
-        gpus=parallel.gpus,
-        reserve_bytes_per_gpu=gib_to_bytes(reserve_gib),
-    )
-    return label, budget
-
-
-def capacity_document(
-    geometry: MlaCacheGeometry,
-    weights: WeightsInfo | None,
-    budget: KvBudget,
-    parallel: Parallelism,
-    gpu_label: str | None,
-    block_size: int,
-    include_mtp: bool,
-    max_model_len: int | None,
-    rows: list[FormatCapacity],
-) -> dict:
-    """The --json document: resolved inputs, one row per format, and notes."""
-    indexer = geometry.indexer
-    derived = budget.source == "derived"
-    model = {
-        "name": geometry.name,
-        "source": geometry.source,
-        "model_type": geometry.model_type,
-        "num_hidden_layers": geometry.num_hidden_layers,
-        "num_nextn_predict_layers": geometry.num_nextn_predict_layers,
-        "include_mtp": include_mtp,
-        "cache_layers": geometry.cache_layers(include_mtp),
-        "kv_lora_rank": geometry.kv_lora_rank,
-        "qk_rope_head_dim": geometry.qk_rope_head_dim,
-        "max_position_embeddings": geometry.max_position_embeddings,
-        "indexer": None
-        if indexer is None
-        else {
-            "index_head_dim": indexer.head_dim,
-            "bytes_per_token_per_layer": indexer.bytes_per_token,
-            "indexed_layers": geometry.indexed_layers(include_mtp),
-            "full_main_layers": indexer.full_main_layers,
-            "shared_main_layers": indexer.shared_main_layers,
-            "mtp_layers": geometry.mtp_layers(include_mtp),
-            "rule": indexer.rule,
-        },
-    }
-    setup = {
-        "gpu": gpu_label,
-        "gpu_memory_bytes": budget.total_bytes_per_gpu,
-        "gpus": parallel.gpus,
-        "tp": parallel.tp,
-        "dcp": parallel.dcp,
-        "data_parallel_engines": parallel.dp,
-        "gpu_memory_utilization": budget.gpu_memory_utilization,
-        "block_size": block_size,
-        "weights_bytes_total": weights.bytes if (weights and derived) else None,
-        "weights_source": weights.source if (weights and derived) else None,
-        "weights_bytes_per_gpu": budget.weights_bytes_per_gpu,
-        "reserve_bytes_per_gpu": budget.reserve_bytes_per_gpu,
-        "requested_bytes_per_gpu": budget.requested_bytes_per_gpu,
-        "kv_budget_bytes_per_gpu": budget.bytes_per_gpu,
-        "kv_budget_source": budget.source,
-        "max_model_len": max_model_len if max_model_len is not None else geometry.max_position_embeddings,
-    }
-    notes = list(geometry.notes)
-    if any(r.num_blocks == 0 for r in rows):
-        notes.append("a format with 0 blocks does not fit one block in the KV budget (vLLM would refuse to start)")
-    short = [r.name for r in rows if r.max_concurrency is not None and 0 < r.max_concurrency < 1]
-    if short:
-        notes.append(
-            f"{', '.join(short)}: the pool holds less than one request of {rows[0].max_model_len:,} tokens; vLLM refuses "
-            "to start with that --max-model-len and names the largest that fits (about the pool size)"
-        )
-    return {"schema": CAPACITY_SCHEMA, "model": model, "setup": setup, "formats": [r.as_dict() for r in rows], "notes": notes}
-
-
-def _print_table(doc: dict, rows: list[FormatCapacity], plot: Path | None) -> None:
+def _print_table(result: CapacityResult, doc: dict, plot: Path | None) -> None:
+    rows = result.rows
     console = Console()
     model, setup = doc["model"], doc["setup"]
     console.print(f"[bold]{escape(model['name'])}[/bold] ({escape(model['model_type'])})")
@@ -291,7 +147,10 @@ def _print_table(doc: dict, rows: list[FormatCapacity], plot: Path | None) -> No
             "-" if r.max_concurrency is None else f"{r.max_concurrency:.2f}",
             "-" if r.ratio_vs_fp8_ds_mla is None else f"{r.ratio_vs_fp8_ds_mla:.2f}",
         )
-    console.print(table)
+    # never cut a number: a table wider than the terminal is printed at its own width (the terminal wraps)
+    needed = Measurement.get(console, console.options.update_width(1 << 16), table).maximum
+    wide = console if needed <= console.width else Console(width=needed)
+    wide.print(table)
     console.print(
         "B/tok model = latent records of every cache layer + DSA indexer keys. pool tokens = blocks x block size "
         "x DCP (vLLM's 'GPU KV cache size'). max context = one request's limit: the pool less vLLM's null block, "
@@ -334,78 +193,6 @@ def _setup_lines(setup: dict) -> list[str]:
         f"KV budget: {kv:.2f} GiB per GPU = {total:.2f} x {setup['gpu_memory_utilization']} - weights - "
         f"{setup['reserve_bytes_per_gpu'] / GIB:.2f} reserve",
     ]
-
-
-def write_plot(doc: dict, rows: list[FormatCapacity], path: Path) -> None:
-    """A PNG: pool tokens per format (left) and concurrency at max_model_len (right)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter
-
-    setup, model = doc["setup"], doc["model"]
-    names = [r.name for r in rows]
-    pools = [r.pool_tokens for r in rows]
-    concurrency = [r.max_concurrency or 0.0 for r in rows]
-    colors = ["#c44e52" if r.name == REFERENCE_FORMAT else "#4c72b0" for r in rows]
-    label_box = {"facecolor": "white", "edgecolor": "none", "pad": 0.5, "alpha": 0.85}
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 0.55 * len(rows) + 2.2), sharey=True)
-    y = list(range(len(rows)))
-    left.barh(y, pools, color=colors, zorder=2)
-    left.set_yticks(y, names)
-    left.invert_yaxis()
-    left.set_xlabel("physical pool: tokens per engine (blocks x block size x DCP)")
-    left.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _tokens_label(v)))
-    top = max(pools) if pools and max(pools) > 0 else 1
-    model_max = model["max_position_embeddings"]
-    if model_max:
-        left.axvline(model_max, color="gray", ls="--", lw=1, zorder=1)
-        left.annotate(
-            f"model max context {model_max:,}", (model_max, 1.0), xycoords=("data", "axes fraction"),
-            xytext=(3, -10), textcoords="offset points", color="gray", fontsize=8,
-        )
-    for i, r in enumerate(rows):
-        ratio = "" if r.ratio_vs_fp8_ds_mla is None else f"  {r.ratio_vs_fp8_ds_mla:.2f}x fp8_ds_mla"
-        left.text(r.pool_tokens + top * 0.01, i, f"{r.pool_tokens:,}{ratio}", va="center", fontsize=8, bbox=label_box, zorder=3)
-    left.set_xlim(0, max(top, model_max or 0) * 1.5)
-
-    right.barh(y, concurrency, color=colors, zorder=2)
-    length = setup["max_model_len"]
-    right.set_xlabel(f"max concurrency at {length:,} tokens per request" if length else "max concurrency")
-    right.axvline(1.0, color="gray", ls=":", lw=1, zorder=1)
-    ctop = max(concurrency) if concurrency and max(concurrency) > 0 else 1
-    for i, c in enumerate(concurrency):
-        right.text(c + ctop * 0.01, i, f"{c:.2f}", va="center", fontsize=8, bbox=label_box, zorder=3)
-    right.set_xlim(0, max(ctop, 1.0) * 1.2)
-
-    where = (
-        f"{setup['gpu']}, {setup['gpus']} GPU(s), TP {setup['tp']}, DCP {setup['dcp']}"
-        if setup["kv_budget_source"] == "derived"
-        else f"DCP {setup['dcp']}"
-    )
-    indexer = f" + indexer keys on {model['indexer']['indexed_layers']}" if model["indexer"] else ""
-    fig.suptitle(
-        f"{model['name']}: {model['cache_layers']} latent cache layers{indexer} | {where} | "
-        f"KV {setup['kv_budget_bytes_per_gpu'] / GIB:.1f} GiB per GPU, block size {setup['block_size']}",
-        fontsize=10,
-    )
-    fig.tight_layout()
-    try:
-        fig.savefig(path, dpi=120)
-    except OSError as exc:
-        raise UserError(f"cannot write the plot to {path}: {exc.strerror or exc}") from None
-    finally:
-        plt.close(fig)
-
-
-def _tokens_label(value: float) -> str:
-    if value >= 1e6:
-        return f"{value / 1e6:g}M"
-    if value >= 1e3:
-        return f"{value / 1e3:g}K"
-    return f"{value:g}"
 
 
 def _print_presets(as_json: bool) -> None:

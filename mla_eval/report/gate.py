@@ -13,9 +13,12 @@ import math
 from pathlib import Path
 from xml.sax.saxutils import escape
 
+from mla_eval.atomic_io import write_text_atomic
 from mla_eval.errors import UserError
 from mla_eval.result_schemas import validate
-from mla_eval.results import load_json, read_result
+from mla_eval.results import check_writable_folder, fulfil_output, is_our_document, load_json, promise_output, read_result
+
+JUNIT_SUITE = "mla-eval gate"  # the testsuite name of our JUnit files: how --junit recognises one it may replace
 
 # metric -> (direction, default abs tolerance, default rel tolerance); direction "lower" means
 # lower is better, "higher" higher is better, "exact" any change fails.
@@ -129,4 +132,118 @@ def junit(checks: list[Check]) -> str:
     for c in checks:
         body = "" if c.ok else f'<failure message="{escape(c.why, {chr(34): "&quot;"})}">baseline {c.baseline} now {c.value}</failure>'
         cases.append(f'  <testcase classname="mla_eval.gate.{escape(c.doc)}" name="{escape(c.name)}">{body}</testcase>')
-    return f'<?xml version="1.0" encoding="utf-8"?>\n<testsuite name="mla-eval gate" tests="{len(checks)}" failures="{fails}">\n' + "\n".join(cases) + "\n</testsuite>\n"
+    return f'<?xml version="1.0" encoding="utf-8"?>\n<testsuite name="{JUNIT_SUITE}" tests="{len(checks)}" failures="{fails}">\n' + "\n".join(cases) + "\n</testsuite>\n"
+
+
+# --- the gate as one call: settings in, a result out ------------------------------------------------
+
+
+def load_tolerances(path: Path | None) -> dict:
+    """Tolerances from a TOML file: its [gate] table (a recipe works) or the top level, each
+    `<metric> = {abs = .., rel = ..}`; unknown metrics are a one-line UserError."""
+    if path is None:
+        return {}
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+    try:
+        doc = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise UserError(f"--tolerances {path}: {' '.join(str(exc).split())}") from None
+    tol = doc.get("gate", doc)
+    if not isinstance(tol, dict):
+        raise UserError(f"--tolerances {path}: [gate] must be a table of metrics")
+    unknown = [k for k in tol if k not in METRICS]
+    if unknown:
+        raise UserError(f"--tolerances {path}: unknown metric(s) {', '.join(unknown)}; known: {', '.join(METRICS)}")
+    for metric, limits in tol.items():
+        if not isinstance(limits, dict) or any(k not in ("abs", "rel") for k in limits):
+            raise UserError(f"--tolerances {path}: {metric} must be a table with abs and/or rel, e.g. {metric} = {{abs = 1e-4}}")
+        for k, v in limits.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+                raise UserError(f"--tolerances {path}: {metric}.{k} must be a number >= 0, got {v!r}")
+    return tol
+
+
+@dataclasses.dataclass(frozen=True)
+class GateSettings:
+    """Compare `results` (a result JSON or a results directory) with `baseline`; `tolerances` is
+    a TOML file (see load_tolerances) or None for the defaults in METRICS."""
+
+    results: Path
+    baseline: Path
+    tolerances: Path | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class GateResult:
+    checks: tuple[Check, ...]
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+    @property
+    def exit_code(self) -> int:
+        """0 within tolerance, 1 on any regression (what CI reads)."""
+        return 0 if self.ok else 1
+
+    def markdown(self) -> str:
+        return markdown(list(self.checks))
+
+    def junit(self) -> str:
+        return junit(list(self.checks))
+
+
+def run_gate(settings: GateSettings) -> GateResult:
+    tolerances = load_tolerances(settings.tolerances)
+    return GateResult(tuple(compare(load_docs(settings.results), load_docs(settings.baseline), tolerances)))
+
+
+def check_junit_path(path: Path) -> Path:
+    """Before the work: can the JUnit file be written? An existing file is replaced only when it
+    is a gate report we wrote."""
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"--junit {path} is a folder; give a file path (e.g. {path / 'gate.xml'})")
+    if path.exists():
+        try:
+            head = path.read_text(encoding="utf-8")[:400]
+        except (OSError, UnicodeDecodeError):
+            head = ""
+        if f'<testsuite name="{JUNIT_SUITE}"' not in head:
+            raise UserError(f"--junit {path} exists and is not a gate report mla-eval wrote; choose another path")
+    check_writable_folder(path)
+    promise_output(path)
+    return path
+
+
+def write_junit(result: GateResult, path: Path) -> None:
+    write_text_atomic(path, result.junit())
+    fulfil_output(path)
+
+
+def update_baseline(results: Path, baseline: Path) -> list[str]:
+    """Make the baseline hold exactly the results' documents (validated first, so an unusable
+    result never becomes a baseline), plus the recipe and environment that produced them; returns
+    the file names written. Plots and reports are not baseline material and are not copied; a
+    stale baseline document is removed only if it is one of ours."""
+    results, baseline = Path(results), Path(baseline)
+    docs = load_docs(results)
+    if not results.is_dir():
+        if baseline.is_dir():
+            raise UserError(f"--baseline {baseline} is a folder but {results} is one file; give a baseline file")
+        if baseline.exists() and not is_our_document(baseline):
+            raise UserError(f"--baseline {baseline} exists and is not an mla-eval result; it is not replaced")
+        write_text_atomic(baseline, results.read_text(encoding="utf-8"))
+        return [baseline.name]
+    if baseline.exists() and not baseline.is_dir():
+        raise UserError(f"--baseline {baseline} is a file but {results} is a results directory; give a folder")
+    keep = [*docs, *(n for n in ("environment.json", "recipe.toml") if (results / n).is_file())]
+    for name in keep:
+        write_text_atomic(baseline / name, (results / name).read_text(encoding="utf-8"))
+    for stale in baseline.glob("*.json"):  # a document the new results no longer have
+        if stale.name not in keep and is_our_document(stale):
+            stale.unlink()
+    return keep

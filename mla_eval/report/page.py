@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import html
 from pathlib import Path
 
+from mla_eval.atomic_io import write_text_atomic
 from mla_eval.errors import UserError
+
+GENERATOR = "mla-eval report"  # in every page we write: how --out recognises a page it may replace
 
 KLD_COLUMNS = (
     ("KLD mean", "kld_mean", "{:.5f}"),
@@ -44,9 +48,22 @@ def sections(docs: dict[str, dict]) -> list[tuple[str, list[str], list[list[str]
             out.append(("Format-induced failures (bf16 right, format wrong)", ["format", "length", "depth %", "expected", "output"], [[f["format"], str(f["length"]), f"{f['depth']:g}", ", ".join(f["expected"]), f["output"][:40]] for f in fails[:50]]))
     for d in _of_kind(docs, "capacity"):
         su = d["setup"]
-        rows = [[r["name"], str(r["bytes_per_token_per_layer"]), f"{r['bytes_per_token']:,}", f"{r['pool_tokens']:,}", f"{r['max_concurrency']:.2f}", f"{r['ratio_vs_fp8_ds_mla']:.2f}"] for r in d["formats"]]
-        setup = f"{d['model']['name']} on {su['gpus']} x {su['gpu'] or 'GPU'}, TP {su['tp']}" + (f", DCP {su['dcp']}" if su.get("dcp", 1) > 1 else "")
-        out.append((f"KV-cache capacity — {setup}", ["format", "B/token/layer", "B/token (model)", "pool tokens", "concurrency", "x fp8_ds_mla"], rows))
+        # concurrency is null without a max_model_len, the ratio null when fp8_ds_mla fits no block
+        rows = [
+            [
+                r["name"],
+                str(r["bytes_per_token_per_layer"]),
+                f"{r['bytes_per_token']:,}",
+                f"{r['pool_tokens']:,}",
+                _fmt(r["max_concurrency"], "{:.2f}"),
+                _fmt(r["ratio_vs_fp8_ds_mla"], "{:.2f}"),
+            ]
+            for r in d["formats"]
+        ]
+        dcp = f", DCP {su['dcp']}" if su.get("dcp", 1) > 1 else ""
+        setup = f"{d['model']['name']} on {su['gpus']} x {su['gpu'] or 'GPU'}, TP {su['tp']}{dcp}"
+        head = ["format", "B/token/layer", "B/token (model)", "pool tokens", "concurrency", "x fp8_ds_mla"]
+        out.append((f"KV-cache capacity — {setup}", head, rows))
     return out
 
 
@@ -68,7 +85,7 @@ def load_results_dir(folder: Path) -> dict[str, dict]:
 
 
 def render_markdown(title: str, secs) -> str:
-    lines = [f"# {title}", ""]
+    lines = [f"<!-- generator: {GENERATOR} -->", f"# {title}", ""]
     for t, head, rows in secs:
         lines += [f"## {t}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         lines += ["| " + " | ".join(r) + " |" for r in rows]
@@ -78,7 +95,7 @@ def render_markdown(title: str, secs) -> str:
 
 def render_html(title: str, secs, images: list[Path]) -> str:
     parts = [
-        "<!doctype html><html><head><meta charset='utf-8'>",
+        f"<!doctype html><html><head><meta charset='utf-8'><meta name='generator' content='{GENERATOR}'>",
         f"<title>{html.escape(title)}</title>",
         "<style>body{font-family:system-ui,sans-serif;margin:2em;color:#222}table{border-collapse:collapse;margin:0 0 1.5em}"
         "th,td{border:1px solid #ccc;padding:4px 10px;text-align:right}th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}"
@@ -97,3 +114,71 @@ def render_html(title: str, secs, images: list[Path]) -> str:
         parts.append("</div>")
     parts.append("</body></html>")
     return "\n".join(parts)
+
+
+# --- the report as one call: a results directory in, the page (and where it goes) out --------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """The tables of a results directory and its plots, renderable as HTML and markdown."""
+
+    title: str
+    sections: tuple
+    images: tuple[Path, ...]
+
+    def html(self) -> str:
+        return render_html(self.title, self.sections, list(self.images))
+
+    def markdown(self) -> str:
+        return render_markdown(self.title, self.sections)
+
+
+def build_report(results: Path) -> Report:
+    """Read and validate the documents of a results directory (written by `mla-eval run`)."""
+    results = Path(results)
+    if not results.is_dir():
+        raise UserError(f"{results} is not a results directory (make one with `mla-eval run RECIPE`)")
+    docs = load_results_dir(results)
+    if not docs:
+        raise UserError(f"{results} holds no kld.json, needle.json or capacity.json")
+    images = tuple(sorted((results / "plots").glob("*.png"))) if (results / "plots").is_dir() else ()
+    return Report(f"mla-eval report — {results.name}", tuple(sections(docs)), images)
+
+
+def _is_our_page(path: Path) -> bool:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return GENERATOR in f.read(600)
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def report_paths(results: Path, out: Path | None) -> tuple[Path, Path]:
+    """(html, markdown) paths for `--out` (a file, a folder to hold report.html, or None: inside
+    `results`), checked before any work: writable, and an existing page replaced only if we wrote it."""
+    from mla_eval.results import check_writable_folder, promise_output
+
+    out = Path(out) if out is not None else Path(results) / "report.html"
+    if out.is_dir():
+        out = out / "report.html"
+    if out.suffix.lower() == ".md":
+        raise UserError(f"--out {out}: give the .html path; the markdown goes beside it")
+    pair = (out, out.with_suffix(".md"))
+    for path in pair:
+        if path.is_dir():
+            raise UserError(f"--out {out}: {path} is a folder")
+        if path.exists() and not _is_our_page(path):
+            raise UserError(f"{path} exists and is not a report mla-eval wrote; choose another --out")
+    check_writable_folder(out)
+    for path in pair:
+        promise_output(path)
+    return pair
+
+
+def write_report(report: Report, html_path: Path, md_path: Path) -> None:
+    from mla_eval.results import fulfil_output
+
+    for path, text in ((html_path, report.html()), (md_path, report.markdown())):
+        write_text_atomic(path, text)
+        fulfil_output(path)

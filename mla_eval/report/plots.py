@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import numpy as np
+
+from mla_eval.atomic_io import write_bytes_atomic
+from mla_eval.errors import UserError
+
+GIB = 1 << 30
+PNG_SOFTWARE = "mla-eval"  # PNG metadata of every plot we write: how --plot recognises a file it may replace
 
 
 def _plt():
@@ -63,11 +70,52 @@ def kld_plots(result: dict, summary: dict, folder: Path) -> list[Path]:
 
 
 def _save(fig, path: Path) -> Path:
-    fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=120)
-    tmp.replace(path)
-    _plt().close(fig)
+    """Render to memory, then write atomically (never half a PNG); the figure is closed either way."""
+    try:
+        fig.tight_layout()
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=120, metadata={"Software": PNG_SOFTWARE})
+    finally:
+        _plt().close(fig)
+    try:
+        write_bytes_atomic(path, buf.getvalue())
+    except OSError as exc:
+        raise UserError(f"cannot write the plot {path}: {exc.strerror or exc}") from None
+    from mla_eval.results import fulfil_output
+
+    fulfil_output(path)
+    return path
+
+
+def is_our_png(path: Path) -> bool:
+    """A PNG written by mla-eval (its tEXt Software chunk, near the start of the file)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return False
+    return head.startswith(b"\x89PNG") and b"Software\x00" + PNG_SOFTWARE.encode() in head
+
+
+def plot_path(path: Path, default_name: str) -> Path:
+    """Where `--plot PATH` writes: an existing folder gets `default_name` inside it, a path without a
+    suffix gets `.png`; an existing file is replaced only if it is a plot we wrote. Checked before the
+    work (one-line UserError)."""
+    from mla_eval.results import check_writable_folder, promise_output
+
+    path = Path(path)
+    if path.is_dir():
+        path = path / default_name
+    elif not path.suffix:
+        path = path.with_suffix(".png")
+    if path.suffix.lower() != ".png":
+        raise UserError(f"--plot {path}: plots are PNG files; give a .png path or a folder")
+    if path.is_dir():
+        raise UserError(f"--plot {path} is a folder")
+    if path.exists() and not is_our_png(path):
+        raise UserError(f"--plot {path} exists and is not a plot mla-eval wrote; choose another path")
+    check_writable_folder(path)
+    promise_output(path)
     return path
 
 
@@ -100,3 +148,69 @@ def needle_heatmaps(summary: dict, lengths: list[int], depths: list[float], fold
         if base is not None and name != "bf16":
             draw(acc - base, f"{name} minus bf16", folder / f"needle_{safe}_vs_bf16.png", "RdBu", -1, 1, "accuracy difference")
     return paths
+
+
+def capacity_plot(doc: dict, path: Path) -> Path:
+    """A PNG of a capacity document: pool tokens per format (left), concurrency at max_model_len (right)."""
+    plt = _plt()
+    from matplotlib.ticker import FuncFormatter
+
+    from mla_eval.capacity import REFERENCE_FORMAT
+
+    setup, model = doc["setup"], doc["model"]
+    rows = doc["formats"]
+    names = [r["name"] for r in rows]
+    pools = [r["pool_tokens"] for r in rows]
+    concurrency = [r["max_concurrency"] or 0.0 for r in rows]
+    colors = ["#c44e52" if r["name"] == REFERENCE_FORMAT else "#4c72b0" for r in rows]
+    label_box = {"facecolor": "white", "edgecolor": "none", "pad": 0.5, "alpha": 0.85}
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 0.55 * len(rows) + 2.2), sharey=True)
+    y = list(range(len(rows)))
+    left.barh(y, pools, color=colors, zorder=2)
+    left.set_yticks(y, names)
+    left.invert_yaxis()
+    left.set_xlabel("physical pool: tokens per engine (blocks x block size x DCP)")
+    left.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _tokens_label(v)))
+    top = max(pools) if pools and max(pools) > 0 else 1
+    model_max = model["max_position_embeddings"]
+    if model_max:
+        left.axvline(model_max, color="gray", ls="--", lw=1, zorder=1)
+        left.annotate(
+            f"model max context {model_max:,}", (model_max, 1.0), xycoords=("data", "axes fraction"),
+            xytext=(3, -10), textcoords="offset points", color="gray", fontsize=8,
+        )
+    for i, r in enumerate(rows):
+        ratio = "" if r["ratio_vs_fp8_ds_mla"] is None else f"  {r['ratio_vs_fp8_ds_mla']:.2f}x fp8_ds_mla"
+        left.text(r["pool_tokens"] + top * 0.01, i, f"{r['pool_tokens']:,}{ratio}", va="center", fontsize=8, bbox=label_box, zorder=3)
+    left.set_xlim(0, max(top, model_max or 0) * 1.5)
+
+    right.barh(y, concurrency, color=colors, zorder=2)
+    length = setup["max_model_len"]
+    right.set_xlabel(f"max concurrency at {length:,} tokens per request" if length else "max concurrency")
+    right.axvline(1.0, color="gray", ls=":", lw=1, zorder=1)
+    ctop = max(concurrency) if concurrency and max(concurrency) > 0 else 1
+    for i, c in enumerate(concurrency):
+        right.text(c + ctop * 0.01, i, f"{c:.2f}", va="center", fontsize=8, bbox=label_box, zorder=3)
+    right.set_xlim(0, max(ctop, 1.0) * 1.2)
+
+    where = (
+        f"{setup['gpu']}, {setup['gpus']} GPU(s), TP {setup['tp']}, DCP {setup['dcp']}"
+        if setup["kv_budget_source"] == "derived"
+        else f"DCP {setup['dcp']}"
+    )
+    indexer = f" + indexer keys on {model['indexer']['indexed_layers']}" if model["indexer"] else ""
+    fig.suptitle(
+        f"{model['name']}: {model['cache_layers']} latent cache layers{indexer} | {where} | "
+        f"KV {setup['kv_budget_bytes_per_gpu'] / GIB:.1f} GiB per GPU, block size {setup['block_size']}",
+        fontsize=10,
+    )
+    return _save(fig, Path(path))
+
+
+def _tokens_label(value: float) -> str:
+    if value >= 1e6:
+        return f"{value / 1e6:g}M"
+    if value >= 1e3:
+        return f"{value / 1e3:g}K"
+    return f"{value:g}"
