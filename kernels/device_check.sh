@@ -49,7 +49,7 @@ EOF
 rc=0
 if [ "$what" = all ] || [ "$what" = tests ]; then
     step "GPU tests"
-    timeout 330 python3 -m pytest tests/test_kernels_gpu.py tests/test_decode_steps_gpu.py tests/test_dispatch_backends.py -q -n 8 -rfEP -p no:cacheprovider ${kexpr:+-k "$kexpr"} \
+    timeout 330 python3 -m pytest tests/test_kernels_gpu.py tests/test_decode_steps_gpu.py tests/test_dispatch_backends.py tests/test_random_models_gpu.py -q -n 8 -rfEP -p no:cacheprovider ${kexpr:+-k "$kexpr"} \
         > "$OUT/pytest.log" 2>&1
     rc=$?
     grep -E "cos=|FAILED|ERROR|Error|error:|passed|failed" "$OUT/pytest.log" | grep -v "^E  " | sort | uniq | tail -80

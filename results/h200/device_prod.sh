@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The H200 run of the production-path work (issue 12) and the engine-exact formats (issue 15), one
+# device call after the CuTe DSL wheel halves were copied (see kernels/device_check.sh):
+#   bash results/h200/device_prod.sh [tests] [prodbench] [presets] [formats]
+#     tests      GPU tests (kernels incl. new formats, decode steps, backends, random preset models)
+#     prodbench  python -m mla_eval.evals.production_bench: cost per layer and format at every preset
+#                geometry, kernel-vs-reference KLD, projection of full-depth runs
+#     presets    mla-eval kld on every preset geometry (random:<preset>:layers=3), --backend kernel and
+#                --backend reference, wikitext-2 test windows of 4096 (> index_topk 2048)
+#     formats    mla-eval kld on the embedded model with every registered format (old and new), and the
+#                engine residual scripts of the formats
+# Needs .devdata/wiki.test.raw carried (never committed). Logs and JSON under $OUT (packed: a call
+# returns at most 8 files). Every step is independent: a rerun may name just the steps that are missing.
+set -o pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+exec > >(tee -a "$OUT/log") 2>&1
+t0=$(date +%s); step() { echo "=== [$(( $(date +%s) - t0 ))s] $*"; }
+export PYTHONUNBUFFERED=1
+step "install"
+bash kernels/device_check.sh install > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 3; }
+tail -2 "$OUT/install.log"
+export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
+if [ -d .devwheels/js ] && ! python3 -c 'import jsonschema' 2>/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devwheels/js/*.whl 2>&1 | tail -2
+fi
+TEXT=.devdata/wiki.test.raw
+mkdir -p "$OUT/runs"
+for what in "${@:-tests}"; do
+case "$what" in
+tests)
+    step "GPU tests"
+    bash kernels/device_check.sh tests "${KEXPR:-}" > "$OUT/runs/gpu_tests.log" 2>&1; echo "GPU tests rc=$?"
+    cp "$OUT/pytest.log" "$OUT/runs/pytest-gpu.log" 2>/dev/null; rm -f "$OUT/pytest.log"
+    grep -E "passed|failed" "$OUT/runs/gpu_tests.log" | tail -3
+    ;;
+prodbench)
+    step "production bench"
+    timeout ${PRODBENCH_TIMEOUT:-300} python3 -m mla_eval.evals.production_bench --out "$OUT/runs/production-bench.json" \
+        ${PRODBENCH_ARGS:-} 2>&1 | tail -40
+    echo "production bench exit $?"
+    ;;
+presets)
+    for p in deepseek-v3 deepseek-v3.2 kimi-k2 glm-5 glm-5.2; do
+        for b in kernel reference; do
+            step "kld random:$p:layers=3 --backend $b"
+            timeout 240 python3 -m mla_eval kld --model "random:$p:layers=3" --text "$TEXT" --max-tokens 16384 \
+                --ctx 4096 --stride 4096 --min-context 2048 --formats fp8_ds_mla,nvfp4,nvfp4_fp8rope --backend "$b" \
+                --out "$OUT/runs/kld-$p-$b.json" 2>&1 | grep -v -E "scoring|^[│┃┏┡└]" | tail -14
+            echo "exit $?"
+        done
+    done
+    ;;
+formats)
+    step "kld, embedded model, every format"
+    fmts=$(python3 -c "from mla_eval.formats import format_names; print(','.join(n for n in format_names() if n != 'bf16'))")
+    timeout 300 python3 -m mla_eval kld --text "$TEXT" --max-tokens 65536 --formats "$fmts" --no-layer-stats \
+        --out "$OUT/runs/kld-default-all-formats.json" 2>&1 | grep -v -E "scoring" | tail -30
+    echo "exit $?"
+    for s in ${FORMAT_SCRIPTS:-}; do step "$s"; timeout 120 python3 $s 2>&1 | tail -20; done
+    ;;
+esac
+done
+tar -C "$OUT" -czf "$OUT/runs.tgz" runs && rm -rf "${OUT:?}/runs"
+step "done"
