@@ -183,3 +183,22 @@ def test_kld_table_fits_the_terminal(width):
     else:
         assert hidden, "80 columns cannot hold all 8 figure columns"
         assert "Not shown at this terminal width: " + ", ".join(hidden) in text.replace("\n", " ")
+
+
+def test_progress_reports_an_eta_and_the_first_batch_estimate():
+    from mla_eval.commands.progress import duration, progress_bars
+
+    con = Console(record=True, width=160, force_terminal=False)
+    firsts = []
+    with progress_bars(con, on_first=lambda *a: firsts.append(a)) as report:
+        report("score", 0, 1000)
+        report("score", 250, 1000)
+        report("score", 500, 1000)
+    assert [(s, d, t) for s, d, t, _ in firsts] == [("score", 250, 1000)]  # once, at the first batch
+    text = con.export_text()
+    assert "500/1000" in text and "tokens/s, left ~" in text
+    assert duration(3725) == "1h02m05s" and duration(65) == "1m05s" and duration(4) == "4s"
+    quiet = Console(record=True, width=160)
+    with progress_bars(quiet) as report:
+        pass  # no work reported: nothing drawn, so an early error stays one clean line
+    assert quiet.export_text() == ""

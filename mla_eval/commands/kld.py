@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import typer
@@ -62,7 +63,8 @@ def kld(
     check_output_path(out if out is not None else default_result_path("kld", "model"), force)
     if save_ref is not None:
         check_output_path(save_ref, force=True)
-    with progress_bars(console, on_first=print_estimate) as progress:
+    # under torchrun only rank 0 draws (every rank reports the same kind of progress)
+    with progress_bars(console, disable=os.environ.get("RANK", "0") != "0", on_first=print_estimate) as progress:
         result = evaluate_kld(settings, progress)
     if save_ref is not None and result.rank == 0:
         console.print(f"wrote reference log-probs to {save_ref}")
@@ -87,7 +89,7 @@ def write_kld_plots(result, folder: Path) -> list[Path]:
 def print_estimate(stage: str, done: int, total: int, seconds: float) -> None:
     if stage == "score" and done < total:
         whole = seconds / done * total
-        console.print(f"first batch: {done / max(seconds, 1e-9):.3g} tokens/s per format pass; scoring takes about "
+        console.print(f"first batch: {done / max(seconds, 1e-9):.3g} scored tokens/s (every format); scoring takes about "
                       f"{duration(whole)} in all (~{duration(whole - seconds)} left)")
 
 

@@ -13,7 +13,7 @@ from typing import Callable, Iterator
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-STAGE_UNITS = {"calibrate": "windows", "score": "tokens", "prompts": "prompts"}
+STAGE_UNITS = {"sample": "steps", "calibrate": "windows", "score": "tokens", "prompts": "prompts"}
 
 
 def duration(seconds: float) -> str:
@@ -40,6 +40,8 @@ def progress_bars(console: Console, disable: bool = False, on_first: Callable[[s
 
     def report(stage: str, done: int, total: int) -> None:
         now = time.perf_counter()
+        if disable:
+            return
         if not tasks:
             bars.start()  # only once there is work to show: an early error stays one clean line
         if stage not in tasks:

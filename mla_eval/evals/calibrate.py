@@ -80,7 +80,7 @@ class CalibrationResult:
 def evaluate_calibration(st: CalibrateSettings, progress: ProgressCallback = no_progress) -> CalibrationResult:
     with dispatch.use_backend(st.backend) as log:
         lm = st.load()
-        source = text_sources.load_source(lm, st)
+        source = text_sources.load_source(lm, st, progress)
         scales = calibrate(lm, source, st.ctx, progress)
         env = environment(attention=log)
     return CalibrationResult(scales, source.label, env)

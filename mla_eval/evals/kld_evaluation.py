@@ -145,14 +145,14 @@ def _split_calibration(source: text_sources.TokenSource, calib_tokens: int):
     return calib, rest
 
 
-def _sources(lm, st: KldSettings, needs_outer: bool):
+def _sources(lm, st: KldSettings, needs_outer: bool, progress: ProgressCallback):
     """(evaluation tokens, calibration tokens or None)."""
     if st.self_samples and st.scales == "auto" and needs_outer:
         # one extra sample in the same decoding batch (nearly free) serves as the calibration text
-        both = text_sources.self_samples(lm, st.samples + 1, st.sample_len, st.seed)
+        both = text_sources.self_samples(lm, st.samples + 1, st.sample_len, st.seed, progress)
         calib = text_sources.TokenSource("self-samples", "a separate self-sample", both.sequences[-1:], "calib")
         return text_sources.self_samples_subset(both, st.samples), calib
-    source = text_sources.load_source(lm, st)
+    source = text_sources.load_source(lm, st, progress)
     if st.scales == "auto" and needs_outer:
         calib, source = _split_calibration(source, st.calib_tokens)
         return source, calib
@@ -184,7 +184,7 @@ def evaluate_kld(st: KldSettings, progress: ProgressCallback = no_progress) -> K
         lm = st.load()
         if given is not None:
             given.check_layers(lm.num_layers, source=st.scales)
-        source, calib = _sources(lm, st, needs_outer)
+        source, calib = _sources(lm, st, needs_outer, progress)
         ctx = st.resolved_ctx(source.kind == "self-samples")
         min_context = st.min_context if st.min_context is not None else default_min_context(ctx)
         stride = st.stride if st.stride is not None else default_stride(ctx, min_context)

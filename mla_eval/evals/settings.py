@@ -35,7 +35,7 @@ def check_ctx(ctx: int | None, option: str = "--ctx") -> None:
         raise UserError(f"{option} must be at least 2 tokens (omit it for the default), got {ctx}")
 
 
-# progress(stage, done, total): `stage` names the work ("calibrate", "score", "prompts"), `done` of
+# progress(stage, done, total): `stage` names the work ("sample", "calibrate", "score", "prompts"), `done` of
 # `total` units. The library reports; commands draw the bar (the library never prints).
 ProgressCallback = Callable[[str, int, int], None]
 

@@ -88,7 +88,7 @@ def from_dataset(name: str, tokenizer, max_tokens: int | None) -> TokenSource:
 
 
 @torch.no_grad()
-def self_samples(lm, num: int, length: int, seed: int) -> TokenSource:
+def self_samples(lm, num: int, length: int, seed: int, progress=None) -> TokenSource:
     """Seeded samples drawn from the model itself (bf16 cache, temperature 1).
 
     The data-free default: it needs no file, and its KLD is the format's effect on text the model
@@ -113,6 +113,8 @@ def self_samples(lm, num: int, length: int, seed: int) -> TokenSource:
             step = ids[:, t : t + 1].to(lm.device)
             logits = model(input_ids=step, position_ids=torch.full((num, 1), t, device=lm.device), use_cache=False).logits[:, -1]
             ids[:, t + 1] = torch.multinomial(logits.float().softmax(-1).cpu(), 1, generator=gen).squeeze(1)
+            if progress is not None:
+                progress("sample", t + 1, length - 1)
     seqs = list(ids)
     return TokenSource("self-samples", f"self-samples of the model (seed {seed}, {num} x {length} tokens; not wikitext)", seqs, _digest(seqs))
 
@@ -150,9 +152,9 @@ class TextSettings:
         return self.text is None and self.dataset is None
 
 
-def load_source(lm, st: TextSettings) -> TokenSource:
+def load_source(lm, st: TextSettings, progress=None) -> TokenSource:
     if st.text is not None:
         return from_text_file(st.text, lm.tokenizer, st.max_tokens)
     if st.dataset is not None:
         return from_dataset(st.dataset, lm.tokenizer, st.max_tokens)
-    return self_samples(lm, st.samples, st.sample_len, st.seed)
+    return self_samples(lm, st.samples, st.sample_len, st.seed, progress)
