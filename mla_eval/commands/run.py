@@ -227,7 +227,11 @@ def run(
     _check_destination(out, _planned_files(doc, recipe), force)
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.staging-", dir=out.parent))
+    # beside a new results directory (renamed into place at the end), inside an existing one
+    stage = Path(tempfile.mkdtemp(prefix=".mla-eval-staging-", dir=out if out.exists() else out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    stage.chmod(0o777 & ~umask)  # mkdtemp makes it private; the results directory it becomes should not be
     section = "capacity"
     try:
         # capacity first: it is instant, and a bad setup should not cost the evaluations
@@ -263,7 +267,7 @@ def _move_in(stage: Path, out: Path) -> None:
     if not out.exists():
         os.replace(stage, out)
         return
-    for src in sorted(p for p in stage.rglob("*") if p.is_file()):
+    for src in sorted(p for p in stage.rglob("*") if p.is_file()):  # the staging folder is inside `out`
         dst = out / src.relative_to(stage)
         dst.parent.mkdir(parents=True, exist_ok=True)
         os.replace(src, dst)
