@@ -96,20 +96,21 @@ def test_graph_blockers():
 def test_a_reused_session_answers_like_a_fresh_one(lm):
     """needle.generate's `reuse`: same shape -> the same session, reset; answers are unchanged."""
     from mla_eval.evals import needle as nd
-    from mla_eval.evals.kld import Variant
     from mla_eval.evals.needle_tasks import PromptBuilder, load_haystack
+    from mla_eval.evals.variants import Variant
 
     hay, noise, _ = load_haystack(lm.tokenizer, None)
     builder = PromptBuilder(lm.tokenizer, hay, noise)
     prompts = [builder.build("passkey", "number", 300, d, 0, 5 + i) for i, d in enumerate((10.0, 60.0, 90.0))]
     shorter = builder.build("passkey", "number", 200, 50.0, 0, 9)
     v = Variant(get_format("nvfp4"))
-    reuse: dict = {}
-    first = nd.generate(lm, v, prompts[:1], 8, None, reuse=reuse)
-    session = reuse["session"]
-    rest = [nd.generate(lm, v, [p], 8, None, reuse=reuse) for p in prompts[1:]]
-    assert reuse["session"] is session  # same shape: reused
-    fresh = [nd.generate(lm, v, [p], 8, None) for p in prompts]
+    reuse = nd.SessionReuse()
+    opts = nd.DecodeOptions(8)
+    first = nd.generate(lm, v, prompts[:1], opts, reuse=reuse).tokens
+    session = reuse.session
+    rest = [nd.generate(lm, v, [p], opts, reuse=reuse).tokens for p in prompts[1:]]
+    assert reuse.session is session  # same shape: reused
+    fresh = [nd.generate(lm, v, [p], opts).tokens for p in prompts]
     assert [first, *rest] == fresh
-    assert nd.generate(lm, v, [shorter], 8, None, reuse=reuse) == nd.generate(lm, v, [shorter], 8, None)
-    assert reuse["session"] is not session and reuse["session"].capacity == 208  # a new shape replaced it
+    assert nd.generate(lm, v, [shorter], opts, reuse=reuse).tokens == nd.generate(lm, v, [shorter], opts).tokens
+    assert reuse.session is not session and reuse.session.capacity == 208  # a new shape replaced it

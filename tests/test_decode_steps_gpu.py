@@ -14,7 +14,7 @@ cutlass = pytest.importorskip("cutlass")
 
 from mla_eval.errors import NonFiniteInputError  # noqa: E402
 from mla_eval.evals import needle as nd  # noqa: E402
-from mla_eval.evals.kld import Variant  # noqa: E402
+from mla_eval.evals.variants import Variant  # noqa: E402
 from mla_eval.evals.needle_tasks import PromptBuilder, load_haystack  # noqa: E402
 from mla_eval.formats import get_format  # noqa: E402
 from mla_eval.model.decode_steps import DecodeSteps  # noqa: E402
@@ -71,19 +71,19 @@ def test_replayed_steps_equal_eager_steps(lm, fmt):
 def test_needle_answers_are_the_same_with_and_without_graphs(lm):
     v = Variant(get_format("nvfp4"))
     prompts = _prompts(lm, 4000, 3)
-    info_g, info_e = {}, {}
-    with_graphs = nd.generate(lm, v, prompts, 10, None, info=info_g)
-    eager = nd.generate(lm, v, prompts, 10, None, graphs=False, info=info_e)
-    assert info_g == {"decode_steps": "cuda_graph", "why_eager": None}
-    assert info_e["decode_steps"] == "eager" and "disabled" in info_e["why_eager"]
+    g = nd.generate(lm, v, prompts, nd.DecodeOptions(10))
+    e = nd.generate(lm, v, prompts, nd.DecodeOptions(10, graphs=False))
+    with_graphs, eager = g.tokens, e.tokens
+    assert (g.steps_mode, g.why_eager) == ("cuda_graph", None)
+    assert e.steps_mode == "eager" and "disabled" in e.why_eager
     assert with_graphs == eager
     for p, a in zip(prompts, with_graphs):
         assert all(e in lm.tokenizer.decode(a, skip_special_tokens=True) for e in p.expected)
     # cells of one shape share a session and its graph (captured once): the same answers
-    reuse: dict = {}
-    one_by_one = [nd.generate(lm, v, [p], 10, None, reuse=reuse)[0] for p in prompts]
-    assert one_by_one == [nd.generate(lm, v, [p], 10, None, graphs=False)[0] for p in prompts]
-    steps = reuse["steps"]
+    reuse = nd.SessionReuse()
+    one_by_one = [nd.generate(lm, v, [p], nd.DecodeOptions(10), reuse=reuse).tokens[0] for p in prompts]
+    assert one_by_one == [nd.generate(lm, v, [p], nd.DecodeOptions(10, graphs=False)).tokens[0] for p in prompts]
+    steps = reuse.steps
     assert steps.eager_steps == 1 and steps.replays == 3 * 9 - 1
 
 
@@ -109,16 +109,15 @@ def test_a_non_finite_replayed_step_names_its_layer(lm):
 def test_a_failed_capture_falls_back_to_eager_steps(lm, capsys):
     prompts = _prompts(lm, 2000, 1)
     v = Variant(get_format("nvfp4"))
-    expected = nd.generate(lm, v, prompts, 8, None, graphs=False)
+    expected = nd.generate(lm, v, prompts, nd.DecodeOptions(8, graphs=False)).tokens
     # a hook that synchronises (as a data-dependent MoE routing would) cannot be captured
     hook = lm.model.model.layers[1].mlp.register_forward_hook(lambda mod, args, out: out.sum().item() and None)
     try:
-        info = {}
-        got = nd.generate(lm, v, prompts, 8, None, info=info)
-        assert got == expected
-        assert info["decode_steps"] == "eager" and info["why_eager"].startswith("CUDA graph capture failed")
+        got = nd.generate(lm, v, prompts, nd.DecodeOptions(8))
+        assert got.tokens == expected
+        assert got.steps_mode == "eager" and got.why_eager.startswith("CUDA graph capture failed")
         assert "warning: decode steps run eagerly: CUDA graph capture failed" in capsys.readouterr().err
-        assert nd.generate(lm, v, prompts, 8, None, info=info) == expected  # not retried: no second warning
+        assert nd.generate(lm, v, prompts, nd.DecodeOptions(8)).tokens == expected  # not retried: no second warning
         assert "warning" not in capsys.readouterr().err
     finally:
         hook.remove()

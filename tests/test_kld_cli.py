@@ -98,7 +98,7 @@ def test_bad_inputs(ckpt, text, tmp_path, capsys):
     _one_line_error(*run(["kld", "--model", str(ckpt), "--text", str(text), "--ctx", "64", "--formats", "nvfp4+s_l", "--scales", str(wrong)], capsys)[::2], "61 layer scales but the model has 3 layers")
     # unknown format / option
     _one_line_error(*run(["kld", "--model", str(ckpt), "--formats", "nvfp9"], capsys)[::2], "unknown cache format")
-    _one_line_error(*run(["kld", "--model", str(ckpt), "--formats", "fp8_ds_mla+s_l"], capsys)[::2], "takes no nvfp4 outer scale")
+    _one_line_error(*run(["kld", "--model", str(ckpt), "--formats", "fp8_ds_mla+s_l"], capsys)[::2], "takes no outer scale s_l; +s_l applies to nvfp4, nvfp4_fp8rope, fp8_e4m3")
 
 
 def test_nan_latent_is_a_clear_error(ckpt, text, tmp_path, capsys):

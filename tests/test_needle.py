@@ -117,7 +117,7 @@ def test_stop_at_answer_keeps_every_score_and_shortens_only_found_answers(tmp_pa
 
 
 def test_a_prompt_without_its_answer_decodes_the_full_budget():
-    from mla_eval.commands.kld import parse_variants
+    from mla_eval.evals.variants import parse_variants
     from mla_eval.model.loader import load_model
 
     lm = load_model(None, "cpu")
@@ -127,8 +127,8 @@ def test_a_prompt_without_its_answer_decodes_the_full_budget():
     missing = builder.build("passkey", "number", 240, 50.0, 0, 8)
     missing.expected = ["never-in-any-output"]
     v = parse_variants("bf16")[0]
-    a, b = nd.generate(lm, v, [found, missing], 10, None, stop_at_answer=True)
+    a, b = nd.generate(lm, v, [found, missing], nd.DecodeOptions(10, stop_at_answer=True)).tokens
     assert len(b) == 10  # never found: the whole budget, although its batch-mate stopped early
     assert len(a) < 10 and all(e in lm.tokenizer.decode(a, skip_special_tokens=True) for e in found.expected)
-    full = nd.generate(lm, v, [found], 10, None, stop_at_answer=False)[0]
+    full = nd.generate(lm, v, [found], nd.DecodeOptions(10, stop_at_answer=False)).tokens[0]
     assert len(full) == 10 and full[: len(a)] == a

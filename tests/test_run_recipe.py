@@ -85,3 +85,70 @@ def test_bad_recipes_are_one_line_errors(tmp_path, capsys):
         assert not (tmp_path / "never").exists()
     assert main(["run", str(tmp_path / "missing.toml")]) == 2
     assert "does not exist" in _err(capsys)
+
+
+CAPACITY_ONLY = '[capacity]\npreset = "glm-5"\ngpu = "h200"\n'
+
+
+def test_force_never_deletes_what_the_run_did_not_write(tmp_path, capsys, monkeypatch):
+    """`run RECIPE --out . --force` used to rmtree the user's folder: their files must survive."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "notes.txt").write_text("my notes")
+    (work / "sub").mkdir()
+    (work / "sub" / "data.csv").write_text("1,2,3")
+    recipe = work / "c.toml"
+    recipe.write_text(CAPACITY_ONLY)
+    monkeypatch.chdir(work)
+    assert main(["run", "c.toml", "--out", ".", "--force"]) == 0
+    assert (work / "notes.txt").read_text() == "my notes" and (work / "sub" / "data.csv").read_text() == "1,2,3"
+    assert (work / "capacity.json").is_file() and (work / "environment.json").is_file() and recipe.is_file()
+    # a second forced run replaces only its own documents
+    assert main(["run", "c.toml", "--out", ".", "--force"]) == 0
+    assert (work / "notes.txt").read_text() == "my notes"
+    assert not [p for p in work.iterdir() if p.name.startswith(".")]  # no staging folder left behind
+
+
+def test_force_refuses_to_replace_a_file_it_did_not_write(tmp_path, capsys):
+    out = tmp_path / "r"
+    out.mkdir()
+    (out / "capacity.json").write_text('{"mine": true}')
+    recipe = tmp_path / "c.toml"
+    recipe.write_text(CAPACITY_ONLY)
+    assert main(["run", str(recipe), "--out", str(out)]) == 2
+    assert "pass --force" in _err(capsys)
+    assert main(["run", str(recipe), "--out", str(out), "--force"]) == 2
+    assert "not one; move it away" in _err(capsys)
+    assert (out / "capacity.json").read_text() == '{"mine": true}'
+
+
+def test_a_failed_section_leaves_no_partial_folder(tmp_path, capsys):
+    recipe = tmp_path / "c.toml"
+    # capacity succeeds, then the kld section fails (no such checkpoint): nothing may be left
+    recipe.write_text(f'model = "{tmp_path / "missing-ckpt"}"\n' + CAPACITY_ONLY + '[kld]\nformats = "nvfp4"\n')
+    out = tmp_path / "r"
+    assert main(["run", str(recipe), "--out", str(out)]) == 2
+    err = _err(capsys)
+    assert "recipe section [kld]" in err and f"nothing was written to {out}" in err
+    assert not out.exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["c.toml"]  # no staging folder either
+
+
+def test_recipe_settings_are_checked_before_anything_runs(tmp_path, capsys):
+    recipe = tmp_path / "c.toml"
+    for body, msg in {
+        CAPACITY_ONLY + "[kld]\nbogus = 3\n": "[kld]: unknown key 'bogus'",
+        CAPACITY_ONLY + "[kld]\nctx = 'abc'\n": "ctx = 'abc' has the wrong type",
+        CAPACITY_ONLY + "[kld]\nctx = 0\n": "--ctx must be at least 2",
+        CAPACITY_ONLY + "[needle]\nlengths = '0'\n": "positive lengths",
+        'backend = "tpu"\n' + CAPACITY_ONLY: "backend 'tpu' is not a backend",
+        'colour = "red"\n' + CAPACITY_ONLY: "unknown top-level key(s) colour",
+        '[capacity]\npreset = "glm-5"\nbogus = 1\n': "unknown key 'bogus'",
+    }.items():
+        recipe.write_text(body)
+        assert main(["run", str(recipe), "--out", str(tmp_path / "never")]) == 2, body
+        assert msg in _err(capsys), body
+        assert not (tmp_path / "never").exists()
+    recipe.write_text(CAPACITY_ONLY)
+    assert main(["run", str(recipe), "--out", str(tmp_path / "ok"), "--backend", "bogus"]) == 2
+    assert "--backend 'bogus'" in _err(capsys)

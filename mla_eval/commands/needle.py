@@ -1,58 +1,28 @@
-"""`mla-eval needle`: long-context retrieval per cache format (length x depth grid)."""
+"""`mla-eval needle`: parse options, call the library, print the grids, write the document."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from mla_eval.commands.kld import parse_variants
-from mla_eval.errors import UserError
-from mla_eval.evals import needle as nd
-from mla_eval.evals.calibrate import calibrate as run_calibration
-from mla_eval.evals.needle_tasks import TASKS, VALUE_KINDS, PromptBuilder, load_haystack
-from mla_eval.evals.text_sources import TokenSource
-from mla_eval.formats import OuterScales
+from mla_eval.commands.kld import BACKEND_HELP
+from mla_eval.commands.progress import progress_bars
+from mla_eval.evals.needle_evaluation import DEFAULT_FORMATS, DEFAULT_LENGTHS, NeedleSettings, evaluate_needle
+from mla_eval.evals.needle_tasks import TASKS, VALUE_KINDS
+from mla_eval.evals.settings import DEVICES_HELP
 from mla_eval.model.loader import DEVICE_MAP_HELP
-from mla_eval.model.session import PREFILL_MODES
-from mla_eval.result_schemas import NEEDLE_SCHEMA
-from mla_eval.results import default_result_path, environment, write_result
+from mla_eval.results import check_output_path, default_result_path, write_result
+
 console = Console(stderr=True)
-
-
-def parse_lengths(text: str) -> list[int]:
-    out = []
-    for tok in (t.strip().upper() for t in text.split(",") if t.strip()):
-        try:
-            out.append(int(float(tok[:-1]) * 1024) if tok.endswith("K") else int(tok))
-        except ValueError:
-            raise UserError(f"--lengths: {tok!r} is not a length (use e.g. 4K,8K or 4096)") from None
-    if not out or min(out) <= 0:
-        raise UserError("--lengths needs positive lengths, e.g. 4K,8K,16K,32K,64K")
-    return sorted(set(out))
-
-
-def parse_depths(text: str | None, steps: int) -> list[float]:
-    if text is None:
-        return [round(100 * i / (steps - 1), 4) for i in range(steps)] if steps > 1 else [50.0]
-    try:
-        vals = [float(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise UserError(f"--depths {text!r}: give percentages such as 0,25,50,75,100") from None
-    bad = [v for v in vals if not 0 <= v <= 100]
-    if bad or not vals:
-        raise UserError(f"--depths must lie in 0..100 (percent of the haystack), got {bad or text}")
-    return sorted(set(vals))
 
 
 def needle(
     model: Path = typer.Option(None, "--model", "-m", help="Local Hugging Face MLA checkpoint folder (default: the embedded model)."),
-    formats: str = typer.Option("fp8_ds_mla,nvfp4,nvfp4+s_l,nvfp4_fp8rope,mxfp4", "--formats", "-f", help="Formats to compare with the bf16 baseline (always run first); +s_l uses outer scales."),
-    lengths: str = typer.Option("4K,8K,16K,32K,64K", "--lengths", help="Prompt lengths in tokens (4K = 4096)."),
+    formats: str = typer.Option(DEFAULT_FORMATS, "--formats", "-f", help="Formats to compare with the bf16 baseline (always run first); +s_l uses outer scales."),
+    lengths: str = typer.Option(DEFAULT_LENGTHS, "--lengths", help="Prompt lengths in tokens (4K = 4096)."),
     depths: str = typer.Option(None, "--depths", help="Needle depths in percent (default: 0..100 in --depth-steps steps)."),
     depth_steps: int = typer.Option(11, "--depth-steps", help="Number of evenly spaced depths when --depths is not given."),
     trials: int = typer.Option(1, "--trials", help="Prompts per cell, each with a different needle and seed."),
@@ -83,99 +53,48 @@ def needle(
     out: Path = typer.Option(None, "--out", "-o", help="Result JSON (default results/needle-<model>-<time>.json)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing --out file."),
     plot: Path = typer.Option(None, "--plot", help="Folder for heatmap PNGs (one per format + difference vs bf16)."),
-    device: str = typer.Option("auto", "--device", help="cpu, cuda, cuda:N or auto."),
+    device: str = typer.Option("auto", "--device", help=DEVICES_HELP + "."),
     device_map: str = typer.Option("none", "--device-map", help=DEVICE_MAP_HELP),
+    backend: str = typer.Option(None, "--backend", help=BACKEND_HELP),
 ) -> None:
     """Needle-in-a-haystack retrieval per cache format, on identical prompts of exact token length.
 
     A cell of length L holds L tokens: the prompt and the decoded answer. Prefill and greedy
     decoding both read the format's quantised cache (see --prefill). Reports a length x depth
     accuracy table per format, the failures the format causes (bf16 right, format wrong) first,
-    and an effective length per format.
+    and an effective length per format. The default grid is a GPU job (hours on a CPU).
     """
-    from mla_eval.model.loader import load_model
-
-    if task not in TASKS:
-        raise UserError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
-    if values not in VALUE_KINDS:
-        raise UserError(f"--values {values!r}: choose one of {', '.join(VALUE_KINDS)}")
-    if prefill not in PREFILL_MODES:
-        raise UserError(f"--prefill {prefill!r}: choose one of {', '.join(PREFILL_MODES)}")
-    if trials < 1 or batch < 1:
-        raise UserError("--trials and --batch must be at least 1")
-    if out is not None and out.exists() and not force:
-        raise UserError(f"{out} exists; choose another --out or pass --force to replace it")
-    lens = parse_lengths(lengths)
-    deps = parse_depths(depths, depth_steps)
-    variants = [v for v in parse_variants("bf16," + formats)]
-    lm = load_model(model, device, device_map=device_map)
-    max_new = nd.new_tokens_for(values, task)
-    if lm.max_positions and max(lens) > lm.max_positions:
-        raise UserError(
-            f"--lengths {max(lens)} exceeds the model's {lm.max_positions} positions; "
-            "use shorter lengths (context extension such as YaRN must be set in the checkpoint's config)"
-        )
-    hay_ids, noise, hay_label = load_haystack(lm.tokenizer, haystack)
-    builder = PromptBuilder(lm.tokenizer, hay_ids, noise)
-    st = nd.NeedleSettings(
-        variants, lens, deps, trials, task, values, seed=seed, batch=batch, prefill=prefill, stop_at_answer=not full_answers, cuda_graphs=cuda_graphs
+    settings = NeedleSettings(
+        model=model, device=device, device_map=device_map, backend=backend, formats=formats, lengths=lengths,
+        depths=depths, depth_steps=depth_steps, trials=trials, task=task, values=values, haystack=haystack,
+        scales=scales, batch=batch, prefill=prefill, full_answers=full_answers, cuda_graphs=cuda_graphs,
+        threshold=threshold, seed=seed,
     )
-    if min(lens) <= max_new + 16:
-        raise UserError(f"--lengths {min(lens)} is too short: a cell holds the prompt and {max_new} answer tokens")
-    builder.build(task, values, max(lens) - max_new, deps[-1], 0, seed)  # fails early if the haystack is too short
-
-    outer = None
-    if any(v.outer for v in variants):
-        if scales == "none":
-            raise UserError("--scales none, but +s_l formats were asked for; drop them or give --scales FILE")
-        if scales == "auto":
-            calib = builder.build(task, values, min(lens), 50.0, 0, seed + 99_991)
-            outer = run_calibration(lm, TokenSource("needle", "a separate needle prompt", [torch.tensor(calib.ids)], "calib"), min(lens))
-        else:
-            outer = OuterScales.load(scales)
-            outer.check_layers(lm.num_layers, source=scales)
-    st.outer_scales = outer
-
-    console.print(f"[bold]mla-eval needle[/] model={lm.name} device={lm.device} task={task} values={values} haystack={hay_label}")
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(), console=console) as bar:
-        t = bar.add_task("prompts", total=len(lens) * len(deps) * trials * len(variants))
-        result = nd.run_needle(lm, builder, st, progress=lambda d, n: bar.update(t, completed=d))
-
-    records = result["records"]
-    summary = {}
-    for v in variants:
-        acc = nd.grid(records, v.name, lens, deps)
-        summary[v.name] = {
-            "accuracy": acc,
-            "mean_accuracy": sum(map(sum, acc)) / (len(lens) * len(deps)),
-            "effective_length": nd.effective_length(acc, lens, threshold),
-            "seconds": result["seconds"][v.name],
-            "decode_steps": result["decode_steps"][v.name],
-        }
-    failures = nd.format_failures(records, "bf16")
-    _print(summary, failures, lens, deps, threshold)
-    doc = {
-        "schema": NEEDLE_SCHEMA,
-        "model": {"name": lm.name, "path": str(lm.path), "default": lm.is_default, "max_positions": lm.max_positions},
-        "settings": {"task": task, "values": values, "haystack": hay_label, "lengths": lens, "depths": deps, "trials": trials, "seed": seed, "threshold": threshold, "prefill": prefill, "max_new_tokens": result["max_new_tokens"], "stop_at_answer": not full_answers, "cuda_graphs": cuda_graphs},
-        "outer_scales": None if outer is None else outer.to_json(),
-        "environment": environment(),
-        "formats": summary,
-        "format_induced_failures": failures,
-        "records": records,
-        "total_seconds": result["total_seconds"],
-    }
-    path = write_result(out or default_result_path("needle", lm.name), doc, force=force)
+    check_output_path(out if out is not None else default_result_path("needle", "model"), force)
+    with progress_bars(console) as progress:
+        result = evaluate_needle(settings, progress)
+    print_needle(result, Console())
+    path = write_result(out or default_result_path("needle", result.model["name"]), result.to_document(), force=force)
     console.print(f"wrote {path}")
     if plot:
-        from mla_eval.report.plots import needle_heatmaps
-
-        for p in needle_heatmaps(summary, lens, deps, plot):
-            console.print(f"wrote {p}")
+        write_needle_plots(result, plot)
 
 
-def _print(summary: dict, failures: list[dict], lens: list[int], deps: list[float], threshold: float) -> None:
-    con = Console()
+def write_needle_plots(result, folder: Path) -> list[Path]:
+    from mla_eval.report.plots import needle_heatmaps
+
+    paths = needle_heatmaps(result.formats, result.settings["lengths"], result.settings["depths"], folder)
+    for p in paths:
+        console.print(f"wrote {p}")
+    return paths
+
+
+def print_needle(result, con: Console) -> None:
+    s = result.settings
+    _print(result.formats, result.format_induced_failures, s["lengths"], s["depths"], s["threshold"], con)
+
+
+def _print(summary: dict, failures: list[dict], lens: list[int], deps: list[float], threshold: float, con: Console) -> None:
     if failures:
         t = Table(title=f"Format-induced failures ({len(failures)}): bf16 retrieves, the format does not", title_style="bold red")
         for c in ("format", "length", "depth %", "trial", "expected", "output"):

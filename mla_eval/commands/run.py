@@ -1,27 +1,43 @@
 """`mla-eval run RECIPE`: every evaluation a recipe names, into one results directory.
 
 A recipe (recipes/*.toml) has optional tables [kld], [needle], [capacity] whose keys are the
-long options of those commands (without the leading dashes, `_` or `-` alike), a top-level
-`model` (path; omitted = the embedded model) and `device`, and a [gate] table of tolerances used
-by `mla-eval gate --tolerances RECIPE`. Several GPU setups are an array of tables
+long options of those commands (without the leading dashes, `_` or `-` alike), top-level
+`model` (path; omitted = the embedded model), `device` and `backend`, and a [gate] table of
+tolerances used by `mla-eval gate --tolerances RECIPE`. Several GPU setups are an array of tables
 ([[capacity]], each optionally `name`d). The results directory gets kld.json, needle.json,
-capacity.json (or capacity-<name>.json per setup), plots/, the resolved recipe and the
-environment; it is never overwritten.
+capacity.json (or capacity-<name>.json per setup), plots/, the recipe and the environment.
+
+Every section is validated before any runs; the documents are written into a staging folder and
+moved into the results directory only when every section succeeded. Nothing the run did not
+write is ever deleted: --force replaces only files an mla-eval run wrote there.
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
+import inspect
 import json
+import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import typer
+from rich.console import Console
 
+from mla_eval.attention import dispatch
+from mla_eval.commands import capacity as capacity_cmd
+from mla_eval.commands.kld import BACKEND_HELP, print_estimate, print_table, write_kld_plots
+from mla_eval.commands.needle import print_needle, write_needle_plots
+from mla_eval.commands.progress import progress_bars
 from mla_eval.errors import UserError
-from mla_eval.result_schemas import ENVIRONMENT_SCHEMA
+from mla_eval.evals.kld_evaluation import KldSettings, evaluate_kld
+from mla_eval.evals.needle_evaluation import NeedleSettings, evaluate_needle
+from mla_eval.evals.settings import settings_from_table
+from mla_eval.result_schemas import ENVIRONMENT_SCHEMA, SCHEMA_FILES, validate
 from mla_eval.results import environment, write_result
+
+console = Console(stderr=True)
+TOP_LEVEL_KEYS = ("model", "device", "backend")
 
 SECTIONS = ("kld", "needle", "capacity")
 
@@ -40,6 +56,9 @@ def load_recipe(path: Path) -> dict:
     unknown = [k for k, v in doc.items() if _is_table(v) and k not in SECTIONS + ("gate",)]
     if unknown:
         raise UserError(f"recipe {path}: unknown table(s) {', '.join(unknown)}; known: {', '.join(SECTIONS)}, gate")
+    keys = [k for k, v in doc.items() if not _is_table(v) and k not in TOP_LEVEL_KEYS]
+    if keys:
+        raise UserError(f"recipe {path}: unknown top-level key(s) {', '.join(keys)}; known: {', '.join(TOP_LEVEL_KEYS)}")
     if not any(s in doc for s in SECTIONS):
         raise UserError(f"recipe {path} has none of the tables {', '.join(SECTIONS)}")
     for s in ("kld", "needle"):
@@ -74,59 +93,184 @@ def capacity_setups(section, path: Path) -> list[tuple[str, dict]]:
     return out
 
 
-def _args(table: dict) -> list[str]:
-    out: list[str] = []
-    for key, value in table.items():
-        opt = "--" + key.replace("_", "-")
-        if isinstance(value, bool):
-            out.append(opt if value else "--no-" + key.replace("_", "-"))
-        elif isinstance(value, list):
-            out += [opt, ",".join(str(v) for v in value)]
-        else:
-            out += [opt, str(value)]
-    return out
+def _capacity_document(opts: dict, where: str) -> dict:
+    """A capacity document from a recipe table, through the capacity command's own steps.
+
+    The capacity command's defaults (its Typer options) fill what the table leaves out.
+    TODO(lead): replace with the capacity library call once it exists (another branch builds it).
+    """
+    params = inspect.signature(capacity_cmd.capacity).parameters
+    names = {p.name: p for p in params.values() if p.name not in ("as_json", "plot", "list_presets")}
+    by_option = {}
+    for n, p in names.items():
+        decls = p.default.param_decls
+        by_option[decls[0].lstrip("-").replace("-", "_") if decls else n] = n
+    args = {n: p.default.default for n, p in names.items()}
+    for key, value in opts.items():
+        name = by_option.get(key.replace("-", "_"))
+        if name is None:
+            raise UserError(f"{where}: unknown key {key!r}; known keys: {', '.join(sorted(by_option))}")
+        if isinstance(value, list):
+            value = ",".join(str(v) for v in value)
+        args[name] = value
+    if args["block_size"] < 1:
+        raise UserError(f"{where}: block_size must be >= 1, got {args['block_size']}")
+    config = Path(args["config"]) if args["config"] else None
+    geometry, weights = capacity_cmd._resolve_model(args["preset"], config, args["weights_dtype"])
+    if args["weights_gib"] is not None:
+        if args["weights_gib"] <= 0:
+            raise UserError(f"{where}: weights_gib must be positive, got {args['weights_gib']}")
+        weights = capacity_cmd.WeightsInfo(bytes=capacity_cmd.gib_to_bytes(args["weights_gib"]), source="--weights-gib")
+    tp = args["tp"]
+    parallel = capacity_cmd.Parallelism(gpus=args["gpus"] if args["gpus"] is not None else tp, tp=tp, dcp=args["dcp"])
+    specs = capacity_cmd.parse_format_list(args["names"])
+    gpu_label, budget = capacity_cmd._resolve_budget(
+        args["gpu"], args["gpu_mem_gib"], args["gpu_memory_utilization"], weights, parallel, args["reserve_gib"],
+        args["kv_memory_gib"], args["kv_cache_memory_bytes"], geometry,
+    )
+    rows = capacity_cmd.capacity_table(
+        specs, geometry, budget, parallel, block_size=args["block_size"], include_mtp=args["mtp"],
+        max_model_len=args["max_model_len"],
+    )
+    return capacity_cmd.capacity_document(
+        geometry, weights, budget, parallel, gpu_label, args["block_size"], args["mtp"], args["max_model_len"], rows
+    )
+
+
+def _ours(path: Path, folder_is_ours: bool) -> bool:
+    """Whether an mla-eval run wrote `path`: a JSON document naming one of our schemas, or (in a
+    folder whose environment.json is ours) the recipe copy and the plots."""
+    if path.suffix == ".json":
+        try:
+            doc = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return False
+        if not isinstance(doc, dict):
+            return False
+        if path.name == "environment.json" and "schema" not in doc:  # the environment document has no schema key
+            try:
+                validate(doc, str(path), ENVIRONMENT_SCHEMA)
+            except UserError:
+                return False
+            return True
+        return doc.get("schema") in SCHEMA_FILES
+    return folder_is_ours and path.is_file()
+
+
+def _replaceable(path: Path, folder_is_ours: bool) -> bool:
+    if path.is_dir():  # only our plots folder, whose files are ours too
+        return path.name == "plots" and folder_is_ours and all(_ours(p, True) for p in path.rglob("*") if not p.is_dir())
+    return _ours(path, folder_is_ours)
+
+
+def _check_destination(out: Path, staged: list[Path], force: bool) -> None:
+    """Before any work: the results directory can take every file of the run, and --force would
+    replace only files an earlier mla-eval run wrote (never anything else)."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file; give a folder for the results directory")
+    probe = out
+    while not probe.exists():
+        probe = probe.parent
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise UserError(f"cannot write the results directory {out}: no write permission in {probe}")
+    if not out.exists():
+        return
+    clashes = [rel for rel in staged if (out / rel).exists()]
+    if not clashes:
+        return
+    names = ", ".join(str(c) for c in clashes[:4]) + (" ..." if len(clashes) > 4 else "")
+    if not force:
+        raise UserError(f"results directory {out} exists and holds {names}; choose another --out or pass --force to replace them")
+    folder_is_ours = _ours(out / "environment.json", False)
+    foreign = [rel for rel in clashes if not _replaceable(out / rel, folder_is_ours)]
+    if foreign:
+        raise UserError(
+            f"--force replaces only files mla-eval wrote, and {out / foreign[0]} is not one; move it away or choose another --out"
+        )
+
+
+def _planned_files(doc: dict, recipe: Path) -> list[Path]:
+    files = [Path("recipe.toml"), Path("environment.json")]
+    files += [Path(f"{s}.json") for s in ("kld", "needle") if s in doc]
+    if "kld" in doc or "needle" in doc:
+        files.append(Path("plots"))
+    if "capacity" in doc:
+        files += [Path(f"{stem}.json") for stem, _ in capacity_setups(doc["capacity"], recipe)]
+    return files
 
 
 def run(
     recipe: Path = typer.Argument(..., help="Recipe TOML (see recipes/)."),
     out: Path = typer.Option(None, "--out", "-o", help="Results directory (default results/<recipe name>)."),
-    force: bool = typer.Option(False, "--force", help="Replace an existing results directory."),
+    force: bool = typer.Option(
+        False, "--force", help="Replace the documents an earlier run wrote in the results directory (nothing else)."
+    ),
+    backend: str = typer.Option(None, "--backend", help=BACKEND_HELP + " Overrides the recipe's `backend`."),
 ) -> None:
     """Run every evaluation of a recipe and write one results directory."""
-    from mla_eval.cli import main
-
     doc = load_recipe(recipe)
     out = out or Path("results") / recipe.stem
-    if out.exists():
-        if not force:
-            raise UserError(f"results directory {out} exists; choose another --out or pass --force")
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    shutil.copyfile(recipe, out / "recipe.toml")
-    write_result(out / "environment.json", environment(), schema=ENVIRONMENT_SCHEMA)
-    common = []
-    if doc.get("model"):
-        common += ["--model", str(doc["model"])]
-    if doc.get("device"):
-        common += ["--device", str(doc["device"])]
-    for section in SECTIONS:
-        if section not in doc:
-            continue
-        if section in ("kld", "needle"):
-            args = [section, *_args(doc[section]), "--out", str(out / f"{section}.json")]
-            code = main(args + common + ["--plot", str(out / "plots")])
-            if code != 0:
-                raise UserError(f"recipe section [{section}] failed (exit {code}); see the message above")
-            continue
-        for stem, opts in capacity_setups(doc[section], recipe):
-            # capacity prints its one JSON document on stdout
-            buf = io.StringIO()
-            with contextlib.redirect_stdout(buf):
-                code = main([section, *_args(opts), "--json"])
-            if code != 0:
-                raise UserError(f"recipe section [{section}] ({stem}) failed (exit {code}); see the message above")
-            write_result(out / f"{stem}.json", json.loads(buf.getvalue()))
+    fixed = {
+        "model": Path(doc["model"]) if doc.get("model") else None,
+        "device": str(doc.get("device") or "auto"),
+        "backend": backend if backend is not None else doc.get("backend"),
+    }
+    if fixed["backend"] is not None:
+        dispatch.check_backend(fixed["backend"], source="--backend" if backend is not None else f"recipe {recipe}: backend")
+    # every section's settings are validated before the first one runs
+    kld_st = needle_st = None
+    if "kld" in doc:
+        kld_st = settings_from_table(KldSettings, doc["kld"], f"recipe {recipe} [kld]", **fixed)
+    if "needle" in doc:
+        needle_st = settings_from_table(NeedleSettings, doc["needle"], f"recipe {recipe} [needle]", **fixed)
+    setups = capacity_setups(doc["capacity"], recipe) if "capacity" in doc else []
+    _check_destination(out, _planned_files(doc, recipe), force)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # beside a new results directory (renamed into place at the end), inside an existing one
+    stage = Path(tempfile.mkdtemp(prefix=".mla-eval-staging-", dir=out if out.exists() else out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    stage.chmod(0o777 & ~umask)  # mkdtemp makes it private; the results directory it becomes should not be
+    section = "capacity"
+    try:
+        # capacity first: it is instant, and a bad setup should not cost the evaluations
+        for stem, opts in setups:
+            write_result(stage / f"{stem}.json", _capacity_document(opts, f"recipe {recipe} [capacity] ({stem})"))
+        if kld_st is not None:
+            section = "kld"
+            with progress_bars(console, on_first=print_estimate) as progress:
+                result = evaluate_kld(kld_st, progress)
+            print_table(result.formats, result.settings["ref"], result.text["label"], Console())
+            write_result(stage / "kld.json", result.to_document())
+            write_kld_plots(result, stage / "plots")
+        if needle_st is not None:
+            section = "needle"
+            with progress_bars(console) as progress:
+                needle = evaluate_needle(needle_st, progress)
+            print_needle(needle, Console())
+            write_result(stage / "needle.json", needle.to_document())
+            write_needle_plots(needle, stage / "plots")
+        shutil.copyfile(recipe, stage / "recipe.toml")
+        write_result(stage / "environment.json", environment(), schema=ENVIRONMENT_SCHEMA)
+        _move_in(stage, out)
+    except UserError as exc:
+        raise UserError(f"recipe section [{section}]: {exc}; nothing was written to {out}") from None
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)  # the staging folder holds only what this run wrote
     typer.echo(f"wrote {out}/")
+
+
+def _move_in(stage: Path, out: Path) -> None:
+    """Move the staged files into `out` (a fresh folder: one rename; else file by file, replacing
+    only what _check_destination allowed)."""
+    if not out.exists():
+        os.replace(stage, out)
+        return
+    for src in sorted(p for p in stage.rglob("*") if p.is_file()):  # the staging folder is inside `out`
+        dst = out / src.relative_to(stage)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(src, dst)
 
 
 def register(app: typer.Typer) -> None:

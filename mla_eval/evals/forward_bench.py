@@ -25,11 +25,11 @@ from pathlib import Path
 
 import torch
 
-from mla_eval.commands.kld import parse_variants
 from mla_eval.evals import needle as nd
 from mla_eval.evals.needle_tasks import PromptBuilder, load_haystack
+from mla_eval.evals.variants import parse_variants
 from mla_eval.model.loader import load_model
-from mla_eval.model.decode_steps import DecodeSteps, steps_label
+from mla_eval.model.decode_steps import DecodeSteps
 from mla_eval.model.session import CacheSession
 from mla_eval.results import environment
 from mla_eval.atomic_io import write_json_atomic, write_text_atomic
@@ -87,21 +87,23 @@ def bench_needle(lm, variants, length: int, repeats: int, absorbed_format: str |
     for v in variants:
         for mode in ("mha",) + (("absorbed",) if v.name == absorbed_format else ()):
             reps = repeats if mode == "mha" else 1  # an absorbed 64K prefill takes seconds
-            answers, info, reuse = {}, {}, {}
+            answers, info, reuse = {}, {}, nd.SessionReuse()
 
-            def cell(name: str, tokens: int, **kw):
-                answers[name] = nd.generate(lm, v, [prompt], tokens, None, mode, **kw)[0]
+            def cell(name: str, tokens: int, stop: bool = False, reuse=None, graphs: bool = True):
+                decoded = nd.generate(lm, v, [prompt], nd.DecodeOptions(tokens, mode, stop, graphs), reuse=reuse)
+                answers[name] = decoded.tokens[0]
+                info[name] = decoded
 
-            sec = _time(lambda: cell("full", max_new, info=info), reps, lm.device)
+            sec = _time(lambda: cell("full", max_new), reps, lm.device)
             prefill = _time(lambda: cell("prefill", 1), reps, lm.device)
-            stop_sec = _time(lambda: cell("stop", max_new, stop_at_answer=True), reps, lm.device)
+            stop_sec = _time(lambda: cell("stop", max_new, stop=True), reps, lm.device)
             # a later cell of the same shape in a grid: its session and decode graph already exist
-            grid_sec = _time(lambda: cell("grid", max_new, stop_at_answer=True, reuse=reuse), reps, lm.device)
+            grid_sec = _time(lambda: cell("grid", max_new, stop=True, reuse=reuse), reps, lm.device)
             grid_full = _time(lambda: cell("grid_full", max_new, reuse=reuse), reps, lm.device)
             eager = _time(lambda: cell("eager", max_new, graphs=False), reps, lm.device)
             text = lm.tokenizer.decode(answers["full"], skip_special_tokens=True)
             rows[f"{v.name} ({mode} prefill)"] = {
-                "decode_steps": steps_label(info),
+                "decode_steps": info["full"].steps_label,
                 "seconds": sec, "ratio_vs_stock_prefill": sec / stock, "ratio_vs_stock_cell": sec / stock_cell,
                 "stop_at_answer_seconds": stop_sec, "stop_at_answer_tokens": len(answers["stop"]),
                 "stop_at_answer_ratio_vs_stock_prefill": stop_sec / stock,
@@ -109,7 +111,7 @@ def bench_needle(lm, variants, length: int, repeats: int, absorbed_format: str |
                 "grid_cell_full_seconds": grid_full, "grid_cell_full_ratio_vs_stock_prefill": grid_full / stock,
                 "prefill_seconds": prefill, "prefill_ratio_vs_stock_prefill": prefill / stock,
                 "decode_step_seconds": (sec - prefill) / (max_new - 1),
-                "replay_step_seconds": _step_seconds(lm, v, prompt, mode, graphs=True) if info["why_eager"] is None else None,
+                "replay_step_seconds": _step_seconds(lm, v, prompt, mode, graphs=True) if info["full"].why_eager is None else None,
                 "eager_cell_seconds": eager, "eager_step_seconds": _step_seconds(lm, v, prompt, mode, graphs=False),
                 "same_answers": len({tuple(answers[k]) for k in ("full", "grid_full", "eager")}) == 1,
                 "retrieved": all(e in text for e in prompt.expected),
@@ -145,10 +147,10 @@ def profile_cell(lm, variant, length: int, path: Path) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     prompt, max_new = _needle_cell(lm, length)
-    nd.generate(lm, variant, [prompt], max_new, None, "mha")  # warm-up (compiles)
+    nd.generate(lm, variant, [prompt], nd.DecodeOptions(max_new, "mha"))  # warm-up (compiles)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if lm.device.type == "cuda" else [])
     with profile(activities=acts) as prof:
-        nd.generate(lm, variant, [prompt], max_new, None, "mha")
+        nd.generate(lm, variant, [prompt], nd.DecodeOptions(max_new, "mha"))
     ka = prof.key_averages()
     text = [f"one {length}-token needle cell ({max_new} answer tokens), format {variant.name}, mha prefill\n"]
     text.append("== by host (CPU) total time ==\n" + ka.table(sort_by="cpu_time_total", row_limit=30))

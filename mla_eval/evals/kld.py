@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
-from typing import Callable
 
 import numpy as np
 import torch
@@ -21,23 +20,11 @@ from mla_eval.errors import UserError
 from mla_eval.evals.kld_stats import TokenStats, token_metrics
 from mla_eval.evals.layer_stats import LayerStats
 from mla_eval.evals.ref_store import RefStore, metrics_from_store
+from mla_eval.evals.settings import ProgressCallback, check_ctx, no_progress
 from mla_eval.evals.text_sources import TokenSource
-from mla_eval.formats import FormatSpec, OuterScales
+from mla_eval.evals.variants import Variant, scales_for
+from mla_eval.formats import OuterScales
 from mla_eval.model.session import CacheSession
-
-warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated.*")
-
-
-@dataclasses.dataclass(frozen=True)
-class Variant:
-    """A format as evaluated: its spec, and whether the per-layer outer scales are applied."""
-
-    spec: FormatSpec
-    outer: bool = False
-
-    @property
-    def name(self) -> str:
-        return f"{self.spec.name}+s_l" if self.outer else self.spec.name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,48 +56,81 @@ def make_windows(lengths: list[int], ctx: int, stride: int, min_context: int) ->
     return out
 
 
-@dataclasses.dataclass
-class KldSettings:
-    variants: list[Variant]
+@dataclasses.dataclass(frozen=True)
+class KldProtocol:
+    """The resolved window protocol of one KLD run (every default already applied)."""
+
+    variants: tuple[Variant, ...]
     ref: Variant
-    ctx: int = 2048
-    stride: int = 512
-    min_context: int | None = None
+    ctx: int
+    stride: int
+    min_context: int
     batch: int = 1
     block_size: int = 64
     layer_stats: bool = True
     outer_scales: OuterScales | None = None
 
 
-def plan_windows(lm, source: TokenSource, st: KldSettings) -> list[Window]:
+def plan_windows(lm, source: TokenSource, st: KldProtocol) -> list[Window]:
     """Validate the protocol settings against the model and the text; return the windows."""
-    min_ctx = st.ctx // 2 if st.min_context is None else st.min_context
+    check_ctx(st.ctx)
     if st.ctx > lm.max_positions > 0:
         raise UserError(f"--ctx {st.ctx} is beyond the model's {lm.max_positions} positions; lower --ctx")
-    if not 0 <= min_ctx < st.ctx:
-        raise UserError(f"--min-context {min_ctx} must be in [0, ctx={st.ctx})")
+    if not 0 <= st.min_context < st.ctx:
+        raise UserError(f"--min-context {st.min_context} must be in [0, ctx={st.ctx})")
     if st.stride <= 0:
-        raise UserError("--stride must be positive")
-    windows = make_windows([int(s.numel()) for s in source.sequences], st.ctx, st.stride, min_ctx)
+        raise UserError(f"--stride must be positive, got {st.stride}")
+    lengths = [int(s.numel()) for s in source.sequences]
+    windows = make_windows(lengths, st.ctx, st.stride, st.min_context)
     if not windows:
-        longest = max(int(s.numel()) for s in source.sequences)
         raise UserError(
-            f"the text is shorter than one window: longest sequence {longest} tokens, need more than "
-            f"--min-context {min_ctx}; give more text or lower --ctx/--min-context"
+            f"the text is shorter than one window: longest sequence {max(lengths)} tokens, need more than "
+            f"--min-context {st.min_context}; give more text or lower --ctx/--min-context"
+        )
+    if st.stride > st.ctx - st.min_context and any(n > st.ctx for n in lengths):
+        raise UserError(
+            f"--stride {st.stride} skips tokens: a window scores at most ctx - min_context = {st.ctx - st.min_context} "
+            f"new positions, so every step of {st.stride} leaves some unscored; use --stride <= {st.ctx - st.min_context}"
         )
     return windows
+
+
+def unscored_positions(source: TokenSource, windows: list[Window], min_context: int) -> int:
+    """Positions with at least `min_context` tokens before them that no window scores (a window's
+    last position has no target inside it: with stride = ctx - min_context one per window)."""
+    scorable = sum(max(0, int(s.numel()) - 1 - min_context) for s in source.sequences)
+    return scorable - sum(w.length - 1 - w.score_from for w in windows)
+
+
+@dataclasses.dataclass
+class KldRun:
+    """Per-variant token statistics (and layer statistics) of one run, before summarising."""
+
+    stats: dict[str, TokenStats]
+    layers: dict[str, LayerStats]
+    windows: int
+    seconds: float
+    unscored: int = 0  # see unscored_positions
+
+    def summary(self) -> dict[str, dict]:
+        out = {}
+        for name, ts in self.stats.items():
+            out[name] = ts.summary()
+            if self.layers:
+                out[name]["layers"] = self.layers[name].summary()
+        return out
 
 
 def run_kld(
     lm,
     source: TokenSource,
-    st: KldSettings,
-    progress: Callable[[int, int, float], None] | None = None,
+    st: KldProtocol,
+    progress: ProgressCallback = no_progress,
     save_ref: RefStore | None = None,
     ref_file: RefStore | None = None,
     rank: int = 0,
     world: int = 1,
-) -> dict:
+) -> KldRun:
     """Evaluate every variant; returns per-variant token arrays and layer stats.
 
     `save_ref` collects the reference log-probs; with `ref_file` the reference forward is skipped
@@ -122,6 +142,7 @@ def run_kld(
     layers = {v.name: LayerStats(lm.num_layers) for v in st.variants} if st.layer_stats else {}
     total_scored = sum(w.length - 1 - w.score_from for _, w in mine)
     done, t0 = 0, time.perf_counter()
+    progress("score", 0, total_scored)
     for i in range(0, len(mine), st.batch):
         for group in _same_shape_groups(mine[i : i + st.batch]):
             ws = [w for _, w in group]
@@ -143,9 +164,8 @@ def run_kld(
                 m = metrics_from_store(stored, logp, targets) if ref_file is not None else token_metrics(ref_logp, logp, targets)
                 stats[v.name].add(m, depth, order)
             done += len(ws) * (ws[0].length - 1 - sf)
-            if progress:
-                progress(done, total_scored, time.perf_counter() - t0)
-    return {"stats": stats, "layers": layers, "windows": len(windows), "seconds": time.perf_counter() - t0}
+            progress("score", done, total_scored)
+    return KldRun(stats, layers, len(windows), time.perf_counter() - t0, unscored_positions(source, windows, st.min_context))
 
 
 def _same_shape_groups(ws: list[tuple[int, Window]]) -> list[list[tuple[int, Window]]]:
@@ -157,12 +177,10 @@ def _same_shape_groups(ws: list[tuple[int, Window]]) -> list[list[tuple[int, Win
 
 
 @torch.no_grad()
-def _forward_logp(lm, variant: Variant, ids: torch.Tensor, score_from: int, st: KldSettings, observers) -> torch.Tensor:
+def _forward_logp(lm, variant: Variant, ids: torch.Tensor, score_from: int, st: KldProtocol, observers) -> torch.Tensor:
     """log-softmax (float32) of the positions score_from..len-2 of every row, stacked [n, vocab]."""
     b, t = ids.shape
-    scales = st.outer_scales if variant.outer else None
-    if variant.outer and scales is None:
-        raise UserError(f"{variant.name} needs per-layer scales: pass --scales FILE or --scales auto")
+    scales = scales_for(variant, st.outer_scales)
     session = CacheSession(
         variant.spec,
         lm.num_layers,
@@ -175,19 +193,12 @@ def _forward_logp(lm, variant: Variant, ids: torch.Tensor, score_from: int, st: 
         keep_exact=bool(observers),
     )
     pos = torch.arange(t, device=lm.device).expand(b, -1)
-    with lm.adapter.session(session):
+    with lm.adapter.session(session), warnings.catch_warnings():
+        # transformers may warn that past_key_values is deprecated: our cache session replaces it
+        warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated.*")
         logits = lm.model(input_ids=ids, position_ids=pos, use_cache=False).logits
     # under --device-map auto the logits come out on the last GPU: score on the input's device
     return torch.log_softmax(logits[:, score_from : t - 1].float(), dim=-1).reshape(-1, logits.shape[-1]).to(lm.device)
-
-
-def summarize_result(result: dict) -> dict[str, dict]:
-    out = {}
-    for name, ts in result["stats"].items():
-        out[name] = ts.summary()
-        if result["layers"]:
-            out[name]["layers"] = result["layers"][name].summary()
-    return out
 
 
 def gather_arrays(stats: dict[str, TokenStats]) -> dict[str, TokenStats]:

@@ -10,31 +10,77 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable
 
 import torch
 
 from mla_eval.evals.needle_tasks import Prompt, PromptBuilder
-from mla_eval.evals.kld import Variant
+from mla_eval.evals.settings import ProgressCallback, no_progress
+from mla_eval.evals.variants import Variant, scales_for
+from mla_eval.formats import OuterScales
 from mla_eval.model.decode_steps import DecodeSteps, steps_label
 from mla_eval.model.session import CacheSession
 
 
-@dataclasses.dataclass
-class NeedleSettings:
-    variants: list[Variant]  # bf16 first: the baseline
-    lengths: list[int]
-    depths: list[float]
+@dataclasses.dataclass(frozen=True)
+class NeedleGrid:
+    """The resolved grid of one needle run (every default applied)."""
+
+    variants: tuple[Variant, ...]  # bf16 first: the baseline
+    lengths: tuple[int, ...]
+    depths: tuple[float, ...]
     trials: int
     task: str
     values: str
     seed: int = 0
     batch: int = 1
     max_new_tokens: int = 0  # 0: by value kind
-    outer_scales: object = None
+    outer_scales: OuterScales | None = None
     prefill: str = "mha"  # session.PREFILL_MODES
     stop_at_answer: bool = True  # end a prompt's decode once its answer is complete (exact for the score)
     cuda_graphs: bool = True  # decode steps replay as one CUDA graph where they can (model.decode_steps)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeOptions:
+    """How `generate` decodes: the answer budget, the prefill mode, early stop, CUDA graphs."""
+
+    max_new: int
+    prefill: str = "mha"
+    stop_at_answer: bool = False
+    graphs: bool = True
+
+
+@dataclasses.dataclass
+class Decoded:
+    """Greedy answers (token ids per prompt) and how the decode steps ran."""
+
+    tokens: list[list[int]]
+    steps_mode: str  # "cuda_graph" | "eager"
+    why_eager: str | None
+
+    @property
+    def steps_label(self) -> str:
+        return steps_label({"decode_steps": self.steps_mode, "why_eager": self.why_eager})
+
+
+class SessionReuse:
+    """The last `generate` call's cache session and decode steps, kept across the cells of a grid:
+    a call of the same format, scales, shape (batch, prompt length, budget) and options resets and
+    reuses them, so its steps replay the graph captured before instead of capturing a new one."""
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None
+        self.session: CacheSession | None = None
+        self.steps: DecodeSteps | None = None
+
+    def get(self, key: tuple, build):
+        if key != self.key:
+            self.key = self.session = self.steps = None  # frees the previous shape's caches and graph first
+            self.session, self.steps = build()
+            self.key = key
+        else:
+            self.session.reset()
+        return self.session, self.steps
 
 
 def new_tokens_for(values: str, task: str) -> int:
@@ -42,7 +88,7 @@ def new_tokens_for(values: str, task: str) -> int:
     return per * (3 if task == "multivalue" else 1) + 4
 
 
-def make_prompts(builder: PromptBuilder, st: NeedleSettings) -> list[Prompt]:
+def make_prompts(builder: PromptBuilder, st: NeedleGrid) -> list[Prompt]:
     """A cell of length L holds L tokens in all: the prompt plus the answer tokens decoded."""
     max_new = st.max_new_tokens or new_tokens_for(st.values, st.task)
     prompts = []
@@ -61,25 +107,18 @@ def generate(
     lm,
     variant: Variant,
     prompts: list[Prompt],
-    max_new: int,
-    outer_scales,
-    prefill: str = "mha",
-    stop_at_answer: bool = False,
-    graphs: bool = True,
-    info: dict | None = None,
-    reuse: dict | None = None,
-) -> list[list[int]]:
+    opts: DecodeOptions,
+    outer_scales: OuterScales | None = None,
+    reuse: SessionReuse | None = None,
+) -> Decoded:
     """Greedy answers of a batch of equal-length prompts, through the variant's cache.
 
-    The prefill reads the quantised cache in `prefill` mode (see session.PREFILL_MODES); every
+    The prefill reads the quantised cache in `opts.prefill` mode (see session.PREFILL_MODES); every
     decode step runs the absorbed attention (our kernel on CUDA) over the same cache, replayed as
-    a CUDA graph where it can be (see model.decode_steps; `graphs=False` keeps steps eager).
-    `info`, when given, receives how the steps ran ({"decode_steps": "cuda_graph" | "eager", "why_eager"}).
-    `reuse`, a dict the caller keeps across calls, holds the last call's session and decode steps:
-    a call of the same format and shape (batch, prompt length, budget) resets and reuses them,
-    so its steps replay the graph captured before instead of capturing a new one.
+    a CUDA graph where it can be (see model.decode_steps; `opts.graphs=False` keeps steps eager).
+    `reuse` keeps the session and decode graph for the next call of the same shape.
 
-    With `stop_at_answer`, a prompt stops growing once its decoded text holds every expected
+    With `opts.stop_at_answer`, a prompt stops growing once its decoded text holds every expected
     string, and decoding ends when every prompt of the batch has stopped (or at `max_new`).
     The score (string-match-all) cannot change by that: appending tokens never removes a
     substring, so a cell correct at the stop is correct at `max_new`, and a cell that never
@@ -87,18 +126,17 @@ def generate(
     """
     ids = torch.tensor([p.ids for p in prompts], device=lm.device)
     b, t = ids.shape
-    outer = outer_scales if variant.outer else None
-    key = (variant.name, id(outer), b, t + max_new, prefill, graphs)
-    if reuse is not None and reuse.get("key") == key:
-        session, steps = reuse["session"], reuse["steps"]
-        session.reset()
-    else:
-        if reuse is not None:
-            reuse.clear()  # frees the previous shape's caches and graph first
-        session = CacheSession(variant.spec, lm.num_layers, b, t + max_new, lm.layer_devices, outer_scales=outer, prefill=prefill)
-        steps = DecodeSteps(lm, session, graphs=graphs)
-        if reuse is not None:
-            reuse.update(key=key, session=session, steps=steps)
+    max_new = opts.max_new
+    outer = scales_for(variant, outer_scales)
+
+    def build():
+        session = CacheSession(
+            variant.spec, lm.num_layers, b, t + max_new, lm.layer_devices, outer_scales=outer, prefill=opts.prefill
+        )
+        return session, DecodeSteps(lm, session, graphs=opts.graphs)
+
+    key = (variant.name, None if outer is None else outer.scales, b, t + max_new, opts.prefill, opts.graphs)
+    session, steps = (reuse or SessionReuse()).get(key, build)
     out: list[list[int]] = [[] for _ in prompts]
     done = [False] * len(prompts)
     with lm.adapter.session(session):
@@ -112,37 +150,45 @@ def generate(
                 if done[i]:
                     continue
                 out[i].append(tok)
-                if stop_at_answer:
+                if opts.stop_at_answer:
                     text = lm.tokenizer.decode(out[i], skip_special_tokens=True)
                     done[i] = all(e in text for e in prompts[i].expected)
             if step == max_new - 1 or all(done):
                 break
             logits = steps(nxt, t + step)
-    if info is not None:
-        info.update({"decode_steps": steps.mode, "why_eager": steps.blocker})
-    return out
+    return Decoded(out, steps.mode, steps.blocker)
 
 
-def run_needle(lm, builder: PromptBuilder, st: NeedleSettings, progress: Callable[[int, int], None] | None = None) -> dict:
+@dataclasses.dataclass
+class NeedleRun:
+    records: list[dict]  # one per prompt and format (see the needle/v1 schema's records)
+    seconds: dict[str, float]  # per format
+    decode_steps: dict[str, str]  # per format: how its decode steps ran (steps_label)
+    total_seconds: float
+    max_new_tokens: int
+
+
+def run_needle(lm, builder: PromptBuilder, st: NeedleGrid, progress: ProgressCallback = no_progress) -> NeedleRun:
     prompts = make_prompts(builder, st)
     max_new = st.max_new_tokens or new_tokens_for(st.values, st.task)
+    opts = DecodeOptions(max_new, st.prefill, st.stop_at_answer, st.cuda_graphs)
     records = []
     total = len(prompts) * len(st.variants)
     done = 0
     t0 = time.perf_counter()
     seconds: dict[str, float] = {}
     decode_steps: dict[str, str] = {}
+    progress("prompts", 0, total)
     for v in st.variants:
         tv = time.perf_counter()
-        reuse: dict = {}  # one session (and decode graph) per prompt shape, kept across its cells
+        reuse = SessionReuse()  # one session (and decode graph) per prompt shape, kept across its cells
         for length in st.lengths:
             group = [p for p in prompts if p.length == length]
             for i in range(0, len(group), st.batch):
                 chunk = group[i : i + st.batch]
-                info: dict = {}
-                answers = generate(lm, v, chunk, max_new, st.outer_scales, st.prefill, st.stop_at_answer, st.cuda_graphs, info, reuse)
-                decode_steps[v.name] = steps_label(info)
-                for p, a in zip(chunk, answers):
+                decoded = generate(lm, v, chunk, opts, st.outer_scales, reuse)
+                decode_steps[v.name] = decoded.steps_label
+                for p, a in zip(chunk, decoded.tokens):
                     text = lm.tokenizer.decode(a, skip_special_tokens=True)
                     records.append(
                         {
@@ -153,10 +199,9 @@ def run_needle(lm, builder: PromptBuilder, st: NeedleSettings, progress: Callabl
                         }
                     )
                 done += len(chunk)
-                if progress:
-                    progress(done, total)
+                progress("prompts", done, total)
         seconds[v.name] = time.perf_counter() - tv
-    return {"records": records, "seconds": seconds, "decode_steps": decode_steps, "total_seconds": time.perf_counter() - t0, "max_new_tokens": max_new}
+    return NeedleRun(records, seconds, decode_steps, time.perf_counter() - t0, max_new)
 
 
 def grid(records: list[dict], fmt: str, lengths: list[int], depths: list[float]) -> list[list[float]]:

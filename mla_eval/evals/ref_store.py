@@ -24,6 +24,8 @@ from mla_eval.errors import UserError
 SCHEMA = "mla-eval/ref-logprobs/v1"
 
 
+REF_STORE_MODES = ("topk", "fp16")
+
 @dataclasses.dataclass
 class RefStore:
     mode: str = "topk"
@@ -34,7 +36,7 @@ class RefStore:
     _cat: dict[str, torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
-        if self.mode not in ("topk", "fp16"):
+        if self.mode not in REF_STORE_MODES:
             raise UserError(f"--ref-store {self.mode!r}: choose topk or fp16")
 
     def add(self, ref_logp: torch.Tensor, targets: torch.Tensor, order: torch.Tensor) -> None:

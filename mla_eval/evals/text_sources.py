@@ -41,15 +41,30 @@ def _tokenize(tokenizer, text: str) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.int64)
 
 
-def from_text_file(path: str | Path, tokenizer, max_tokens: int | None) -> TokenSource:
+def read_text_file(path: str | Path) -> str:
+    """The file's text; refuses what is not plain UTF-8 text (binary data would be scored as noise)."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"--text {path}: no such file")
-    text = path.read_text(encoding="utf-8", errors="replace")
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise UserError(f"--text {path} is not readable ({exc.strerror})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"--text {path} is not UTF-8 text (byte {exc.start}); give a plain-text file") from None
+    if "\x00" in text:
+        raise UserError(f"--text {path} holds NUL bytes (binary data?); give a plain-text file")
     if not text.strip():
         raise UserError(f"--text {path} is empty")
-    ids = _tokenize(tokenizer, text)
-    if max_tokens:
+    return text
+
+
+def from_text_file(path: str | Path, tokenizer, max_tokens: int | None) -> TokenSource:
+    path = Path(path)
+    ids = _tokenize(tokenizer, read_text_file(path))
+    if max_tokens is not None:
         ids = ids[:max_tokens]
     return TokenSource("text", f"text file {path.name} ({ids.numel()} tokens)", [ids], _digest([ids]))
 
@@ -67,13 +82,13 @@ def from_dataset(name: str, tokenizer, max_tokens: int | None) -> TokenSource:
     column = "text" if "text" in ds.column_names else ds.column_names[0]
     text = "\n".join(t for t in ds[column] if t and t.strip())
     ids = _tokenize(tokenizer, text)
-    if max_tokens:
+    if max_tokens is not None:
         ids = ids[:max_tokens]
     return TokenSource("dataset", f"dataset {name} [{split}] ({ids.numel()} tokens)", [ids], _digest([ids]))
 
 
 @torch.no_grad()
-def self_samples(lm, num: int, length: int, seed: int) -> TokenSource:
+def self_samples(lm, num: int, length: int, seed: int, progress=None) -> TokenSource:
     """Seeded samples drawn from the model itself (bf16 cache, temperature 1).
 
     The data-free default: it needs no file, and its KLD is the format's effect on text the model
@@ -98,6 +113,8 @@ def self_samples(lm, num: int, length: int, seed: int) -> TokenSource:
             step = ids[:, t : t + 1].to(lm.device)
             logits = model(input_ids=step, position_ids=torch.full((num, 1), t, device=lm.device), use_cache=False).logits[:, -1]
             ids[:, t + 1] = torch.multinomial(logits.float().softmax(-1).cpu(), 1, generator=gen).squeeze(1)
+            if progress is not None:
+                progress("sample", t + 1, length - 1)
     seqs = list(ids)
     return TokenSource("self-samples", f"self-samples of the model (seed {seed}, {num} x {length} tokens; not wikitext)", seqs, _digest(seqs))
 
@@ -107,3 +124,37 @@ def self_samples_subset(source: TokenSource, n: int) -> TokenSource:
     seqs = source.sequences[:n]
     label = source.label.replace(f"{len(source.sequences)} x", f"{n} x")
     return TokenSource(source.kind, label, seqs, _digest(seqs))
+
+
+@dataclasses.dataclass(frozen=True)
+class TextSettings:
+    """Where the tokens come from: a text file, a `datasets` name, or (neither) seeded self-samples."""
+
+    text: Path | None = None
+    dataset: str | None = None
+    max_tokens: int | None = None  # None: all of the text
+    samples: int = 4
+    sample_len: int = 256
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.text is not None and self.dataset is not None:
+            raise UserError("give either --text or --dataset, not both")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise UserError(f"--max-tokens must be at least 1 (omit it to use all of the text), got {self.max_tokens}")
+        if self.text is not None:
+            read_text_file(self.text)  # a missing or binary file fails before any model loads
+        if self.samples < 1 or self.sample_len < 2:
+            raise UserError(f"self-samples need --samples >= 1 and --sample-len >= 2, got {self.samples} and {self.sample_len}")
+
+    @property
+    def self_samples(self) -> bool:
+        return self.text is None and self.dataset is None
+
+
+def load_source(lm, st: TextSettings, progress=None) -> TokenSource:
+    if st.text is not None:
+        return from_text_file(st.text, lm.tokenizer, st.max_tokens)
+    if st.dataset is not None:
+        return from_dataset(st.dataset, lm.tokenizer, st.max_tokens)
+    return self_samples(lm, st.samples, st.sample_len, st.seed, progress)

@@ -1,0 +1,222 @@
+"""The KLD evaluation as a library call: `evaluate_kld(KldSettings(...)) -> KldResult`.
+
+Settings are validated when built and every default is resolved once (`resolve_protocol`);
+the result serialises to the versioned `mla-eval/kld/v1` document (`to_document`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+from mla_eval.attention import dispatch
+from mla_eval.errors import UserError
+from mla_eval.evals import text_sources
+from mla_eval.evals.calibrate import calibrate
+from mla_eval.evals.kld import KldProtocol, KldRun, gather_arrays, plan_windows, run_kld
+from mla_eval.evals.ref_store import REF_STORE_MODES, RefStore
+from mla_eval.evals.settings import (
+    DEFAULT_CTX, ModelSettings, ProgressCallback, check_ctx, default_min_context, default_stride, no_progress,
+)
+from mla_eval.evals.variants import Variant, parse_variants
+from mla_eval.formats import OuterScales
+from mla_eval.result_schemas import KLD_SCHEMA
+from mla_eval.results import environment
+
+DEFAULT_FORMATS = (
+    "fp8_ds_mla,fp8_ds_mla_pow2,nvfp4,nvfp4+s_l,nvfp4_fp8rope,nvfp4_fp8rope+s_l,nvfp4_fp8rope_st,mxfp4,fp8_e4m3"
+)
+SCALES_MODES = ("auto", "none")  # or a path to an outer-scale JSON
+
+
+@dataclasses.dataclass(frozen=True)
+class KldSettings(ModelSettings, text_sources.TextSettings):
+    """Everything `mla-eval kld` takes (the same names as its long options)."""
+
+    formats: str | list[str] = DEFAULT_FORMATS
+    ref: str = "bf16"
+    ctx: int | None = None  # None: DEFAULT_CTX, or --sample-len for self-samples
+    stride: int | None = None  # None: default_stride(ctx, min_context)
+    min_context: int | None = None  # None: default_min_context(ctx)
+    batch: int | None = None  # None: 1 window, or every self-sample at once
+    scales: str = "auto"  # "auto", "none" or a scales JSON path
+    calib_tokens: int = 2048
+    layer_stats: bool = True
+    save_ref: Path | None = None
+    ref_file: Path | None = None
+    ref_store: str = "topk"
+
+    def __post_init__(self) -> None:
+        ModelSettings.__post_init__(self)
+        text_sources.TextSettings.__post_init__(self)
+        check_ctx(self.ctx)
+        if self.stride is not None and self.stride < 1:
+            raise UserError(f"--stride must be positive, got {self.stride}")
+        if self.min_context is not None and self.min_context < 0:
+            raise UserError(f"--min-context must be >= 0, got {self.min_context}")
+        if self.batch is not None and self.batch < 1:
+            raise UserError(f"--batch must be at least 1, got {self.batch}")
+        if self.calib_tokens < 1:
+            raise UserError(f"--calib-tokens must be at least 1, got {self.calib_tokens}")
+        if self.ref_store not in REF_STORE_MODES:
+            raise UserError(f"--ref-store {self.ref_store!r}: choose one of {', '.join(REF_STORE_MODES)}")
+        if self.save_ref is not None and self.ref_file is not None:
+            raise UserError("give --save-ref or --ref-file, not both")
+        self.variants()  # a bad format name fails here, before any model is loaded
+        self.ref_variant()
+
+    def variants(self) -> list[Variant]:
+        return parse_variants(self.formats)
+
+    def ref_variant(self) -> Variant:
+        refs = parse_variants(self.ref, option="--ref")
+        if len(refs) != 1:
+            raise UserError(f"--ref takes one format, got {self.ref!r}")
+        return refs[0]
+
+    def resolved_ctx(self, self_samples: bool) -> int:
+        """The one place the default window length is decided."""
+        if self.ctx is not None:
+            return self.ctx
+        return self.sample_len if self_samples else DEFAULT_CTX
+
+
+@dataclasses.dataclass
+class KldResult:
+    """One KLD run: what was evaluated (model, text, resolved settings) and the per-format figures."""
+
+    model: dict[str, Any]
+    text: dict[str, Any]
+    settings: dict[str, Any]
+    outer_scales: OuterScales | None
+    windows: int
+    seconds: float
+    formats: dict[str, dict]  # per format: kld_mean, kld_se, ... (see kld_stats.TokenStats.summary)
+    environment: dict[str, Any]
+    run: KldRun = dataclasses.field(repr=False)  # the per-token arrays behind `formats` (plots)
+    rank: int = 0  # under torchrun, only rank 0's result holds a document worth writing
+
+    def mean_kld(self, fmt: str) -> float:
+        return self.formats[fmt]["kld_mean"]
+
+    def to_document(self) -> dict[str, Any]:
+        return {
+            "schema": KLD_SCHEMA,
+            "model": self.model,
+            "text": self.text,
+            "settings": self.settings,
+            "outer_scales": None if self.outer_scales is None else self.outer_scales.to_json(),
+            "windows": self.windows,
+            "seconds": self.seconds,
+            "environment": self.environment,
+            "formats": self.formats,
+        }
+
+
+def distributed() -> tuple[int, int]:
+    """(rank, world) under torchrun; initialises torch.distributed once."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return dist.get_rank(), world
+
+
+def _split_calibration(source: text_sources.TokenSource, calib_tokens: int):
+    """Take the calibration slice off the front of the first sequence; evaluate on the rest."""
+    first = source.sequences[0]
+    if first.numel() <= calib_tokens * 2:
+        raise UserError(
+            f"text too short to hold out {calib_tokens} calibration tokens; pass --scales FILE or fewer --calib-tokens"
+        )
+    calib = text_sources.TokenSource(
+        source.kind, f"first {calib_tokens} tokens of {source.label}", [first[:calib_tokens]], "calib"
+    )
+    rest = text_sources.TokenSource(
+        source.kind, source.label + f" (after the {calib_tokens} calibration tokens)",
+        [first[calib_tokens:], *source.sequences[1:]], source.digest,
+    )
+    return calib, rest
+
+
+def _sources(lm, st: KldSettings, needs_outer: bool, progress: ProgressCallback):
+    """(evaluation tokens, calibration tokens or None)."""
+    if st.self_samples and st.scales == "auto" and needs_outer:
+        # one extra sample in the same decoding batch (nearly free) serves as the calibration text
+        both = text_sources.self_samples(lm, st.samples + 1, st.sample_len, st.seed, progress)
+        calib = text_sources.TokenSource("self-samples", "a separate self-sample", both.sequences[-1:], "calib")
+        return text_sources.self_samples_subset(both, st.samples), calib
+    source = text_sources.load_source(lm, st, progress)
+    if st.scales == "auto" and needs_outer:
+        calib, source = _split_calibration(source, st.calib_tokens)
+        return source, calib
+    return source, None
+
+
+def evaluate_kld(st: KldSettings, progress: ProgressCallback = no_progress) -> KldResult:
+    """Teacher-forced KL divergence of each format of `st.formats` against `st.ref`.
+
+    `progress(stage, done, total)` reports calibration ("calibrate", windows) and scoring
+    ("score", tokens). Under torchrun every rank calls this; rank 0's result holds the document.
+    """
+    with dispatch.use_backend(st.backend) as log:
+        rank, world = distributed()
+        if world > 1 and st.device_map != "none":
+            raise UserError(
+                "--device-map auto spreads one model over the GPUs; under torchrun each rank holds its own copy: "
+                "use one or the other"
+            )
+        if world > 1 and st.save_ref is not None:
+            raise UserError("--save-ref is single-process only; run it without torchrun")
+        variants, ref = st.variants(), st.ref_variant()
+        needs_outer = any(v.outer for v in [*variants, ref])
+        if st.scales == "none" and needs_outer:
+            raise UserError("--scales none, but +s_l formats were asked for; drop them or give --scales FILE")
+        given = None
+        if st.scales not in SCALES_MODES:
+            given = OuterScales.load(st.scales)  # a bad file fails before the model loads
+        lm = st.load()
+        if given is not None:
+            given.check_layers(lm.num_layers, source=st.scales)
+        source, calib = _sources(lm, st, needs_outer, progress)
+        ctx = st.resolved_ctx(source.kind == "self-samples")
+        min_context = st.min_context if st.min_context is not None else default_min_context(ctx)
+        stride = st.stride if st.stride is not None else default_stride(ctx, min_context)
+        batch = st.batch if st.batch is not None else (len(source.sequences) if source.kind == "self-samples" else 1)
+        protocol = KldProtocol(tuple(variants), ref, ctx, stride, min_context, batch, layer_stats=st.layer_stats)
+        plan_windows(lm, source, protocol)  # bad settings fail here, before any work
+        outer = given
+        if calib is not None:
+            outer = calibrate(lm, calib, ctx, progress=progress)
+        protocol = dataclasses.replace(protocol, outer_scales=outer if needs_outer else given)
+        ref_meta = {"model": str(lm.path.resolve()), "text": source.digest, "ctx": ctx, "stride": stride,
+                    "min_context": min_context, "ref": ref.name}
+        if ref.outer:
+            ref_meta["ref_scales"] = list(outer.scales)
+        saver = RefStore(mode=st.ref_store, meta=ref_meta) if st.save_ref is not None else None
+        loaded = RefStore.load(st.ref_file, ref_meta) if st.ref_file is not None else None
+        run = run_kld(lm, source, protocol, progress=progress, save_ref=saver, ref_file=loaded, rank=rank, world=world)
+        if saver is not None:
+            saver.save(st.save_ref)
+        run.stats = gather_arrays(run.stats)
+        env = environment(attention=log)
+    return KldResult(
+        model={"name": lm.name, "path": str(lm.path), "default": lm.is_default, "layers": lm.num_layers},
+        text={"kind": source.kind, "label": source.label, "digest": source.digest, "tokens": source.num_tokens},
+        settings={"ref": ref.name, "ctx": ctx, "stride": stride, "min_context": min_context, "batch": batch,
+                  "block_size": protocol.block_size, "world_size": world, "backend": log.backend,
+                  "unscored_tokens": run.unscored},
+        outer_scales=protocol.outer_scales,
+        windows=run.windows,
+        seconds=run.seconds,
+        formats=run.summary(),
+        environment=env,
+        run=run,
+        rank=rank,
+    )

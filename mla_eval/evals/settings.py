@@ -1,0 +1,106 @@
+"""What every evaluation shares: the model to load and where, the attention backend, the
+protocol defaults (one definition each), progress reporting, and settings from a recipe table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Callable
+
+from mla_eval.attention import dispatch
+from mla_eval.errors import UserError
+
+DEFAULT_CTX = 2048  # window length of text / dataset evaluations (self-samples: their --sample-len)
+DEVICES_HELP = "cpu, cuda, cuda:N or auto"
+
+
+def default_min_context(ctx: int) -> int:
+    """A scored token has at least half a window before it unless the user says otherwise."""
+    return ctx // 2
+
+
+DEFAULT_STRIDE = 512
+
+
+def default_stride(ctx: int, min_context: int) -> int:
+    """512 tokens, or less where a window adds fewer new scored positions (no token is skipped)."""
+    return max(1, min(DEFAULT_STRIDE, ctx - min_context))
+
+
+def check_ctx(ctx: int | None, option: str = "--ctx") -> None:
+    if ctx is not None and ctx < 2:
+        raise UserError(f"{option} must be at least 2 tokens (omit it for the default), got {ctx}")
+
+
+# progress(stage, done, total): `stage` names the work ("sample", "calibrate", "score", "prompts"), `done` of
+# `total` units. The library reports; commands draw the bar (the library never prints).
+ProgressCallback = Callable[[str, int, int], None]
+
+
+def no_progress(stage: str, done: int, total: int) -> None:
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSettings:
+    """Which checkpoint (None: the embedded default model), on which device, through which attention path."""
+
+    model: Path | None = None
+    device: str = "auto"
+    device_map: str = "none"
+    backend: str | None = None  # None: MLA_EVAL_BACKEND or auto (dispatch.default_backend)
+
+    def __post_init__(self) -> None:
+        if self.backend is not None:
+            dispatch.check_backend(self.backend)
+
+    def load(self):
+        from mla_eval.model.loader import load_model  # torch + transformers: only when an evaluation runs
+
+        return load_model(self.model, self.device, device_map=self.device_map)
+
+
+def _accepts(annotation, value) -> bool:
+    """Whether a recipe value fits a settings field's annotation (int, float, str, bool, Path, X | None, lists)."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_accepts(a, value) for a in typing.get_args(annotation))
+    if annotation is type(None):
+        return value is None
+    if origin in (list, tuple):
+        return isinstance(value, (list, tuple))
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is Path:
+        return isinstance(value, (str, Path))
+    return isinstance(value, annotation)
+
+
+def settings_from_table(cls: type, table: dict, where: str, **fixed):
+    """Settings `cls` from a recipe table whose keys are the command's long options (`-` or `_`).
+
+    Unknown keys and values of the wrong type are one-line errors naming the key; `fixed` are set
+    by the caller (model, device, backend) and may not appear in the table.
+    """
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in table.items():
+        name = key.replace("-", "_")
+        if name not in fields or name in fixed:
+            known = ", ".join(sorted(n for n in fields if n not in fixed))
+            raise UserError(f"{where}: unknown key {key!r}; known keys: {known}")
+        if not _accepts(hints[name], value):
+            raise UserError(f"{where}: {key} = {value!r} has the wrong type (expected {hints[name]})")
+        if hints[name] in (Path, Path | None) and isinstance(value, str):
+            value = Path(value)
+        kwargs[name] = value
+    return cls(**kwargs, **fixed)
+
