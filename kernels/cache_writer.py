@@ -24,12 +24,13 @@ from cutlass import Float32, Int32, Int64, Uint32
 
 from mla_eval_kernels import ptx
 from mla_eval_kernels.compile_cache import arch_tag, compiled
+from mla_eval.formats.spec import TOKEN_SCALE_DENOMINATOR
 from mla_eval_kernels.record_plan import (
+    APPLY_DIV,
     RULE_AMAX_E4M3,
     RULE_AMAX_FP32,
     RULE_AMAX_FP32_POW2,
     RULE_OCP_E8M0,
-    TOKEN_SCALE_DENOMINATOR,
     RecordPlan,
 )
 
@@ -122,9 +123,9 @@ class CacheWriter:
             lanes_per_group = lat.group // 16
             if cutlass.const_expr(lat.scale_dtype != ""):
                 amax = ptx.warp_max(self._local_amax(v, 16), lanes_per_group)
-                s_bits, r = self._group_scale(lat, amax)
+                s_bits, r, s = self._group_scale(lat, amax)
                 for i in cutlass.range_constexpr(16):
-                    v[i] = ptx.mul_rn(v[i], r)
+                    v[i] = self._apply_scale(lat, v[i], r, s)
                 self._store_scales(record, lat, s_bits, lane, lanes_per_group)
             self._store_latent(record, lat, v, lane)
 
@@ -132,9 +133,9 @@ class CacheWriter:
             rope = plan.rope
             if cutlass.const_expr(rope.scale_dtype != ""):
                 amax = ptx.warp_max(self._local_amax(w, 2), 32)
-                s_bits, r = self._group_scale(rope, amax)
+                s_bits, r, s = self._group_scale(rope, amax)
                 for i in cutlass.range_constexpr(2):
-                    w[i] = ptx.mul_rn(w[i], r)
+                    w[i] = self._apply_scale(rope, w[i], r, s)
                 if lane == 0:
                     record[rope.scale_offset // 4] = s_bits
             self._store_rope(record, rope, w, lane)
@@ -153,31 +154,39 @@ class CacheWriter:
         return a
 
     @cute.jit
+    def _apply_scale(self, coding: cutlass.Constexpr, x: Float32, r: Float32, s: Float32) -> Float32:
+        """Step 4 of spec.py: div.rn(x, s) where the engine divides, else mul.rn(x, rcp.rn(s))."""
+        if cutlass.const_expr(coding.apply == APPLY_DIV):
+            return ptx.div_rn(x, s)
+        return ptx.mul_rn(x, r)
+
+    @cute.jit
     def _group_scale(self, coding: cutlass.Constexpr, amax: Float32):
-        """(stored scale as a u32: fp32 bits or a code byte, reciprocal r) for one group."""
-        flt_min = ptx.bits_f32(ptx.FLT_MIN_BITS)
+        """(stored scale as a u32: fp32 bits or a code byte, reciprocal r, decoded scale s) for one group."""
+        # The spec's floor of amax / qmax (a float32 constant: FLT_MIN for vLLM, 1e-4 for FlashMLA).
+        floor = Float32(coding.scale_floor)
         if cutlass.const_expr(coding.rule == RULE_AMAX_FP32):
-            s = ptx.max_f32(ptx.div_rn(amax, Float32(coding.qmax)), flt_min)
-            return ptx.f32_bits(s), ptx.rcp_rn(s)
+            s = ptx.max_f32(ptx.div_rn(amax, Float32(coding.qmax)), floor)
+            return ptx.f32_bits(s), ptx.rcp_rn(s), s
         if cutlass.const_expr(coding.rule == RULE_AMAX_FP32_POW2):
-            s0 = ptx.max_f32(ptx.div_rn(amax, Float32(coding.qmax)), flt_min)
+            s0 = ptx.max_f32(ptx.div_rn(amax, Float32(coding.qmax)), floor)
             b = ptx.f32_bits(s0)
             up = ((b >> Uint32(23)) + Uint32(1)) << Uint32(23)
             b = b if (b & Uint32(0x007FFFFF)) == Uint32(0) else up
             s = ptx.bits_f32(b)
-            return b, ptx.rcp_rn(s)
+            return b, ptx.rcp_rn(s), s
         if cutlass.const_expr(coding.rule == RULE_AMAX_E4M3):
             code = ptx.e4m3x2(Float32(0.0), ptx.div_rn(amax, Float32(6.0))) & Uint32(0xFF)
             s = ptx.e4m3_to_f32(code)
             r = ptx.rcp_rn(s)
             r = Float32(0.0) if s == Float32(0.0) else r
-            return code, r
+            return code, r, s
         if cutlass.const_expr(coding.rule == RULE_OCP_E8M0):
             e = Int32(-127)
             if amax > Float32(0.0):
                 e = ptx.floor_log2(amax) - Int32(2)
             e = cutlass.max(cutlass.min(e, Int32(127)), Int32(-127))
-            return Uint32(e + Int32(127)), ptx.pow2(-e)
+            return Uint32(e + Int32(127)), ptx.pow2(-e), ptx.pow2(e)
         raise NotImplementedError(coding.rule)
 
     @cute.jit
@@ -230,7 +239,7 @@ class CacheWriter:
 
 def compile_key(plan: RecordPlan, in_dtype: torch.dtype, has_outer: bool, device: torch.device) -> tuple:
     """Every specialisation of a compiled writer; s_l itself is a run-time argument."""
-    return ("cache_writer", 1, plan, str(in_dtype), bool(has_outer), arch_tag(device))
+    return ("cache_writer", 2, plan, str(in_dtype), bool(has_outer), arch_tag(device))
 
 
 def _ptr(t: torch.Tensor, dtype, align: int):

@@ -1,11 +1,12 @@
 """What the GPU kernels need to know about a cache format, as hashable compile-time constants.
 
-A `RecordPlan` is derived from a `mla_eval.formats.FormatSpec` and nothing else: byte offsets are
-read from the spec's fields, never restated here. It is a frozen dataclass so that it can sit in a
+A `RecordPlan` is derived from a `mla_eval.formats.FormatSpec` and nothing else: byte offsets,
+dimensions, rule names and constants are read from the spec module, never restated here. It is a frozen dataclass so that it can sit in a
 compile-cache key: two formats that differ in any offset, element type, group size, scale dtype
 or scale rule give different plans, hence different compiled kernels.
 
-Pure Python (no `cutlass` import): CPU code paths and the dispatcher may import it freely.
+Pure Python (no `cutlass` import; `mla_eval.formats.spec` only): CPU code paths, the dispatcher
+and the CPU test that plan and spec agree (tests/test_record_plan.py) may import it freely.
 
 Kernel constraints checked here (a spec outside them is served by the torch reference):
 - the record is a whole number of 16-byte chunks and every field starts on a 4-byte boundary
@@ -18,21 +19,24 @@ from __future__ import annotations
 
 import dataclasses
 
-LATENT_DIM = 512
-ROPE_DIM = 64
+from mla_eval.formats.spec import (  # pure Python: no torch or cutlass needed at this level
+    FLT_MIN,
+    LATENT_DIM,
+    ROPE_DIM,
+    ScaleApply,
+    ScaleRule,
+)
 
-# ScaleRule.value strings of mla_eval.formats.spec, kept as plain strings so this module does not
-# import the formats package at import time (the dispatcher does, and hands us the spec).
-RULE_NONE = "none"
-RULE_TENSOR = "tensor"
-RULE_AMAX_FP32 = "amax/qmax fp32"
-RULE_AMAX_FP32_POW2 = "pow2ceil(amax/qmax) fp32"
-RULE_AMAX_E4M3 = "e4m3(amax/6)"
-RULE_OCP_E8M0 = "2^(floor(log2 amax)-2) e8m0"
-KNOWN_RULES = (RULE_NONE, RULE_TENSOR, RULE_AMAX_FP32, RULE_AMAX_FP32_POW2, RULE_AMAX_E4M3, RULE_OCP_E8M0)
-
-TOKEN_SCALE_DENOMINATOR = 6.0 * 448.0
-
+# The spec's rule strings, under the names the kernels branch on (one definition: spec.ScaleRule).
+RULE_NONE = ScaleRule.NONE.value
+RULE_TENSOR = ScaleRule.TENSOR.value
+RULE_AMAX_FP32 = ScaleRule.AMAX_FP32.value
+RULE_AMAX_FP32_POW2 = ScaleRule.AMAX_FP32_POW2.value
+RULE_AMAX_E4M3 = ScaleRule.AMAX_E4M3.value
+RULE_OCP_E8M0 = ScaleRule.OCP_E8M0.value
+KNOWN_RULES = tuple(r.value for r in ScaleRule)
+APPLY_MUL_RCP = ScaleApply.MUL_RCP.value
+APPLY_DIV = ScaleApply.DIV.value
 
 class UnsupportedFormat(ValueError):
     """The spec is valid but outside what the CuTe kernels implement (dispatch falls back)."""
@@ -50,6 +54,8 @@ class CodingPlan:
     qmax: float
     scale_dtype: str  # "" (no stored scale) | "fp32" | "e4m3" | "e8m0"
     scale_offset: int  # -1 when no stored scale
+    apply: str = APPLY_MUL_RCP  # ScaleApply value: multiply by rcp.rn(s) or div.rn by s
+    scale_floor: float = FLT_MIN  # floor of amax / qmax for the fp32 rules
 
     @property
     def n_groups(self) -> int:
@@ -89,6 +95,8 @@ def _coding(c) -> CodingPlan:
         qmax=float(c.qmax),
         scale_dtype=scale.dtype if scale is not None else "",
         scale_offset=scale.offset if scale is not None else -1,
+        apply=c.apply.value,
+        scale_floor=float(c.scale_floor),
     )
 
 

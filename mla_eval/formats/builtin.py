@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from mla_eval.formats.spec import (
     LATENT_DIM,
+    Engine,
+    ScaleApply,
+    FLT_MIN,
     ROPE_DIM,
     TOKEN_SCALE_DENOMINATOR,
     Field,
@@ -18,6 +21,32 @@ from mla_eval.formats.spec import (
 )
 
 NVFP4_OUTER = OuterScale(required=False, denominator=TOKEN_SCALE_DENOMINATOR)
+
+# vLLM's writer of the 656 B DeepSeek-V3.2 record. Read at this commit: tile_scale =
+# fmaxf(max_abs / kFp8ScaleDivisor, FLT_MIN) with kFp8ScaleDivisor = 448 (224 only on gfx942), rope
+# bf16 copied through, codes by fp8::scaled_convert, which is `__nv_cvt_float_to_fp8(float(x) / scale,
+# __NV_SATFINITE, E4M3)` (csrc/quantization/w8a8/fp8/nvidia/quant_utils.cuh): a true division.
+VLLM_FP8_DS_MLA = Engine(
+    name="vLLM",
+    repository="vllm-project/vllm",
+    path="csrc/libtorch_stable/cache_kernels.cu",
+    symbol="concat_and_cache_ds_mla_kernel",
+    commit="37cb21c1695d11baba8e369b071d2f44c1561c8f",
+    flag="--kv-cache-dtype fp8_ds_mla",
+    note="codes x / scale (scaled_convert in csrc/quantization/w8a8/fp8/nvidia/quant_utils.cuh)",
+)
+# FlashMLA's test quantiser of the same record: scale_inv = 2^ceil(log2(clamp_min(amax / 448, 1e-4)))
+# (the 1e-4 is HFAI FP8's FP8_AMAX_MARGIN), codes (x.float() / scale_inv).to(float8_e4m3fn).
+FLASHMLA_FP8_POW2 = Engine(
+    name="FlashMLA (tests)",
+    repository="deepseek-ai/FlashMLA",
+    path="tests/quant.py",
+    symbol="quantize_k_cache (FP8KVCacheLayout.V32_FP8Sparse)",
+    commit="520fec6a7fd98028705ccad373b7f0e3e2ae75fb",
+    flag="V32_FP8Sparse",
+    note="torch log2().ceil() equals the exact ceil(log2) for every bf16 input (see tests/test_engine_ports.py)",
+)
+FLASHMLA_POW2_FLOOR = 1e-4  # FlashMLA tests/quant.py _cast_scale_inv_to_ue8m0: clamp_min(scale_inv, 1e-4)
 
 
 def _bf16_rope(offset: int) -> VectorCoding:
@@ -36,7 +65,9 @@ def _nvfp4_latent() -> VectorCoding:
     )
 
 
-def _fp8_ds_mla(name: str, rule: ScaleRule, title: str, description: str, source: str) -> FormatSpec:
+def _fp8_ds_mla(
+    name: str, rule: ScaleRule, title: str, description: str, source: str, engine: Engine, floor: float
+) -> FormatSpec:
     return FormatSpec(
         name=name,
         title=title,
@@ -50,8 +81,11 @@ def _fp8_ds_mla(name: str, rule: ScaleRule, title: str, description: str, source
             rule,
             128,
             Field("latent_scale", 512, "fp32", LATENT_DIM // 128),
+            apply=ScaleApply.DIV,
+            scale_floor=floor,
         ),
         rope=_bf16_rope(528),
+        engine=engine,
     )
 
 
@@ -69,15 +103,19 @@ BUILTIN_FORMATS: tuple[FormatSpec, ...] = (
         "fp8_ds_mla",
         ScaleRule.AMAX_FP32,
         "fp8_ds_mla",
-        "E4M3 latent with one raw fp32 scale (amax/448) per 128 values; bf16 rope.",
+        "E4M3 latent with one raw fp32 scale max(amax/448, FLT_MIN) per 128 values, codes x / scale; bf16 rope.",
         "vLLM fp8_ds_mla cache layout (DeepSeek-V3.2 sparse MLA)",
+        VLLM_FP8_DS_MLA,
+        FLT_MIN,
     ),
     _fp8_ds_mla(
         "fp8_ds_mla_pow2",
         ScaleRule.AMAX_FP32_POW2,
         "fp8_ds_mla (pow2 scales)",
-        "fp8_ds_mla with each scale rounded up to a power of two, as FlashMLA's test quantiser.",
+        "fp8_ds_mla with each scale max(amax/448, 1e-4) rounded up to a power of two (FlashMLA's test quantiser).",
         "FlashMLA sparse decode tests (quantize_k_cache: power-of-two scales)",
+        FLASHMLA_FP8_POW2,
+        FLASHMLA_POW2_FLOOR,
     ),
     FormatSpec(
         name="nvfp4",

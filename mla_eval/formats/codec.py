@@ -16,7 +16,7 @@ import torch
 from mla_eval.errors import NonFiniteInputError, UserError
 from mla_eval.formats import numerics as nx
 from mla_eval.formats.registry import get_format
-from mla_eval.formats.spec import TOKEN_SCALE_DENOMINATOR, FormatSpec, ScaleRule, VectorCoding
+from mla_eval.formats.spec import TOKEN_SCALE_DENOMINATOR, FormatSpec, ScaleApply, ScaleRule, VectorCoding
 
 OuterScaleArg = float | torch.Tensor | None
 
@@ -24,6 +24,11 @@ OuterScaleArg = float | torch.Tensor | None
 def _div(a: torch.Tensor, b: float) -> torch.Tensor:
     """IEEE float32 a / b (b broadcast as a tensor, never as a scalar)."""
     return a / torch.full_like(a, b)
+
+
+def _floor(a: torch.Tensor, floor: float) -> torch.Tensor:
+    """max(a, float32(floor)): the floor rounded to float32 first, as the GPU writers hold it."""
+    return torch.maximum(a, torch.full_like(a, floor))
 
 
 def _recip(s: torch.Tensor) -> torch.Tensor:
@@ -75,10 +80,10 @@ def _group_scale(coding: VectorCoding, g: torch.Tensor) -> tuple[torch.Tensor, t
     amax = g.abs().amax(dim=-1)
     rule = coding.scale_rule
     if rule is ScaleRule.AMAX_FP32:
-        s = torch.clamp_min(_div(amax, coding.qmax), nx.FLT_MIN)
+        s = _floor(_div(amax, coding.qmax), coding.scale_floor)
         return s, _recip(s), nx.f32_to_bytes(s)
     if rule is ScaleRule.AMAX_FP32_POW2:
-        s0 = torch.clamp_min(_div(amax, coding.qmax), nx.FLT_MIN)
+        s0 = _floor(_div(amax, coding.qmax), coding.scale_floor)
         mant, exp = torch.frexp(s0)  # s0 = mant * 2^exp, mant in [0.5, 1)
         exp = torch.where(mant == 0.5, exp - 1, exp)  # already a power of two: keep it
         s = torch.ldexp(torch.ones_like(s0), exp)
@@ -118,8 +123,11 @@ def _decode_elems(elem: str, raw: torch.Tensor) -> torch.Tensor:
 def _encode_vector(coding: VectorCoding, x: torch.Tensor, out: torch.Tensor) -> None:
     if coding.scale is not None:
         g = x.reshape(*x.shape[:-1], coding.dim // coding.group, coding.group)
-        _, r, stored = _group_scale(coding, g)
-        x = (g * r.unsqueeze(-1)).reshape(x.shape)
+        s, r, stored = _group_scale(coding, g)
+        if coding.apply is ScaleApply.DIV:
+            x = (g / s.unsqueeze(-1).expand_as(g)).reshape(x.shape)
+        else:
+            x = (g * r.unsqueeze(-1)).reshape(x.shape)
         out[..., coding.scale.offset : coding.scale.end] = stored.reshape(*x.shape[:-1], -1)
     out[..., coding.data.offset : coding.data.end] = _encode_elems(coding.elem, x)
 

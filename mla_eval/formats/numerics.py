@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import torch
 
+from mla_eval.formats.spec import FLT_MIN  # noqa: F401 - re-exported: the all-zero-group guard
+
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
-FLT_MIN = 2.0**-126  # smallest normal float32: the guard for all-zero groups
 
 # Magnitude of each E2M1 code 0..7 (code 8..15 are the same values negated).
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
