@@ -1,0 +1,170 @@
+"""Engine ports: each format's defining engine re-stated in plain numpy/torch from its source, and
+compared BYTE for byte with our codec. The ports never call mla_eval's codec or numerics.
+
+Sources (the spec of each format names the same engine, `FormatSpec.engine`):
+- fp8_ds_mla: vllm-project/vllm @ 37cb21c1695d11baba8e369b071d2f44c1561c8f,
+  csrc/libtorch_stable/cache_kernels.cu `concat_and_cache_ds_mla_kernel`: per 128-value tile
+  tile_scale = fmaxf(max_abs / 448.f, FLT_MIN); codes fp8::scaled_convert = __nv_cvt_float_to_fp8(
+  float(x) / scale, __NV_SATFINITE, E4M3) (csrc/quantization/w8a8/fp8/nvidia/quant_utils.cuh);
+  bytes [0,512) codes, [512,528) four fp32 scales, [528,656) the bf16 rope copied through.
+- fp8_ds_mla_pow2: deepseek-ai/FlashMLA @ 520fec6a7fd98028705ccad373b7f0e3e2ae75fb, tests/quant.py
+  `quantize_k_cache` (V32_FP8Sparse) and `_cast_scale_inv_to_ue8m0`: scale_inv = 2 ** ceil(log2(
+  clamp_min(amax.float() / 448.0, 1e-4))) in float32 torch, codes (x.float() / scale_inv).to(float8_e4m3fn).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from mla_eval.formats import encode, get_format
+
+N_TOKENS = 64
+
+
+# ---------------------------------------------------------------- independent numpy element codecs
+def _e4m3_table() -> np.ndarray:
+    """Every non-negative finite E4M3 (fn) value, code 0..126, from the format definition."""
+    vals = []
+    for code in range(127):
+        e, m = code >> 3, code & 7
+        vals.append(m * 2.0**-9 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7))
+    return np.array(vals, dtype=np.float64)
+
+
+E4M3_VALUES = _e4m3_table()
+
+
+def np_e4m3_satfinite_rn(x: np.ndarray) -> np.ndarray:
+    """float32 -> E4M3 codes like cvt.rn.satfinite: nearest value, ties to the even code, clamp to 448."""
+    a = np.minimum(np.abs(x.astype(np.float64)), 448.0)
+    hi = np.clip(np.searchsorted(E4M3_VALUES, a, side="left"), 0, 126)
+    lo = np.maximum(hi - 1, 0)
+    d_lo, d_hi = a - E4M3_VALUES[lo], E4M3_VALUES[hi] - a
+    pick_hi = (d_hi < d_lo) | ((d_hi == d_lo) & (hi % 2 == 0))
+    code = np.where(pick_hi, hi, lo).astype(np.uint8)
+    return code | (np.signbit(x).astype(np.uint8) << 7)
+
+
+def np_bf16_rn(x: np.ndarray) -> np.ndarray:
+    """float32 -> bf16 bit patterns (uint16), round to nearest even (finite inputs)."""
+    u = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    u = u + 0x7FFF + ((u >> 16) & 1)
+    return (u >> 16).astype(np.uint16)
+
+
+# ---------------------------------------------------------------- the engine ports
+def vllm_concat_and_cache_ds_mla(kv_c: np.ndarray, k_pe: np.ndarray) -> np.ndarray:
+    """vLLM's 656 B record, token by token, in float32 as the CUDA kernel computes it."""
+    n = kv_c.shape[0]
+    out = np.zeros((n, 656), dtype=np.uint8)
+    for tile in range(4):
+        vals = kv_c[:, 128 * tile : 128 * (tile + 1)].astype(np.float32)
+        max_abs = np.abs(vals).max(axis=1)
+        tile_scale = np.maximum(max_abs / np.float32(448.0), np.finfo(np.float32).tiny).astype(np.float32)
+        out[:, 512 + 4 * tile : 516 + 4 * tile] = tile_scale.reshape(n, 1).view(np.uint8)
+        q = (vals / tile_scale[:, None]).astype(np.float32)  # IEEE division, as `float(x) / scale`
+        out[:, 128 * tile : 128 * (tile + 1)] = np_e4m3_satfinite_rn(q)
+    out[:, 528:656] = np_bf16_rn(k_pe).view(np.uint8).reshape(n, 128)
+    return out
+
+
+def flashmla_quantize_k_cache(kv: torch.Tensor) -> np.ndarray:
+    """FlashMLA tests/quant.py for V32_FP8Sparse, one token per row of kv [n, 576] (model dtype)."""
+    n = kv.shape[0]
+    out = torch.zeros((n, 656), dtype=torch.uint8)
+    scales = out[:, 512:528].view(torch.float32)
+    for tile in range(4):
+        part = kv[:, 128 * tile : 128 * (tile + 1)]
+        inv = torch.abs(part).max(dim=-1).values.float() / 448.0
+        inv = torch.pow(2, torch.clamp_min(inv, 1e-4).log2().ceil()).to(torch.float32)
+        scales[:, tile] = inv
+        q = (part.float() / inv.unsqueeze(-1)).to(torch.float8_e4m3fn)
+        out[:, 128 * tile : 128 * (tile + 1)] = q.view(torch.uint8)
+    out[:, 528:656] = kv[:, 512:].to(torch.bfloat16).contiguous().view(torch.uint8)
+    return out.numpy()
+
+
+# ---------------------------------------------------------------- inputs
+def _inputs(kind: str, seed: int = 0) -> torch.Tensor:
+    """[N_TOKENS, 576] float32 inputs of one kind (latent then rope)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N_TOKENS, 576, generator=g)
+    if kind == "normal":
+        return x
+    if kind == "heavy_tailed":  # Student-t with 1.5 degrees of freedom: rare huge values per tile
+        chi = torch.distributions.Chi2(1.5).sample((N_TOKENS, 576))
+        return x / torch.sqrt(chi / 1.5)
+    if kind == "bf16":
+        return (x * 3).bfloat16().float()
+    if kind == "zero":
+        return torch.zeros(N_TOKENS, 576)
+    if kind == "tiny":  # amax well below 1e-4 in every tile (FlashMLA's 1e-4 floor decides)
+        return x * 1e-7
+    if kind == "huge":
+        return x * 1e30
+    if kind == "mixed":  # rows of each magnitude, and a few zero tiles
+        x = x * torch.logspace(-20, 20, N_TOKENS).unsqueeze(1)
+        x[::7, :128] = 0
+        return x
+    raise AssertionError(kind)
+
+
+KINDS = ["normal", "heavy_tailed", "bf16", "zero", "tiny", "huge", "mixed"]
+
+
+def _ours(fmt: str, x: torch.Tensor) -> np.ndarray:
+    return encode(fmt, x[:, :512], x[:, 512:]).numpy()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fp8_ds_mla_bytes_equal_vllm(kind):
+    x = _inputs(kind)
+    # vLLM's rope is the model's bf16 k_pe: give the port the bf16-rounded rope the model would hold.
+    engine = vllm_concat_and_cache_ds_mla(x[:, :512].numpy(), x[:, 512:].numpy())
+    ours = _ours("fp8_ds_mla", x)
+    assert np.count_nonzero(engine != ours) == 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fp8_ds_mla_pow2_bytes_equal_flashmla(kind):
+    x = _inputs(kind)
+    engine = flashmla_quantize_k_cache(x)
+    ours = _ours("fp8_ds_mla_pow2", x)
+    assert np.count_nonzero(engine != ours) == 0
+
+
+def test_fp8_ds_mla_division_is_what_differs_from_a_reciprocal():
+    """The engine's `x / scale` and `x * (1 / scale)` give different codes on ordinary data, so the
+    comparison above can tell the two arithmetics apart (it failed with the old reciprocal codec)."""
+    x = _inputs("bf16", seed=3)
+    vals = x[:, :128].numpy()
+    scale = np.maximum(np.abs(vals).max(axis=1) / np.float32(448.0), np.finfo(np.float32).tiny).astype(np.float32)
+    by_div = np_e4m3_satfinite_rn((vals / scale[:, None]).astype(np.float32))
+    by_rcp = np_e4m3_satfinite_rn((vals * (np.float32(1.0) / scale)[:, None]).astype(np.float32))
+    assert np.count_nonzero(by_div != by_rcp) > 0
+
+
+def test_flashmla_floor_changes_tiny_tiles():
+    """With amax/448 < 1e-4 FlashMLA's scale is 2^-13 (ceil of log2 1e-4); a FLT_MIN floor would not be."""
+    x = _inputs("tiny")
+    scales = _ours("fp8_ds_mla_pow2", x)[:, 512:528].copy().view(np.float32)
+    assert np.all(scales == np.float32(2.0**-13))
+
+
+def test_flashmla_log2_ceil_equals_the_exact_power_of_two_for_every_bf16_amax():
+    """Our codec rounds up with exact bit arithmetic; FlashMLA with float32 log2().ceil(). They agree for
+    every positive finite bf16 amax (the engine's input dtype), checked exhaustively."""
+    bits = torch.arange(1, 0x7F80, dtype=torch.int32).to(torch.int16)  # positive finite bf16 patterns
+    amax = bits.view(torch.bfloat16).float()
+    s0 = torch.clamp_min(amax / 448.0, 1e-4)
+    by_log2 = torch.pow(2, s0.log2().ceil()).to(torch.float32)
+    mant, exp = torch.frexp(s0)
+    exact = torch.ldexp(torch.ones_like(s0), torch.where(mant == 0.5, exp - 1, exp))
+    assert torch.equal(by_log2, exact)
+
+
+def test_specs_name_the_engines_ported_here():
+    assert get_format("fp8_ds_mla").engine.commit == "37cb21c1695d11baba8e369b071d2f44c1561c8f"
+    assert get_format("fp8_ds_mla_pow2").engine.commit == "520fec6a7fd98028705ccad373b7f0e3e2ae75fb"
