@@ -99,3 +99,64 @@ def test_unaligned_record_rejected():
             rope=VectorCoding(64, "e4m3", Field("rope", 512, "e4m3", 64), ScaleRule.TENSOR, 64),
             pads=(Field("pad", 576, "pad", 4),),
         )
+
+
+def _user_spec(name: str, aliases: tuple[str, ...] = ()) -> FormatSpec:
+    return FormatSpec(
+        name=name,
+        title=name,
+        description="E4M3 latent with a scale per 64 values, bf16 rope",
+        source="test",
+        record_bytes=672,
+        latent=VectorCoding(512, "e4m3", Field("latent", 0, "e4m3", 512), ScaleRule.AMAX_FP32, 64, Field("latent_scale", 512, "fp32", 8)),
+        rope=VectorCoding(64, "bf16", Field("rope", 544, "bf16", 64), ScaleRule.NONE, 64),
+        aliases=aliases,
+    )
+
+
+def test_old_names_select_the_format_with_a_note():
+    from mla_eval.formats import alias_note
+
+    spec = register_format(_user_spec("user_new_name", aliases=("user_old_name",)))
+    try:
+        assert get_format("user_old_name") is spec
+        assert [s.name for s in parse_format_list("user_old_name,user_new_name")] == ["user_new_name"]
+        assert "old name of 'user_new_name'" in alias_note("user_old_name")
+        assert alias_note("user_new_name") is None
+        with pytest.raises(ValueError, match="already taken"):
+            register_format(_user_spec("user_other", aliases=("user_old_name",)))
+        with pytest.raises(ValueError, match="already taken"):
+            register_format(_user_spec("user_third", aliases=("nvfp4",)))
+    finally:
+        unregister_format("user_new_name")
+    with pytest.raises(UnknownFormatError):
+        get_format("user_old_name")
+
+
+def test_builtin_names_and_aliases_never_collide():
+    names = [s.name for s in all_formats()] + [a for s in all_formats() for a in s.aliases]
+    assert len(names) == len(set(names))
+
+
+def test_record_width_lookup():
+    from mla_eval.errors import UserError
+    from mla_eval.formats import format_for_record_bytes
+
+    assert format_for_record_bytes(432).name == "nvfp4"
+    assert format_for_record_bytes(1152).name == "bf16"
+    with pytest.raises(UserError, match=r"records of 500 B, which matches no cache format \(bf16=1152") as exc:
+        format_for_record_bytes(500)
+    assert "\n" not in str(exc.value)
+    with pytest.raises(UserError, match="shared by fp8_ds_mla, fp8_ds_mla_pow2; name the format"):
+        format_for_record_bytes(656)
+
+
+def test_model_dims_check_names_deepseek_v4():
+    from mla_eval.errors import UserError
+    from mla_eval.formats import check_model_dims
+
+    check_model_dims(512, 64)
+    with pytest.raises(UserError, match="448 \\+ 64 values per token \\(a DeepSeek-V4 cache\\).*not supported"):
+        check_model_dims(448, 64, "deepseek-ai/DeepSeek-V4")
+    with pytest.raises(UserError, match="caches 256 \\+ 32 values"):
+        check_model_dims(256, 32)
