@@ -27,7 +27,9 @@ from mla_eval_kernels.compile_cache import arch_tag, compiled
 from mla_eval.formats.spec import TOKEN_SCALE_DENOMINATOR
 from mla_eval_kernels.record_plan import (
     APPLY_DIV,
+    ORDER_8X4,
     RULE_AMAX_E4M3,
+    RULE_AMAX_E4M3_UP,
     RULE_AMAX_FP32,
     RULE_AMAX_FP32_POW2,
     RULE_OCP_E8M0,
@@ -181,6 +183,14 @@ class CacheWriter:
             r = ptx.rcp_rn(s)
             r = Float32(0.0) if s == Float32(0.0) else r
             return code, r, s
+        if cutlass.const_expr(coding.rule == RULE_AMAX_E4M3_UP):
+            # upstream vLLM nvfp4_tile_scale: RN to E4M3, then one code up while below the wanted scale
+            want = ptx.max_f32(ptx.div_rn(amax, Float32(6.0)), floor)
+            code = ptx.e4m3x2(Float32(0.0), want) & Uint32(0xFF)
+            if ptx.e4m3_to_f32(code) < want and code < Uint32(0x7E):
+                code = code + Uint32(1)
+            s = ptx.e4m3_to_f32(code)
+            return code, ptx.rcp_rn(s), s
         if cutlass.const_expr(coding.rule == RULE_OCP_E8M0):
             e = Int32(-127)
             if amax > Float32(0.0):
@@ -198,10 +208,14 @@ class CacheWriter:
             if lane % lanes_per_group == 0:
                 record[base + lane // lanes_per_group] = s_bits
         else:
-            # one byte per group; word w holds groups 4w..4w+3, owned by lanes (4w + j) * lanes_per_group
+            # one byte per group; byte p of the field holds group p (or, transposed 8x4, group
+            # 4*(p&7) + (p>>3)), owned by lane group * lanes_per_group; word w holds bytes 4w..4w+3
             word = Uint32(0)
             for j in cutlass.range_constexpr(4):
-                src = ((lane * 4 + j) * lanes_per_group) % 32
+                grp = lane * 4 + j
+                if cutlass.const_expr(coding.scale_order == ORDER_8X4):
+                    grp = (grp & 7) * 4 + (grp >> 3)
+                src = (grp * lanes_per_group) % 32
                 word = word | (ptx.shfl_idx(s_bits, src) << Uint32(8 * j))
             if lane < coding.n_groups // 4:
                 record[base + lane] = word

@@ -24,6 +24,7 @@ from mla_eval.formats.spec import (  # pure Python: no torch or cutlass needed a
     LATENT_DIM,
     ROPE_DIM,
     ScaleApply,
+    ScaleOrder,
     ScaleRule,
 )
 
@@ -33,10 +34,13 @@ RULE_TENSOR = ScaleRule.TENSOR.value
 RULE_AMAX_FP32 = ScaleRule.AMAX_FP32.value
 RULE_AMAX_FP32_POW2 = ScaleRule.AMAX_FP32_POW2.value
 RULE_AMAX_E4M3 = ScaleRule.AMAX_E4M3.value
+RULE_AMAX_E4M3_UP = ScaleRule.AMAX_E4M3_UP.value
 RULE_OCP_E8M0 = ScaleRule.OCP_E8M0.value
 KNOWN_RULES = tuple(r.value for r in ScaleRule)
 APPLY_MUL_RCP = ScaleApply.MUL_RCP.value
 APPLY_DIV = ScaleApply.DIV.value
+ORDER_LINEAR = ScaleOrder.LINEAR.value
+ORDER_8X4 = ScaleOrder.TRANSPOSE_8X4.value  # group s's scale at entry 8*(s&3) + (s>>2)
 
 class UnsupportedFormat(ValueError):
     """The spec is valid but outside what the CuTe kernels implement (dispatch falls back)."""
@@ -55,7 +59,8 @@ class CodingPlan:
     scale_dtype: str  # "" (no stored scale) | "fp32" | "e4m3" | "e8m0"
     scale_offset: int  # -1 when no stored scale
     apply: str = APPLY_MUL_RCP  # ScaleApply value: multiply by rcp.rn(s) or div.rn by s
-    scale_floor: float = FLT_MIN  # floor of amax / qmax for the fp32 rules
+    scale_floor: float = FLT_MIN  # floor of amax / qmax for the fp32 rules and AMAX_E4M3_UP
+    scale_order: str = ORDER_LINEAR  # ScaleOrder value: where group s's scale sits
 
     @property
     def n_groups(self) -> int:
@@ -97,6 +102,7 @@ def _coding(c) -> CodingPlan:
         scale_offset=scale.offset if scale is not None else -1,
         apply=c.apply.value,
         scale_floor=float(c.scale_floor),
+        scale_order=c.scale_order.value,
     )
 
 
@@ -134,6 +140,8 @@ def _check_kernel_scope(p: RecordPlan) -> None:
         raise UnsupportedFormat(f"latent group {lat.group} is not a multiple of 16")
     if lat.scale_dtype in ("e4m3", "e8m0") and lat.n_groups % 4:
         raise UnsupportedFormat("byte-sized latent scales must come in multiples of 4")
+    if lat.scale_order == ORDER_8X4 and (lat.group != 16 or lat.scale_dtype == "fp32"):
+        raise UnsupportedFormat("the 8x4 scale transpose is implemented for 32 byte-sized scales of 16 values")
     rope = p.rope
     if rope.elem == "e2m1":
         raise UnsupportedFormat("e2m1 rope has no kernel")

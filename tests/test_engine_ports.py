@@ -7,6 +7,12 @@ Sources (the spec of each format names the same engine, `FormatSpec.engine`):
   tile_scale = fmaxf(max_abs / 448.f, FLT_MIN); codes fp8::scaled_convert = __nv_cvt_float_to_fp8(
   float(x) / scale, __NV_SATFINITE, E4M3) (csrc/quantization/w8a8/fp8/nvidia/quant_utils.cuh);
   bytes [0,512) codes, [512,528) four fp32 scales, [528,656) the bf16 rope copied through.
+- nvfp4_fp8_ds_mla: vllm-project/vllm @ 03b6016490cc6603e031cda092a005f10bdc71ee,
+  csrc/libtorch_stable/nvfp4_ds_mla_cache_kernels.cu `concat_and_cache_nvfp4_ds_mla_kernel` and
+  `nvfp4_tile_scale`: sf_f = fmaxf(amax / 6.0f, 2^-9), sf = e4m3(sf_f) bumped one code up when below
+  sf_f (and below 0x7E), inv_sf = 1.0f / sf, codes cvt.rn.satfinite.e2m1x2(x * inv_sf) with the even
+  element in the low nibble; rope unscaled e4m3 at [256,320); scale of block s at byte 320 + nvfp4_sf_byte(s)
+  = 320 + 8 * (s & 3) + (s >> 2).
 - fp8_ds_mla_pow2: deepseek-ai/FlashMLA @ 520fec6a7fd98028705ccad373b7f0e3e2ae75fb, tests/quant.py
   `quantize_k_cache` (V32_FP8Sparse) and `_cast_scale_inv_to_ue8m0`: scale_inv = 2 ** ceil(log2(
   clamp_min(amax.float() / 448.0, 1e-4))) in float32 torch, codes (x.float() / scale_inv).to(float8_e4m3fn).
@@ -47,6 +53,19 @@ def np_e4m3_satfinite_rn(x: np.ndarray) -> np.ndarray:
     return code | (np.signbit(x).astype(np.uint8) << 7)
 
 
+E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def np_e2m1_satfinite_rn(x: np.ndarray) -> np.ndarray:
+    """float32 -> E2M1 codes (0..15) like cvt.rn.satfinite.e2m1x2: nearest, ties to the even code, clamp 6."""
+    a = np.minimum(np.abs(x.astype(np.float64)), 6.0)
+    hi = np.clip(np.searchsorted(E2M1_VALUES, a, side="left"), 0, 7)
+    lo = np.maximum(hi - 1, 0)
+    d_lo, d_hi = a - E2M1_VALUES[lo], E2M1_VALUES[hi] - a
+    code = np.where((d_hi < d_lo) | ((d_hi == d_lo) & (hi % 2 == 0)), hi, lo).astype(np.uint8)
+    return code | (np.signbit(x).astype(np.uint8) << 3)
+
+
 def np_bf16_rn(x: np.ndarray) -> np.ndarray:
     """float32 -> bf16 bit patterns (uint16), round to nearest even (finite inputs)."""
     u = x.astype(np.float32).view(np.uint32).astype(np.uint64)
@@ -67,6 +86,25 @@ def vllm_concat_and_cache_ds_mla(kv_c: np.ndarray, k_pe: np.ndarray) -> np.ndarr
         q = (vals / tile_scale[:, None]).astype(np.float32)  # IEEE division, as `float(x) / scale`
         out[:, 128 * tile : 128 * (tile + 1)] = np_e4m3_satfinite_rn(q)
     out[:, 528:656] = np_bf16_rn(k_pe).view(np.uint8).reshape(n, 128)
+    return out
+
+
+def vllm_concat_and_cache_nvfp4_ds_mla(kv_c: np.ndarray, k_pe: np.ndarray) -> np.ndarray:
+    """Upstream vLLM's 352 B record: warp 0 lane `tile` writes one 16-value block, warp 1 the rope."""
+    n = kv_c.shape[0]
+    out = np.zeros((n, 352), dtype=np.uint8)
+    for tile in range(32):
+        vals = kv_c[:, 16 * tile : 16 * (tile + 1)].astype(np.float32)
+        amax = np.abs(vals).max(axis=1)
+        sf_f = np.maximum(amax / np.float32(6.0), np.float32(0.001953125)).astype(np.float32)
+        sf_bits = np_e4m3_satfinite_rn(sf_f)
+        bump = (E4M3_VALUES[sf_bits] < sf_f) & (sf_bits < 0x7E)
+        sf_bits = sf_bits + bump.astype(np.uint8)
+        out[:, 320 + 8 * (tile & 3) + (tile >> 2)] = sf_bits
+        inv_sf = (np.float32(1.0) / E4M3_VALUES[sf_bits].astype(np.float32)).astype(np.float32)
+        codes = np_e2m1_satfinite_rn((vals * inv_sf[:, None]).astype(np.float32))
+        out[:, 8 * tile : 8 * (tile + 1)] = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    out[:, 256:320] = np_e4m3_satfinite_rn(k_pe.astype(np.float32))
     return out
 
 
@@ -133,6 +171,24 @@ def test_fp8_ds_mla_pow2_bytes_equal_flashmla(kind):
     engine = flashmla_quantize_k_cache(x)
     ours = _ours("fp8_ds_mla_pow2", x)
     assert np.count_nonzero(engine != ours) == 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_nvfp4_fp8_ds_mla_bytes_equal_vllm(kind):
+    x = _inputs(kind)
+    engine = vllm_concat_and_cache_nvfp4_ds_mla(x[:, :512].numpy(), x[:, 512:].numpy())
+    ours = _ours("nvfp4_fp8_ds_mla", x)
+    assert np.count_nonzero(engine != ours) == 0
+
+
+def test_nvfp4_fp8_ds_mla_bump_and_floor_are_exercised():
+    """The inputs above reach both special rules: a scale bumped up, and the 2^-9 floor (code 0x01)."""
+    x = _inputs("normal")
+    vals = x[:, :512].numpy().reshape(-1, 16)
+    sf_f = np.maximum(np.abs(vals).max(axis=1) / np.float32(6.0), np.float32(2.0**-9)).astype(np.float32)
+    assert np.any(E4M3_VALUES[np_e4m3_satfinite_rn(sf_f)] < sf_f)
+    tiny_scales = _ours("nvfp4_fp8_ds_mla", _inputs("tiny"))[:, 320:352]
+    assert np.all(tiny_scales == 0x01)
 
 
 def test_fp8_ds_mla_division_is_what_differs_from_a_reciprocal():

@@ -253,7 +253,8 @@ def test_scale_mode_or_s_l_change_never_reuses_a_kernel():
     keys_before = set(compile_cache.keys())
     results = {}
     for fmt, s_l in [("nvfp4", None), ("nvfp4", 1.0), ("nvfp4", 0.02), ("nvfp4", 3.0),
-                     ("fp8_ds_mla", None), ("fp8_ds_mla_pow2", None), ("nvfp4_fp8rope", None), ("nvfp4_fp8rope_st", None)]:
+                     ("fp8_ds_mla", None), ("fp8_ds_mla_pow2", None), ("nvfp4_fp8rope", None), ("nvfp4_fp8rope_st", None),
+                     ("nvfp4_fp8_ds_mla", None)]:
         spec = get_format(fmt)
         cache = torch.zeros(1, BLOCK, spec.record_bytes, dtype=torch.uint8, device="cuda")
         dispatch.write_cache(spec, lat.cuda(), rope.cuda(), slots.cuda(), cache, outer_scale=s_l, backend="kernel")
@@ -264,12 +265,12 @@ def test_scale_mode_or_s_l_change_never_reuses_a_kernel():
     assert not torch.equal(results[("fp8_ds_mla", None)], results[("fp8_ds_mla_pow2", None)])
     dev = torch.device("cuda")
     k = {name: cache_writer.compile_key(plan_for(get_format(name)), torch.bfloat16, o, dev)
-         for name, o in [("nvfp4", False), ("fp8_ds_mla", False), ("fp8_ds_mla_pow2", False)]}
-    assert len(set(k.values())) == 3
+         for name, o in [("nvfp4", False), ("fp8_ds_mla", False), ("fp8_ds_mla_pow2", False), ("nvfp4_fp8_ds_mla", False)]}
+    assert len(set(k.values())) == 4
     assert cache_writer.compile_key(plan_for(get_format("nvfp4")), torch.bfloat16, True, dev) != k["nvfp4"]
     new = set(compile_cache.keys()) - keys_before
     assert all(key in compile_cache.keys() for key in k.values())
-    assert len(new) <= 6  # one writer per (format, outer on/off) at most, never one per s_l value
+    assert len(new) <= 7  # one writer per (format, outer on/off) at most, never one per s_l value
 
     # attention: outer scale on/off and two s_l values over the same records
     spec = get_format("nvfp4")

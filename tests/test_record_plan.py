@@ -11,6 +11,7 @@ def _check_coding(plan: rp.CodingPlan, coding: VectorCoding) -> None:
     assert plan.data_offset == coding.data.offset
     assert plan.rule == coding.scale_rule.value and plan.group == coding.group and plan.qmax == coding.qmax
     assert plan.apply == coding.apply.value and plan.scale_floor == coding.scale_floor
+    assert plan.scale_order == coding.scale_order.value
     if coding.scale is None:
         assert (plan.scale_dtype, plan.scale_offset) == ("", -1)
     else:
@@ -56,3 +57,10 @@ def test_a_spec_outside_the_kernels_is_refused_with_its_reason():
     )
     with pytest.raises(rp.UnsupportedFormat, match="latent group 8 is not a multiple of 16"):
         rp.plan_for(spec)
+
+
+def test_permuted_scales_and_bumped_rule_reach_the_plan():
+    plan = rp.plan_for(next(s for s in all_formats() if s.name == "nvfp4_fp8_ds_mla"))
+    assert plan.latent.scale_order == rp.ORDER_8X4 and plan.latent.rule == rp.RULE_AMAX_E4M3_UP
+    assert plan.latent.scale_floor == 2.0**-9 and plan.latent.scale_offset == 320
+    assert (plan.rope.elem, plan.rope.rule, plan.rope.data_offset) == ("e4m3", rp.RULE_TENSOR, 256)

@@ -21,8 +21,9 @@ from mla_eval.formats import (
 
 
 def test_builtin_names_in_order():
-    assert format_names()[:8] == [
-        "bf16", "fp8_ds_mla", "fp8_ds_mla_pow2", "nvfp4", "nvfp4_fp8rope", "nvfp4_fp8rope_st", "mxfp4", "fp8_e4m3",
+    assert format_names()[:9] == [
+        "bf16", "fp8_ds_mla", "fp8_ds_mla_pow2", "nvfp4", "nvfp4_fp8rope", "nvfp4_fp8rope_st", "nvfp4_fp8_ds_mla",
+        "mxfp4", "fp8_e4m3",
     ]
 
 

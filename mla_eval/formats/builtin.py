@@ -10,6 +10,7 @@ from mla_eval.formats.spec import (
     LATENT_DIM,
     Engine,
     ScaleApply,
+    ScaleOrder,
     FLT_MIN,
     ROPE_DIM,
     TOKEN_SCALE_DENOMINATOR,
@@ -46,6 +47,24 @@ FLASHMLA_FP8_POW2 = Engine(
     flag="V32_FP8Sparse",
     note="torch log2().ceil() equals the exact ceil(log2) for every bf16 input (see tests/test_engine_ports.py)",
 )
+# Upstream vLLM's 352 B NVFP4 record (vLLM PR 51724 with vllm-project/FlashMLA PR 18). Read at this
+# commit: sf_f = fmaxf(amax / 6.0f, 2^-9); sf = __nv_fp8_e4m3(sf_f) (RN, satfinite) bumped one code up
+# when float(sf) < sf_f and sf < 0x7E; inv_sf = 1.0f / sf; codes cvt.rn.satfinite.e2m1x2(x * inv_sf),
+# even element in the low nibble; rope __nv_fp8_e4m3(float(x)) unscaled at [256,320); scales at
+# [320,352) with block s at byte 320 + 8*(s&3) + (s>>2) (nvfp4_sf_byte). The divisions are IEEE
+# (nvcc's default -prec-div); 1.0f / sf takes E4M3 values only, where rcp.approx.ftz.f32 equals the
+# correctly rounded reciprocal too (mla_eval/formats/data/rcp_approx_ftz_f32.json).
+VLLM_NVFP4_FP8_DS_MLA = Engine(
+    name="vLLM",
+    repository="vllm-project/vllm",
+    path="csrc/libtorch_stable/nvfp4_ds_mla_cache_kernels.cu",
+    symbol="concat_and_cache_nvfp4_ds_mla_kernel",
+    commit="03b6016490cc6603e031cda092a005f10bdc71ee",
+    flag="--kv-cache-dtype nvfp4_fp8_ds_mla",
+    note="vLLM PR 51724 + vllm-project/FlashMLA PR 18; written on sm_100 (cvt e2m1x2), our writer computes the same on sm_90",
+)
+NVFP4_UP_FLOOR = 2.0**-9  # nvfp4_tile_scale: fmaxf(amax / max_val, 0.001953125f), the smallest E4M3 subnormal
+
 FLASHMLA_POW2_FLOOR = 1e-4  # FlashMLA tests/quant.py _cast_scale_inv_to_ue8m0: clamp_min(scale_inv, 1e-4)
 
 
@@ -163,6 +182,25 @@ BUILTIN_FORMATS: tuple[FormatSpec, ...] = (
         ),
         token_scale=Field("token_scale", 292, "fp32", 1),
         pads=(Field("pad", 296, "pad", 8),),
+    ),
+    FormatSpec(
+        name="nvfp4_fp8_ds_mla",
+        title="nvfp4 + fp8 rope (vLLM, 352 B)",
+        description="E2M1 latent, E4M3 block scale per 16 rounded up (floor 2^-9), permuted; unscaled E4M3 rope.",
+        source="upstream vLLM --kv-cache-dtype nvfp4_fp8_ds_mla (PR 51724) / vllm-project/FlashMLA PR 18",
+        record_bytes=352,
+        latent=VectorCoding(
+            LATENT_DIM,
+            "e2m1",
+            Field("latent", 0, "e2m1", LATENT_DIM),
+            ScaleRule.AMAX_E4M3_UP,
+            16,
+            Field("latent_scale", 320, "e4m3", LATENT_DIM // 16),
+            scale_floor=NVFP4_UP_FLOOR,
+            scale_order=ScaleOrder.TRANSPOSE_8X4,
+        ),
+        rope=VectorCoding(ROPE_DIM, "e4m3", Field("rope", 256, "e4m3", ROPE_DIM), ScaleRule.TENSOR, ROPE_DIM),
+        engine=VLLM_NVFP4_FP8_DS_MLA,
     ),
     # Our choice: OCP MX v1.0 MXFP4 (E2M1, one E8M0 scale per 32 values). 256 B of codes, 16 B of
     # scales, 16 B of zero padding so the bf16 rope starts 16-byte aligned at 288; 416 B in all.

@@ -16,7 +16,7 @@ import torch
 from mla_eval.errors import NonFiniteInputError, UserError
 from mla_eval.formats import numerics as nx
 from mla_eval.formats.registry import get_format
-from mla_eval.formats.spec import TOKEN_SCALE_DENOMINATOR, FormatSpec, ScaleApply, ScaleRule, VectorCoding
+from mla_eval.formats.spec import TOKEN_SCALE_DENOMINATOR, FormatSpec, ScaleApply, ScaleOrder, ScaleRule, VectorCoding
 
 OuterScaleArg = float | torch.Tensor | None
 
@@ -92,12 +92,26 @@ def _group_scale(coding: VectorCoding, g: torch.Tensor) -> tuple[torch.Tensor, t
         bits = nx.e4m3_encode(_div(amax, nx.E2M1_MAX))
         s = nx.e4m3_decode(bits)
         return s, _recip(s), bits
+    if rule is ScaleRule.AMAX_E4M3_UP:
+        want = _floor(_div(amax, nx.E2M1_MAX), coding.scale_floor)
+        bits = nx.e4m3_encode(want)
+        bits = bits + ((nx.e4m3_decode(bits) < want) & (bits < nx.E4M3_MAX_CODE)).to(torch.uint8)
+        s = nx.e4m3_decode(bits)
+        return s, _recip(s), bits
     if rule is ScaleRule.OCP_E8M0:
         exp = torch.where(amax > 0, nx.e8m0_floor_log2(torch.where(amax > 0, amax, 1.0)) - 2, -127)
         exp = exp.clamp(-127, 127)
         one = torch.ones_like(amax)
         return torch.ldexp(one, exp), torch.ldexp(one, -exp), (exp + 127).to(torch.uint8)
     raise AssertionError(f"no group scale for rule {rule}")
+
+
+def _inverse(positions: tuple[int, ...]) -> list[int]:
+    """inv[p] = the group whose scale sits at entry p."""
+    inv = [0] * len(positions)
+    for group, p in enumerate(positions):
+        inv[p] = group
+    return inv
 
 
 def _encode_elems(elem: str, v: torch.Tensor) -> torch.Tensor:
@@ -128,7 +142,11 @@ def _encode_vector(coding: VectorCoding, x: torch.Tensor, out: torch.Tensor) -> 
             x = (g / s.unsqueeze(-1).expand_as(g)).reshape(x.shape)
         else:
             x = (g * r.unsqueeze(-1)).reshape(x.shape)
-        out[..., coding.scale.offset : coding.scale.end] = stored.reshape(*x.shape[:-1], -1)
+        stored = stored.reshape(*x.shape[:-1], -1)
+        if coding.scale_order is not ScaleOrder.LINEAR:  # stored[..., s] goes to entry positions[s]
+            width = stored.shape[-1] // g.shape[-2]
+            stored = stored.unflatten(-1, (-1, width))[..., _inverse(coding.scale_positions), :].flatten(-2)
+        out[..., coding.scale.offset : coding.scale.end] = stored
     out[..., coding.data.offset : coding.data.end] = _encode_elems(coding.elem, x)
 
 
@@ -137,6 +155,9 @@ def _decode_vector(coding: VectorCoding, records: torch.Tensor) -> torch.Tensor:
     if coding.scale is None:
         return q
     raw = records[..., coding.scale.offset : coding.scale.end]
+    if coding.scale_order is not ScaleOrder.LINEAR:  # entry positions[s] holds group s
+        width = raw.shape[-1] // (coding.dim // coding.group)
+        raw = raw.unflatten(-1, (-1, width))[..., list(coding.scale_positions), :].flatten(-2)
     if coding.scale.dtype == "fp32":
         s = nx.f32_from_bytes(raw)
     elif coding.scale.dtype == "e4m3":

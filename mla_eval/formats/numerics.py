@@ -20,6 +20,7 @@ import torch
 from mla_eval.formats.spec import FLT_MIN  # noqa: F401 - re-exported: the all-zero-group guard
 
 E4M3_MAX = 448.0
+E4M3_MAX_CODE = 0x7E  # the bit pattern of +448 (positive E4M3 codes are ordered like their values)
 E2M1_MAX = 6.0
 
 # Magnitude of each E2M1 code 0..7 (code 8..15 are the same values negated).

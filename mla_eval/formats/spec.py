@@ -17,6 +17,8 @@ all in float32, IEEE round-to-nearest-even.
    - AMAX_FP32_POW2: s = 2^ceil(log2(max(amax / qmax, floor))), stored as fp32 (FlashMLA's
      test quantiser: floor = 1e-4, then the power of two at or above; ceil(log2) is exact here).
    - AMAX_E4M3:    s = e4m3_rn_satfinite(amax / 6) stored as E4M3 (NVFP4 block scale); s may be 0.
+   - AMAX_E4M3_UP: f = max(amax / 6, floor); s = e4m3_rn_satfinite(f), then one E4M3 step up where
+     s < f and s < 448 (upstream vLLM nvfp4_fp8_ds_mla: amax / s never exceeds 6); never 0.
    - OCP_E8M0:     s = 2^(floor(log2 amax) - 2) (OCP MX v1.0: emax of E2M1 is 2), exponent
      clamped to [-127, 127], 2^-127 for amax = 0; stored as E8M0.
    - TENSOR:       no stored scale; the group is scaled only by the outer scale.
@@ -25,6 +27,7 @@ all in float32, IEEE round-to-nearest-even.
    - MUL_RCP: q = cvt.rn.satfinite(v * r) with r = 1 / s (`rcp.rn.f32`), and r = 0 where s = 0.
    - DIV:     q = cvt.rn.satfinite(v / s) (`div.rn.f32`; the engine divides, e.g. vLLM's
      `scaled_convert`), s is never 0 under these rules (floored).
+   Scales are stored in group order, or permuted (`ScaleOrder`): see `scale_positions`.
    The decoder returns q * s (then * s_t, then * s_l), all exact products of the stored values.
 """
 
@@ -51,6 +54,7 @@ class ScaleRule(str, enum.Enum):
     AMAX_FP32 = "amax/qmax fp32"
     AMAX_FP32_POW2 = "pow2ceil(amax/qmax) fp32"
     AMAX_E4M3 = "e4m3(amax/6)"
+    AMAX_E4M3_UP = "e4m3 up(max(amax/6, floor))"
     OCP_E8M0 = "2^(floor(log2 amax)-2) e8m0"
 
 
@@ -59,6 +63,20 @@ class ScaleApply(str, enum.Enum):
 
     MUL_RCP = "x * rcp.rn(s)"
     DIV = "x / s"
+
+
+class ScaleOrder(str, enum.Enum):
+    """Where the scale of group s sits inside the scale field (byte-sized scales)."""
+
+    LINEAR = "linear"  # group s at byte s
+    TRANSPOSE_8X4 = "8*(s&3)+(s>>2)"  # vLLM/FlashMLA nvfp4_sf_byte: an 8x4 -> 4x8 transpose of 32 scales
+
+
+def scale_positions(order: ScaleOrder, n_groups: int) -> tuple[int, ...]:
+    """Element s = position (in scale entries) of group s's scale within the scale field."""
+    if order is ScaleOrder.LINEAR:
+        return tuple(range(n_groups))
+    return tuple(8 * (s & 3) + (s >> 2) for s in range(n_groups))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +128,12 @@ class VectorCoding:
     group: int  # values sharing one scale (== dim for one scale per vector)
     scale: Field | None = None  # where the group scales live; None for NONE / TENSOR
     apply: ScaleApply = ScaleApply.MUL_RCP  # how elements are scaled (multiply by 1/s or divide by s)
-    scale_floor: float = FLT_MIN  # lower bound of amax / qmax for the fp32 rules (all-zero groups)
+    scale_floor: float = FLT_MIN  # lower bound of amax / qmax for the fp32 rules and AMAX_E4M3_UP
+    scale_order: ScaleOrder = ScaleOrder.LINEAR  # where each group's scale sits in the scale field
+
+    @property
+    def scale_positions(self) -> tuple[int, ...]:
+        return scale_positions(self.scale_order, self.dim // self.group)
 
     @property
     def qmax(self) -> float:
@@ -193,6 +216,8 @@ def _validate(spec: FormatSpec) -> None:
             raise ValueError(f"{spec.name}: {c.scale.count} scales for {c.dim // c.group} groups")
         if c.apply is ScaleApply.DIV and c.scale_rule not in (ScaleRule.AMAX_FP32, ScaleRule.AMAX_FP32_POW2):
             raise ValueError(f"{spec.name}: division by the scale needs a floored fp32 scale rule (never divides by 0)")
+        if c.scale_order is ScaleOrder.TRANSPOSE_8X4 and (c.scale is None or c.scale.count != 32 or c.scale.dtype == "fp32"):
+            raise ValueError(f"{spec.name}: the 8x4 scale transpose is defined for 32 byte-sized scales")
         if not 0.0 < c.scale_floor < 1.0:
             raise ValueError(f"{spec.name}: scale_floor {c.scale_floor} must lie in (0, 1)")
         if (c.elem == "bf16") != (c.scale_rule is ScaleRule.NONE):
