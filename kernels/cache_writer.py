@@ -27,9 +27,12 @@ from mla_eval_kernels.compile_cache import arch_tag, compiled
 from mla_eval.formats.spec import TOKEN_SCALE_DENOMINATOR
 from mla_eval_kernels.record_plan import (
     APPLY_DIV,
+    APPLY_MUL_RCP_APPROX,
     ORDER_8X4,
     RULE_AMAX_E4M3,
+    RULE_AMAX_E4M3_RCP6,
     RULE_AMAX_E4M3_UP,
+    RULE_AMAX_FP32_MUL,
     RULE_AMAX_FP32,
     RULE_AMAX_FP32_POW2,
     RULE_OCP_E8M0,
@@ -126,6 +129,7 @@ class CacheWriter:
             if cutlass.const_expr(lat.scale_dtype != ""):
                 amax = ptx.warp_max(self._local_amax(v, 16), lanes_per_group)
                 s_bits, r, s = self._group_scale(lat, amax)
+                r = self._reciprocal(lat, r, s)
                 for i in cutlass.range_constexpr(16):
                     v[i] = self._apply_scale(lat, v[i], r, s)
                 self._store_scales(record, lat, s_bits, lane, lanes_per_group)
@@ -136,6 +140,7 @@ class CacheWriter:
             if cutlass.const_expr(rope.scale_dtype != ""):
                 amax = ptx.warp_max(self._local_amax(w, 2), 32)
                 s_bits, r, s = self._group_scale(rope, amax)
+                r = self._reciprocal(rope, r, s)
                 for i in cutlass.range_constexpr(2):
                     w[i] = self._apply_scale(rope, w[i], r, s)
                 if lane == 0:
@@ -156,11 +161,26 @@ class CacheWriter:
         return a
 
     @cute.jit
+    def _reciprocal(self, coding: cutlass.Constexpr, r: Float32, s: Float32) -> Float32:
+        """The engine's reciprocal of the group scale: rcp.approx.ftz of an E4M3 scale where the engine
+        uses it (the codec reads the same values from the H200 table), 0 for s = 0. For an fp32 scale
+        the codec, and so this writer, keeps rcp.rn (not tabulable; the residual is measured apart)."""
+        if cutlass.const_expr(coding.apply == APPLY_MUL_RCP_APPROX and coding.scale_dtype == "e4m3"):
+            r = ptx.rcp_approx_ftz(s)
+            r = Float32(0.0) if s == Float32(0.0) else r
+        return r
+
+    @cute.jit
     def _apply_scale(self, coding: cutlass.Constexpr, x: Float32, r: Float32, s: Float32) -> Float32:
-        """Step 4 of spec.py: div.rn(x, s) where the engine divides, else mul.rn(x, rcp.rn(s))."""
+        """Step 4 of spec.py: div.rn(x, s) where the engine divides, else mul.rn(x, r); +0 for a
+        zero scale where the engine clears such a group."""
         if cutlass.const_expr(coding.apply == APPLY_DIV):
-            return ptx.div_rn(x, s)
-        return ptx.mul_rn(x, r)
+            y = ptx.div_rn(x, s)
+        else:
+            y = ptx.mul_rn(x, r)
+        if cutlass.const_expr(coding.zero_scale_clears):
+            y = Float32(0.0) if s == Float32(0.0) else y
+        return y
 
     @cute.jit
     def _group_scale(self, coding: cutlass.Constexpr, amax: Float32):
@@ -183,6 +203,14 @@ class CacheWriter:
             r = ptx.rcp_rn(s)
             r = Float32(0.0) if s == Float32(0.0) else r
             return code, r, s
+        if cutlass.const_expr(coding.rule == RULE_AMAX_E4M3_RCP6):
+            # NVIDIA's recipe: amax * rcp.approx.ftz(6), RN satfinite to E4M3
+            code = ptx.e4m3x2(Float32(0.0), ptx.mul_rn(amax, ptx.rcp_approx_ftz(Float32(6.0)))) & Uint32(0xFF)
+            s = ptx.e4m3_to_f32(code)
+            return code, ptx.rcp_rn(s), s
+        if cutlass.const_expr(coding.rule == RULE_AMAX_FP32_MUL):
+            s = ptx.mul_rn(amax, Float32(1.0 / coding.qmax))  # b12x: a compile-time f32 constant, no floor
+            return ptx.f32_bits(s), ptx.rcp_rn(s), s
         if cutlass.const_expr(coding.rule == RULE_AMAX_E4M3_UP):
             # upstream vLLM nvfp4_tile_scale: RN to E4M3, then one code up while below the wanted scale
             want = ptx.max_f32(ptx.div_rn(amax, Float32(6.0)), floor)
@@ -253,7 +281,7 @@ class CacheWriter:
 
 def compile_key(plan: RecordPlan, in_dtype: torch.dtype, has_outer: bool, device: torch.device) -> tuple:
     """Every specialisation of a compiled writer; s_l itself is a run-time argument."""
-    return ("cache_writer", 2, plan, str(in_dtype), bool(has_outer), arch_tag(device))
+    return ("cache_writer", 3, plan, str(in_dtype), bool(has_outer), arch_tag(device))
 
 
 def _ptr(t: torch.Tensor, dtype, align: int):

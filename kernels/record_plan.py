@@ -35,10 +35,13 @@ RULE_AMAX_FP32 = ScaleRule.AMAX_FP32.value
 RULE_AMAX_FP32_POW2 = ScaleRule.AMAX_FP32_POW2.value
 RULE_AMAX_E4M3 = ScaleRule.AMAX_E4M3.value
 RULE_AMAX_E4M3_UP = ScaleRule.AMAX_E4M3_UP.value
+RULE_AMAX_E4M3_RCP6 = ScaleRule.AMAX_E4M3_RCP6.value
+RULE_AMAX_FP32_MUL = ScaleRule.AMAX_FP32_MUL.value
 RULE_OCP_E8M0 = ScaleRule.OCP_E8M0.value
 KNOWN_RULES = tuple(r.value for r in ScaleRule)
 APPLY_MUL_RCP = ScaleApply.MUL_RCP.value
 APPLY_DIV = ScaleApply.DIV.value
+APPLY_MUL_RCP_APPROX = ScaleApply.MUL_RCP_APPROX.value
 ORDER_LINEAR = ScaleOrder.LINEAR.value
 ORDER_8X4 = ScaleOrder.TRANSPOSE_8X4.value  # group s's scale at entry 8*(s&3) + (s>>2)
 
@@ -61,6 +64,7 @@ class CodingPlan:
     apply: str = APPLY_MUL_RCP  # ScaleApply value: multiply by rcp.rn(s) or div.rn by s
     scale_floor: float = FLT_MIN  # floor of amax / qmax for the fp32 rules and AMAX_E4M3_UP
     scale_order: str = ORDER_LINEAR  # ScaleOrder value: where group s's scale sits
+    zero_scale_clears: bool = False  # a zero scale stores +0 codes for the whole group
 
     @property
     def n_groups(self) -> int:
@@ -103,6 +107,7 @@ def _coding(c) -> CodingPlan:
         apply=c.apply.value,
         scale_floor=float(c.scale_floor),
         scale_order=c.scale_order.value,
+        zero_scale_clears=bool(c.zero_scale_clears),
     )
 
 

@@ -13,12 +13,27 @@ Sources (the spec of each format names the same engine, `FormatSpec.engine`):
   sf_f (and below 0x7E), inv_sf = 1.0f / sf, codes cvt.rn.satfinite.e2m1x2(x * inv_sf) with the even
   element in the low nibble; rope unscaled e4m3 at [256,320); scale of block s at byte 320 + nvfp4_sf_byte(s)
   = 320 + 8 * (s & 3) + (s >> 2).
+- nvfp4 (432 B): NVIDIA's NVFP4 recipe `cvt_warp_fp16_to_fp4` in vllm-project/vllm @
+  bde90062eb908dec6a314970a5edb554f6e8a0cc csrc/libtorch_stable/quantization/fp4/nvfp4_utils.cuh, as the
+  local-inference-lab vLLM fork's `concat_and_cache_nvfp4_mla` calls it (SFScaleVal = 1.0): SFValue =
+  vecMax * rcp.approx.ftz(6), E4M3 (RN, satfinite), outputScale = SFValue != 0 ? rcp.approx.ftz(SFValue *
+  rcp.approx.ftz(1)) : 0, codes e2m1(x * outputScale); scales at [256,288), zero pad, bf16 rope at 304.
+- nvfp4_fp8rope (368 B): local-inference-lab/b12x @ 1eed7483540585e4d84b705375309766c9317db9,
+  b12x/attention/_shared/mla/kv_cache.py `ConcatAndCacheNvfp4MlaFp8RopeKernel` (static scale): the latent as
+  above but a group with a zero decoded scale stores 8 zero bytes; rope scale = amax * f32(1/448) at
+  [288,292), codes e4m3(v * rcp.approx.ftz(scale)) at [304,368), zeros when the scale is 0.
+  rcp.approx.ftz results for E4M3 values and 6 come from the H200 table (mla_eval/formats/data/
+  rcp_approx_ftz_f32.json, read here directly); for the rope's arbitrary fp32 scale the port, like the
+  codec, uses the correctly rounded reciprocal (kernels/measure_rope_rcp_residual.py measures the rest).
 - fp8_ds_mla_pow2: deepseek-ai/FlashMLA @ 520fec6a7fd98028705ccad373b7f0e3e2ae75fb, tests/quant.py
   `quantize_k_cache` (V32_FP8Sparse) and `_cast_scale_inv_to_ue8m0`: scale_inv = 2 ** ceil(log2(
   clamp_min(amax.float() / 448.0, 1e-4))) in float32 torch, codes (x.float() / scale_inv).to(float8_e4m3fn).
 """
 
 from __future__ import annotations
+
+import json
+import pathlib
 
 import numpy as np
 import pytest
@@ -73,6 +88,16 @@ def np_bf16_rn(x: np.ndarray) -> np.ndarray:
     return (u >> 16).astype(np.uint16)
 
 
+_TABLE = json.loads((pathlib.Path(__file__).parents[1] / "mla_eval/formats/data/rcp_approx_ftz_f32.json").read_text())
+_RCP = dict(zip(_TABLE["inputs"], _TABLE["outputs"]))
+
+
+def rcp_approx_ftz(x: np.ndarray) -> np.ndarray:
+    """rcp.approx.ftz.f32 of tabulated float32 inputs, read from the H200 measurement (KeyError otherwise)."""
+    keys = x.astype(np.float32).view(np.int32)
+    return np.array([_RCP[int(k)] for k in keys.ravel()], dtype=np.int32).view(np.float32).reshape(x.shape)
+
+
 # ---------------------------------------------------------------- the engine ports
 def vllm_concat_and_cache_ds_mla(kv_c: np.ndarray, k_pe: np.ndarray) -> np.ndarray:
     """vLLM's 656 B record, token by token, in float32 as the CUDA kernel computes it."""
@@ -105,6 +130,54 @@ def vllm_concat_and_cache_nvfp4_ds_mla(kv_c: np.ndarray, k_pe: np.ndarray) -> np
         codes = np_e2m1_satfinite_rn((vals * inv_sf[:, None]).astype(np.float32))
         out[:, 8 * tile : 8 * (tile + 1)] = codes[:, 0::2] | (codes[:, 1::2] << 4)
     out[:, 256:320] = np_e4m3_satfinite_rn(k_pe.astype(np.float32))
+    return out
+
+
+def _nvfp4_group(vals: np.ndarray, clear_zero_scale: bool) -> tuple[np.ndarray, np.ndarray]:
+    """cvt_warp_fp16_to_fp4 at SFScaleVal = 1 for [n, 16] float32 values -> (scale bytes [n], packed [n, 8])."""
+    vec_max = np.abs(vals).max(axis=1)
+    sf_value = (vec_max * rcp_approx_ftz(np.array([6.0], np.float32))[0]).astype(np.float32)
+    sf_bits = np_e4m3_satfinite_rn(sf_value)
+    sf_dec = E4M3_VALUES[sf_bits].astype(np.float32)
+    inv_one = rcp_approx_ftz(np.array([1.0], np.float32))[0]
+    nz = sf_dec != 0
+    out_scale = np.zeros_like(sf_dec)
+    out_scale[nz] = rcp_approx_ftz((sf_dec[nz] * inv_one).astype(np.float32))
+    codes = np_e2m1_satfinite_rn((vals * out_scale[:, None]).astype(np.float32))
+    if clear_zero_scale:
+        codes[~nz] = 0
+    return sf_bits, codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
+def vllm_fork_concat_and_cache_nvfp4_mla(kv_c: np.ndarray, k_pe: np.ndarray) -> np.ndarray:
+    """The fork's 432 B record: one NVFP4 group of 16 per scale byte, zero pad, bf16 rope copied."""
+    n = kv_c.shape[0]
+    out = np.zeros((n, 432), dtype=np.uint8)
+    for group in range(32):
+        sf, packed = _nvfp4_group(kv_c[:, 16 * group : 16 * (group + 1)].astype(np.float32), clear_zero_scale=False)
+        out[:, 256 + group] = sf
+        out[:, 8 * group : 8 * (group + 1)] = packed
+    out[:, 304:432] = np_bf16_rn(k_pe).view(np.uint8).reshape(n, 128)
+    return out
+
+
+def b12x_concat_and_cache_nvfp4_mla_fp8_rope(kv_c: np.ndarray, k_pe: np.ndarray) -> np.ndarray:
+    """b12x's 368 B KV_FP8_ROPE=1 record (static scale)."""
+    n = kv_c.shape[0]
+    out = np.zeros((n, 368), dtype=np.uint8)
+    for group in range(32):
+        sf, packed = _nvfp4_group(kv_c[:, 16 * group : 16 * (group + 1)].astype(np.float32), clear_zero_scale=True)
+        out[:, 256 + group] = sf
+        out[:, 8 * group : 8 * (group + 1)] = packed
+    rope = k_pe.astype(np.float32)
+    rope_scale = (np.abs(rope).max(axis=1) * np.float32(1.0 / 448.0)).astype(np.float32)
+    out[:, 288:292] = rope_scale.reshape(n, 1).view(np.uint8)
+    nz = rope_scale != 0
+    inv = np.zeros_like(rope_scale)
+    inv[nz] = (np.float32(1.0) / rope_scale[nz]).astype(np.float32)  # rcp.approx.ftz on the GPU (not tabulable)
+    codes = np_e4m3_satfinite_rn((rope * inv[:, None]).astype(np.float32))
+    codes[~nz] = 0
+    out[:, 304:368] = codes
     return out
 
 
@@ -179,6 +252,42 @@ def test_nvfp4_fp8_ds_mla_bytes_equal_vllm(kind):
     engine = vllm_concat_and_cache_nvfp4_ds_mla(x[:, :512].numpy(), x[:, 512:].numpy())
     ours = _ours("nvfp4_fp8_ds_mla", x)
     assert np.count_nonzero(engine != ours) == 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_nvfp4_bytes_equal_the_vllm_fork_recipe(kind):
+    x = _inputs(kind)
+    engine = vllm_fork_concat_and_cache_nvfp4_mla(x[:, :512].numpy(), x[:, 512:].numpy())
+    assert np.count_nonzero(engine != _ours("nvfp4", x)) == 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_nvfp4_fp8rope_bytes_equal_b12x(kind):
+    x = _inputs(kind)
+    engine = b12x_concat_and_cache_nvfp4_mla_fp8_rope(x[:, :512].numpy(), x[:, 512:].numpy())
+    assert np.count_nonzero(engine != _ours("nvfp4_fp8rope", x)) == 0
+
+
+def test_nvfp4_recipe_multiplies_by_rcp6_not_divides():
+    """Near an E4M3 midpoint the two arithmetics part: for amax = 0.8906249403953552 (one float32 ulp
+    below 6 * 0.1484375, the midpoint of 0.140625 and 0.15625) amax / 6 rounds down, amax * f32(1/6)
+    up. The codec follows the engine's product."""
+    amax = np.array([0.8906249403953552], np.float32)
+    by_mul = np_e4m3_satfinite_rn((amax * rcp_approx_ftz(np.array([6.0], np.float32))[0]).astype(np.float32))
+    by_div = np_e4m3_satfinite_rn((amax / np.float32(6.0)).astype(np.float32))
+    assert E4M3_VALUES[by_div[0]] == 0.140625 and E4M3_VALUES[by_mul[0]] == 0.15625
+    x = torch.zeros(1, 576)
+    x[0, 0] = float(amax[0])
+    assert _ours("nvfp4", x)[0, 256] == by_mul[0]
+
+
+def test_b12x_clears_groups_whose_scale_rounds_to_zero():
+    """A 16-value group with tiny negative values: scale e4m3(amax/6) = 0, b12x stores 0x00 bytes, the
+    vLLM recipe stores x * 0 = -0 codes (0x88 bytes)."""
+    x = torch.zeros(1, 576)
+    x[0, :16] = -1e-5
+    assert np.all(_ours("nvfp4_fp8rope", x)[0, :8] == 0)
+    assert np.all(_ours("nvfp4", x)[0, :8] == 0x88)
 
 
 def test_nvfp4_fp8_ds_mla_bump_and_floor_are_exercised():

@@ -65,6 +65,37 @@ VLLM_NVFP4_FP8_DS_MLA = Engine(
 )
 NVFP4_UP_FLOOR = 2.0**-9  # nvfp4_tile_scale: fmaxf(amax / max_val, 0.001953125f), the smallest E4M3 subnormal
 
+# NVIDIA's NVFP4 quantisation recipe as vLLM ships it (read at this commit): SFValue = SFScaleVal *
+# (vecMax * rcp.approx.ftz(6.0f)); E4M3 by __nv_fp8_e4m3 (RN, satfinite); outputScale = SFValue != 0 ?
+# rcp.approx.ftz(SFValue * rcp.approx.ftz(SFScaleVal)) : 0; codes cvt.rn.satfinite.e2m1x2(x * outputScale).
+# The local-inference-lab fork's 432 B writer (concat_and_cache_nvfp4_mla) calls it at SFScaleVal = 1.0.
+VLLM_FORK_NVFP4 = Engine(
+    name="vLLM fork (local-inference-lab)",
+    repository="vllm-project/vllm",
+    path="csrc/libtorch_stable/quantization/fp4/nvfp4_utils.cuh",
+    symbol="cvt_warp_fp16_to_fp4 (SFScaleVal = 1.0)",
+    commit="bde90062eb908dec6a314970a5edb554f6e8a0cc",
+    flag="--kv-cache-dtype nvfp4_ds_mla (local-inference-lab/vllm, B12X_MLA_SPARSE)",
+    note="record of the fork's concat_and_cache_nvfp4_mla (codes, scales, 16 B zero pad, bf16 rope copied), read in an "
+    "unpinned copy; rcp.approx of E4M3 values and of 6 from the H200 table; s_l is applied by the fork in torch on bf16 "
+    "(bf16(x * (1/s_l))), here in float32 (not yet engine-exact)",
+)
+# b12x's 368 B writer (KV_FP8_ROPE=1), read at this commit: latent as the recipe above but a group whose
+# decoded scale is 0 stores 8 zero bytes; rope scale = rope_amax * f32(1/448) (a compile-time constant,
+# no floor), fp32 at [288,292); rope codes cvt.rn.satfinite.e4m3x2(v * rcp.approx.ftz(scale)), all zero
+# when the scale is 0. rcp.approx of that arbitrary fp32 scale cannot be tabulated: the codec uses rcp.rn,
+# and kernels/measure_rope_rcp_residual.py measures how many rope codes the real instruction changes.
+B12X_NVFP4_FP8ROPE = Engine(
+    name="b12x (local-inference-lab)",
+    repository="local-inference-lab/b12x",
+    path="b12x/attention/_shared/mla/kv_cache.py",
+    symbol="ConcatAndCacheNvfp4MlaFp8RopeKernel (per_token_scale=False)",
+    commit="1eed7483540585e4d84b705375309766c9317db9",
+    flag="--kv-cache-dtype nvfp4_ds_mla with KV_FP8_ROPE=1 (local-inference-lab/vllm)",
+    note="rope codes use rcp.approx.ftz of an arbitrary fp32 (computed here with rcp.rn; residual: "
+    "kernels/measure_rope_rcp_residual.py on the GPU); s_l applied in float32 here, in torch on bf16 by the engine",
+)
+
 FLASHMLA_POW2_FLOOR = 1e-4  # FlashMLA tests/quant.py _cast_scale_inv_to_ue8m0: clamp_min(scale_inv, 1e-4)
 
 
@@ -72,15 +103,17 @@ def _bf16_rope(offset: int) -> VectorCoding:
     return VectorCoding(ROPE_DIM, "bf16", Field("rope", offset, "bf16", ROPE_DIM), ScaleRule.NONE, ROPE_DIM)
 
 
-def _nvfp4_latent() -> VectorCoding:
+def _nvfp4_latent(rule: ScaleRule = ScaleRule.AMAX_E4M3, apply: ScaleApply = ScaleApply.MUL_RCP, clears: bool = False) -> VectorCoding:
     # [0,256) packed E2M1, [256,288) one E4M3 scale per 16 values.
     return VectorCoding(
         LATENT_DIM,
         "e2m1",
         Field("latent", 0, "e2m1", LATENT_DIM),
-        ScaleRule.AMAX_E4M3,
+        rule,
         16,
         Field("latent_scale", 256, "e4m3", LATENT_DIM // 16),
+        apply=apply,
+        zero_scale_clears=clears,
     )
 
 
@@ -139,13 +172,14 @@ BUILTIN_FORMATS: tuple[FormatSpec, ...] = (
     FormatSpec(
         name="nvfp4",
         title="nvfp4",
-        description="E2M1 latent, one E4M3 scale per 16 values; bf16 rope; optional per-layer outer scale s_l.",
+        description="E2M1 latent, one E4M3 scale e4m3(amax*rcp(6)) per 16 values (NVIDIA recipe); bf16 rope; optional s_l.",
         source="NVFP4 MLA cache (DESIGN.md): 256 B E2M1 + 32 B E4M3 scales + 16 B pad + 128 B bf16 rope",
         record_bytes=432,
-        latent=_nvfp4_latent(),
+        latent=_nvfp4_latent(ScaleRule.AMAX_E4M3_RCP6, ScaleApply.MUL_RCP_APPROX),
         rope=_bf16_rope(304),
         pads=(Field("pad", 288, "pad", 16),),
         outer_scale=NVFP4_OUTER,
+        engine=VLLM_FORK_NVFP4,
     ),
     FormatSpec(
         name="nvfp4_fp8rope",
@@ -153,22 +187,26 @@ BUILTIN_FORMATS: tuple[FormatSpec, ...] = (
         description="nvfp4 latent; rope as E4M3 with one fp32 scale (amax/448); optional s_l.",
         source="NVFP4 MLA cache with fp8 rope (DESIGN.md): 368 B",
         record_bytes=368,
-        latent=_nvfp4_latent(),
+        latent=_nvfp4_latent(ScaleRule.AMAX_E4M3_RCP6, ScaleApply.MUL_RCP_APPROX, clears=True),
         rope=VectorCoding(
             ROPE_DIM,
             "e4m3",
             Field("rope", 304, "e4m3", ROPE_DIM),
-            ScaleRule.AMAX_FP32,
+            ScaleRule.AMAX_FP32_MUL,
             ROPE_DIM,
             Field("rope_scale", 288, "fp32", 1),
+            apply=ScaleApply.MUL_RCP_APPROX,
+            zero_scale_clears=True,
         ),
         pads=(Field("pad", 292, "pad", 12),),
         outer_scale=NVFP4_OUTER,
+        engine=B12X_NVFP4_FP8ROPE,
     ),
     FormatSpec(
         name="nvfp4_fp8rope_st",
         title="nvfp4 two-level (s_t)",
-        description="nvfp4_fp8rope layout plus a per-token fp32 scale s_t = amax/(6*448); block scales relative to s_t.",
+        description="nvfp4_fp8rope layout plus a per-token fp32 scale s_t = amax/(6*448); block scales relative to s_t "
+        "(our arithmetic: b12x's per_token_scale mode multiplies by rcp.approx and orders the products differently).",
         source="Two-level NVFP4 scaling on the 368 B layout (DESIGN.md): s_t at [292,296)",
         record_bytes=368,
         latent=_nvfp4_latent(),

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from mla_eval.errors import NonFiniteInputError, UserError
+from mla_eval.formats import approx
 from mla_eval.formats import numerics as nx
 from mla_eval.formats.registry import get_format
 from mla_eval.formats.spec import TOKEN_SCALE_DENOMINATOR, FormatSpec, ScaleApply, ScaleOrder, ScaleRule, VectorCoding
@@ -92,6 +93,13 @@ def _group_scale(coding: VectorCoding, g: torch.Tensor) -> tuple[torch.Tensor, t
         bits = nx.e4m3_encode(_div(amax, nx.E2M1_MAX))
         s = nx.e4m3_decode(bits)
         return s, _recip(s), bits
+    if rule is ScaleRule.AMAX_E4M3_RCP6:
+        bits = nx.e4m3_encode(amax * torch.full_like(amax, approx.rcp_approx_of(nx.E2M1_MAX)))
+        s = nx.e4m3_decode(bits)
+        return s, _recip(s), bits
+    if rule is ScaleRule.AMAX_FP32_MUL:
+        s = amax * torch.full_like(amax, 1.0 / coding.qmax)  # the double 1/qmax rounded to f32 once
+        return s, _recip(s), nx.f32_to_bytes(s)
     if rule is ScaleRule.AMAX_E4M3_UP:
         want = _floor(_div(amax, nx.E2M1_MAX), coding.scale_floor)
         bits = nx.e4m3_encode(want)
@@ -104,6 +112,15 @@ def _group_scale(coding: VectorCoding, g: torch.Tensor) -> tuple[torch.Tensor, t
         one = torch.ones_like(amax)
         return torch.ldexp(one, exp), torch.ldexp(one, -exp), (exp + 127).to(torch.uint8)
     raise AssertionError(f"no group scale for rule {rule}")
+
+
+_LUTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _rcp_approx_lut(device: torch.device) -> torch.Tensor:
+    if device not in _LUTS:
+        _LUTS[device] = approx.rcp_approx_e4m3_lut().to(device)
+    return _LUTS[device]
 
 
 def _inverse(positions: tuple[int, ...]) -> list[int]:
@@ -138,10 +155,15 @@ def _encode_vector(coding: VectorCoding, x: torch.Tensor, out: torch.Tensor) -> 
     if coding.scale is not None:
         g = x.reshape(*x.shape[:-1], coding.dim // coding.group, coding.group)
         s, r, stored = _group_scale(coding, g)
+        if coding.apply is ScaleApply.MUL_RCP_APPROX and coding.scale.dtype == "e4m3":
+            r = _rcp_approx_lut(g.device)[stored.long()]  # exact H200 results; 0 for a zero scale
         if coding.apply is ScaleApply.DIV:
-            x = (g / s.unsqueeze(-1).expand_as(g)).reshape(x.shape)
+            g = g / s.unsqueeze(-1).expand_as(g)
         else:
-            x = (g * r.unsqueeze(-1)).reshape(x.shape)
+            g = g * r.unsqueeze(-1)
+        if coding.zero_scale_clears:
+            g = torch.where((s == 0).unsqueeze(-1), torch.zeros_like(g), g)
+        x = g.reshape(x.shape)
         stored = stored.reshape(*x.shape[:-1], -1)
         if coding.scale_order is not ScaleOrder.LINEAR:  # stored[..., s] goes to entry positions[s]
             width = stored.shape[-1] // g.shape[-2]

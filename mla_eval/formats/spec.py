@@ -17,6 +17,9 @@ all in float32, IEEE round-to-nearest-even.
    - AMAX_FP32_POW2: s = 2^ceil(log2(max(amax / qmax, floor))), stored as fp32 (FlashMLA's
      test quantiser: floor = 1e-4, then the power of two at or above; ceil(log2) is exact here).
    - AMAX_E4M3:    s = e4m3_rn_satfinite(amax / 6) stored as E4M3 (NVFP4 block scale); s may be 0.
+   - AMAX_E4M3_RCP6: s = e4m3_rn_satfinite(amax * rcp.approx.ftz(6)) (NVIDIA's NVFP4 recipe,
+     `cvt_warp_fp16_to_fp4` at global scale 1; the measured rcp.approx(6) equals f32(1/6)); s may be 0.
+   - AMAX_FP32_MUL: s = amax * f32(1 / qmax) (a compile-time constant), stored as fp32; s may be 0.
    - AMAX_E4M3_UP: f = max(amax / 6, floor); s = e4m3_rn_satfinite(f), then one E4M3 step up where
      s < f and s < 448 (upstream vLLM nvfp4_fp8_ds_mla: amax / s never exceeds 6); never 0.
    - OCP_E8M0:     s = 2^(floor(log2 amax) - 2) (OCP MX v1.0: emax of E2M1 is 2), exponent
@@ -25,6 +28,9 @@ all in float32, IEEE round-to-nearest-even.
    - NONE:         stored as bf16, no scale.
 4. Elements, per `ScaleApply` (`VectorCoding.apply`):
    - MUL_RCP: q = cvt.rn.satfinite(v * r) with r = 1 / s (`rcp.rn.f32`), and r = 0 where s = 0.
+   - MUL_RCP_APPROX: q = cvt.rn.satfinite(v * rcp.approx.ftz(s)), 0 where s = 0. For an E4M3 s the
+     reciprocal is looked up in the table measured on the GPU (`approx.py`); for an fp32 s (not
+     tabulable) the codec uses rcp.rn and the format's engine note gives the measured residual.
    - DIV:     q = cvt.rn.satfinite(v / s) (`div.rn.f32`; the engine divides, e.g. vLLM's
      `scaled_convert`), s is never 0 under these rules (floored).
    Scales are stored in group order, or permuted (`ScaleOrder`): see `scale_positions`.
@@ -55,6 +61,8 @@ class ScaleRule(str, enum.Enum):
     AMAX_FP32_POW2 = "pow2ceil(amax/qmax) fp32"
     AMAX_E4M3 = "e4m3(amax/6)"
     AMAX_E4M3_UP = "e4m3 up(max(amax/6, floor))"
+    AMAX_E4M3_RCP6 = "e4m3(amax*rcp.approx(6))"
+    AMAX_FP32_MUL = "amax*f32(1/qmax) fp32"
     OCP_E8M0 = "2^(floor(log2 amax)-2) e8m0"
 
 
@@ -62,6 +70,7 @@ class ScaleApply(str, enum.Enum):
     """How the elements of a scaled group are brought to the element range (step 4 above)."""
 
     MUL_RCP = "x * rcp.rn(s)"
+    MUL_RCP_APPROX = "x * rcp.approx.ftz(s)"
     DIV = "x / s"
 
 
@@ -130,6 +139,7 @@ class VectorCoding:
     apply: ScaleApply = ScaleApply.MUL_RCP  # how elements are scaled (multiply by 1/s or divide by s)
     scale_floor: float = FLT_MIN  # lower bound of amax / qmax for the fp32 rules and AMAX_E4M3_UP
     scale_order: ScaleOrder = ScaleOrder.LINEAR  # where each group's scale sits in the scale field
+    zero_scale_clears: bool = False  # a group whose scale is 0 stores code 0 (+0) for every value (b12x)
 
     @property
     def scale_positions(self) -> tuple[int, ...]:
