@@ -25,6 +25,10 @@ Sources (the spec of each format names the same engine, `FormatSpec.engine`):
   rcp.approx.ftz results for E4M3 values and 6 come from the H200 table (mla_eval/formats/data/
   rcp_approx_ftz_f32.json, read here directly); for the rope's arbitrary fp32 scale the port, like the
   codec, uses the correctly rounded reciprocal (kernels/measure_rope_rcp_residual.py measures the rest).
+- sglang_fp4_e2m1: sgl-project/sglang @ 0e6b6cf0ac719aca12987b393d17e8caaabcaa87,
+  python/sglang/srt/layers/quantization/kvfp4_tensor.py `KVFP4QuantizeUtil.batched_quantize` on the 576
+  values of a token (MLATokenToKVPoolFP4): data buffer [288] then scale buffer [36] here. The engine's
+  function is @torch.compile'd (float32 compute for bf16 inputs); this port runs it eagerly in float32.
 - fp8_ds_mla_pow2: deepseek-ai/FlashMLA @ 520fec6a7fd98028705ccad373b7f0e3e2ae75fb, tests/quant.py
   `quantize_k_cache` (V32_FP8Sparse) and `_cast_scale_inv_to_ue8m0`: scale_inv = 2 ** ceil(log2(
   clamp_min(amax.float() / 448.0, 1e-4))) in float32 torch, codes (x.float() / scale_inv).to(float8_e4m3fn).
@@ -181,6 +185,22 @@ def b12x_concat_and_cache_nvfp4_mla_fp8_rope(kv_c: np.ndarray, k_pe: np.ndarray)
     return out
 
 
+def sglang_kvfp4_batched_quantize(kv: torch.Tensor) -> np.ndarray:
+    """SGLang's KVFP4 quantiser on [n, 576] float32 -> [n, 288 packed | 36 scale bytes]."""
+    n = kv.shape[0]
+    reshaped = kv.view(n, 576 // 16, 16)
+    block_max = reshaped.abs().max(dim=-1, keepdim=True).values
+    scale_exp = torch.ceil(torch.log2(torch.clamp(block_max / 6.0, min=1e-10)))
+    scale_factors = (scale_exp + 127).squeeze(-1).to(torch.uint8)
+    scaled = reshaped / torch.exp2(scale_exp)
+    sign_bits = (scaled < 0).to(torch.uint8) << 3
+    bounds = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    magnitude_bits = torch.sum(scaled.abs().unsqueeze(-1) >= bounds, dim=-1)
+    fp4 = (sign_bits + magnitude_bits.to(torch.uint8)).view(n, 576)
+    packed = (fp4[..., 1::2] << 4) + fp4[..., 0::2]
+    return torch.cat([packed, scale_factors], dim=-1).numpy()
+
+
 def flashmla_quantize_k_cache(kv: torch.Tensor) -> np.ndarray:
     """FlashMLA tests/quant.py for V32_FP8Sparse, one token per row of kv [n, 576] (model dtype)."""
     n = kv.shape[0]
@@ -266,6 +286,22 @@ def test_nvfp4_fp8rope_bytes_equal_b12x(kind):
     x = _inputs(kind)
     engine = b12x_concat_and_cache_nvfp4_mla_fp8_rope(x[:, :512].numpy(), x[:, 512:].numpy())
     assert np.count_nonzero(engine != _ours("nvfp4_fp8rope", x)) == 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_sglang_fp4_e2m1_bytes_equal_sglang(kind):
+    x = _inputs(kind)
+    assert np.count_nonzero(sglang_kvfp4_batched_quantize(x) != _ours("sglang_fp4_e2m1", x)) == 0
+
+
+def test_sglang_ties_go_away_from_zero_and_negative_zero_is_positive():
+    """amax 6 gives scale 2^0: 0.25 (a tie) -> 0.5 (code 1; RNE would give 0), -1.25 (a tie) -> -1.5
+    (code 0xB; RNE: 0xA), -0.0 -> +0. The even element sits in the low nibble."""
+    x = torch.zeros(1, 576)
+    x[0, :4] = torch.tensor([6.0, 0.25, -1.25, -0.0])
+    rec = _ours("sglang_fp4_e2m1", x)[0]
+    assert (rec[0], rec[1], rec[288]) == (0x17, 0x0B, 127)
+    assert np.array_equal(sglang_kvfp4_batched_quantize(x)[0, :2], rec[:2])
 
 
 def test_nvfp4_recipe_multiplies_by_rcp6_not_divides():

@@ -25,12 +25,21 @@ cutlass = pytest.importorskip("cutlass")
 from mla_eval.attention import reference  # noqa: E402
 from mla_eval.formats import all_formats, decode, encode, get_format  # noqa: E402
 from mla_eval_kernels import compile_cache  # noqa: E402
-from mla_eval_kernels.record_plan import plan_for  # noqa: E402
+from mla_eval_kernels.record_plan import UnsupportedFormat, plan_for  # noqa: E402
 
 def needs_cuda(fn):
     """Marked `gpu` and skipped without CUDA."""
     return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(fn))
-FORMATS = [s.name for s in all_formats()]
+def _has_kernel(spec) -> bool:
+    try:
+        plan_for(spec)
+    except UnsupportedFormat:
+        return False
+    return True
+
+
+FORMATS = [s.name for s in all_formats() if _has_kernel(s)]  # the rest are served by the torch reference
+REFERENCE_ONLY = [s.name for s in all_formats() if not _has_kernel(s)]
 BLOCK = 64
 U_BF16 = 2.0**-8
 
@@ -99,6 +108,24 @@ def test_writer_bytes_identical_to_codec(fmt, kind):
         if not torch.equal(got, want):
             bad = (got != want).nonzero()
             raise AssertionError(f"{fmt} {kind} s_l={s_l}: {len(bad)} bytes differ, first at {bad[0].tolist()}")
+
+
+@needs_cuda
+@pytest.mark.parametrize("fmt", REFERENCE_ONLY)
+def test_formats_outside_the_kernels_fall_back_to_the_reference(fmt):
+    """auto picks the torch reference (bytes = codec), an explicit kernel request is a clear error."""
+    from mla_eval.attention import dispatch
+    from mla_eval.errors import UserError
+
+    spec = get_format(fmt)
+    gen = torch.Generator().manual_seed(3)
+    lat, rope = _inputs("random", 32, gen)
+    slots = torch.arange(32)
+    cache = torch.zeros(1, BLOCK, spec.record_bytes, dtype=torch.uint8, device="cuda")
+    dispatch.write_cache(spec, lat.cuda(), rope.cuda(), slots.cuda(), cache, backend="auto")
+    assert torch.equal(cache.cpu().view(BLOCK, -1)[:32], encode(spec, lat.float(), rope.float()))
+    with pytest.raises(UserError, match="outside the kernels' scope"):
+        dispatch.write_cache(spec, lat.cuda(), rope.cuda(), slots.cuda(), cache, backend="kernel")
 
 
 @needs_cuda

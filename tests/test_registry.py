@@ -161,3 +161,24 @@ def test_model_dims_check_names_deepseek_v4():
         check_model_dims(448, 64, "deepseek-ai/DeepSeek-V4")
     with pytest.raises(UserError, match="caches 256 \\+ 32 values"):
         check_model_dims(256, 32)
+
+
+def test_split_buffers_must_cover_the_record_in_order():
+    from mla_eval.formats import get_format
+
+    spec = get_format("sglang_fp4_e2m1")
+    assert spec.record_bytes == 324 and spec.buffers == (("kv_buffer", 0, 288), ("kv_scale_buffer", 288, 324))
+    import dataclasses
+
+    with pytest.raises(ValueError, match="buffers must split the record"):
+        dataclasses.replace(spec, name="bad_buffers", buffers=(("a", 0, 200), ("b", 288, 324)))
+
+
+def test_reading_records_with_the_wrong_spec_is_one_line():
+    from mla_eval.errors import UserError
+
+    records = encode("nvfp4_fp8_ds_mla", torch.randn(2, 512), torch.randn(2, 64))  # 352 B, permuted scales
+    for wrong in ("nvfp4", "nvfp4_fp8rope", "fp8_ds_mla"):
+        with pytest.raises(UserError, match=r"records must be uint8 \[\.\.\., \d+\], got torch.uint8 \(2, 352\)") as exc:
+            decode(wrong, records)
+        assert "\n" not in str(exc.value)

@@ -42,6 +42,7 @@ def format_row(spec: FormatSpec) -> dict:
         },
         "arithmetic": {"latent_apply": spec.latent.apply.value, "latent_scale_floor": spec.latent.scale_floor},
         "aliases": list(spec.aliases),
+        "buffers": [{"name": n, "start": a, "end": b} for n, a, b in spec.buffers],
     }
 
 
@@ -76,6 +77,8 @@ def formats(
             extra.append("s_t/token")
         if spec.outer_scale is not None:
             extra.append("s_l opt.")
+        if spec.buffers:
+            extra.append(f"{len(spec.buffers)} buffers")
         table.add_row(
             spec.name,
             str(spec.record_bytes),

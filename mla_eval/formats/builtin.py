@@ -96,6 +96,40 @@ B12X_NVFP4_FP8ROPE = Engine(
     "kernels/measure_rope_rcp_residual.py on the GPU); s_l applied in float32 here, in torch on bf16 by the engine",
 )
 
+# SGLang's FP4 KV cache for MLA (--kv-cache-dtype fp4_e2m1), read at this commit: MLATokenToKVPoolFP4
+# keeps per token a packed buffer of the 576 values (kv_lora_rank + rope, 288 B) and a separate scale
+# buffer (576 / 16 = 36 B); KVFP4QuantizeUtil.batched_quantize per 16 values: scale_exp =
+# ceil(log2(clamp(block_max / 6, min=1e-10))), byte scale_exp + 127, codes of x / 2^scale_exp by
+# counting the bounds |x| >= (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5) (ties away from zero), sign x < 0,
+# even element in the low nibble. The function is @torch.compile'd: on a GPU its division and log2 are
+# Triton's; kernels/measure_sglang_fp4_residual.py compares it there with this codec.
+SGLANG_FP4_E2M1 = Engine(
+    name="SGLang",
+    repository="sgl-project/sglang",
+    path="python/sglang/srt/layers/quantization/kvfp4_tensor.py",
+    symbol="KVFP4QuantizeUtil.batched_quantize (MLATokenToKVPoolFP4, memory_pool.py)",
+    commit="0e6b6cf0ac719aca12987b393d17e8caaabcaa87",
+    flag="--kv-cache-dtype fp4_e2m1",
+    note="two buffers per token (kv_buffer 288 B, kv_scale_buffer 36 B); exact division and log2 here, the engine's "
+    "compiled ones on the GPU are compared by kernels/measure_sglang_fp4_residual.py",
+)
+SGLANG_FP4_FLOOR = 1e-10  # torch.clamp(block_max / E2M1_MAX, min=1e-10)
+
+
+def _sglang_fp4(dim: int, data_offset: int, scale_offset: int, name: str) -> VectorCoding:
+    return VectorCoding(
+        dim,
+        "e2m1",
+        Field(name, data_offset, "e2m1", dim),
+        ScaleRule.E8M0_CEIL,
+        16,
+        Field(f"{name}_scale", scale_offset, "e8m0", dim // 16),
+        apply=ScaleApply.DIV,
+        scale_floor=SGLANG_FP4_FLOOR,
+        elem_rounding="ties_away",
+    )
+
+
 FLASHMLA_POW2_FLOOR = 1e-4  # FlashMLA tests/quant.py _cast_scale_inv_to_ue8m0: clamp_min(scale_inv, 1e-4)
 
 
@@ -239,6 +273,19 @@ BUILTIN_FORMATS: tuple[FormatSpec, ...] = (
         ),
         rope=VectorCoding(ROPE_DIM, "e4m3", Field("rope", 256, "e4m3", ROPE_DIM), ScaleRule.TENSOR, ROPE_DIM),
         engine=VLLM_NVFP4_FP8_DS_MLA,
+    ),
+    FormatSpec(
+        name="sglang_fp4_e2m1",
+        title="fp4_e2m1 (SGLang, 324 B)",
+        description="All 576 values E2M1 with a power-of-two E8M0 scale per 16 (ceil, ties away); data and scales "
+        "in two buffers.",
+        source="SGLang --kv-cache-dtype fp4_e2m1 for MLA (PR 10078): MLATokenToKVPoolFP4 + KVFP4QuantizeUtil",
+        record_bytes=324,
+        latent=_sglang_fp4(LATENT_DIM, 0, 288, "latent"),
+        rope=_sglang_fp4(ROPE_DIM, 256, 320, "rope"),
+        align=4,
+        engine=SGLANG_FP4_E2M1,
+        buffers=(("kv_buffer", 0, 288), ("kv_scale_buffer", 288, 324)),
     ),
     # Our choice: OCP MX v1.0 MXFP4 (E2M1, one E8M0 scale per 32 values). 256 B of codes, 16 B of
     # scales, 16 B of zero padding so the bf16 rope starts 16-byte aligned at 288; 416 B in all.

@@ -106,6 +106,12 @@ def _group_scale(coding: VectorCoding, g: torch.Tensor) -> tuple[torch.Tensor, t
         bits = bits + ((nx.e4m3_decode(bits) < want) & (bits < nx.E4M3_MAX_CODE)).to(torch.uint8)
         s = nx.e4m3_decode(bits)
         return s, _recip(s), bits
+    if rule is ScaleRule.E8M0_CEIL:
+        t = _floor(_div(amax, nx.E2M1_MAX), coding.scale_floor)
+        mant, exp = torch.frexp(t)  # t = mant * 2^exp, mant in [0.5, 1): ceil(log2 t) = exp - (mant == 0.5)
+        exp = torch.where(mant == 0.5, exp - 1, exp).clamp(-127, 127)
+        one = torch.ones_like(amax)
+        return torch.ldexp(one, exp), torch.ldexp(one, -exp), (exp + 127).to(torch.uint8)
     if rule is ScaleRule.OCP_E8M0:
         exp = torch.where(amax > 0, nx.e8m0_floor_log2(torch.where(amax > 0, amax, 1.0)) - 2, -127)
         exp = exp.clamp(-127, 127)
@@ -131,7 +137,9 @@ def _inverse(positions: tuple[int, ...]) -> list[int]:
     return inv
 
 
-def _encode_elems(elem: str, v: torch.Tensor) -> torch.Tensor:
+def _encode_elems(elem: str, v: torch.Tensor, rounding: str = "rne") -> torch.Tensor:
+    if elem == "e2m1" and rounding == "ties_away":
+        return nx.e2m1_pack(nx.e2m1_encode_ties_away(v))
     if elem == "bf16":
         return nx.bf16_encode(v)
     if elem == "e4m3":
@@ -169,7 +177,7 @@ def _encode_vector(coding: VectorCoding, x: torch.Tensor, out: torch.Tensor) -> 
             width = stored.shape[-1] // g.shape[-2]
             stored = stored.unflatten(-1, (-1, width))[..., _inverse(coding.scale_positions), :].flatten(-2)
         out[..., coding.scale.offset : coding.scale.end] = stored
-    out[..., coding.data.offset : coding.data.end] = _encode_elems(coding.elem, x)
+    out[..., coding.data.offset : coding.data.end] = _encode_elems(coding.elem, x, coding.elem_rounding)
 
 
 def _decode_vector(coding: VectorCoding, records: torch.Tensor) -> torch.Tensor:

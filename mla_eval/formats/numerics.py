@@ -66,6 +66,16 @@ def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
     return code | (torch.signbit(x).to(torch.uint8) << 3)
 
 
+def e2m1_encode_ties_away(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> E2M1 codes as SGLang's KVFP4 quantiser: the magnitude code counts the bounds
+    (0.25, 0.75, ..., 5) that |x| reaches (`>=`, so ties go away from zero), saturating at 6; the sign
+    bit is set for x < 0 only (-0.0 stays +0)."""
+    _check_f32(x)
+    a = x.abs()
+    code = sum((a >= b).to(torch.uint8) for b in (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0))
+    return code | ((x < 0).to(torch.uint8) << 3)
+
+
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
     """uint8 E2M1 codes (0..15) -> float32 (exact)."""
     table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32, device=codes.device)

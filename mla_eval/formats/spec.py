@@ -22,6 +22,8 @@ all in float32, IEEE round-to-nearest-even.
    - AMAX_FP32_MUL: s = amax * f32(1 / qmax) (a compile-time constant), stored as fp32; s may be 0.
    - AMAX_E4M3_UP: f = max(amax / 6, floor); s = e4m3_rn_satfinite(f), then one E4M3 step up where
      s < f and s < 448 (upstream vLLM nvfp4_fp8_ds_mla: amax / s never exceeds 6); never 0.
+   - E8M0_CEIL:    s = 2^ceil(log2(max(amax / 6, floor))) stored as E8M0 (SGLang's KVFP4 block scale,
+     exact ceil of the exact log2 here).
    - OCP_E8M0:     s = 2^(floor(log2 amax) - 2) (OCP MX v1.0: emax of E2M1 is 2), exponent
      clamped to [-127, 127], 2^-127 for amax = 0; stored as E8M0.
    - TENSOR:       no stored scale; the group is scaled only by the outer scale.
@@ -63,6 +65,7 @@ class ScaleRule(str, enum.Enum):
     AMAX_E4M3_UP = "e4m3 up(max(amax/6, floor))"
     AMAX_E4M3_RCP6 = "e4m3(amax*rcp.approx(6))"
     AMAX_FP32_MUL = "amax*f32(1/qmax) fp32"
+    E8M0_CEIL = "2^ceil(log2(max(amax/6, floor))) e8m0"
     OCP_E8M0 = "2^(floor(log2 amax)-2) e8m0"
 
 
@@ -140,6 +143,11 @@ class VectorCoding:
     scale_floor: float = FLT_MIN  # lower bound of amax / qmax for the fp32 rules and AMAX_E4M3_UP
     scale_order: ScaleOrder = ScaleOrder.LINEAR  # where each group's scale sits in the scale field
     zero_scale_clears: bool = False  # a group whose scale is 0 stores code 0 (+0) for every value (b12x)
+    elem_rounding: Literal["rne", "ties_away"] = "rne"  # E2M1 code choice: cvt's RNE, or SGLang's `>= bound`
+
+    @property
+    def scale_count(self) -> int:
+        return self.dim // self.group
 
     @property
     def scale_positions(self) -> tuple[int, ...]:
@@ -177,6 +185,9 @@ class FormatSpec:
     outer_scale: OuterScale | None = None
     align: int = 16
     engine: Engine | None = None  # None: a layout of our own choosing (`source` says why)
+    # Separate allocations the engine keeps per token (name, start, end) inside this logical record,
+    # e.g. SGLang's packed data and scale buffers; () = one record. Capacity counts their sum.
+    buffers: tuple[tuple[str, int, int], ...] = ()
     aliases: tuple[str, ...] = ()  # older names that still select this format
 
     def __post_init__(self) -> None:
@@ -212,6 +223,10 @@ def _validate(spec: FormatSpec) -> None:
         pos = f.end
     if pos != spec.record_bytes:
         raise ValueError(f"{spec.name}: fields end at byte {pos} but record_bytes is {spec.record_bytes}")
+    if spec.buffers:
+        ends = [0] + [end for _, _, end in spec.buffers]
+        if [start for _, start, _ in spec.buffers] != ends[:-1] or ends[-1] != spec.record_bytes:
+            raise ValueError(f"{spec.name}: buffers must split the record [0,{spec.record_bytes}) in order")
     if spec.record_bytes % spec.align:
         raise ValueError(f"{spec.name}: record of {spec.record_bytes} B is not {spec.align}-byte aligned")
     for c in (spec.latent, spec.rope):
@@ -224,7 +239,8 @@ def _validate(spec: FormatSpec) -> None:
             raise ValueError(f"{spec.name}: scale field presence does not match rule {c.scale_rule.value}")
         if c.scale is not None and c.scale.count != c.dim // c.group:
             raise ValueError(f"{spec.name}: {c.scale.count} scales for {c.dim // c.group} groups")
-        if c.apply is ScaleApply.DIV and c.scale_rule not in (ScaleRule.AMAX_FP32, ScaleRule.AMAX_FP32_POW2):
+        divisible = (ScaleRule.AMAX_FP32, ScaleRule.AMAX_FP32_POW2, ScaleRule.E8M0_CEIL)
+        if c.apply is ScaleApply.DIV and c.scale_rule not in divisible:
             raise ValueError(f"{spec.name}: division by the scale needs a floored fp32 scale rule (never divides by 0)")
         if c.scale_order is ScaleOrder.TRANSPOSE_8X4 and (c.scale is None or c.scale.count != 32 or c.scale.dtype == "fp32"):
             raise ValueError(f"{spec.name}: the 8x4 scale transpose is defined for 32 byte-sized scales")
