@@ -1,9 +1,10 @@
 """What the GPU kernels need to know about a cache format, as hashable compile-time constants.
 
 A `RecordPlan` is derived from a `mla_eval.formats.FormatSpec` and nothing else: byte offsets,
-dimensions, rule names and constants are read from the spec module, never restated here. It is a frozen dataclass so that it can sit in a
-compile-cache key: two formats that differ in any offset, element type, group size, scale dtype
-or scale rule give different plans, hence different compiled kernels.
+dimensions, rule names and constants are read from the spec module, never restated here. It is a
+frozen dataclass so that it can sit in a compile-cache key: two formats that differ in any offset,
+element type, group size, scale dtype, scale rule, order or arithmetic give different plans, hence
+different compiled kernels.
 
 Pure Python (no `cutlass` import; `mla_eval.formats.spec` only): CPU code paths, the dispatcher
 and the CPU test that plan and spec agree (tests/test_record_plan.py) may import it freely.

@@ -21,9 +21,9 @@ from mla_eval.formats import (
 
 
 def test_builtin_names_in_order():
-    assert format_names()[:9] == [
+    assert format_names()[:10] == [
         "bf16", "fp8_ds_mla", "fp8_ds_mla_pow2", "nvfp4", "nvfp4_fp8rope", "nvfp4_fp8rope_st", "nvfp4_fp8_ds_mla",
-        "mxfp4", "fp8_e4m3",
+        "sglang_fp4_e2m1", "mxfp4", "fp8_e4m3",
     ]
 
 
@@ -109,7 +109,9 @@ def _user_spec(name: str, aliases: tuple[str, ...] = ()) -> FormatSpec:
         description="E4M3 latent with a scale per 64 values, bf16 rope",
         source="test",
         record_bytes=672,
-        latent=VectorCoding(512, "e4m3", Field("latent", 0, "e4m3", 512), ScaleRule.AMAX_FP32, 64, Field("latent_scale", 512, "fp32", 8)),
+        latent=VectorCoding(
+            512, "e4m3", Field("latent", 0, "e4m3", 512), ScaleRule.AMAX_FP32, 64, Field("latent_scale", 512, "fp32", 8)
+        ),
         rope=VectorCoding(64, "bf16", Field("rope", 544, "bf16", 64), ScaleRule.NONE, 64),
         aliases=aliases,
     )

@@ -61,7 +61,9 @@ VLLM_NVFP4_FP8_DS_MLA = Engine(
     symbol="concat_and_cache_nvfp4_ds_mla_kernel",
     commit="03b6016490cc6603e031cda092a005f10bdc71ee",
     flag="--kv-cache-dtype nvfp4_fp8_ds_mla",
-    note="vLLM PR 51724 + vllm-project/FlashMLA PR 18; written on sm_100 (cvt e2m1x2), our writer computes the same on sm_90",
+    note="vLLM PR 51724 + vllm-project/FlashMLA PR 18; written on sm_100 (cvt e2m1x2), our writer computes the same on "
+    "sm_90. vllm-project/FlashMLA PR 21 (merged 2026-09-10) rounds the tile scale to nearest instead of up; a vLLM "
+    "release following it writes different scale bytes: re-check this commit before comparing with newer vLLM",
 )
 NVFP4_UP_FLOOR = 2.0**-9  # nvfp4_tile_scale: fmaxf(amax / max_val, 0.001953125f), the smallest E4M3 subnormal
 
@@ -137,7 +139,9 @@ def _bf16_rope(offset: int) -> VectorCoding:
     return VectorCoding(ROPE_DIM, "bf16", Field("rope", offset, "bf16", ROPE_DIM), ScaleRule.NONE, ROPE_DIM)
 
 
-def _nvfp4_latent(rule: ScaleRule = ScaleRule.AMAX_E4M3, apply: ScaleApply = ScaleApply.MUL_RCP, clears: bool = False) -> VectorCoding:
+def _nvfp4_latent(
+    rule: ScaleRule = ScaleRule.AMAX_E4M3, apply: ScaleApply = ScaleApply.MUL_RCP, clears: bool = False
+) -> VectorCoding:
     # [0,256) packed E2M1, [256,288) one E4M3 scale per 16 values.
     return VectorCoding(
         LATENT_DIM,
