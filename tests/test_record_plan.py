@@ -1,6 +1,8 @@
 """The kernel plan reads the spec: for every registered format, the plan agrees with the spec field
 for field, or the format is refused with `UnsupportedFormat` and a reason. Pure CPU (no cutlass)."""
 
+import dataclasses
+
 import pytest
 
 from mla_eval.formats import Field, FormatSpec, ScaleRule, VectorCoding, all_formats, spec as spec_mod
@@ -64,3 +66,15 @@ def test_permuted_scales_and_bumped_rule_reach_the_plan():
     assert plan.latent.scale_order == rp.ORDER_8X4 and plan.latent.rule == rp.RULE_AMAX_E4M3_UP
     assert plan.latent.scale_floor == 2.0**-9 and plan.latent.scale_offset == 320
     assert (plan.rope.elem, plan.rope.rule, plan.rope.data_offset) == ("e4m3", rp.RULE_TENSOR, 256)
+
+
+def test_every_kernel_format_has_its_own_plan_hence_its_own_compiled_kernels():
+    """Plans sit in the compile keys: two formats must never share one (the s_l = 1.0 reuse bug). The name
+    is left out of the comparison, so two formats differing only in arithmetic must still differ."""
+    plans = {}
+    for spec in all_formats():
+        try:
+            plans[spec.name] = dataclasses.replace(rp.plan_for(spec), name="")
+        except rp.UnsupportedFormat:
+            continue
+    assert len(set(plans.values())) == len(plans) >= 9
