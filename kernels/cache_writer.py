@@ -24,12 +24,18 @@ from cutlass import Float32, Int32, Int64, Uint32
 
 from mla_eval_kernels import ptx
 from mla_eval_kernels.compile_cache import arch_tag, compiled
+from mla_eval.formats.spec import TOKEN_SCALE_DENOMINATOR
 from mla_eval_kernels.record_plan import (
+    APPLY_DIV,
+    APPLY_MUL_RCP_APPROX,
+    ORDER_8X4,
     RULE_AMAX_E4M3,
+    RULE_AMAX_E4M3_RCP6,
+    RULE_AMAX_E4M3_UP,
+    RULE_AMAX_FP32_MUL,
     RULE_AMAX_FP32,
     RULE_AMAX_FP32_POW2,
     RULE_OCP_E8M0,
-    TOKEN_SCALE_DENOMINATOR,
     RecordPlan,
 )
 
@@ -122,9 +128,10 @@ class CacheWriter:
             lanes_per_group = lat.group // 16
             if cutlass.const_expr(lat.scale_dtype != ""):
                 amax = ptx.warp_max(self._local_amax(v, 16), lanes_per_group)
-                s_bits, r = self._group_scale(lat, amax)
+                s_bits, r, s = self._group_scale(lat, amax)
+                r = self._reciprocal(lat, r, s)
                 for i in cutlass.range_constexpr(16):
-                    v[i] = ptx.mul_rn(v[i], r)
+                    v[i] = self._apply_scale(lat, v[i], r, s)
                 self._store_scales(record, lat, s_bits, lane, lanes_per_group)
             self._store_latent(record, lat, v, lane)
 
@@ -132,9 +139,10 @@ class CacheWriter:
             rope = plan.rope
             if cutlass.const_expr(rope.scale_dtype != ""):
                 amax = ptx.warp_max(self._local_amax(w, 2), 32)
-                s_bits, r = self._group_scale(rope, amax)
+                s_bits, r, s = self._group_scale(rope, amax)
+                r = self._reciprocal(rope, r, s)
                 for i in cutlass.range_constexpr(2):
-                    w[i] = ptx.mul_rn(w[i], r)
+                    w[i] = self._apply_scale(rope, w[i], r, s)
                 if lane == 0:
                     record[rope.scale_offset // 4] = s_bits
             self._store_rope(record, rope, w, lane)
@@ -153,31 +161,70 @@ class CacheWriter:
         return a
 
     @cute.jit
+    def _reciprocal(self, coding: cutlass.Constexpr, r: Float32, s: Float32) -> Float32:
+        """The engine's reciprocal of the group scale: rcp.approx.ftz of an E4M3 scale where the engine
+        uses it (the codec reads the same values from the H200 table), 0 for s = 0. For an fp32 scale
+        the codec, and so this writer, keeps rcp.rn (not tabulable; the residual is measured apart)."""
+        if cutlass.const_expr(coding.apply == APPLY_MUL_RCP_APPROX and coding.scale_dtype == "e4m3"):
+            r = ptx.rcp_approx_ftz(s)
+            r = Float32(0.0) if s == Float32(0.0) else r
+        return r
+
+    @cute.jit
+    def _apply_scale(self, coding: cutlass.Constexpr, x: Float32, r: Float32, s: Float32) -> Float32:
+        """Step 4 of spec.py: div.rn(x, s) where the engine divides, else mul.rn(x, r); +0 for a
+        zero scale where the engine clears such a group."""
+        if cutlass.const_expr(coding.apply == APPLY_DIV):
+            y = ptx.div_rn(x, s)
+        else:
+            y = ptx.mul_rn(x, r)
+        if cutlass.const_expr(coding.zero_scale_clears):
+            y = Float32(0.0) if s == Float32(0.0) else y
+        return y
+
+    @cute.jit
     def _group_scale(self, coding: cutlass.Constexpr, amax: Float32):
-        """(stored scale as a u32: fp32 bits or a code byte, reciprocal r) for one group."""
-        flt_min = ptx.bits_f32(ptx.FLT_MIN_BITS)
+        """(stored scale as a u32: fp32 bits or a code byte, reciprocal r, decoded scale s) for one group."""
+        # The spec's floor of amax / qmax (a float32 constant: FLT_MIN for vLLM, 1e-4 for FlashMLA).
+        floor = Float32(coding.scale_floor)
         if cutlass.const_expr(coding.rule == RULE_AMAX_FP32):
-            s = ptx.max_f32(ptx.div_rn(amax, Float32(coding.qmax)), flt_min)
-            return ptx.f32_bits(s), ptx.rcp_rn(s)
+            s = ptx.max_f32(ptx.div_rn(amax, Float32(coding.qmax)), floor)
+            return ptx.f32_bits(s), ptx.rcp_rn(s), s
         if cutlass.const_expr(coding.rule == RULE_AMAX_FP32_POW2):
-            s0 = ptx.max_f32(ptx.div_rn(amax, Float32(coding.qmax)), flt_min)
+            s0 = ptx.max_f32(ptx.div_rn(amax, Float32(coding.qmax)), floor)
             b = ptx.f32_bits(s0)
             up = ((b >> Uint32(23)) + Uint32(1)) << Uint32(23)
             b = b if (b & Uint32(0x007FFFFF)) == Uint32(0) else up
             s = ptx.bits_f32(b)
-            return b, ptx.rcp_rn(s)
+            return b, ptx.rcp_rn(s), s
         if cutlass.const_expr(coding.rule == RULE_AMAX_E4M3):
             code = ptx.e4m3x2(Float32(0.0), ptx.div_rn(amax, Float32(6.0))) & Uint32(0xFF)
             s = ptx.e4m3_to_f32(code)
             r = ptx.rcp_rn(s)
             r = Float32(0.0) if s == Float32(0.0) else r
-            return code, r
+            return code, r, s
+        if cutlass.const_expr(coding.rule == RULE_AMAX_E4M3_RCP6):
+            # NVIDIA's recipe: amax * rcp.approx.ftz(6), RN satfinite to E4M3
+            code = ptx.e4m3x2(Float32(0.0), ptx.mul_rn(amax, ptx.rcp_approx_ftz(Float32(6.0)))) & Uint32(0xFF)
+            s = ptx.e4m3_to_f32(code)
+            return code, ptx.rcp_rn(s), s
+        if cutlass.const_expr(coding.rule == RULE_AMAX_FP32_MUL):
+            s = ptx.mul_rn(amax, Float32(1.0 / coding.qmax))  # b12x: a compile-time f32 constant, no floor
+            return ptx.f32_bits(s), ptx.rcp_rn(s), s
+        if cutlass.const_expr(coding.rule == RULE_AMAX_E4M3_UP):
+            # upstream vLLM nvfp4_tile_scale: RN to E4M3, then one code up while below the wanted scale
+            want = ptx.max_f32(ptx.div_rn(amax, Float32(6.0)), floor)
+            code = ptx.e4m3x2(Float32(0.0), want) & Uint32(0xFF)
+            if ptx.e4m3_to_f32(code) < want and code < Uint32(0x7E):
+                code = code + Uint32(1)
+            s = ptx.e4m3_to_f32(code)
+            return code, ptx.rcp_rn(s), s
         if cutlass.const_expr(coding.rule == RULE_OCP_E8M0):
             e = Int32(-127)
             if amax > Float32(0.0):
                 e = ptx.floor_log2(amax) - Int32(2)
             e = cutlass.max(cutlass.min(e, Int32(127)), Int32(-127))
-            return Uint32(e + Int32(127)), ptx.pow2(-e)
+            return Uint32(e + Int32(127)), ptx.pow2(-e), ptx.pow2(e)
         raise NotImplementedError(coding.rule)
 
     @cute.jit
@@ -189,10 +236,14 @@ class CacheWriter:
             if lane % lanes_per_group == 0:
                 record[base + lane // lanes_per_group] = s_bits
         else:
-            # one byte per group; word w holds groups 4w..4w+3, owned by lanes (4w + j) * lanes_per_group
+            # one byte per group; byte p of the field holds group p (or, transposed 8x4, group
+            # 4*(p&7) + (p>>3)), owned by lane group * lanes_per_group; word w holds bytes 4w..4w+3
             word = Uint32(0)
             for j in cutlass.range_constexpr(4):
-                src = ((lane * 4 + j) * lanes_per_group) % 32
+                grp = lane * 4 + j
+                if cutlass.const_expr(coding.scale_order == ORDER_8X4):
+                    grp = (grp & 7) * 4 + (grp >> 3)
+                src = (grp * lanes_per_group) % 32
                 word = word | (ptx.shfl_idx(s_bits, src) << Uint32(8 * j))
             if lane < coding.n_groups // 4:
                 record[base + lane] = word
@@ -230,7 +281,7 @@ class CacheWriter:
 
 def compile_key(plan: RecordPlan, in_dtype: torch.dtype, has_outer: bool, device: torch.device) -> tuple:
     """Every specialisation of a compiled writer; s_l itself is a run-time argument."""
-    return ("cache_writer", 1, plan, str(in_dtype), bool(has_outer), arch_tag(device))
+    return ("cache_writer", 3, plan, str(in_dtype), bool(has_outer), arch_tag(device))
 
 
 def _ptr(t: torch.Tensor, dtype, align: int):

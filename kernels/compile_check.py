@@ -27,7 +27,7 @@ from mla_eval_kernels.cache_writer import CacheWriter  # noqa: E402
 from mla_eval_kernels.device_limits import HOPPER_SMEM_PER_BLOCK  # noqa: E402
 from mla_eval_kernels.mla_attention import MlaAttention, tile_config  # noqa: E402
 from mla_eval_kernels.mla_combine import MlaCombine  # noqa: E402
-from mla_eval_kernels.record_plan import plan_for  # noqa: E402
+from mla_eval_kernels.record_plan import UnsupportedFormat, plan_for  # noqa: E402
 
 
 def _p(dtype, align=16):
@@ -55,7 +55,11 @@ def main(argv=None) -> int:
     opts = f"--keep-cubin --dump-dir={dump}" if args.cuobjdump else ""
     failures = 0
     for name in args.formats.split(","):
-        plan = plan_for(get_format(name))
+        try:
+            plan = plan_for(get_format(name))
+        except UnsupportedFormat as exc:  # served by the torch reference; nothing to compile
+            print(f"skipped   {name:18} (torch reference: {exc})", flush=True)
+            continue
         for outer in ([False, True] if plan.outer_allowed else [False]):
             t = time.time()
             w = (_p(cutlass.BFloat16), _p(cutlass.BFloat16, 4), _p(cutlass.Int64, 8), _p(cutlass.Uint32), Int32(8), Float32(1.0), stream)

@@ -41,7 +41,7 @@ from mla_eval_kernels import ptx
 from mla_eval_kernels.compile_cache import arch_tag, compiled
 from mla_eval_kernels.device_limits import smem_per_block, smem_per_sm
 from mla_eval_kernels.mla_combine import MlaCombine
-from mla_eval_kernels.record_plan import RecordPlan
+from mla_eval_kernels.record_plan import ORDER_8X4, RecordPlan
 
 D_QK = 576
 D_V = 512
@@ -513,12 +513,15 @@ class MlaAttention:
                     v[2 * h] = ptx.bits_f32(word << Uint32(16))
                     v[2 * h + 1] = ptx.bits_f32(word & Uint32(0xFFFF0000))
             f = Float32(1.0)
+            entry = d0 // coding.group  # the scale entry of this group (its position, when permuted)
+            if cutlass.const_expr(coding.scale_order == ORDER_8X4):
+                entry = 8 * (entry & 3) + (entry >> 2)
             if cutlass.const_expr(coding.scale_dtype == "fp32"):
-                f = ptx.bits_f32(_ld_shared_u32(rec + coding.scale_offset + 4 * (d0 // coding.group)))
+                f = ptx.bits_f32(_ld_shared_u32(rec + coding.scale_offset + 4 * entry))
             elif cutlass.const_expr(coding.scale_dtype == "e4m3"):
-                f = ptx.e4m3_to_f32(_ld_shared_u8(rec + coding.scale_offset + d0 // coding.group))
+                f = ptx.e4m3_to_f32(_ld_shared_u8(rec + coding.scale_offset + entry))
             elif cutlass.const_expr(coding.scale_dtype == "e8m0"):
-                f = ptx.pow2(Int32(_ld_shared_u8(rec + coding.scale_offset + d0 // coding.group)) - Int32(127))
+                f = ptx.pow2(Int32(_ld_shared_u8(rec + coding.scale_offset + entry)) - Int32(127))
             if cutlass.const_expr(is_latent and self.plan.token_scale_offset >= 0):
                 f = f * ptx.bits_f32(_ld_shared_u32(rec + self.plan.token_scale_offset))
             if cutlass.const_expr(outer):

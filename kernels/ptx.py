@@ -38,6 +38,11 @@ def rcp_rn(a) -> Float32:
     return cute.arch.inline_ptx("rcp.rn.f32 {$w0}, {$r0};", write_only_types=[Float32], read_only_args=[Float32(a)])
 
 
+def rcp_approx_ftz(a) -> Float32:
+    """The approximate reciprocal engines' NVFP4 writers use (not IEEE; see mla_eval/formats/approx.py)."""
+    return cute.arch.inline_ptx("rcp.approx.ftz.f32 {$w0}, {$r0};", write_only_types=[Float32], read_only_args=[Float32(a)])
+
+
 def mul_rn(a, b) -> Float32:
     """a * b rounded once (never fused with a following add)."""
     return cute.arch.inline_ptx(

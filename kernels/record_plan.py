@@ -1,11 +1,13 @@
 """What the GPU kernels need to know about a cache format, as hashable compile-time constants.
 
-A `RecordPlan` is derived from a `mla_eval.formats.FormatSpec` and nothing else: byte offsets are
-read from the spec's fields, never restated here. It is a frozen dataclass so that it can sit in a
-compile-cache key: two formats that differ in any offset, element type, group size, scale dtype
-or scale rule give different plans, hence different compiled kernels.
+A `RecordPlan` is derived from a `mla_eval.formats.FormatSpec` and nothing else: byte offsets,
+dimensions, rule names and constants are read from the spec module, never restated here. It is a
+frozen dataclass so that it can sit in a compile-cache key: two formats that differ in any offset,
+element type, group size, scale dtype, scale rule, order or arithmetic give different plans, hence
+different compiled kernels.
 
-Pure Python (no `cutlass` import): CPU code paths and the dispatcher may import it freely.
+Pure Python (no `cutlass` import; `mla_eval.formats.spec` only): CPU code paths, the dispatcher
+and the CPU test that plan and spec agree (tests/test_record_plan.py) may import it freely.
 
 Kernel constraints checked here (a spec outside them is served by the torch reference):
 - the record is a whole number of 16-byte chunks and every field starts on a 4-byte boundary
@@ -18,21 +20,31 @@ from __future__ import annotations
 
 import dataclasses
 
-LATENT_DIM = 512
-ROPE_DIM = 64
+from mla_eval.formats.spec import (  # pure Python: no torch or cutlass needed at this level
+    FLT_MIN,
+    LATENT_DIM,
+    ROPE_DIM,
+    ScaleApply,
+    ScaleOrder,
+    ScaleRule,
+)
 
-# ScaleRule.value strings of mla_eval.formats.spec, kept as plain strings so this module does not
-# import the formats package at import time (the dispatcher does, and hands us the spec).
-RULE_NONE = "none"
-RULE_TENSOR = "tensor"
-RULE_AMAX_FP32 = "amax/qmax fp32"
-RULE_AMAX_FP32_POW2 = "pow2ceil(amax/qmax) fp32"
-RULE_AMAX_E4M3 = "e4m3(amax/6)"
-RULE_OCP_E8M0 = "2^(floor(log2 amax)-2) e8m0"
-KNOWN_RULES = (RULE_NONE, RULE_TENSOR, RULE_AMAX_FP32, RULE_AMAX_FP32_POW2, RULE_AMAX_E4M3, RULE_OCP_E8M0)
-
-TOKEN_SCALE_DENOMINATOR = 6.0 * 448.0
-
+# The spec's rule strings, under the names the kernels branch on (one definition: spec.ScaleRule).
+RULE_NONE = ScaleRule.NONE.value
+RULE_TENSOR = ScaleRule.TENSOR.value
+RULE_AMAX_FP32 = ScaleRule.AMAX_FP32.value
+RULE_AMAX_FP32_POW2 = ScaleRule.AMAX_FP32_POW2.value
+RULE_AMAX_E4M3 = ScaleRule.AMAX_E4M3.value
+RULE_AMAX_E4M3_UP = ScaleRule.AMAX_E4M3_UP.value
+RULE_AMAX_E4M3_RCP6 = ScaleRule.AMAX_E4M3_RCP6.value
+RULE_AMAX_FP32_MUL = ScaleRule.AMAX_FP32_MUL.value
+RULE_OCP_E8M0 = ScaleRule.OCP_E8M0.value
+KNOWN_RULES = tuple(r.value for r in ScaleRule)
+APPLY_MUL_RCP = ScaleApply.MUL_RCP.value
+APPLY_DIV = ScaleApply.DIV.value
+APPLY_MUL_RCP_APPROX = ScaleApply.MUL_RCP_APPROX.value
+ORDER_LINEAR = ScaleOrder.LINEAR.value
+ORDER_8X4 = ScaleOrder.TRANSPOSE_8X4.value  # group s's scale at entry 8*(s&3) + (s>>2)
 
 class UnsupportedFormat(ValueError):
     """The spec is valid but outside what the CuTe kernels implement (dispatch falls back)."""
@@ -50,6 +62,10 @@ class CodingPlan:
     qmax: float
     scale_dtype: str  # "" (no stored scale) | "fp32" | "e4m3" | "e8m0"
     scale_offset: int  # -1 when no stored scale
+    apply: str = APPLY_MUL_RCP  # ScaleApply value: multiply by rcp.rn(s) or div.rn by s
+    scale_floor: float = FLT_MIN  # floor of amax / qmax for the fp32 rules and AMAX_E4M3_UP
+    scale_order: str = ORDER_LINEAR  # ScaleOrder value: where group s's scale sits
+    zero_scale_clears: bool = False  # a zero scale stores +0 codes for the whole group
 
     @property
     def n_groups(self) -> int:
@@ -89,6 +105,10 @@ def _coding(c) -> CodingPlan:
         qmax=float(c.qmax),
         scale_dtype=scale.dtype if scale is not None else "",
         scale_offset=scale.offset if scale is not None else -1,
+        apply=c.apply.value,
+        scale_floor=float(c.scale_floor),
+        scale_order=c.scale_order.value,
+        zero_scale_clears=bool(c.zero_scale_clears),
     )
 
 
@@ -126,6 +146,8 @@ def _check_kernel_scope(p: RecordPlan) -> None:
         raise UnsupportedFormat(f"latent group {lat.group} is not a multiple of 16")
     if lat.scale_dtype in ("e4m3", "e8m0") and lat.n_groups % 4:
         raise UnsupportedFormat("byte-sized latent scales must come in multiples of 4")
+    if lat.scale_order == ORDER_8X4 and (lat.group != 16 or lat.scale_dtype == "fp32"):
+        raise UnsupportedFormat("the 8x4 scale transpose is implemented for 32 byte-sized scales of 16 values")
     rope = p.rope
     if rope.elem == "e2m1":
         raise UnsupportedFormat("e2m1 rope has no kernel")

@@ -28,3 +28,17 @@ def test_unknown_format_is_one_line_exit_2(capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: unknown cache format 'nvfp9'")
     assert "Traceback" not in err
+
+
+def test_json_and_table_name_the_defining_engine(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "250")  # one row per format, unwrapped
+    assert main(["formats", "--json", "--formats", "fp8_ds_mla,nvfp4_fp8rope_st"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["formats"]}
+    eng = rows["fp8_ds_mla"]["engine"]
+    assert eng["flag"] == "--kv-cache-dtype fp8_ds_mla" and eng["repository"] == "vllm-project/vllm"
+    assert eng["commit"] == "37cb21c1695d11baba8e369b071d2f44c1561c8f"
+    assert rows["fp8_ds_mla"]["arithmetic"]["latent_apply"] == "x / s"
+    assert rows["nvfp4_fp8rope_st"]["engine"] is None
+    assert main(["formats", "--formats", "fp8_ds_mla_pow2", "--no-layout"]) == 0
+    out = capsys.readouterr().out
+    assert "deepseek-ai/FlashMLA@520fec6a7fd9" in out and "V32_FP8Sparse" in out

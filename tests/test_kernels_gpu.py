@@ -25,12 +25,21 @@ cutlass = pytest.importorskip("cutlass")
 from mla_eval.attention import reference  # noqa: E402
 from mla_eval.formats import all_formats, decode, encode, get_format  # noqa: E402
 from mla_eval_kernels import compile_cache  # noqa: E402
-from mla_eval_kernels.record_plan import plan_for  # noqa: E402
+from mla_eval_kernels.record_plan import UnsupportedFormat, plan_for  # noqa: E402
 
 def needs_cuda(fn):
     """Marked `gpu` and skipped without CUDA."""
     return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(fn))
-FORMATS = [s.name for s in all_formats()]
+def _has_kernel(spec) -> bool:
+    try:
+        plan_for(spec)
+    except UnsupportedFormat:
+        return False
+    return True
+
+
+FORMATS = [s.name for s in all_formats() if _has_kernel(s)]  # the rest are served by the torch reference
+REFERENCE_ONLY = [s.name for s in all_formats() if not _has_kernel(s)]
 BLOCK = 64
 U_BF16 = 2.0**-8
 
@@ -99,6 +108,24 @@ def test_writer_bytes_identical_to_codec(fmt, kind):
         if not torch.equal(got, want):
             bad = (got != want).nonzero()
             raise AssertionError(f"{fmt} {kind} s_l={s_l}: {len(bad)} bytes differ, first at {bad[0].tolist()}")
+
+
+@needs_cuda
+@pytest.mark.parametrize("fmt", REFERENCE_ONLY)
+def test_formats_outside_the_kernels_fall_back_to_the_reference(fmt):
+    """auto picks the torch reference (bytes = codec), an explicit kernel request is a clear error."""
+    from mla_eval.attention import dispatch
+    from mla_eval.errors import UserError
+
+    spec = get_format(fmt)
+    gen = torch.Generator().manual_seed(3)
+    lat, rope = _inputs("random", 32, gen)
+    slots = torch.arange(32)
+    cache = torch.zeros(1, BLOCK, spec.record_bytes, dtype=torch.uint8, device="cuda")
+    dispatch.write_cache(spec, lat.cuda(), rope.cuda(), slots.cuda(), cache, backend="auto")
+    assert torch.equal(cache.cpu().view(BLOCK, -1)[:32], encode(spec, lat.float(), rope.float()))
+    with pytest.raises(UserError, match="outside the kernels' scope"):
+        dispatch.write_cache(spec, lat.cuda(), rope.cuda(), slots.cuda(), cache, backend="kernel")
 
 
 @needs_cuda
@@ -253,7 +280,8 @@ def test_scale_mode_or_s_l_change_never_reuses_a_kernel():
     keys_before = set(compile_cache.keys())
     results = {}
     for fmt, s_l in [("nvfp4", None), ("nvfp4", 1.0), ("nvfp4", 0.02), ("nvfp4", 3.0),
-                     ("fp8_ds_mla", None), ("fp8_ds_mla_pow2", None), ("nvfp4_fp8rope", None), ("nvfp4_fp8rope_st", None)]:
+                     ("fp8_ds_mla", None), ("fp8_ds_mla_pow2", None), ("nvfp4_fp8rope", None), ("nvfp4_fp8rope_st", None),
+                     ("nvfp4_fp8_ds_mla", None)]:
         spec = get_format(fmt)
         cache = torch.zeros(1, BLOCK, spec.record_bytes, dtype=torch.uint8, device="cuda")
         dispatch.write_cache(spec, lat.cuda(), rope.cuda(), slots.cuda(), cache, outer_scale=s_l, backend="kernel")
@@ -264,12 +292,12 @@ def test_scale_mode_or_s_l_change_never_reuses_a_kernel():
     assert not torch.equal(results[("fp8_ds_mla", None)], results[("fp8_ds_mla_pow2", None)])
     dev = torch.device("cuda")
     k = {name: cache_writer.compile_key(plan_for(get_format(name)), torch.bfloat16, o, dev)
-         for name, o in [("nvfp4", False), ("fp8_ds_mla", False), ("fp8_ds_mla_pow2", False)]}
-    assert len(set(k.values())) == 3
+         for name, o in [("nvfp4", False), ("fp8_ds_mla", False), ("fp8_ds_mla_pow2", False), ("nvfp4_fp8_ds_mla", False)]}
+    assert len(set(k.values())) == 4
     assert cache_writer.compile_key(plan_for(get_format("nvfp4")), torch.bfloat16, True, dev) != k["nvfp4"]
     new = set(compile_cache.keys()) - keys_before
     assert all(key in compile_cache.keys() for key in k.values())
-    assert len(new) <= 6  # one writer per (format, outer on/off) at most, never one per s_l value
+    assert len(new) <= 7  # one writer per (format, outer on/off) at most, never one per s_l value
 
     # attention: outer scale on/off and two s_l values over the same records
     spec = get_format("nvfp4")

@@ -21,8 +21,9 @@ from mla_eval.formats import (
 
 
 def test_builtin_names_in_order():
-    assert format_names()[:8] == [
-        "bf16", "fp8_ds_mla", "fp8_ds_mla_pow2", "nvfp4", "nvfp4_fp8rope", "nvfp4_fp8rope_st", "mxfp4", "fp8_e4m3",
+    assert format_names()[:10] == [
+        "bf16", "fp8_ds_mla", "fp8_ds_mla_pow2", "nvfp4", "nvfp4_fp8rope", "nvfp4_fp8rope_st", "nvfp4_fp8_ds_mla",
+        "sglang_fp4_e2m1", "mxfp4", "fp8_e4m3",
     ]
 
 
@@ -99,3 +100,87 @@ def test_unaligned_record_rejected():
             rope=VectorCoding(64, "e4m3", Field("rope", 512, "e4m3", 64), ScaleRule.TENSOR, 64),
             pads=(Field("pad", 576, "pad", 4),),
         )
+
+
+def _user_spec(name: str, aliases: tuple[str, ...] = ()) -> FormatSpec:
+    return FormatSpec(
+        name=name,
+        title=name,
+        description="E4M3 latent with a scale per 64 values, bf16 rope",
+        source="test",
+        record_bytes=672,
+        latent=VectorCoding(
+            512, "e4m3", Field("latent", 0, "e4m3", 512), ScaleRule.AMAX_FP32, 64, Field("latent_scale", 512, "fp32", 8)
+        ),
+        rope=VectorCoding(64, "bf16", Field("rope", 544, "bf16", 64), ScaleRule.NONE, 64),
+        aliases=aliases,
+    )
+
+
+def test_old_names_select_the_format_with_a_note():
+    from mla_eval.formats import alias_note
+
+    spec = register_format(_user_spec("user_new_name", aliases=("user_old_name",)))
+    try:
+        assert get_format("user_old_name") is spec
+        assert [s.name for s in parse_format_list("user_old_name,user_new_name")] == ["user_new_name"]
+        assert "old name of 'user_new_name'" in alias_note("user_old_name")
+        assert alias_note("user_new_name") is None
+        with pytest.raises(ValueError, match="already taken"):
+            register_format(_user_spec("user_other", aliases=("user_old_name",)))
+        with pytest.raises(ValueError, match="already taken"):
+            register_format(_user_spec("user_third", aliases=("nvfp4",)))
+    finally:
+        unregister_format("user_new_name")
+    with pytest.raises(UnknownFormatError):
+        get_format("user_old_name")
+
+
+def test_builtin_names_and_aliases_never_collide():
+    names = [s.name for s in all_formats()] + [a for s in all_formats() for a in s.aliases]
+    assert len(names) == len(set(names))
+
+
+def test_record_width_lookup():
+    from mla_eval.errors import UserError
+    from mla_eval.formats import format_for_record_bytes
+
+    assert format_for_record_bytes(432).name == "nvfp4"
+    assert format_for_record_bytes(1152).name == "bf16"
+    with pytest.raises(UserError, match=r"records of 500 B, which matches no cache format \(bf16=1152") as exc:
+        format_for_record_bytes(500)
+    assert "\n" not in str(exc.value)
+    with pytest.raises(UserError, match="shared by fp8_ds_mla, fp8_ds_mla_pow2; name the format"):
+        format_for_record_bytes(656)
+
+
+def test_model_dims_check_names_deepseek_v4():
+    from mla_eval.errors import UserError
+    from mla_eval.formats import check_model_dims
+
+    check_model_dims(512, 64)
+    with pytest.raises(UserError, match="448 \\+ 64 values per token \\(a DeepSeek-V4 cache\\).*not supported"):
+        check_model_dims(448, 64, "deepseek-ai/DeepSeek-V4")
+    with pytest.raises(UserError, match="caches 256 \\+ 32 values"):
+        check_model_dims(256, 32)
+
+
+def test_split_buffers_must_cover_the_record_in_order():
+    from mla_eval.formats import get_format
+
+    spec = get_format("sglang_fp4_e2m1")
+    assert spec.record_bytes == 324 and spec.buffers == (("kv_buffer", 0, 288), ("kv_scale_buffer", 288, 324))
+    import dataclasses
+
+    with pytest.raises(ValueError, match="buffers must split the record"):
+        dataclasses.replace(spec, name="bad_buffers", buffers=(("a", 0, 200), ("b", 288, 324)))
+
+
+def test_reading_records_with_the_wrong_spec_is_one_line():
+    from mla_eval.errors import UserError
+
+    records = encode("nvfp4_fp8_ds_mla", torch.randn(2, 512), torch.randn(2, 64))  # 352 B, permuted scales
+    for wrong in ("nvfp4", "nvfp4_fp8rope", "fp8_ds_mla"):
+        with pytest.raises(UserError, match=r"records must be uint8 \[\.\.\., \d+\], got torch.uint8 \(2, 352\)") as exc:
+            decode(wrong, records)
+        assert "\n" not in str(exc.value)

@@ -31,6 +31,18 @@ def format_row(spec: FormatSpec) -> dict:
         "fields": [{"name": f.name, "offset": f.offset, "bytes": f.nbytes, "dtype": f.dtype, "count": f.count} for f in spec.fields],
         "description": spec.description,
         "source": spec.source,
+        "engine": None if spec.engine is None else {
+            "name": spec.engine.name,
+            "flag": spec.engine.flag,
+            "repository": spec.engine.repository,
+            "path": spec.engine.path,
+            "symbol": spec.engine.symbol,
+            "commit": spec.engine.commit,
+            "note": spec.engine.note,
+        },
+        "arithmetic": {"latent_apply": spec.latent.apply.value, "latent_scale_floor": spec.latent.scale_floor},
+        "aliases": list(spec.aliases),
+        "buffers": [{"name": n, "start": a, "end": b} for n, a, b in spec.buffers],
     }
 
 
@@ -65,6 +77,8 @@ def formats(
             extra.append("s_t/token")
         if spec.outer_scale is not None:
             extra.append("s_l opt.")
+        if spec.buffers:
+            extra.append(f"{len(spec.buffers)} buffers")
         table.add_row(
             spec.name,
             str(spec.record_bytes),
@@ -83,6 +97,19 @@ def formats(
         for spec in specs:
             lt.add_row(spec.name, "  ".join(f"[{f.offset},{f.end}) {f.name} {f.dtype}x{f.count}" for f in spec.fields))
         console.print(lt)
+    et = Table(title="Defining engine: the bytes are those this engine writes (its own name for the format)")
+    et.add_column("format", style="bold", no_wrap=True)
+    et.add_column("engine", no_wrap=True)
+    et.add_column("engine's name")
+    et.add_column("source (repository@commit path symbol)", overflow="fold")
+    for spec in specs:
+        eng = spec.engine
+        aliases = f" (old names: {', '.join(spec.aliases)})" if spec.aliases else ""
+        if eng is None:
+            et.add_row(spec.name + aliases, "-", "-", f"no engine pinned; the codec follows our reading of: {spec.source}")
+        else:
+            et.add_row(spec.name + aliases, eng.name, eng.flag, eng.citation())
+    console.print(et)
     console.print(
         "bits = stored bits per cached value; x bf16 / x fp8 = tokens that fit in the same memory as "
         "with bf16 / fp8_ds_mla; s_l = per-layer outer scale (not stored per token)."

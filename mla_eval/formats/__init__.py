@@ -3,7 +3,10 @@
 from mla_eval.formats.codec import decode, encode
 from mla_eval.formats.outer_scale import OuterScales
 from mla_eval.formats.registry import (
+    alias_note,
     all_formats,
+    check_model_dims,
+    format_for_record_bytes,
     format_names,
     get_format,
     parse_format_list,
@@ -14,14 +17,21 @@ from mla_eval.formats.spec import (
     LATENT_DIM,
     OUTER_SCALE_SCHEMA,
     ROPE_DIM,
+    Engine,
     Field,
     FormatSpec,
     OuterScale,
+    ScaleApply,
     ScaleRule,
     VectorCoding,
 )
 
 __all__ = [
+    "Engine",
+    "ScaleApply",
+    "alias_note",
+    "check_model_dims",
+    "format_for_record_bytes",
     "LATENT_DIM",
     "OUTER_SCALE_SCHEMA",
     "ROPE_DIM",

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from mla_eval.formats.spec import (
     LATENT_DIM,
+    Engine,
+    ScaleApply,
+    ScaleOrder,
+    FLT_MIN,
     ROPE_DIM,
     TOKEN_SCALE_DENOMINATOR,
     Field,
@@ -19,24 +23,141 @@ from mla_eval.formats.spec import (
 
 NVFP4_OUTER = OuterScale(required=False, denominator=TOKEN_SCALE_DENOMINATOR)
 
+# vLLM's writer of the 656 B DeepSeek-V3.2 record. Read at this commit: tile_scale =
+# fmaxf(max_abs / kFp8ScaleDivisor, FLT_MIN) with kFp8ScaleDivisor = 448 (224 only on gfx942), rope
+# bf16 copied through, codes by fp8::scaled_convert, which is `__nv_cvt_float_to_fp8(float(x) / scale,
+# __NV_SATFINITE, E4M3)` (csrc/quantization/w8a8/fp8/nvidia/quant_utils.cuh): a true division.
+VLLM_FP8_DS_MLA = Engine(
+    name="vLLM",
+    repository="vllm-project/vllm",
+    path="csrc/libtorch_stable/cache_kernels.cu",
+    symbol="concat_and_cache_ds_mla_kernel",
+    commit="37cb21c1695d11baba8e369b071d2f44c1561c8f",
+    flag="--kv-cache-dtype fp8_ds_mla",
+    note="codes x / scale (scaled_convert in csrc/quantization/w8a8/fp8/nvidia/quant_utils.cuh)",
+)
+# FlashMLA's test quantiser of the same record: scale_inv = 2^ceil(log2(clamp_min(amax / 448, 1e-4)))
+# (the 1e-4 is HFAI FP8's FP8_AMAX_MARGIN), codes (x.float() / scale_inv).to(float8_e4m3fn).
+FLASHMLA_FP8_POW2 = Engine(
+    name="FlashMLA (tests)",
+    repository="deepseek-ai/FlashMLA",
+    path="tests/quant.py",
+    symbol="quantize_k_cache (FP8KVCacheLayout.V32_FP8Sparse)",
+    commit="520fec6a7fd98028705ccad373b7f0e3e2ae75fb",
+    flag="V32_FP8Sparse",
+    note="torch log2().ceil() equals the exact ceil(log2) for every bf16 input (see tests/test_engine_ports.py)",
+)
+# Upstream vLLM's 352 B NVFP4 record (vLLM PR 51724 with vllm-project/FlashMLA PR 18). Read at this
+# commit: sf_f = fmaxf(amax / 6.0f, 2^-9); sf = __nv_fp8_e4m3(sf_f) (RN, satfinite) bumped one code up
+# when float(sf) < sf_f and sf < 0x7E; inv_sf = 1.0f / sf; codes cvt.rn.satfinite.e2m1x2(x * inv_sf),
+# even element in the low nibble; rope __nv_fp8_e4m3(float(x)) unscaled at [256,320); scales at
+# [320,352) with block s at byte 320 + 8*(s&3) + (s>>2) (nvfp4_sf_byte). The divisions are IEEE
+# (nvcc's default -prec-div); 1.0f / sf takes E4M3 values only, where rcp.approx.ftz.f32 equals the
+# correctly rounded reciprocal too (mla_eval/formats/data/rcp_approx_ftz_f32.json).
+VLLM_NVFP4_FP8_DS_MLA = Engine(
+    name="vLLM",
+    repository="vllm-project/vllm",
+    path="csrc/libtorch_stable/nvfp4_ds_mla_cache_kernels.cu",
+    symbol="concat_and_cache_nvfp4_ds_mla_kernel",
+    commit="03b6016490cc6603e031cda092a005f10bdc71ee",
+    flag="--kv-cache-dtype nvfp4_fp8_ds_mla",
+    note="vLLM PR 51724 + vllm-project/FlashMLA PR 18; written on sm_100 (cvt e2m1x2), our writer computes the same on "
+    "sm_90. vllm-project/FlashMLA PR 21 (merged 2026-09-10) rounds the tile scale to nearest instead of up; a vLLM "
+    "release following it writes different scale bytes: re-check this commit before comparing with newer vLLM",
+)
+NVFP4_UP_FLOOR = 2.0**-9  # nvfp4_tile_scale: fmaxf(amax / max_val, 0.001953125f), the smallest E4M3 subnormal
+
+# NVIDIA's NVFP4 quantisation recipe as vLLM ships it (read at this commit): SFValue = SFScaleVal *
+# (vecMax * rcp.approx.ftz(6.0f)); E4M3 by __nv_fp8_e4m3 (RN, satfinite); outputScale = SFValue != 0 ?
+# rcp.approx.ftz(SFValue * rcp.approx.ftz(SFScaleVal)) : 0; codes cvt.rn.satfinite.e2m1x2(x * outputScale).
+# The local-inference-lab fork's 432 B writer (concat_and_cache_nvfp4_mla) calls it at SFScaleVal = 1.0.
+VLLM_FORK_NVFP4 = Engine(
+    name="vLLM fork (local-inference-lab)",
+    repository="vllm-project/vllm",
+    path="csrc/libtorch_stable/quantization/fp4/nvfp4_utils.cuh",
+    symbol="cvt_warp_fp16_to_fp4 (SFScaleVal = 1.0)",
+    commit="bde90062eb908dec6a314970a5edb554f6e8a0cc",
+    flag="--kv-cache-dtype nvfp4_ds_mla (local-inference-lab/vllm, B12X_MLA_SPARSE)",
+    note="record of the fork's concat_and_cache_nvfp4_mla (codes, scales, 16 B zero pad, bf16 rope copied), read in an "
+    "unpinned copy; rcp.approx of E4M3 values and of 6 from the H200 table; s_l is applied by the fork in torch on bf16 "
+    "(bf16(x * (1/s_l))), here in float32 (not yet engine-exact)",
+)
+# b12x's 368 B writer (KV_FP8_ROPE=1), read at this commit: latent as the recipe above but a group whose
+# decoded scale is 0 stores 8 zero bytes; rope scale = rope_amax * f32(1/448) (a compile-time constant,
+# no floor), fp32 at [288,292); rope codes cvt.rn.satfinite.e4m3x2(v * rcp.approx.ftz(scale)), all zero
+# when the scale is 0. rcp.approx of that arbitrary fp32 scale cannot be tabulated: the codec uses rcp.rn,
+# and kernels/measure_rope_rcp_residual.py measures how many rope codes the real instruction changes.
+B12X_NVFP4_FP8ROPE = Engine(
+    name="b12x (local-inference-lab)",
+    repository="local-inference-lab/b12x",
+    path="b12x/attention/_shared/mla/kv_cache.py",
+    symbol="ConcatAndCacheNvfp4MlaFp8RopeKernel (per_token_scale=False)",
+    commit="1eed7483540585e4d84b705375309766c9317db9",
+    flag="--kv-cache-dtype nvfp4_ds_mla with KV_FP8_ROPE=1 (local-inference-lab/vllm)",
+    note="rope codes use rcp.approx.ftz of an arbitrary fp32 (computed here with rcp.rn; residual: "
+    "kernels/measure_rope_rcp_residual.py on the GPU); s_l applied in float32 here, in torch on bf16 by the engine",
+)
+
+# SGLang's FP4 KV cache for MLA (--kv-cache-dtype fp4_e2m1), read at this commit: MLATokenToKVPoolFP4
+# keeps per token a packed buffer of the 576 values (kv_lora_rank + rope, 288 B) and a separate scale
+# buffer (576 / 16 = 36 B); KVFP4QuantizeUtil.batched_quantize per 16 values: scale_exp =
+# ceil(log2(clamp(block_max / 6, min=1e-10))), byte scale_exp + 127, codes of x / 2^scale_exp by
+# counting the bounds |x| >= (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5) (ties away from zero), sign x < 0,
+# even element in the low nibble. The function is @torch.compile'd: on a GPU its division and log2 are
+# Triton's; kernels/measure_sglang_fp4_residual.py compares it there with this codec.
+SGLANG_FP4_E2M1 = Engine(
+    name="SGLang",
+    repository="sgl-project/sglang",
+    path="python/sglang/srt/layers/quantization/kvfp4_tensor.py",
+    symbol="KVFP4QuantizeUtil.batched_quantize (MLATokenToKVPoolFP4, memory_pool.py)",
+    commit="0e6b6cf0ac719aca12987b393d17e8caaabcaa87",
+    flag="--kv-cache-dtype fp4_e2m1",
+    note="two buffers per token (kv_buffer 288 B, kv_scale_buffer 36 B); exact division and log2 here, the engine's "
+    "compiled ones on the GPU are compared by kernels/measure_sglang_fp4_residual.py",
+)
+SGLANG_FP4_FLOOR = 1e-10  # torch.clamp(block_max / E2M1_MAX, min=1e-10)
+
+
+def _sglang_fp4(dim: int, data_offset: int, scale_offset: int, name: str) -> VectorCoding:
+    return VectorCoding(
+        dim,
+        "e2m1",
+        Field(name, data_offset, "e2m1", dim),
+        ScaleRule.E8M0_CEIL,
+        16,
+        Field(f"{name}_scale", scale_offset, "e8m0", dim // 16),
+        apply=ScaleApply.DIV,
+        scale_floor=SGLANG_FP4_FLOOR,
+        elem_rounding="ties_away",
+    )
+
+
+FLASHMLA_POW2_FLOOR = 1e-4  # FlashMLA tests/quant.py _cast_scale_inv_to_ue8m0: clamp_min(scale_inv, 1e-4)
+
 
 def _bf16_rope(offset: int) -> VectorCoding:
     return VectorCoding(ROPE_DIM, "bf16", Field("rope", offset, "bf16", ROPE_DIM), ScaleRule.NONE, ROPE_DIM)
 
 
-def _nvfp4_latent() -> VectorCoding:
+def _nvfp4_latent(
+    rule: ScaleRule = ScaleRule.AMAX_E4M3, apply: ScaleApply = ScaleApply.MUL_RCP, clears: bool = False
+) -> VectorCoding:
     # [0,256) packed E2M1, [256,288) one E4M3 scale per 16 values.
     return VectorCoding(
         LATENT_DIM,
         "e2m1",
         Field("latent", 0, "e2m1", LATENT_DIM),
-        ScaleRule.AMAX_E4M3,
+        rule,
         16,
         Field("latent_scale", 256, "e4m3", LATENT_DIM // 16),
+        apply=apply,
+        zero_scale_clears=clears,
     )
 
 
-def _fp8_ds_mla(name: str, rule: ScaleRule, title: str, description: str, source: str) -> FormatSpec:
+def _fp8_ds_mla(
+    name: str, rule: ScaleRule, title: str, description: str, source: str, engine: Engine, floor: float
+) -> FormatSpec:
     return FormatSpec(
         name=name,
         title=title,
@@ -50,8 +171,11 @@ def _fp8_ds_mla(name: str, rule: ScaleRule, title: str, description: str, source
             rule,
             128,
             Field("latent_scale", 512, "fp32", LATENT_DIM // 128),
+            apply=ScaleApply.DIV,
+            scale_floor=floor,
         ),
         rope=_bf16_rope(528),
+        engine=engine,
     )
 
 
@@ -69,26 +193,31 @@ BUILTIN_FORMATS: tuple[FormatSpec, ...] = (
         "fp8_ds_mla",
         ScaleRule.AMAX_FP32,
         "fp8_ds_mla",
-        "E4M3 latent with one raw fp32 scale (amax/448) per 128 values; bf16 rope.",
+        "E4M3 latent with one raw fp32 scale max(amax/448, FLT_MIN) per 128 values, codes x / scale; bf16 rope.",
         "vLLM fp8_ds_mla cache layout (DeepSeek-V3.2 sparse MLA)",
+        VLLM_FP8_DS_MLA,
+        FLT_MIN,
     ),
     _fp8_ds_mla(
         "fp8_ds_mla_pow2",
         ScaleRule.AMAX_FP32_POW2,
         "fp8_ds_mla (pow2 scales)",
-        "fp8_ds_mla with each scale rounded up to a power of two, as FlashMLA's test quantiser.",
+        "fp8_ds_mla with each scale max(amax/448, 1e-4) rounded up to a power of two (FlashMLA's test quantiser).",
         "FlashMLA sparse decode tests (quantize_k_cache: power-of-two scales)",
+        FLASHMLA_FP8_POW2,
+        FLASHMLA_POW2_FLOOR,
     ),
     FormatSpec(
         name="nvfp4",
         title="nvfp4",
-        description="E2M1 latent, one E4M3 scale per 16 values; bf16 rope; optional per-layer outer scale s_l.",
+        description="E2M1 latent, one E4M3 scale e4m3(amax*rcp(6)) per 16 values (NVIDIA recipe); bf16 rope; optional s_l.",
         source="NVFP4 MLA cache (DESIGN.md): 256 B E2M1 + 32 B E4M3 scales + 16 B pad + 128 B bf16 rope",
         record_bytes=432,
-        latent=_nvfp4_latent(),
+        latent=_nvfp4_latent(ScaleRule.AMAX_E4M3_RCP6, ScaleApply.MUL_RCP_APPROX),
         rope=_bf16_rope(304),
         pads=(Field("pad", 288, "pad", 16),),
         outer_scale=NVFP4_OUTER,
+        engine=VLLM_FORK_NVFP4,
     ),
     FormatSpec(
         name="nvfp4_fp8rope",
@@ -96,22 +225,26 @@ BUILTIN_FORMATS: tuple[FormatSpec, ...] = (
         description="nvfp4 latent; rope as E4M3 with one fp32 scale (amax/448); optional s_l.",
         source="NVFP4 MLA cache with fp8 rope (DESIGN.md): 368 B",
         record_bytes=368,
-        latent=_nvfp4_latent(),
+        latent=_nvfp4_latent(ScaleRule.AMAX_E4M3_RCP6, ScaleApply.MUL_RCP_APPROX, clears=True),
         rope=VectorCoding(
             ROPE_DIM,
             "e4m3",
             Field("rope", 304, "e4m3", ROPE_DIM),
-            ScaleRule.AMAX_FP32,
+            ScaleRule.AMAX_FP32_MUL,
             ROPE_DIM,
             Field("rope_scale", 288, "fp32", 1),
+            apply=ScaleApply.MUL_RCP_APPROX,
+            zero_scale_clears=True,
         ),
         pads=(Field("pad", 292, "pad", 12),),
         outer_scale=NVFP4_OUTER,
+        engine=B12X_NVFP4_FP8ROPE,
     ),
     FormatSpec(
         name="nvfp4_fp8rope_st",
         title="nvfp4 two-level (s_t)",
-        description="nvfp4_fp8rope layout plus a per-token fp32 scale s_t = amax/(6*448); block scales relative to s_t.",
+        description="nvfp4_fp8rope layout plus a per-token fp32 scale s_t = amax/(6*448); block scales relative to s_t "
+        "(our arithmetic: b12x's per_token_scale mode multiplies by rcp.approx and orders the products differently).",
         source="Two-level NVFP4 scaling on the 368 B layout (DESIGN.md): s_t at [292,296)",
         record_bytes=368,
         latent=_nvfp4_latent(),
@@ -125,6 +258,38 @@ BUILTIN_FORMATS: tuple[FormatSpec, ...] = (
         ),
         token_scale=Field("token_scale", 292, "fp32", 1),
         pads=(Field("pad", 296, "pad", 8),),
+    ),
+    FormatSpec(
+        name="nvfp4_fp8_ds_mla",
+        title="nvfp4 + fp8 rope (vLLM, 352 B)",
+        description="E2M1 latent, E4M3 block scale per 16 rounded up (floor 2^-9), permuted; unscaled E4M3 rope.",
+        source="upstream vLLM --kv-cache-dtype nvfp4_fp8_ds_mla (PR 51724) / vllm-project/FlashMLA PR 18",
+        record_bytes=352,
+        latent=VectorCoding(
+            LATENT_DIM,
+            "e2m1",
+            Field("latent", 0, "e2m1", LATENT_DIM),
+            ScaleRule.AMAX_E4M3_UP,
+            16,
+            Field("latent_scale", 320, "e4m3", LATENT_DIM // 16),
+            scale_floor=NVFP4_UP_FLOOR,
+            scale_order=ScaleOrder.TRANSPOSE_8X4,
+        ),
+        rope=VectorCoding(ROPE_DIM, "e4m3", Field("rope", 256, "e4m3", ROPE_DIM), ScaleRule.TENSOR, ROPE_DIM),
+        engine=VLLM_NVFP4_FP8_DS_MLA,
+    ),
+    FormatSpec(
+        name="sglang_fp4_e2m1",
+        title="fp4_e2m1 (SGLang, 324 B)",
+        description="All 576 values E2M1 with a power-of-two E8M0 scale per 16 (ceil, ties away); data and scales "
+        "in two buffers.",
+        source="SGLang --kv-cache-dtype fp4_e2m1 for MLA (PR 10078): MLATokenToKVPoolFP4 + KVFP4QuantizeUtil",
+        record_bytes=324,
+        latent=_sglang_fp4(LATENT_DIM, 0, 288, "latent"),
+        rope=_sglang_fp4(ROPE_DIM, 256, 320, "rope"),
+        align=4,
+        engine=SGLANG_FP4_E2M1,
+        buffers=(("kv_buffer", 0, 288), ("kv_scale_buffer", 288, 324)),
     ),
     # Our choice: OCP MX v1.0 MXFP4 (E2M1, one E8M0 scale per 32 values). 256 B of codes, 16 B of
     # scales, 16 B of zero padding so the bf16 rope starts 16-byte aligned at 288; 416 B in all.

@@ -14,9 +14,10 @@ from __future__ import annotations
 import torch
 
 from mla_eval.errors import NonFiniteInputError, UserError
+from mla_eval.formats import approx
 from mla_eval.formats import numerics as nx
 from mla_eval.formats.registry import get_format
-from mla_eval.formats.spec import TOKEN_SCALE_DENOMINATOR, FormatSpec, ScaleRule, VectorCoding
+from mla_eval.formats.spec import TOKEN_SCALE_DENOMINATOR, FormatSpec, ScaleApply, ScaleOrder, ScaleRule, VectorCoding
 
 OuterScaleArg = float | torch.Tensor | None
 
@@ -24,6 +25,11 @@ OuterScaleArg = float | torch.Tensor | None
 def _div(a: torch.Tensor, b: float) -> torch.Tensor:
     """IEEE float32 a / b (b broadcast as a tensor, never as a scalar)."""
     return a / torch.full_like(a, b)
+
+
+def _floor(a: torch.Tensor, floor: float) -> torch.Tensor:
+    """max(a, float32(floor)): the floor rounded to float32 first, as the GPU writers hold it."""
+    return torch.maximum(a, torch.full_like(a, floor))
 
 
 def _recip(s: torch.Tensor) -> torch.Tensor:
@@ -75,10 +81,10 @@ def _group_scale(coding: VectorCoding, g: torch.Tensor) -> tuple[torch.Tensor, t
     amax = g.abs().amax(dim=-1)
     rule = coding.scale_rule
     if rule is ScaleRule.AMAX_FP32:
-        s = torch.clamp_min(_div(amax, coding.qmax), nx.FLT_MIN)
+        s = _floor(_div(amax, coding.qmax), coding.scale_floor)
         return s, _recip(s), nx.f32_to_bytes(s)
     if rule is ScaleRule.AMAX_FP32_POW2:
-        s0 = torch.clamp_min(_div(amax, coding.qmax), nx.FLT_MIN)
+        s0 = _floor(_div(amax, coding.qmax), coding.scale_floor)
         mant, exp = torch.frexp(s0)  # s0 = mant * 2^exp, mant in [0.5, 1)
         exp = torch.where(mant == 0.5, exp - 1, exp)  # already a power of two: keep it
         s = torch.ldexp(torch.ones_like(s0), exp)
@@ -87,6 +93,25 @@ def _group_scale(coding: VectorCoding, g: torch.Tensor) -> tuple[torch.Tensor, t
         bits = nx.e4m3_encode(_div(amax, nx.E2M1_MAX))
         s = nx.e4m3_decode(bits)
         return s, _recip(s), bits
+    if rule is ScaleRule.AMAX_E4M3_RCP6:
+        bits = nx.e4m3_encode(amax * torch.full_like(amax, approx.rcp_approx_of(nx.E2M1_MAX)))
+        s = nx.e4m3_decode(bits)
+        return s, _recip(s), bits
+    if rule is ScaleRule.AMAX_FP32_MUL:
+        s = amax * torch.full_like(amax, 1.0 / coding.qmax)  # the double 1/qmax rounded to f32 once
+        return s, _recip(s), nx.f32_to_bytes(s)
+    if rule is ScaleRule.AMAX_E4M3_UP:
+        want = _floor(_div(amax, nx.E2M1_MAX), coding.scale_floor)
+        bits = nx.e4m3_encode(want)
+        bits = bits + ((nx.e4m3_decode(bits) < want) & (bits < nx.E4M3_MAX_CODE)).to(torch.uint8)
+        s = nx.e4m3_decode(bits)
+        return s, _recip(s), bits
+    if rule is ScaleRule.E8M0_CEIL:
+        t = _floor(_div(amax, nx.E2M1_MAX), coding.scale_floor)
+        mant, exp = torch.frexp(t)  # t = mant * 2^exp, mant in [0.5, 1): ceil(log2 t) = exp - (mant == 0.5)
+        exp = torch.where(mant == 0.5, exp - 1, exp).clamp(-127, 127)
+        one = torch.ones_like(amax)
+        return torch.ldexp(one, exp), torch.ldexp(one, -exp), (exp + 127).to(torch.uint8)
     if rule is ScaleRule.OCP_E8M0:
         exp = torch.where(amax > 0, nx.e8m0_floor_log2(torch.where(amax > 0, amax, 1.0)) - 2, -127)
         exp = exp.clamp(-127, 127)
@@ -95,7 +120,26 @@ def _group_scale(coding: VectorCoding, g: torch.Tensor) -> tuple[torch.Tensor, t
     raise AssertionError(f"no group scale for rule {rule}")
 
 
-def _encode_elems(elem: str, v: torch.Tensor) -> torch.Tensor:
+_LUTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _rcp_approx_lut(device: torch.device) -> torch.Tensor:
+    if device not in _LUTS:
+        _LUTS[device] = approx.rcp_approx_e4m3_lut().to(device)
+    return _LUTS[device]
+
+
+def _inverse(positions: tuple[int, ...]) -> list[int]:
+    """inv[p] = the group whose scale sits at entry p."""
+    inv = [0] * len(positions)
+    for group, p in enumerate(positions):
+        inv[p] = group
+    return inv
+
+
+def _encode_elems(elem: str, v: torch.Tensor, rounding: str = "rne") -> torch.Tensor:
+    if elem == "e2m1" and rounding == "ties_away":
+        return nx.e2m1_pack(nx.e2m1_encode_ties_away(v))
     if elem == "bf16":
         return nx.bf16_encode(v)
     if elem == "e4m3":
@@ -118,10 +162,22 @@ def _decode_elems(elem: str, raw: torch.Tensor) -> torch.Tensor:
 def _encode_vector(coding: VectorCoding, x: torch.Tensor, out: torch.Tensor) -> None:
     if coding.scale is not None:
         g = x.reshape(*x.shape[:-1], coding.dim // coding.group, coding.group)
-        _, r, stored = _group_scale(coding, g)
-        x = (g * r.unsqueeze(-1)).reshape(x.shape)
-        out[..., coding.scale.offset : coding.scale.end] = stored.reshape(*x.shape[:-1], -1)
-    out[..., coding.data.offset : coding.data.end] = _encode_elems(coding.elem, x)
+        s, r, stored = _group_scale(coding, g)
+        if coding.apply is ScaleApply.MUL_RCP_APPROX and coding.scale.dtype == "e4m3":
+            r = _rcp_approx_lut(g.device)[stored.long()]  # exact H200 results; 0 for a zero scale
+        if coding.apply is ScaleApply.DIV:
+            g = g / s.unsqueeze(-1).expand_as(g)
+        else:
+            g = g * r.unsqueeze(-1)
+        if coding.zero_scale_clears:
+            g = torch.where((s == 0).unsqueeze(-1), torch.zeros_like(g), g)
+        x = g.reshape(x.shape)
+        stored = stored.reshape(*x.shape[:-1], -1)
+        if coding.scale_order is not ScaleOrder.LINEAR:  # stored[..., s] goes to entry positions[s]
+            width = stored.shape[-1] // g.shape[-2]
+            stored = stored.unflatten(-1, (-1, width))[..., _inverse(coding.scale_positions), :].flatten(-2)
+        out[..., coding.scale.offset : coding.scale.end] = stored
+    out[..., coding.data.offset : coding.data.end] = _encode_elems(coding.elem, x, coding.elem_rounding)
 
 
 def _decode_vector(coding: VectorCoding, records: torch.Tensor) -> torch.Tensor:
@@ -129,6 +185,9 @@ def _decode_vector(coding: VectorCoding, records: torch.Tensor) -> torch.Tensor:
     if coding.scale is None:
         return q
     raw = records[..., coding.scale.offset : coding.scale.end]
+    if coding.scale_order is not ScaleOrder.LINEAR:  # entry positions[s] holds group s
+        width = raw.shape[-1] // (coding.dim // coding.group)
+        raw = raw.unflatten(-1, (-1, width))[..., list(coding.scale_positions), :].flatten(-2)
     if coding.scale.dtype == "fp32":
         s = nx.f32_from_bytes(raw)
     elif coding.scale.dtype == "e4m3":

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import torch
 
+from mla_eval.formats.spec import FLT_MIN  # noqa: F401 - re-exported: the all-zero-group guard
+
 E4M3_MAX = 448.0
+E4M3_MAX_CODE = 0x7E  # the bit pattern of +448 (positive E4M3 codes are ordered like their values)
 E2M1_MAX = 6.0
-FLT_MIN = 2.0**-126  # smallest normal float32: the guard for all-zero groups
 
 # Magnitude of each E2M1 code 0..7 (code 8..15 are the same values negated).
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -62,6 +64,16 @@ def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
         + (a > 5.0).to(torch.uint8)  # 4 | 6 ; everything above 6 saturates to code 7
     )
     return code | (torch.signbit(x).to(torch.uint8) << 3)
+
+
+def e2m1_encode_ties_away(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> E2M1 codes as SGLang's KVFP4 quantiser: the magnitude code counts the bounds
+    (0.25, 0.75, ..., 5) that |x| reaches (`>=`, so ties go away from zero), saturating at 6; the sign
+    bit is set for x < 0 only (-0.0 stays +0)."""
+    _check_f32(x)
+    a = x.abs()
+    code = sum((a >= b).to(torch.uint8) for b in (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0))
+    return code | ((x < 0).to(torch.uint8) << 3)
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:

@@ -9,11 +9,22 @@ name must not clash with an existing one unless `replace=True`.
 
 from __future__ import annotations
 
-from mla_eval.errors import UnknownFormatError
+from mla_eval.errors import UnknownFormatError, UserError
 from mla_eval.formats.builtin import BUILTIN_FORMATS
-from mla_eval.formats.spec import FormatSpec
+from mla_eval.formats.spec import LATENT_DIM, ROPE_DIM, FormatSpec
 
 _REGISTRY: dict[str, FormatSpec] = {spec.name: spec for spec in BUILTIN_FORMATS}
+
+
+def _aliases() -> dict[str, FormatSpec]:
+    """Old names that still select a format (each spec lists its own under `aliases`)."""
+    return {alias: spec for spec in _REGISTRY.values() for alias in spec.aliases}
+
+
+def alias_note(name: str) -> str | None:
+    """'X is an old name of Y' when `name` is an alias, for commands to show once; else None."""
+    spec = _aliases().get(name)
+    return None if spec is None else f"format name {name!r} is an old name of {spec.name!r}; results record {spec.name!r}"
 
 
 def register_format(spec: FormatSpec, *, replace: bool = False) -> FormatSpec:
@@ -22,6 +33,10 @@ def register_format(spec: FormatSpec, *, replace: bool = False) -> FormatSpec:
         raise TypeError("register_format takes a FormatSpec")
     if spec.name in _REGISTRY and not replace:
         raise ValueError(f"format {spec.name!r} is already registered; pass replace=True to override it")
+    taken = set(_REGISTRY) | set(_aliases())
+    clashes = [a for a in spec.aliases if a in taken or a == spec.name]
+    if spec.name in _aliases() or clashes:
+        raise ValueError(f"format {spec.name!r}: name or alias {(clashes or [spec.name])[0]!r} is already taken")
     _REGISTRY[spec.name] = spec
     return spec
 
@@ -46,8 +61,10 @@ def get_format(fmt: str | FormatSpec) -> FormatSpec:
     """Look a format up by name (a FormatSpec passes through)."""
     if isinstance(fmt, FormatSpec):
         return fmt
-    try:
+    if fmt in _REGISTRY:
         return _REGISTRY[fmt]
+    try:
+        return _aliases()[fmt]
     except KeyError:
         raise UnknownFormatError(
             f"unknown cache format {fmt!r}; choose one of: {', '.join(_REGISTRY)} (see `mla-eval formats`)"
@@ -68,3 +85,37 @@ def parse_format_list(text: str | None, default: list[str] | None = None) -> lis
         if spec not in seen:
             seen.append(spec)
     return seen
+
+
+def format_for_record_bytes(width: int, what: str = "cache tensor") -> FormatSpec:
+    """The one format whose record is `width` bytes (reading a cache tensor of unknown format).
+
+    Refuses a width that no format has, and a width several formats share (name the format then).
+    """
+    matches = [spec for spec in _REGISTRY.values() if spec.record_bytes == width]
+    if not matches:
+        widths = ", ".join(f"{s.name}={s.record_bytes}" for s in _REGISTRY.values())
+        raise UserError(f"{what} has records of {width} B, which matches no cache format ({widths}); check the last dimension")
+    if len(matches) > 1:
+        names = ", ".join(s.name for s in matches)
+        raise UserError(f"{what} has records of {width} B, shared by {names}; name the format explicitly")
+    return matches[0]
+
+
+def check_model_dims(latent_dim: int, rope_dim: int, model: str = "this model") -> None:
+    """Every format is a 512 + 64 MLA record; say clearly when a model caches something else.
+
+    DeepSeek-V4 caches 448 no-rope + 64 rope values in different records (FlashMLA's MODEL1 layouts):
+    out of scope, named as such rather than reported as a bare dimension mismatch.
+    """
+    if (latent_dim, rope_dim) == (LATENT_DIM, ROPE_DIM):
+        return
+    if (latent_dim, rope_dim) == (448, 64):
+        raise UserError(
+            f"{model} caches 448 + 64 values per token (a DeepSeek-V4 cache); mla-eval's formats are the "
+            f"{LATENT_DIM} + {ROPE_DIM} MLA records of DeepSeek-V3/V3.2, Kimi-K2 and GLM-5 and V4 caches are not supported"
+        )
+    raise UserError(
+        f"{model} caches {latent_dim} + {rope_dim} values per token; every cache format is defined for "
+        f"{LATENT_DIM} (kv_lora_rank) + {ROPE_DIM} (qk_rope_head_dim)"
+    )

@@ -12,16 +12,30 @@ all in float32, IEEE round-to-nearest-even.
 2. Per-token scale (two-level mode, `token_scale`): s_t = max(amax(v over the token's latent) / 2688,
    FLT_MIN) (`div.rn.f32`), stored as fp32; the latent becomes v * (1 / s_t) before its group
    scales are taken.
-3. Group scales, per `ScaleRule` (amax = max |v| over the group):
-   - AMAX_FP32:    s = max(amax / qmax, FLT_MIN), stored as fp32.
-   - AMAX_FP32_POW2: s = 2^ceil(log2(max(amax / qmax, FLT_MIN))), stored as fp32 (FlashMLA's
-     test quantiser: the power of two at or above amax / qmax).
+3. Group scales, per `ScaleRule` (amax = max |v| over the group; `floor` = `VectorCoding.scale_floor`):
+   - AMAX_FP32:    s = max(amax / qmax, floor), stored as fp32 (vLLM: floor = FLT_MIN).
+   - AMAX_FP32_POW2: s = 2^ceil(log2(max(amax / qmax, floor))), stored as fp32 (FlashMLA's
+     test quantiser: floor = 1e-4, then the power of two at or above; ceil(log2) is exact here).
    - AMAX_E4M3:    s = e4m3_rn_satfinite(amax / 6) stored as E4M3 (NVFP4 block scale); s may be 0.
+   - AMAX_E4M3_RCP6: s = e4m3_rn_satfinite(amax * rcp.approx.ftz(6)) (NVIDIA's NVFP4 recipe,
+     `cvt_warp_fp16_to_fp4` at global scale 1; the measured rcp.approx(6) equals f32(1/6)); s may be 0.
+   - AMAX_FP32_MUL: s = amax * f32(1 / qmax) (a compile-time constant), stored as fp32; s may be 0.
+   - AMAX_E4M3_UP: f = max(amax / 6, floor); s = e4m3_rn_satfinite(f), then one E4M3 step up where
+     s < f and s < 448 (upstream vLLM nvfp4_fp8_ds_mla: amax / s never exceeds 6); never 0.
+   - E8M0_CEIL:    s = 2^ceil(log2(max(amax / 6, floor))) stored as E8M0 (SGLang's KVFP4 block scale,
+     exact ceil of the exact log2 here).
    - OCP_E8M0:     s = 2^(floor(log2 amax) - 2) (OCP MX v1.0: emax of E2M1 is 2), exponent
      clamped to [-127, 127], 2^-127 for amax = 0; stored as E8M0.
    - TENSOR:       no stored scale; the group is scaled only by the outer scale.
    - NONE:         stored as bf16, no scale.
-4. Elements: q = cvt.rn.satfinite(v * r) with r = 1 / s (`rcp.rn.f32`), and r = 0 where s = 0.
+4. Elements, per `ScaleApply` (`VectorCoding.apply`):
+   - MUL_RCP: q = cvt.rn.satfinite(v * r) with r = 1 / s (`rcp.rn.f32`), and r = 0 where s = 0.
+   - MUL_RCP_APPROX: q = cvt.rn.satfinite(v * rcp.approx.ftz(s)), 0 where s = 0. For an E4M3 s the
+     reciprocal is looked up in the table measured on the GPU (`approx.py`); for an fp32 s (not
+     tabulable) the codec uses rcp.rn and the format's engine note gives the measured residual.
+   - DIV:     q = cvt.rn.satfinite(v / s) (`div.rn.f32`; the engine divides, e.g. vLLM's
+     `scaled_convert`), s is never 0 under these rules (floored).
+   Scales are stored in group order, or permuted (`ScaleOrder`): see `scale_positions`.
    The decoder returns q * s (then * s_t, then * s_l), all exact products of the stored values.
 """
 
@@ -39,6 +53,7 @@ LATENT_DIM = 512  # kv_lora_rank of DeepSeek-V3 / V3.2, Kimi-K2, GLM-5
 ROPE_DIM = 64  # qk_rope_head_dim of the same models
 TOKEN_SCALE_DENOMINATOR = 6.0 * 448.0  # E2M1 max x E4M3 max: s_t maps the token amax onto 6*448
 OUTER_SCALE_SCHEMA = "nvfp4_ds_mla_outer_scale_v1"
+FLT_MIN = 2.0**-126  # smallest normal float32: vLLM's guard for all-zero groups
 
 
 class ScaleRule(str, enum.Enum):
@@ -47,7 +62,53 @@ class ScaleRule(str, enum.Enum):
     AMAX_FP32 = "amax/qmax fp32"
     AMAX_FP32_POW2 = "pow2ceil(amax/qmax) fp32"
     AMAX_E4M3 = "e4m3(amax/6)"
+    AMAX_E4M3_UP = "e4m3 up(max(amax/6, floor))"
+    AMAX_E4M3_RCP6 = "e4m3(amax*rcp.approx(6))"
+    AMAX_FP32_MUL = "amax*f32(1/qmax) fp32"
+    E8M0_CEIL = "2^ceil(log2(max(amax/6, floor))) e8m0"
     OCP_E8M0 = "2^(floor(log2 amax)-2) e8m0"
+
+
+class ScaleApply(str, enum.Enum):
+    """How the elements of a scaled group are brought to the element range (step 4 above)."""
+
+    MUL_RCP = "x * rcp.rn(s)"
+    MUL_RCP_APPROX = "x * rcp.approx.ftz(s)"
+    DIV = "x / s"
+
+
+class ScaleOrder(str, enum.Enum):
+    """Where the scale of group s sits inside the scale field (byte-sized scales)."""
+
+    LINEAR = "linear"  # group s at byte s
+    TRANSPOSE_8X4 = "8*(s&3)+(s>>2)"  # vLLM/FlashMLA nvfp4_sf_byte: an 8x4 -> 4x8 transpose of 32 scales
+
+
+def scale_positions(order: ScaleOrder, n_groups: int) -> tuple[int, ...]:
+    """Element s = position (in scale entries) of group s's scale within the scale field."""
+    if order is ScaleOrder.LINEAR:
+        return tuple(range(n_groups))
+    return tuple(8 * (s & 3) + (s >> 2) for s in range(n_groups))
+
+
+@dataclasses.dataclass(frozen=True)
+class Engine:
+    """The serving engine whose writer defines a format's bytes (the codec follows it step for step).
+
+    `flag` is the engine's own name for the format (its --kv-cache-dtype value or dtype name);
+    `symbol` the function whose arithmetic we follow, in `path` of `repository` at `commit`.
+    """
+
+    name: str
+    repository: str
+    path: str
+    symbol: str
+    commit: str
+    flag: str
+    note: str = ""
+
+    def citation(self) -> str:
+        return f"{self.repository}@{self.commit[:12]} {self.path} {self.symbol}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +139,19 @@ class VectorCoding:
     scale_rule: ScaleRule
     group: int  # values sharing one scale (== dim for one scale per vector)
     scale: Field | None = None  # where the group scales live; None for NONE / TENSOR
+    apply: ScaleApply = ScaleApply.MUL_RCP  # how elements are scaled (multiply by 1/s or divide by s)
+    scale_floor: float = FLT_MIN  # lower bound of amax / qmax for the fp32 rules and AMAX_E4M3_UP
+    scale_order: ScaleOrder = ScaleOrder.LINEAR  # where each group's scale sits in the scale field
+    zero_scale_clears: bool = False  # a group whose scale is 0 stores code 0 (+0) for every value (b12x)
+    elem_rounding: Literal["rne", "ties_away"] = "rne"  # E2M1 code choice: cvt's RNE, or SGLang's `>= bound`
+
+    @property
+    def scale_count(self) -> int:
+        return self.dim // self.group
+
+    @property
+    def scale_positions(self) -> tuple[int, ...]:
+        return scale_positions(self.scale_order, self.dim // self.group)
 
     @property
     def qmax(self) -> float:
@@ -110,6 +184,11 @@ class FormatSpec:
     pads: tuple[Field, ...] = ()
     outer_scale: OuterScale | None = None
     align: int = 16
+    engine: Engine | None = None  # None: a layout of our own choosing (`source` says why)
+    # Separate allocations the engine keeps per token (name, start, end) inside this logical record,
+    # e.g. SGLang's packed data and scale buffers; () = one record. Capacity counts their sum.
+    buffers: tuple[tuple[str, int, int], ...] = ()
+    aliases: tuple[str, ...] = ()  # older names that still select this format
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -144,6 +223,10 @@ def _validate(spec: FormatSpec) -> None:
         pos = f.end
     if pos != spec.record_bytes:
         raise ValueError(f"{spec.name}: fields end at byte {pos} but record_bytes is {spec.record_bytes}")
+    if spec.buffers:
+        ends = [0] + [end for _, _, end in spec.buffers]
+        if [start for _, start, _ in spec.buffers] != ends[:-1] or ends[-1] != spec.record_bytes:
+            raise ValueError(f"{spec.name}: buffers must split the record [0,{spec.record_bytes}) in order")
     if spec.record_bytes % spec.align:
         raise ValueError(f"{spec.name}: record of {spec.record_bytes} B is not {spec.align}-byte aligned")
     for c in (spec.latent, spec.rope):
@@ -156,5 +239,12 @@ def _validate(spec: FormatSpec) -> None:
             raise ValueError(f"{spec.name}: scale field presence does not match rule {c.scale_rule.value}")
         if c.scale is not None and c.scale.count != c.dim // c.group:
             raise ValueError(f"{spec.name}: {c.scale.count} scales for {c.dim // c.group} groups")
+        divisible = (ScaleRule.AMAX_FP32, ScaleRule.AMAX_FP32_POW2, ScaleRule.E8M0_CEIL)
+        if c.apply is ScaleApply.DIV and c.scale_rule not in divisible:
+            raise ValueError(f"{spec.name}: division by the scale needs a floored fp32 scale rule (never divides by 0)")
+        if c.scale_order is ScaleOrder.TRANSPOSE_8X4 and (c.scale is None or c.scale.count != 32 or c.scale.dtype == "fp32"):
+            raise ValueError(f"{spec.name}: the 8x4 scale transpose is defined for 32 byte-sized scales")
+        if not 0.0 < c.scale_floor < 1.0:
+            raise ValueError(f"{spec.name}: scale_floor {c.scale_floor} must lie in (0, 1)")
         if (c.elem == "bf16") != (c.scale_rule is ScaleRule.NONE):
             raise ValueError(f"{spec.name}: bf16 data goes with scale rule NONE and only with it")

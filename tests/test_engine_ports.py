@@ -1,0 +1,371 @@
+"""Engine ports: each format's defining engine re-stated in plain numpy/torch from its source, and
+compared BYTE for byte with our codec. The ports never call mla_eval's codec or numerics.
+
+Sources (the spec of each format names the same engine, `FormatSpec.engine`):
+- fp8_ds_mla: vllm-project/vllm @ 37cb21c1695d11baba8e369b071d2f44c1561c8f,
+  csrc/libtorch_stable/cache_kernels.cu `concat_and_cache_ds_mla_kernel`: per 128-value tile
+  tile_scale = fmaxf(max_abs / 448.f, FLT_MIN); codes fp8::scaled_convert = __nv_cvt_float_to_fp8(
+  float(x) / scale, __NV_SATFINITE, E4M3) (csrc/quantization/w8a8/fp8/nvidia/quant_utils.cuh);
+  bytes [0,512) codes, [512,528) four fp32 scales, [528,656) the bf16 rope copied through.
+- nvfp4_fp8_ds_mla: vllm-project/vllm @ 03b6016490cc6603e031cda092a005f10bdc71ee,
+  csrc/libtorch_stable/nvfp4_ds_mla_cache_kernels.cu `concat_and_cache_nvfp4_ds_mla_kernel` and
+  `nvfp4_tile_scale`: sf_f = fmaxf(amax / 6.0f, 2^-9), sf = e4m3(sf_f) bumped one code up when below
+  sf_f (and below 0x7E), inv_sf = 1.0f / sf, codes cvt.rn.satfinite.e2m1x2(x * inv_sf) with the even
+  element in the low nibble; rope unscaled e4m3 at [256,320); scale of block s at byte 320 + nvfp4_sf_byte(s)
+  = 320 + 8 * (s & 3) + (s >> 2).
+- nvfp4 (432 B): NVIDIA's NVFP4 recipe `cvt_warp_fp16_to_fp4` in vllm-project/vllm @
+  bde90062eb908dec6a314970a5edb554f6e8a0cc csrc/libtorch_stable/quantization/fp4/nvfp4_utils.cuh, as the
+  local-inference-lab vLLM fork's `concat_and_cache_nvfp4_mla` calls it (SFScaleVal = 1.0): SFValue =
+  vecMax * rcp.approx.ftz(6), E4M3 (RN, satfinite), outputScale = SFValue != 0 ? rcp.approx.ftz(SFValue *
+  rcp.approx.ftz(1)) : 0, codes e2m1(x * outputScale); scales at [256,288), zero pad, bf16 rope at 304.
+- nvfp4_fp8rope (368 B): local-inference-lab/b12x @ 1eed7483540585e4d84b705375309766c9317db9,
+  b12x/attention/_shared/mla/kv_cache.py `ConcatAndCacheNvfp4MlaFp8RopeKernel` (static scale): the latent as
+  above but a group with a zero decoded scale stores 8 zero bytes; rope scale = amax * f32(1/448) at
+  [288,292), codes e4m3(v * rcp.approx.ftz(scale)) at [304,368), zeros when the scale is 0.
+  rcp.approx.ftz results for E4M3 values and 6 come from the H200 table (mla_eval/formats/data/
+  rcp_approx_ftz_f32.json, read here directly); for the rope's arbitrary fp32 scale the port, like the
+  codec, uses the correctly rounded reciprocal (kernels/measure_rope_rcp_residual.py measures the rest).
+- sglang_fp4_e2m1: sgl-project/sglang @ 0e6b6cf0ac719aca12987b393d17e8caaabcaa87,
+  python/sglang/srt/layers/quantization/kvfp4_tensor.py `KVFP4QuantizeUtil.batched_quantize` on the 576
+  values of a token (MLATokenToKVPoolFP4): data buffer [288] then scale buffer [36] here. The engine's
+  function is @torch.compile'd (float32 compute for bf16 inputs); this port runs it eagerly in float32.
+- fp8_ds_mla_pow2: deepseek-ai/FlashMLA @ 520fec6a7fd98028705ccad373b7f0e3e2ae75fb, tests/quant.py
+  `quantize_k_cache` (V32_FP8Sparse) and `_cast_scale_inv_to_ue8m0`: scale_inv = 2 ** ceil(log2(
+  clamp_min(amax.float() / 448.0, 1e-4))) in float32 torch, codes (x.float() / scale_inv).to(float8_e4m3fn).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+import pytest
+import torch
+
+from mla_eval.formats import encode, get_format
+
+N_TOKENS = 64
+
+
+# ---------------------------------------------------------------- independent numpy element codecs
+def _e4m3_table() -> np.ndarray:
+    """Every non-negative finite E4M3 (fn) value, code 0..126, from the format definition."""
+    vals = []
+    for code in range(127):
+        e, m = code >> 3, code & 7
+        vals.append(m * 2.0**-9 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7))
+    return np.array(vals, dtype=np.float64)
+
+
+E4M3_VALUES = _e4m3_table()
+
+
+def np_e4m3_satfinite_rn(x: np.ndarray) -> np.ndarray:
+    """float32 -> E4M3 codes like cvt.rn.satfinite: nearest value, ties to the even code, clamp to 448."""
+    a = np.minimum(np.abs(x.astype(np.float64)), 448.0)
+    hi = np.clip(np.searchsorted(E4M3_VALUES, a, side="left"), 0, 126)
+    lo = np.maximum(hi - 1, 0)
+    d_lo, d_hi = a - E4M3_VALUES[lo], E4M3_VALUES[hi] - a
+    pick_hi = (d_hi < d_lo) | ((d_hi == d_lo) & (hi % 2 == 0))
+    code = np.where(pick_hi, hi, lo).astype(np.uint8)
+    return code | (np.signbit(x).astype(np.uint8) << 7)
+
+
+E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def np_e2m1_satfinite_rn(x: np.ndarray) -> np.ndarray:
+    """float32 -> E2M1 codes (0..15) like cvt.rn.satfinite.e2m1x2: nearest, ties to the even code, clamp 6."""
+    a = np.minimum(np.abs(x.astype(np.float64)), 6.0)
+    hi = np.clip(np.searchsorted(E2M1_VALUES, a, side="left"), 0, 7)
+    lo = np.maximum(hi - 1, 0)
+    d_lo, d_hi = a - E2M1_VALUES[lo], E2M1_VALUES[hi] - a
+    code = np.where((d_hi < d_lo) | ((d_hi == d_lo) & (hi % 2 == 0)), hi, lo).astype(np.uint8)
+    return code | (np.signbit(x).astype(np.uint8) << 3)
+
+
+def np_bf16_rn(x: np.ndarray) -> np.ndarray:
+    """float32 -> bf16 bit patterns (uint16), round to nearest even (finite inputs)."""
+    u = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    u = u + 0x7FFF + ((u >> 16) & 1)
+    return (u >> 16).astype(np.uint16)
+
+
+_TABLE = json.loads((pathlib.Path(__file__).parents[1] / "mla_eval/formats/data/rcp_approx_ftz_f32.json").read_text())
+_RCP = dict(zip(_TABLE["inputs"], _TABLE["outputs"]))
+
+
+def rcp_approx_ftz(x: np.ndarray) -> np.ndarray:
+    """rcp.approx.ftz.f32 of tabulated float32 inputs, read from the H200 measurement (KeyError otherwise)."""
+    keys = x.astype(np.float32).view(np.int32)
+    return np.array([_RCP[int(k)] for k in keys.ravel()], dtype=np.int32).view(np.float32).reshape(x.shape)
+
+
+# ---------------------------------------------------------------- the engine ports
+def vllm_concat_and_cache_ds_mla(kv_c: np.ndarray, k_pe: np.ndarray) -> np.ndarray:
+    """vLLM's 656 B record, token by token, in float32 as the CUDA kernel computes it."""
+    n = kv_c.shape[0]
+    out = np.zeros((n, 656), dtype=np.uint8)
+    for tile in range(4):
+        vals = kv_c[:, 128 * tile : 128 * (tile + 1)].astype(np.float32)
+        max_abs = np.abs(vals).max(axis=1)
+        tile_scale = np.maximum(max_abs / np.float32(448.0), np.finfo(np.float32).tiny).astype(np.float32)
+        out[:, 512 + 4 * tile : 516 + 4 * tile] = tile_scale.reshape(n, 1).view(np.uint8)
+        q = (vals / tile_scale[:, None]).astype(np.float32)  # IEEE division, as `float(x) / scale`
+        out[:, 128 * tile : 128 * (tile + 1)] = np_e4m3_satfinite_rn(q)
+    out[:, 528:656] = np_bf16_rn(k_pe).view(np.uint8).reshape(n, 128)
+    return out
+
+
+def vllm_concat_and_cache_nvfp4_ds_mla(kv_c: np.ndarray, k_pe: np.ndarray) -> np.ndarray:
+    """Upstream vLLM's 352 B record: warp 0 lane `tile` writes one 16-value block, warp 1 the rope."""
+    n = kv_c.shape[0]
+    out = np.zeros((n, 352), dtype=np.uint8)
+    for tile in range(32):
+        vals = kv_c[:, 16 * tile : 16 * (tile + 1)].astype(np.float32)
+        amax = np.abs(vals).max(axis=1)
+        sf_f = np.maximum(amax / np.float32(6.0), np.float32(0.001953125)).astype(np.float32)
+        sf_bits = np_e4m3_satfinite_rn(sf_f)
+        bump = (E4M3_VALUES[sf_bits] < sf_f) & (sf_bits < 0x7E)
+        sf_bits = sf_bits + bump.astype(np.uint8)
+        out[:, 320 + 8 * (tile & 3) + (tile >> 2)] = sf_bits
+        inv_sf = (np.float32(1.0) / E4M3_VALUES[sf_bits].astype(np.float32)).astype(np.float32)
+        codes = np_e2m1_satfinite_rn((vals * inv_sf[:, None]).astype(np.float32))
+        out[:, 8 * tile : 8 * (tile + 1)] = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    out[:, 256:320] = np_e4m3_satfinite_rn(k_pe.astype(np.float32))
+    return out
+
+
+def _nvfp4_group(vals: np.ndarray, clear_zero_scale: bool) -> tuple[np.ndarray, np.ndarray]:
+    """cvt_warp_fp16_to_fp4 at SFScaleVal = 1 for [n, 16] float32 values -> (scale bytes [n], packed [n, 8])."""
+    vec_max = np.abs(vals).max(axis=1)
+    sf_value = (vec_max * rcp_approx_ftz(np.array([6.0], np.float32))[0]).astype(np.float32)
+    sf_bits = np_e4m3_satfinite_rn(sf_value)
+    sf_dec = E4M3_VALUES[sf_bits].astype(np.float32)
+    inv_one = rcp_approx_ftz(np.array([1.0], np.float32))[0]
+    nz = sf_dec != 0
+    out_scale = np.zeros_like(sf_dec)
+    out_scale[nz] = rcp_approx_ftz((sf_dec[nz] * inv_one).astype(np.float32))
+    codes = np_e2m1_satfinite_rn((vals * out_scale[:, None]).astype(np.float32))
+    if clear_zero_scale:
+        codes[~nz] = 0
+    return sf_bits, codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
+def vllm_fork_concat_and_cache_nvfp4_mla(kv_c: np.ndarray, k_pe: np.ndarray) -> np.ndarray:
+    """The fork's 432 B record: one NVFP4 group of 16 per scale byte, zero pad, bf16 rope copied."""
+    n = kv_c.shape[0]
+    out = np.zeros((n, 432), dtype=np.uint8)
+    for group in range(32):
+        sf, packed = _nvfp4_group(kv_c[:, 16 * group : 16 * (group + 1)].astype(np.float32), clear_zero_scale=False)
+        out[:, 256 + group] = sf
+        out[:, 8 * group : 8 * (group + 1)] = packed
+    out[:, 304:432] = np_bf16_rn(k_pe).view(np.uint8).reshape(n, 128)
+    return out
+
+
+def b12x_concat_and_cache_nvfp4_mla_fp8_rope(kv_c: np.ndarray, k_pe: np.ndarray) -> np.ndarray:
+    """b12x's 368 B KV_FP8_ROPE=1 record (static scale)."""
+    n = kv_c.shape[0]
+    out = np.zeros((n, 368), dtype=np.uint8)
+    for group in range(32):
+        sf, packed = _nvfp4_group(kv_c[:, 16 * group : 16 * (group + 1)].astype(np.float32), clear_zero_scale=True)
+        out[:, 256 + group] = sf
+        out[:, 8 * group : 8 * (group + 1)] = packed
+    rope = k_pe.astype(np.float32)
+    rope_scale = (np.abs(rope).max(axis=1) * np.float32(1.0 / 448.0)).astype(np.float32)
+    out[:, 288:292] = rope_scale.reshape(n, 1).view(np.uint8)
+    nz = rope_scale != 0
+    inv = np.zeros_like(rope_scale)
+    inv[nz] = (np.float32(1.0) / rope_scale[nz]).astype(np.float32)  # rcp.approx.ftz on the GPU (not tabulable)
+    codes = np_e4m3_satfinite_rn((rope * inv[:, None]).astype(np.float32))
+    codes[~nz] = 0
+    out[:, 304:368] = codes
+    return out
+
+
+def sglang_kvfp4_batched_quantize(kv: torch.Tensor) -> np.ndarray:
+    """SGLang's KVFP4 quantiser on [n, 576] float32 -> [n, 288 packed | 36 scale bytes]."""
+    n = kv.shape[0]
+    reshaped = kv.view(n, 576 // 16, 16)
+    block_max = reshaped.abs().max(dim=-1, keepdim=True).values
+    scale_exp = torch.ceil(torch.log2(torch.clamp(block_max / 6.0, min=1e-10)))
+    scale_factors = (scale_exp + 127).squeeze(-1).to(torch.uint8)
+    scaled = reshaped / torch.exp2(scale_exp)
+    sign_bits = (scaled < 0).to(torch.uint8) << 3
+    bounds = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    magnitude_bits = torch.sum(scaled.abs().unsqueeze(-1) >= bounds, dim=-1)
+    fp4 = (sign_bits + magnitude_bits.to(torch.uint8)).view(n, 576)
+    packed = (fp4[..., 1::2] << 4) + fp4[..., 0::2]
+    return torch.cat([packed, scale_factors], dim=-1).numpy()
+
+
+def flashmla_quantize_k_cache(kv: torch.Tensor) -> np.ndarray:
+    """FlashMLA tests/quant.py for V32_FP8Sparse, one token per row of kv [n, 576] (model dtype)."""
+    n = kv.shape[0]
+    out = torch.zeros((n, 656), dtype=torch.uint8)
+    scales = out[:, 512:528].view(torch.float32)
+    for tile in range(4):
+        part = kv[:, 128 * tile : 128 * (tile + 1)]
+        inv = torch.abs(part).max(dim=-1).values.float() / 448.0
+        inv = torch.pow(2, torch.clamp_min(inv, 1e-4).log2().ceil()).to(torch.float32)
+        scales[:, tile] = inv
+        q = (part.float() / inv.unsqueeze(-1)).to(torch.float8_e4m3fn)
+        out[:, 128 * tile : 128 * (tile + 1)] = q.view(torch.uint8)
+    out[:, 528:656] = kv[:, 512:].to(torch.bfloat16).contiguous().view(torch.uint8)
+    return out.numpy()
+
+
+# ---------------------------------------------------------------- inputs
+def _inputs(kind: str, seed: int = 0) -> torch.Tensor:
+    """[N_TOKENS, 576] float32 inputs of one kind (latent then rope)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N_TOKENS, 576, generator=g)
+    if kind == "normal":
+        return x
+    if kind == "heavy_tailed":  # Student-t with 1.5 degrees of freedom: rare huge values per tile
+        chi = torch.distributions.Chi2(1.5).sample((N_TOKENS, 576))
+        return x / torch.sqrt(chi / 1.5)
+    if kind == "bf16":
+        return (x * 3).bfloat16().float()
+    if kind == "zero":
+        return torch.zeros(N_TOKENS, 576)
+    if kind == "tiny":  # amax well below 1e-4 in every tile (FlashMLA's 1e-4 floor decides)
+        return x * 1e-7
+    if kind == "huge":
+        return x * 1e30
+    if kind == "mixed":  # rows of each magnitude, and a few zero tiles
+        x = x * torch.logspace(-20, 20, N_TOKENS).unsqueeze(1)
+        x[::7, :128] = 0
+        return x
+    raise AssertionError(kind)
+
+
+KINDS = ["normal", "heavy_tailed", "bf16", "zero", "tiny", "huge", "mixed"]
+
+
+def _ours(fmt: str, x: torch.Tensor) -> np.ndarray:
+    return encode(fmt, x[:, :512], x[:, 512:]).numpy()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fp8_ds_mla_bytes_equal_vllm(kind):
+    x = _inputs(kind)
+    # vLLM's rope is the model's bf16 k_pe: give the port the bf16-rounded rope the model would hold.
+    engine = vllm_concat_and_cache_ds_mla(x[:, :512].numpy(), x[:, 512:].numpy())
+    ours = _ours("fp8_ds_mla", x)
+    assert np.count_nonzero(engine != ours) == 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fp8_ds_mla_pow2_bytes_equal_flashmla(kind):
+    x = _inputs(kind)
+    engine = flashmla_quantize_k_cache(x)
+    ours = _ours("fp8_ds_mla_pow2", x)
+    assert np.count_nonzero(engine != ours) == 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_nvfp4_fp8_ds_mla_bytes_equal_vllm(kind):
+    x = _inputs(kind)
+    engine = vllm_concat_and_cache_nvfp4_ds_mla(x[:, :512].numpy(), x[:, 512:].numpy())
+    ours = _ours("nvfp4_fp8_ds_mla", x)
+    assert np.count_nonzero(engine != ours) == 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_nvfp4_bytes_equal_the_vllm_fork_recipe(kind):
+    x = _inputs(kind)
+    engine = vllm_fork_concat_and_cache_nvfp4_mla(x[:, :512].numpy(), x[:, 512:].numpy())
+    assert np.count_nonzero(engine != _ours("nvfp4", x)) == 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_nvfp4_fp8rope_bytes_equal_b12x(kind):
+    x = _inputs(kind)
+    engine = b12x_concat_and_cache_nvfp4_mla_fp8_rope(x[:, :512].numpy(), x[:, 512:].numpy())
+    assert np.count_nonzero(engine != _ours("nvfp4_fp8rope", x)) == 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_sglang_fp4_e2m1_bytes_equal_sglang(kind):
+    x = _inputs(kind)
+    assert np.count_nonzero(sglang_kvfp4_batched_quantize(x) != _ours("sglang_fp4_e2m1", x)) == 0
+
+
+def test_sglang_ties_go_away_from_zero_and_negative_zero_is_positive():
+    """amax 6 gives scale 2^0: 0.25 (a tie) -> 0.5 (code 1; RNE would give 0), -1.25 (a tie) -> -1.5
+    (code 0xB; RNE: 0xA), -0.0 -> +0. The even element sits in the low nibble."""
+    x = torch.zeros(1, 576)
+    x[0, :4] = torch.tensor([6.0, 0.25, -1.25, -0.0])
+    rec = _ours("sglang_fp4_e2m1", x)[0]
+    assert (rec[0], rec[1], rec[288]) == (0x17, 0x0B, 127)
+    assert np.array_equal(sglang_kvfp4_batched_quantize(x)[0, :2], rec[:2])
+
+
+def test_nvfp4_recipe_multiplies_by_rcp6_not_divides():
+    """Near an E4M3 midpoint the two arithmetics part: for amax = 0.8906249403953552 (one float32 ulp
+    below 6 * 0.1484375, the midpoint of 0.140625 and 0.15625) amax / 6 rounds down, amax * f32(1/6)
+    up. The codec follows the engine's product."""
+    amax = np.array([0.8906249403953552], np.float32)
+    by_mul = np_e4m3_satfinite_rn((amax * rcp_approx_ftz(np.array([6.0], np.float32))[0]).astype(np.float32))
+    by_div = np_e4m3_satfinite_rn((amax / np.float32(6.0)).astype(np.float32))
+    assert E4M3_VALUES[by_div[0]] == 0.140625 and E4M3_VALUES[by_mul[0]] == 0.15625
+    x = torch.zeros(1, 576)
+    x[0, 0] = float(amax[0])
+    assert _ours("nvfp4", x)[0, 256] == by_mul[0]
+
+
+def test_b12x_clears_groups_whose_scale_rounds_to_zero():
+    """A 16-value group with tiny negative values: scale e4m3(amax/6) = 0, b12x stores 0x00 bytes, the
+    vLLM recipe stores x * 0 = -0 codes (0x88 bytes)."""
+    x = torch.zeros(1, 576)
+    x[0, :16] = -1e-5
+    assert np.all(_ours("nvfp4_fp8rope", x)[0, :8] == 0)
+    assert np.all(_ours("nvfp4", x)[0, :8] == 0x88)
+
+
+def test_nvfp4_fp8_ds_mla_bump_and_floor_are_exercised():
+    """The inputs above reach both special rules: a scale bumped up, and the 2^-9 floor (code 0x01)."""
+    x = _inputs("normal")
+    vals = x[:, :512].numpy().reshape(-1, 16)
+    sf_f = np.maximum(np.abs(vals).max(axis=1) / np.float32(6.0), np.float32(2.0**-9)).astype(np.float32)
+    assert np.any(E4M3_VALUES[np_e4m3_satfinite_rn(sf_f)] < sf_f)
+    tiny_scales = _ours("nvfp4_fp8_ds_mla", _inputs("tiny"))[:, 320:352]
+    assert np.all(tiny_scales == 0x01)
+
+
+def test_fp8_ds_mla_division_is_what_differs_from_a_reciprocal():
+    """The engine's `x / scale` and `x * (1 / scale)` give different codes on ordinary data, so the
+    comparison above can tell the two arithmetics apart (it failed with the old reciprocal codec)."""
+    x = _inputs("bf16", seed=3)
+    vals = x[:, :128].numpy()
+    scale = np.maximum(np.abs(vals).max(axis=1) / np.float32(448.0), np.finfo(np.float32).tiny).astype(np.float32)
+    by_div = np_e4m3_satfinite_rn((vals / scale[:, None]).astype(np.float32))
+    by_rcp = np_e4m3_satfinite_rn((vals * (np.float32(1.0) / scale)[:, None]).astype(np.float32))
+    assert np.count_nonzero(by_div != by_rcp) > 0
+
+
+def test_flashmla_floor_changes_tiny_tiles():
+    """With amax/448 < 1e-4 FlashMLA's scale is 2^-13 (ceil of log2 1e-4); a FLT_MIN floor would not be."""
+    x = _inputs("tiny")
+    scales = _ours("fp8_ds_mla_pow2", x)[:, 512:528].copy().view(np.float32)
+    assert np.all(scales == np.float32(2.0**-13))
+
+
+def test_flashmla_log2_ceil_equals_the_exact_power_of_two_for_every_bf16_amax():
+    """Our codec rounds up with exact bit arithmetic; FlashMLA with float32 log2().ceil(). They agree for
+    every positive finite bf16 amax (the engine's input dtype), checked exhaustively."""
+    bits = torch.arange(1, 0x7F80, dtype=torch.int32).to(torch.int16)  # positive finite bf16 patterns
+    amax = bits.view(torch.bfloat16).float()
+    s0 = torch.clamp_min(amax / 448.0, 1e-4)
+    by_log2 = torch.pow(2, s0.log2().ceil()).to(torch.float32)
+    mant, exp = torch.frexp(s0)
+    exact = torch.ldexp(torch.ones_like(s0), torch.where(mant == 0.5, exp - 1, exp))
+    assert torch.equal(by_log2, exact)
+
+
+def test_specs_name_the_engines_ported_here():
+    assert get_format("fp8_ds_mla").engine.commit == "37cb21c1695d11baba8e369b071d2f44c1561c8f"
+    assert get_format("fp8_ds_mla_pow2").engine.commit == "520fec6a7fd98028705ccad373b7f0e3e2ae75fb"

@@ -1,0 +1,80 @@
+"""The kernel plan reads the spec: for every registered format, the plan agrees with the spec field
+for field, or the format is refused with `UnsupportedFormat` and a reason. Pure CPU (no cutlass)."""
+
+import dataclasses
+
+import pytest
+
+from mla_eval.formats import Field, FormatSpec, ScaleRule, VectorCoding, all_formats, spec as spec_mod
+from mla_eval_kernels import record_plan as rp
+
+def _check_coding(plan: rp.CodingPlan, coding: VectorCoding) -> None:
+    assert plan.dim == coding.dim and plan.elem == coding.elem
+    assert plan.data_offset == coding.data.offset
+    assert plan.rule == coding.scale_rule.value and plan.group == coding.group and plan.qmax == coding.qmax
+    assert plan.apply == coding.apply.value and plan.scale_floor == coding.scale_floor
+    assert plan.scale_order == coding.scale_order.value
+    if coding.scale is None:
+        assert (plan.scale_dtype, plan.scale_offset) == ("", -1)
+    else:
+        assert (plan.scale_dtype, plan.scale_offset) == (coding.scale.dtype, coding.scale.offset)
+        assert plan.n_groups == coding.scale.count
+
+@pytest.mark.parametrize("spec", all_formats(), ids=lambda s: s.name)
+def test_plan_agrees_with_spec_or_is_refused_with_a_reason(spec):
+    try:
+        plan = rp.plan_for(spec)
+    except rp.UnsupportedFormat as exc:
+        assert str(exc), "a refusal must say why"
+        return
+    assert plan.name == spec.name and plan.record_bytes == spec.record_bytes
+    _check_coding(plan.latent, spec.latent)
+    _check_coding(plan.rope, spec.rope)
+    assert plan.token_scale_offset == (spec.token_scale.offset if spec.token_scale else -1)
+    assert plan.pads == tuple((f.offset, f.nbytes) for f in spec.pads)
+    assert plan.outer_allowed == (spec.outer_scale is not None)
+
+def test_rule_names_are_the_spec_rules():
+    assert rp.KNOWN_RULES == tuple(r.value for r in ScaleRule)
+    assert rp.RULE_AMAX_FP32 == ScaleRule.AMAX_FP32.value and rp.RULE_OCP_E8M0 == ScaleRule.OCP_E8M0.value
+    assert rp.LATENT_DIM == spec_mod.LATENT_DIM and rp.ROPE_DIM == spec_mod.ROPE_DIM
+
+def test_engine_arithmetic_reaches_the_plan():
+    """fp8_ds_mla divides with a FLT_MIN floor (vLLM), the pow2 variant floors at 1e-4 (FlashMLA)."""
+    by_name = {s.name: s for s in all_formats()}
+    vllm, flashmla = rp.plan_for(by_name["fp8_ds_mla"]), rp.plan_for(by_name["fp8_ds_mla_pow2"])
+    assert vllm.latent.apply == rp.APPLY_DIV and vllm.latent.scale_floor == spec_mod.FLT_MIN
+    assert flashmla.latent.apply == rp.APPLY_DIV and flashmla.latent.scale_floor == 1e-4
+    assert vllm != flashmla  # different compile keys
+
+def test_a_spec_outside_the_kernels_is_refused_with_its_reason():
+    spec = FormatSpec(
+        name="odd_group",
+        title="odd",
+        description="E4M3 latent with a scale per 8 values",
+        source="test",
+        record_bytes=896,
+        latent=VectorCoding(512, "e4m3", Field("latent", 0, "e4m3", 512), ScaleRule.AMAX_FP32, 8, Field("s", 512, "fp32", 64)),
+        rope=VectorCoding(64, "bf16", Field("rope", 768, "bf16", 64), ScaleRule.NONE, 64),
+    )
+    with pytest.raises(rp.UnsupportedFormat, match="latent group 8 is not a multiple of 16"):
+        rp.plan_for(spec)
+
+
+def test_permuted_scales_and_bumped_rule_reach_the_plan():
+    plan = rp.plan_for(next(s for s in all_formats() if s.name == "nvfp4_fp8_ds_mla"))
+    assert plan.latent.scale_order == rp.ORDER_8X4 and plan.latent.rule == rp.RULE_AMAX_E4M3_UP
+    assert plan.latent.scale_floor == 2.0**-9 and plan.latent.scale_offset == 320
+    assert (plan.rope.elem, plan.rope.rule, plan.rope.data_offset) == ("e4m3", rp.RULE_TENSOR, 256)
+
+
+def test_every_kernel_format_has_its_own_plan_hence_its_own_compiled_kernels():
+    """Plans sit in the compile keys: two formats must never share one (the s_l = 1.0 reuse bug). The name
+    is left out of the comparison, so two formats differing only in arithmetic must still differ."""
+    plans = {}
+    for spec in all_formats():
+        try:
+            plans[spec.name] = dataclasses.replace(rp.plan_for(spec), name="")
+        except rp.UnsupportedFormat:
+            continue
+    assert len(set(plans.values())) == len(plans) >= 9
