@@ -143,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             typer.echo(f"error: {_usage_message(exc)}", err=True)
             return 2
-        if scope.received is not None:  # typer >= 0.2x turns KeyboardInterrupt into exit code 130
-            return _interrupted(scope, pending)
+        if scope.received is not None or code == SIGNAL_EXIT[signal.SIGINT]:
+            return _interrupted(scope, pending)  # typer >= 0.2x turns KeyboardInterrupt into exit code 130
     return code if isinstance(code, int) else 0
 
 
