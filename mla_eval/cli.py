@@ -84,10 +84,6 @@ def _usage_message(exc: BaseException) -> str:
     return f"{_one_line(message)} (see '{command} --help')"
 
 
-def _no_args_help(exc: BaseException) -> bool:
-    return type(exc).__name__ == "NoArgsIsHelpError"
-
-
 class _SignalScope:
     """SIGINT and SIGTERM raise KeyboardInterrupt inside `main` (so `finally` blocks and atomic writes
     clean up their temporary files) and remember which signal came; the previous handlers come back on
@@ -123,10 +119,15 @@ def _interrupted(scope: _SignalScope, pending) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point: runs the app; every failure a user can fix is one line and exit 2."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    if not args:  # bare `mla-eval`: the command list, and one line saying what is missing (any click version)
+        app(args=["--help"], prog_name="mla-eval", standalone_mode=False)
+        typer.echo("error: no command given; choose one of the commands above", err=True)
+        return 2
     with _SignalScope() as scope, pending_outputs() as pending:
         try:
             # without standalone mode click returns a command's typer.Exit code instead of exiting
-            code = app(args=argv, prog_name="mla-eval", standalone_mode=False)
+            code = app(args=args, prog_name="mla-eval", standalone_mode=False)
         except KeyboardInterrupt:
             return _interrupted(scope, pending)
         except UserError as exc:
@@ -137,10 +138,6 @@ def main(argv: list[str] | None = None) -> int:
         except typer.Abort:  # older click turns KeyboardInterrupt into Abort
             return _interrupted(scope, pending)
         except USAGE_ERRORS as exc:
-            if _no_args_help(exc):  # bare `mla-eval`: the command list, and one line saying what is missing
-                typer.echo(exc.format_message())
-                typer.echo("error: no command given; choose one of the commands above", err=True)
-                return 2
             typer.echo(f"error: {_usage_message(exc)}", err=True)
             return 2
         if scope.received is not None or code == SIGNAL_EXIT[signal.SIGINT]:
