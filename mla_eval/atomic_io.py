@@ -63,8 +63,11 @@ def write_bytes_atomic(path: Path, data: bytes, replace: bool = True) -> None:
     path = Path(path)
     if path.is_dir():
         raise UserError(f"{path} is a folder; give a file path to write")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = _temp_file(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = _temp_file(path)
+    except OSError as exc:  # found here only when no pre-flight check ran; nothing was written
+        raise UserError(f"cannot write {path}: {exc.strerror or exc}; choose another place") from None
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)

@@ -85,10 +85,6 @@ def _usage_message(exc: BaseException) -> str:
     return f"{_one_line(message)} (see '{command} --help')"
 
 
-def _no_args_help(exc: BaseException) -> bool:
-    return type(exc).__name__ == "NoArgsIsHelpError"
-
-
 class _SignalScope:
     """SIGINT and SIGTERM raise KeyboardInterrupt inside `main` (so `finally` blocks and atomic writes
     clean up their temporary files) and remember which signal came; the previous handlers come back on
@@ -129,11 +125,16 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point: runs the app; every failure a user can fix is one line and exit 2."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    if not args:  # bare `mla-eval`: the command list, and one line saying what is missing (any click version)
+        app(args=["--help"], prog_name="mla-eval", standalone_mode=False)
+        typer.echo("error: no command given; choose one of the commands above", err=True)
+        return 2
     with _SignalScope() as scope, pending_outputs() as pending, warnings.catch_warnings():
         warnings.showwarning = _show_warning
         try:
             # without standalone mode click returns a command's typer.Exit code instead of exiting
-            code = app(args=argv, prog_name="mla-eval", standalone_mode=False)
+            code = app(args=args, prog_name="mla-eval", standalone_mode=False)
         except KeyboardInterrupt:
             return _interrupted(scope, pending)
         except UserError as exc:
@@ -144,14 +145,10 @@ def main(argv: list[str] | None = None) -> int:
         except typer.Abort:  # older click turns KeyboardInterrupt into Abort
             return _interrupted(scope, pending)
         except USAGE_ERRORS as exc:
-            if _no_args_help(exc):  # bare `mla-eval`: the command list, and one line saying what is missing
-                typer.echo(exc.format_message())
-                typer.echo("error: no command given; choose one of the commands above", err=True)
-                return 2
             typer.echo(f"error: {_usage_message(exc)}", err=True)
             return 2
-        if scope.received is not None:  # typer >= 0.2x turns KeyboardInterrupt into exit code 130
-            return _interrupted(scope, pending)
+        if scope.received is not None or code == SIGNAL_EXIT[signal.SIGINT]:
+            return _interrupted(scope, pending)  # typer >= 0.2x turns KeyboardInterrupt into exit code 130
     return code if isinstance(code, int) else 0
 
 

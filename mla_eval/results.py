@@ -186,7 +186,7 @@ def check_replaceable(path: Path, force: bool, schema: str | None = None) -> Non
     if not force:
         raise UserError(f"{path} exists; choose another --out or pass --force to replace it")
     if not is_our_document(path, schema):
-        raise UserError(f"{path} exists and is not an mla-eval result; --force replaces only mla-eval results, choose another --out")
+        raise UserError(f"{path} exists and is not an mla-eval result (--force replaces only those); choose another --out")
 
 
 def check_writable_folder(path: Path) -> None:

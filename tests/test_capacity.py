@@ -377,3 +377,15 @@ def test_gpu_presets():
     with pytest.raises(UserError, match="unknown GPU"):
         get_gpu("a100")
 
+
+def test_capacity_settings_from_recipe_options():
+    from mla_eval.capacity import CapacitySettings, evaluate_capacity
+
+    s = CapacitySettings.from_options({"preset": "glm-5", "kv-memory-gib": 40, "formats": ["nvfp4", "fp8_ds_mla"], "tp": 8})
+    assert s.kv_memory_gib == 40 and s.formats == "nvfp4,fp8_ds_mla"
+    result = evaluate_capacity(s)
+    assert [r.name for r in result.rows] == ["nvfp4", "fp8_ds_mla"]
+    assert result.to_document()["setup"]["kv_budget_source"] == "--kv-memory-gib"
+    with pytest.raises(UserError) as exc:
+        CapacitySettings.from_options({"preset": "glm-5", "tpp": 8}, where="recipe r.toml [capacity]")
+    assert str(exc.value).startswith("recipe r.toml [capacity]: unknown capacity option(s) tpp; known: ")

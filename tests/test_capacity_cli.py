@@ -231,3 +231,17 @@ def test_bad_input_in_a_real_process_has_no_traceback():
     assert proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
     assert proc.stderr.startswith("error: unknown model preset 'no-such-model'")
+
+
+def test_readme_capacity_library_example_runs(capsys):
+    """The README's Python example runs as written and agrees with the CLI's JSON."""
+    import re
+
+    readme = (REPO / "README.md").read_text()
+    block = re.search(r"### Capacity.*?```python\n(.*?)```", readme, re.S).group(1)
+    scope: dict = {}
+    exec(compile(block, "README.md", "exec"), scope)
+    printed = capsys.readouterr().out
+    cli = run_json(capsys, "--preset", "glm-5", "--gpu", "h200", "--tp", "8", "--formats", "fp8_ds_mla,nvfp4")
+    assert scope["doc"] == cli
+    assert printed.strip() == str({r["name"]: r["pool_tokens"] for r in cli["formats"]})

@@ -4,11 +4,12 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
+from tiny_models import tiny_checkpoint
 
 from mla_eval.cli import main
 from mla_eval.formats import numerics
-from tiny_models import tiny_checkpoint
 
 BASELINE = Path(__file__).resolve().parents[1] / "results" / "baselines" / "ci-smoke"
 TEXT = " ".join(f"The river {w} flows past the old mill near the {w} bridge." for w in ["north", "south", "east", "west"] * 30)
@@ -21,7 +22,8 @@ def _ckpt(tmp_path):
 
 
 def _kld(ckpt, tmp_path, out):
-    args = ["kld", "--model", str(ckpt), "--text", str(tmp_path / "t.txt"), "--ctx", "64", "--stride", "32", "--formats", "nvfp4,fp8_ds_mla", "--scales", "none", "--no-layer-stats", "--out", str(out)]
+    args = ["kld", "--model", str(ckpt), "--text", str(tmp_path / "t.txt"), "--ctx", "64", "--stride", "32",
+            "--formats", "nvfp4,fp8_ds_mla", "--scales", "none", "--no-layer-stats", "--out", str(out)]
     assert main(args) == 0
 
 
@@ -50,7 +52,7 @@ def test_degraded_codec_fails_and_true_codec_passes(tmp_path, monkeypatch, capsy
     out = capsys.readouterr().out
     assert code == 1
     assert "FAIL" in out and "REGRESSION" in out and "nvfp4.kld_mean" in out
-    assert "fp8_ds_mla.kld_mean" not in [l.split("|")[2].strip() for l in out.splitlines() if "REGRESSION" in l]
+    assert "fp8_ds_mla.kld_mean" not in [line.split("|")[2].strip() for line in out.splitlines() if "REGRESSION" in line]
     assert 'failures="0"' not in (tmp_path / "bad.xml").read_text()
 
 
@@ -90,3 +92,36 @@ def test_update_copies_documents_only_and_refuses_invalid_results(tmp_path, caps
     capsys.readouterr()
     assert main(["gate", str(res), "--baseline", str(base), "--update"]) == 2
     assert "kld_mean" in capsys.readouterr().err and (base / "kld.json").read_text() == before
+
+
+def test_gate_library_call_and_tolerances(tmp_path):
+    from mla_eval.errors import UserError
+    from mla_eval.report.gate import GateSettings, load_tolerances, run_gate
+
+    doc = json.loads((BASELINE / "kld.json").read_text())
+    base = tmp_path / "b.json"
+    base.write_text(json.dumps(doc))
+    doc["formats"]["nvfp4"]["kld_mean"] *= 1.5
+    res = tmp_path / "r.json"
+    res.write_text(json.dumps(doc))
+    verdict = run_gate(GateSettings(results=res, baseline=base))
+    assert not verdict.ok and verdict.exit_code == 1
+    assert [c.name for c in verdict.checks if not c.ok] == ["nvfp4.kld_mean"]
+    loose = tmp_path / "loose.toml"
+    loose.write_text("[gate]\nkld_mean = { rel = 0.6 }\n")
+    assert load_tolerances(loose) == {"kld_mean": {"rel": 0.6}}
+    assert run_gate(GateSettings(results=res, baseline=base, tolerances=loose)).ok
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[gate]\nkld_mean = 3\n")
+    with pytest.raises(UserError, match="must be a table with abs and/or rel"):
+        load_tolerances(bad)
+
+
+def test_junit_replaces_only_a_gate_report(tmp_path, capsys):
+    junit = tmp_path / "gate.xml"
+    kld = str(BASELINE / "kld.json")
+    assert main(["gate", kld, "--baseline", kld, "--junit", str(junit)]) == 0
+    assert main(["gate", kld, "--baseline", kld, "--junit", str(junit)]) == 0  # ours: replaced
+    junit.write_text("<my-own/>")
+    assert main(["gate", kld, "--baseline", kld, "--junit", str(junit)]) == 2
+    assert "not a gate report" in capsys.readouterr().err and junit.read_text() == "<my-own/>"

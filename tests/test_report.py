@@ -53,3 +53,42 @@ def test_atomic_write_to_a_folder_is_a_clear_error(tmp_path):
     with pytest.raises(UserError, match="is a folder; give a file path"):
         write_text_atomic(tmp_path, "x")
     assert not list(tmp_path.glob(".*tmp"))
+
+
+def test_report_of_a_capacity_document_with_null_figures(tmp_path, capsys):
+    """`capacity --kv-cache-memory-bytes 1000 --json` is a valid document whose concurrency and
+    ratio are null (no format fits one block): the page shows a dash instead of crashing."""
+    res = tmp_path / "r"
+    res.mkdir()
+    assert main(["capacity", "--preset", "glm-5", "--kv-cache-memory-bytes", "1000", "--max-model-len", "1024", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["formats"][0]["ratio_vs_fp8_ds_mla"] is None
+    doc["formats"][0]["max_concurrency"] = None  # null as well where the model states no length
+    (res / "capacity.json").write_text(json.dumps(doc))
+    assert main(["report", str(res)]) == 0
+    md = (res / "report.md").read_text()
+    row = next(line for line in md.splitlines() if line.startswith(f"| {doc['formats'][0]['name']} |"))
+    assert row.endswith("| – | – |")
+
+
+def test_rerunning_report_replaces_our_page_but_not_a_users(tmp_path, capsys):
+    res = tmp_path / "r"
+    shutil.copytree(BASELINE, res)
+    assert main(["report", str(res)]) == 0
+    assert main(["report", str(res)]) == 0  # our own page: replaced
+    (res / "report.md").write_text("my notes")
+    assert main(["report", str(res)]) == 2
+    assert "report.md exists and is not a report mla-eval wrote" in capsys.readouterr().err
+    assert (res / "report.md").read_text() == "my notes"
+
+
+def test_report_library_call(tmp_path):
+    from mla_eval.report.page import build_report, report_paths, write_report
+
+    report = build_report(BASELINE)
+    kinds = [t.split(" ")[0] for t, _, _ in report.sections]
+    assert kinds[0] == "Teacher-forced" and "Needle" in kinds and kinds[-1] == "KV-cache"
+    assert report.title == "mla-eval report — ci-smoke"
+    html_path, md_path = report_paths(BASELINE, tmp_path / "page.html")
+    write_report(report, html_path, md_path)
+    assert html_path.read_text() == report.html() and md_path.read_text() == report.markdown()

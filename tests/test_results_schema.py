@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 from jsonschema import Draft202012Validator
+from tiny_models import tiny_checkpoint
 
 from mla_eval.cli import main
 from mla_eval.errors import UserError
 from mla_eval.result_schemas import ENVIRONMENT_SCHEMA, SCHEMA_FILES, json_path, load_schema, validate
 from mla_eval.results import read_result, write_result
-from tiny_models import tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA_DIR = ROOT / "mla_eval" / "schemas"

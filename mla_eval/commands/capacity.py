@@ -32,7 +32,8 @@ from mla_eval.report.plots import capacity_plot, plot_path
 
 def capacity(
     preset: str = typer.Option(
-        None, "--preset", "-p", help=f"Built-in model: {', '.join(preset_names())} (default {DEFAULT_PRESET}). See --list-presets for sources."
+        None, "--preset", "-p",
+        help=f"Built-in model: {', '.join(preset_names())} (default {DEFAULT_PRESET}). See --list-presets for sources."
     ),
     config: Path = typer.Option(
         None, "--config", "-c", help="A Hugging Face config.json, or a checkpoint directory holding one "
@@ -81,9 +82,16 @@ def capacity(
         "max_position_embeddings)."
     ),
     names: str = typer.Option(None, "--formats", "-f", help="Comma-separated cache formats (default: all registered)."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON document (inputs + a row per format) instead of the table."),
-    plot: Path = typer.Option(None, "--plot", help="Also write a PNG bar chart of pool tokens and concurrency: a .png file, or a folder (gets capacity.png)."),
-    list_presets: bool = typer.Option(False, "--list-presets", help="List the model and GPU presets with their sources and exit."),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print one JSON document (inputs + a row per format) instead of the table."
+    ),
+    plot: Path = typer.Option(
+        None, "--plot",
+        help="Also write a PNG bar chart of pool tokens and concurrency: a .png file, or a folder (gets capacity.png).",
+    ),
+    list_presets: bool = typer.Option(
+        False, "--list-presets", help="List the model and GPU presets with their sources and exit."
+    ),
 ) -> None:
     """KV-cache capacity per cache format: bytes per token, blocks, pool tokens, max context, concurrency.
 

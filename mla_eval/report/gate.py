@@ -101,7 +101,10 @@ def compare(results: dict[str, dict], baseline: dict[str, dict], tolerances: dic
             value = rm.get(key, (metric, None))[1]
             if value is None or base is None:
                 ok = value == base
-                why = "missing in results" if value is None and base is not None else ("ok" if ok else "new value where baseline had none")
+                if value is None and base is not None:
+                    why = "missing in results"
+                else:
+                    why = "ok" if ok else "new value where baseline had none"
             else:
                 allowed = max(abs_tol, rel_tol * abs(base))
                 delta = value - base
@@ -111,7 +114,8 @@ def compare(results: dict[str, dict], baseline: dict[str, dict], tolerances: dic
                     ok = delta <= allowed or math.isclose(value, base)
                 else:
                     ok = -delta <= allowed or math.isclose(value, base)
-                why = "ok" if ok else f"{'rose' if delta > 0 else 'fell'} by {abs(delta):.6g} (allowed {allowed:.3g}, {direction} is better)"
+                moved = "rose" if delta > 0 else "fell"
+                why = "ok" if ok else f"{moved} by {abs(delta):.6g} (allowed {allowed:.3g}, {direction} is better)"
             checks.append(Check(name, key, metric, base, value, ok, why))
     return checks
 
@@ -130,9 +134,11 @@ def junit(checks: list[Check]) -> str:
     fails = sum(not c.ok for c in checks)
     cases = []
     for c in checks:
-        body = "" if c.ok else f'<failure message="{escape(c.why, {chr(34): "&quot;"})}">baseline {c.baseline} now {c.value}</failure>'
+        why = escape(c.why, {chr(34): "&quot;"})
+        body = "" if c.ok else f'<failure message="{why}">baseline {c.baseline} now {c.value}</failure>'
         cases.append(f'  <testcase classname="mla_eval.gate.{escape(c.doc)}" name="{escape(c.name)}">{body}</testcase>')
-    return f'<?xml version="1.0" encoding="utf-8"?>\n<testsuite name="{JUNIT_SUITE}" tests="{len(checks)}" failures="{fails}">\n' + "\n".join(cases) + "\n</testsuite>\n"
+    head = f'<?xml version="1.0" encoding="utf-8"?>\n<testsuite name="{JUNIT_SUITE}" tests="{len(checks)}" failures="{fails}">\n'
+    return head + "\n".join(cases) + "\n</testsuite>\n"
 
 
 # --- the gate as one call: settings in, a result out ------------------------------------------------

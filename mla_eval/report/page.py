@@ -38,14 +38,20 @@ def sections(docs: dict[str, dict]) -> list[tuple[str, list[str], list[list[str]
     out = []
     for d in _of_kind(docs, "kld"):
         rows = [[name] + [_fmt(s.get(k), f) for _, k, f in KLD_COLUMNS] for name, s in d["formats"].items()]
-        out.append((f"Teacher-forced KLD vs {d['settings']['ref']} — {d['text']['label']}", ["format"] + [c for c, _, _ in KLD_COLUMNS], rows))
+        title = f"Teacher-forced KLD vs {d['settings']['ref']} — {d['text']['label']}"
+        out.append((title, ["format"] + [c for c, _, _ in KLD_COLUMNS], rows))
     for d in _of_kind(docs, "needle"):
         s = d["settings"]
         rows = [[name, f"{v['mean_accuracy']:.3f}", str(v["effective_length"] or "–")] for name, v in d["formats"].items()]
-        out.append((f"Needle retrieval ({s['task']}, {s['values']}; lengths {s['lengths']})", ["format", "mean accuracy", "effective length"], rows))
+        title = f"Needle retrieval ({s['task']}, {s['values']}; lengths {s['lengths']})"
+        out.append((title, ["format", "mean accuracy", "effective length"], rows))
         fails = d.get("format_induced_failures", [])
         if fails:
-            out.append(("Format-induced failures (bf16 right, format wrong)", ["format", "length", "depth %", "expected", "output"], [[f["format"], str(f["length"]), f"{f['depth']:g}", ", ".join(f["expected"]), f["output"][:40]] for f in fails[:50]]))
+            head = ["format", "length", "depth %", "expected", "output"]
+            cells = [
+                [f["format"], str(f["length"]), f"{f['depth']:g}", ", ".join(f["expected"]), f["output"][:40]] for f in fails[:50]
+            ]
+            out.append(("Format-induced failures (bf16 right, format wrong)", head, cells))
     for d in _of_kind(docs, "capacity"):
         su = d["setup"]
         # concurrency is null without a max_model_len, the ratio null when fp8_ds_mla fits no block
@@ -98,8 +104,10 @@ def render_html(title: str, secs, images: list[Path]) -> str:
         f"<!doctype html><html><head><meta charset='utf-8'><meta name='generator' content='{GENERATOR}'>",
         f"<title>{html.escape(title)}</title>",
         "<style>body{font-family:system-ui,sans-serif;margin:2em;color:#222}table{border-collapse:collapse;margin:0 0 1.5em}"
-        "th,td{border:1px solid #ccc;padding:4px 10px;text-align:right}th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}"
-        ".grid{display:flex;flex-wrap:wrap;gap:12px}.grid figure{margin:0}.grid img{max-width:560px;border:1px solid #ddd}</style></head><body>",
+        "th,td{border:1px solid #ccc;padding:4px 10px;text-align:right}th{background:#f3f3f3}"
+        "td:first-child,th:first-child{text-align:left}"
+        ".grid{display:flex;flex-wrap:wrap;gap:12px}.grid figure{margin:0}"
+        ".grid img{max-width:560px;border:1px solid #ddd}</style></head><body>",
         f"<h1>{html.escape(title)}</h1>",
     ]
     for t, head, rows in secs:
@@ -110,7 +118,8 @@ def render_html(title: str, secs, images: list[Path]) -> str:
         parts.append("<h2>Plots</h2><div class='grid'>")
         for img in images:
             data = base64.b64encode(img.read_bytes()).decode()
-            parts.append(f"<figure><img alt='{html.escape(img.stem)}' src='data:image/png;base64,{data}'><figcaption>{html.escape(img.stem)}</figcaption></figure>")
+            name = html.escape(img.stem)
+            parts.append(f"<figure><img alt='{name}' src='data:image/png;base64,{data}'><figcaption>{name}</figcaption></figure>")
         parts.append("</div>")
     parts.append("</body></html>")
     return "\n".join(parts)

@@ -182,7 +182,8 @@ def capacity_plot(doc: dict, path: Path) -> Path:
         )
     for i, r in enumerate(rows):
         ratio = "" if r["ratio_vs_fp8_ds_mla"] is None else f"  {r['ratio_vs_fp8_ds_mla']:.2f}x fp8_ds_mla"
-        left.text(r["pool_tokens"] + top * 0.01, i, f"{r['pool_tokens']:,}{ratio}", va="center", fontsize=8, bbox=label_box, zorder=3)
+        label = f"{r['pool_tokens']:,}{ratio}"
+        left.text(r["pool_tokens"] + top * 0.01, i, label, va="center", fontsize=8, bbox=label_box, zorder=3)
     left.set_xlim(0, max(top, model_max or 0) * 1.5)
 
     right.barh(y, concurrency, color=colors, zorder=2)

@@ -1,0 +1,298 @@
+"""Every command, fed bad input, answers with one line and exit code 2 (issue 13).
+
+The contract, for every case below:
+- `mla_eval.cli.main(argv)` returns 2;
+- stderr is exactly one line, and it starts with `error: ` (usage errors too: Click's message on
+  one line followed by `(see 'mla-eval COMMAND --help')`);
+- the line contains the case's expected words (what is wrong, or the option at fault);
+- "Traceback" appears nowhere in stdout or stderr.
+Nothing a user made is lost: the cases that point --out / --junit / --plot at a user's own file
+check that the file is unchanged afterwards.
+
+The CLI runs in-process (fast); environment variables are set with monkeypatch. Model-loading
+cases use a tiny checkpoint, a short text and --out under tmp, so that even a command that wrongly
+accepts its input costs seconds and writes nowhere else. A subprocess runs only where a real
+process matters: a SIGTERM in the middle of `mla-eval kld`, and the bare command.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from tiny_models import tiny_checkpoint
+
+from mla_eval.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+BASELINE = ROOT / "results" / "baselines" / "ci-smoke"
+TEXT = " ".join(f"The river {w} flows past the old mill near the {w} bridge." for w in ["north", "south", "east", "west"] * 30)
+USER_TEXT = "my own notes, not a result\n"
+
+
+class World:
+    """Files the cases point at, made once per module."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.ckpt = tiny_checkpoint(root / "ckpt")
+        self.text = root / "text.txt"
+        self.text.write_text(TEXT)
+        self.binary = root / "random.bin"
+        self.binary.write_bytes(bytes((i * 7919 + 13) % 256 for i in range(60000)))
+        self.no_rank = root / "no-rank"
+        shutil.copytree(self.ckpt, self.no_rank)
+        cfg = json.loads((self.no_rank / "config.json").read_text())
+        del cfg["kv_lora_rank"]
+        (self.no_rank / "config.json").write_text(json.dumps(cfg))
+        self.user_file = root / "mine.json"
+        self.user_file.write_text(USER_TEXT)
+        self.user_dir = root / "my-folder"
+        self.user_dir.mkdir()
+        (self.user_dir / "thesis.txt").write_text(USER_TEXT)
+        self.results = root / "results-dir"
+        shutil.copytree(BASELINE, self.results)
+        self.empty = root / "empty"
+        self.empty.mkdir()
+        self.kld_doc = BASELINE / "kld.json"
+        self.locked = root / "locked"
+        self.locked.mkdir()
+        self._unlock = _lock(self.locked)
+
+    def recipe(self, name: str, text: str) -> Path:
+        path = self.root / name
+        path.write_text(text)
+        return path
+
+    def close(self) -> None:
+        if self._unlock is not None:
+            self._unlock()
+
+
+def _lock(folder: Path):
+    """Make `folder` unwritable (mode 0555; as root, which ignores modes, the immutable attribute)."""
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        return lambda: folder.chmod(0o755)
+    if shutil.which("chattr") and subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode == 0:
+        return lambda: subprocess.run(["chattr", "-i", str(folder)], check=True)
+    return None
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    w = World(tmp_path_factory.mktemp("bad-input"))
+    yield w
+    w.close()
+
+
+def _kld(w: World, *extra: str) -> list[str]:
+    """A cheap kld run on the tiny checkpoint; the case's options come last and win."""
+    return ["kld", "--model", str(w.ckpt), "--text", str(w.text), "--formats", "nvfp4", "--scales", "none",
+            "--no-layer-stats", "--ctx", "64", "--stride", "32", "--device", "cpu", "--out", str(w.root / "out" / "k.json"),
+            *extra]
+
+
+def _calibrate(w: World, *extra: str) -> list[str]:
+    return ["calibrate", "--model", str(w.ckpt), "--text", str(w.text), "--ctx", "64", "--device", "cpu",
+            "--out", str(w.root / "out" / "s.json"), *extra]
+
+
+def _needle(w: World, *extra: str) -> list[str]:
+    return ["needle", "--model", str(w.ckpt), "--formats", "nvfp4", "--scales", "none", "--lengths", "128", "--depths", "50",
+            "--device", "cpu", "--out", str(w.root / "out" / "n.json"), *extra]
+
+
+def _gate(w: World, *extra: str) -> list[str]:
+    return ["gate", str(w.kld_doc), "--baseline", str(w.kld_doc), *extra]
+
+
+def _toml(w: World, name: str, text: str) -> str:
+    return str(w.recipe(f"{name}.toml", text))
+
+
+# case name -> (argv builder, environment, expected words in the error line)
+CASES = {
+    # the top level
+    "bare mla-eval": (lambda w: [], {}, "no command given"),
+    "unknown command": (lambda w: ["frobnicate"], {}, "No such command 'frobnicate'"),
+    "unknown top-level option": (lambda w: ["--frobnicate"], {}, "No such option: --frobnicate"),
+    # formats
+    "formats: unknown format": (lambda w: ["formats", "--formats", "int3"], {}, "int3"),
+    "formats: empty list": (lambda w: ["formats", "--formats", ","], {}, "--formats is empty"),
+    "formats: unknown option": (lambda w: ["formats", "--bogus"], {}, "No such option: --bogus"),
+    # capacity
+    "capacity: --tp 0 names --tp": (lambda w: ["capacity", "--tp", "0"], {}, "--tp must be >= 1"),
+    "capacity: --tp abc": (lambda w: ["capacity", "--tp", "abc"], {}, "'--tp'"),
+    "capacity: zero KV bytes": (lambda w: ["capacity", "--kv-cache-memory-bytes", "0"], {}, "must be positive"),
+    "capacity: NaN KV memory": (lambda w: ["capacity", "--kv-memory-gib", "nan"], {}, "--kv-memory-gib must be positive"),
+    "capacity: unknown GPU": (lambda w: ["capacity", "--gpu", "a100"], {}, "unknown GPU"),
+    "capacity: --dcp not dividing --tp": (lambda w: ["capacity", "--dcp", "3"], {}, "must divide --tp"),
+    "capacity: missing --config": (lambda w: ["capacity", "--config", str(w.root / "nope.json")], {}, "does not exist"),
+    "capacity: --plot not PNG": (lambda w: ["capacity", "--plot", str(w.root / "p.svg")], {}, "plots are PNG"),
+    "capacity: --plot over a user's file": (lambda w: ["capacity", "--plot", str(w.user_file.with_suffix(".png"))], {},
+                                            "not a plot mla-eval wrote"),
+    "capacity: --plot in a locked folder": (lambda w: ["capacity", "--plot", str(w.locked / "c.png")], {}, "not writable"),
+    # kld
+    "kld: unknown option": (lambda w: ["kld", "--bogus-option", "3"], {}, "No such option: --bogus-option"),
+    "kld: --ctx abc": (lambda w: ["kld", "--ctx", "abc"], {}, "'--ctx'"),
+    "kld: --ctx 0": (lambda w: _kld(w, "--ctx", "0"), {}, "--ctx"),
+    "kld: --ctx -5 names --ctx": (lambda w: _kld(w, "--ctx", "-5"), {}, "--ctx"),
+    "kld: --max-tokens 0": (lambda w: _kld(w, "--max-tokens", "0"), {}, "--max-tokens"),
+    "kld: --stride larger than --ctx": (lambda w: _kld(w, "--stride", "512"), {}, "--stride"),
+    "kld: binary text": (lambda w: _kld(w, "--text", str(w.binary)), {}, "text"),
+    "kld: missing text file": (lambda w: _kld(w, "--text", str(w.root / "nope.txt")), {}, "nope.txt"),
+    "kld: config without kv_lora_rank": (lambda w: _kld(w, "--model", str(w.no_rank)), {}, "kv_lora_rank"),
+    "kld: --device tpu": (lambda w: _kld(w, "--device", "tpu"), {}, "tpu"),
+    "kld: unknown format": (lambda w: _kld(w, "--formats", "int3"), {}, "int3"),
+    "kld: unknown format option": (lambda w: _kld(w, "--formats", "nvfp4+foo"), {}, "+foo"),
+    "kld: --out is a folder": (lambda w: _kld(w, "--out", str(w.empty)), {}, "is a folder"),
+    "kld: --out in a locked folder": (lambda w: _kld(w, "--out", str(w.locked / "k.json")), {}, "not writable"),
+    "kld: --force over a user's file": (lambda w: _kld(w, "--out", str(w.user_file), "--force"), {}, "not an mla-eval result"),
+    "kld: missing --scales file": (lambda w: _kld(w, "--formats", "nvfp4+s_l", "--scales", str(w.root / "nope.json")), {},
+                                   "nope.json"),
+    "kld: MLA_EVAL_BACKEND=bogus": (lambda w: _kld(w), {"MLA_EVAL_BACKEND": "bogus"}, "bogus"),
+    "kld: MLA_EVAL_BACKEND=kernel on a CPU": (lambda w: _kld(w), {"MLA_EVAL_BACKEND": "kernel"}, "kernel"),
+    # calibrate
+    "calibrate: no --out": (lambda w: ["calibrate"], {}, "Missing option '--out'"),
+    "calibrate: --ctx 0": (lambda w: _calibrate(w, "--ctx", "0"), {}, "--ctx"),
+    "calibrate: --max-tokens 0": (lambda w: _calibrate(w, "--max-tokens", "0"), {}, "--max-tokens"),
+    "calibrate: --out in a locked folder": (lambda w: _calibrate(w, "--out", str(w.locked / "s.json")), {}, "not writable"),
+    "calibrate: --force over a user's file": (lambda w: _calibrate(w, "--out", str(w.user_file), "--force"), {},
+                                              "not an mla-eval result"),
+    # needle
+    "needle: bad --lengths": (lambda w: _needle(w, "--lengths", "abc"), {}, "--lengths"),
+    "needle: unknown --task": (lambda w: _needle(w, "--task", "bogus"), {}, "bogus"),
+    "needle: depth over 100": (lambda w: _needle(w, "--depths", "150"), {}, "150"),
+    "needle: --trials 0": (lambda w: _needle(w, "--trials", "0"), {}, "--trials"),
+    "needle: --device tpu": (lambda w: _needle(w, "--device", "tpu"), {}, "tpu"),
+    "needle: --out in a locked folder": (lambda w: _needle(w, "--out", str(w.locked / "n.json")), {}, "not writable"),
+    # gate
+    "gate: no arguments": (lambda w: ["gate"], {}, "Missing argument 'results'"),
+    "gate: no --baseline": (lambda w: ["gate", str(w.kld_doc)], {}, "Missing option '--baseline'"),
+    "gate: missing results": (lambda w: ["gate", str(w.root / "nope.json"), "--baseline", str(w.kld_doc)], {}, "does not exist"),
+    "gate: --junit in a locked folder": (lambda w: _gate(w, "--junit", str(w.locked / "g.xml")), {}, "not writable"),
+    "gate: --junit over a user's file": (lambda w: _gate(w, "--junit", str(w.user_file)), {}, "not a gate report"),
+    "gate: --junit is a folder": (lambda w: _gate(w, "--junit", str(w.empty)), {}, "is a folder"),
+    "gate: unknown tolerance metric": (lambda w: _gate(w, "--tolerances", _toml(w, "tol", "[gate]\nspeed = {abs = 1}\n")),
+                                       {}, "unknown metric"),
+    "gate: negative tolerance": (lambda w: _gate(w, "--tolerances", _toml(w, "neg", "[gate]\nkld_mean = {abs = -1}\n")),
+                                 {}, "kld_mean.abs"),
+    # run
+    "run: missing recipe": (lambda w: ["run", str(w.root / "nope.toml")], {}, "does not exist"),
+    "run: unknown table": (lambda w: ["run", str(w.recipe("t.toml", "[kld]\n[frob]\n"))], {}, "unknown table"),
+    "run: unknown [kld] key": (lambda w: ["run", str(w.recipe("k.toml", f'model = "{w.ckpt}"\n[kld]\nbogus_key = 3\n')),
+                                          "--out", str(w.root / "run-k")], {}, "bogus"),
+    "run: [kld] ctx = 0": (lambda w: ["run", str(w.recipe("c.toml", f'model = "{w.ckpt}"\ndevice = "cpu"\n[kld]\nctx = 0\n'
+                                                               f'text = "{w.text}"\nformats = "nvfp4"\nscales = "none"\n')),
+                                      "--out", str(w.root / "run-c")], {}, "ctx"),
+    "run: --force over a user's folder": (lambda w: ["run", str(w.recipe("cap.toml", "[capacity]\npreset = \"glm-5\"\n")),
+                                                     "--out", str(w.user_dir), "--force"], {}, "my-folder"),
+    # report
+    "report: not a directory": (lambda w: ["report", str(w.kld_doc)], {}, "not a results directory"),
+    "report: empty directory": (lambda w: ["report", str(w.empty)], {}, "holds no kld.json"),
+    "report: --out in a locked folder": (lambda w: ["report", str(w.results), "--out", str(w.locked / "r.html")], {},
+                                         "not writable"),
+    "report: --out over a user's file": (lambda w: ["report", str(w.results), "--out", str(w.user_file.with_suffix(".html"))],
+                                         {}, "not a report mla-eval wrote"),
+}
+
+
+def _user_files(w: World) -> dict[Path, str]:
+    """The user's own files the cases aim at (re-made if an earlier case lost them)."""
+    w.user_dir.mkdir(exist_ok=True)
+    for path in (w.user_file.with_suffix(".png"), w.user_file.with_suffix(".html"), w.user_dir / "thesis.txt"):
+        path.write_text(USER_TEXT)
+    return {p: p.read_text() for p in [w.user_file, w.user_file.with_suffix(".png"), w.user_file.with_suffix(".html"),
+                                         w.user_dir / "thesis.txt"]}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_is_one_line_and_exit_2(case, world, capsys, monkeypatch, tmp_path):
+    build, env, expected = CASES[case]
+    monkeypatch.chdir(tmp_path)  # a command that wrongly runs writes its default output here
+    monkeypatch.delenv("MLA_EVAL_BACKEND", raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    before = _user_files(world)
+    argv = build(world)
+    capsys.readouterr()
+    code = main(argv)
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    lines = err.strip().splitlines()
+    assert code == 2, f"exit {code}; stderr: {err[-500:]}"
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error: "), lines[0]
+    assert expected in lines[0], lines[0]
+    assert {p: p.read_text() for p in before} == before  # nothing a user made was touched
+
+
+def test_there_are_at_least_40_cases_over_every_command():
+    commands = {c.split(":")[0] for c in CASES}
+    assert len(CASES) >= 40
+    assert {"formats", "capacity", "kld", "calibrate", "needle", "gate", "run", "report"} <= commands
+
+
+def test_help_still_exits_0(capsys):
+    assert main(["--help"]) == 0
+    assert main(["kld", "--help"]) == 0
+    assert "Usage" in capsys.readouterr().out
+
+
+def test_bare_command_in_a_real_process_lists_the_commands():
+    proc = subprocess.run([sys.executable, "-m", "mla_eval"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "capacity" in proc.stdout and "kld" in proc.stdout  # the command list, on stdout
+    assert proc.stderr.strip().splitlines() == ["error: no command given; choose one of the commands above"]
+
+
+def test_interrupt_names_the_result_not_written(world, capsys, monkeypatch, tmp_path):
+    """Ctrl-C after the output was checked: exit 130, one line naming what was not written."""
+    from mla_eval.report import page
+
+    def interrupted(results):
+        raise KeyboardInterrupt
+
+    out = tmp_path / "r.html"
+    monkeypatch.setattr(page, "build_report", interrupted)
+    code = main(["report", str(world.results), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 130
+    md = out.with_suffix(".md")
+    assert err.strip().splitlines()[-1] == f"interrupted by SIGINT: no result written (would have been {out}, {md})"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_sigterm_during_kld_leaves_nothing_and_says_so(world, tmp_path):
+    """A real process: SIGTERM while kld scores a long text. Exit 143, one line, no result or
+    temporary file anywhere under --out's folder."""
+    (tmp_path / "long.txt").write_text(TEXT * 40)
+    out_dir = tmp_path / "out"
+    cmd = [sys.executable, "-m", "mla_eval", "kld", "--model", str(world.ckpt), "--text", str(tmp_path / "long.txt"),
+           "--formats", "nvfp4,fp8_ds_mla,mxfp4", "--scales", "none", "--ctx", "128", "--stride", "16", "--device", "cpu",
+           "--out", str(out_dir / "k.json")]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS="100")
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        # wait until the command itself is running (it prints its first line to stderr), then stop it
+        first = proc.stderr.readline()
+        assert first, "kld printed nothing"
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, err[-800:]
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("interrupted by SIGTERM: no result written")
+    assert not out_dir.exists() or list(out_dir.iterdir()) == []
+    assert [p.name for p in tmp_path.iterdir() if p.name != "long.txt"] in ([], ["out"])
