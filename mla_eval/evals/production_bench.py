@@ -105,8 +105,9 @@ class BenchSettings:
         for name in self.presets:
             if name not in preset_names():
                 raise UserError(f"--presets: no preset {name!r}; choose from {', '.join(preset_names())}")
-        for name, value, low in (("--layers", self.layers, 1), ("--ctx", self.ctx, 2), ("--windows", self.windows, 1),
-                                 ("--dataset-tokens", self.dataset_tokens, 1), ("--projection-formats", self.projection_formats, 1)):
+        bounds = (("--layers", self.layers, 1), ("--ctx", self.ctx, 2), ("--windows", self.windows, 1),
+                  ("--dataset-tokens", self.dataset_tokens, 1), ("--projection-formats", self.projection_formats, 1))
+        for name, value, low in bounds:
             if value < low:
                 raise UserError(f"{name} must be >= {low}, got {value}")
         for f in self.formats:
@@ -175,7 +176,8 @@ def _bench_preset(st: BenchSettings, preset: str, backends: Sequence[str]) -> di
     selected, causal = lm.adapter.sparse_read_counts()
     dsa = getattr(cfg, "index_topk", None) is not None
     if dsa and st.ctx > cfg.index_topk and not 0 < selected < causal:
-        raise RuntimeError(f"{preset}: ctx {st.ctx} > top-k {cfg.index_topk} but the sparse path read {selected} of {causal} keys")
+        raise RuntimeError(f"{preset}: ctx {st.ctx} > top-k {cfg.index_topk}, but the sparse path read {selected} "
+                           f"of {causal} keys")
     agreement = {}
     if "kernel" in per_backend and "reference" in per_backend:
         for fmt in st.formats:
@@ -239,7 +241,8 @@ def table(doc: dict) -> str:
     lines = []
     backend = doc["backends"][0]
     fmts = list(doc["presets"][0]["backends"][backend]) if doc["presets"] else []
-    lines.append(f"{'preset':<14}" + "".join(f"{f + ' tok/s/layer':>26}" for f in fmts) + f"{'peak GiB':>10}{'max |dKLD| k-r':>16}")
+    head = "".join(f"{f + ' tok/s/layer':>26}" for f in fmts)
+    lines.append(f"{'preset':<14}{head}{'peak GiB':>10}{'max |dKLD| k-r':>16}")
     for p in doc["presets"]:
         rows = p["backends"][backend]
         peak = "-" if p["peak_memory_gib"] is None else f"{p['peak_memory_gib']:.1f}"

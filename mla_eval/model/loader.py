@@ -99,7 +99,9 @@ def _check_raw_config(path: Path) -> None:
     if model_type in DSA_TYPES:
         missing = [f for f in INDEXER_FIELDS if raw.get(f) is None]
         if missing:
-            raise UserError(f"{path}/config.json is a DSA model ({model_type}) without {', '.join(missing)}: give its full config.json")
+            raise UserError(
+                f"{path}/config.json is a DSA model ({model_type}) without {', '.join(missing)}: give its full config.json"
+            )
 
 
 def load_config(path: Path):
@@ -218,18 +220,25 @@ def _load_checkpoint(model: str | Path | None, device: str | None, dtype: str, d
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, TypeError) as exc:
-        raise UserError(f"{path} has no usable tokenizer ({str(exc).splitlines()[0]}); copy the checkpoint's tokenizer files next to it") from None
+        raise UserError(
+            f"{path} has no usable tokenizer ({str(exc).splitlines()[0]}); copy the checkpoint's tokenizer files next to it"
+        ) from None
     # DSA indexers need a materialised attention mask: run those models with eager attention.
     attn = "eager" if config.model_type in DSA_TYPES else "sdpa"
     try:
         extra = {"device_map": "auto"} if device_map == "auto" else {}
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation=attn, local_files_only=True, **extra)
+        hf = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch_dtype, attn_implementation=attn, local_files_only=True, **extra
+        )
     except (OSError, ValueError) as exc:
         raise UserError(f"cannot load weights from {path} ({str(exc).splitlines()[0]})") from None
     if device_map == "auto":
         offloaded = sorted({str(d) for d in getattr(hf, "hf_device_map", {}).values()} & {"disk", "meta"})
         if offloaded:
-            raise UserError(f"--device-map auto offloaded layers to {', '.join(offloaded)}: the model does not fit the visible GPUs and CPU memory")
+            raise UserError(
+                f"--device-map auto offloaded layers to {', '.join(offloaded)}: the model does not fit the visible GPUs "
+                "and CPU memory"
+            )
         dev = hf.get_input_embeddings().weight.device  # where the token ids go in
     else:
         hf = hf.to(dev)
