@@ -13,7 +13,7 @@ from typing import Iterator
 import torch
 
 from mla_eval.errors import UserError
-from mla_eval.model.adapter import DSA_TYPES, MlaAdapter, check_supported
+from mla_eval.model.adapter import DSA_TYPES, SUPPORTED, MlaAdapter, check_supported
 from mla_eval.model.indexer import INDEXER_FIELDS
 from mla_eval.model.random_models import build_random_model, is_random_spec, parse_random_spec
 from mla_eval.model_presets import preset_names
@@ -31,7 +31,7 @@ class LoadedModel:
     model: torch.nn.Module
     tokenizer: object
     adapter: MlaAdapter
-    path: Path
+    path: Path  # the checkpoint folder; for a random model its spec string (there is no folder)
     name: str
     device: torch.device
     is_default: bool
@@ -89,8 +89,8 @@ def _check_raw_config(path: Path) -> None:
         raise UserError(f"{path}/config.json must hold a JSON object")
     raw = raw.get("text_config") if "kv_lora_rank" not in raw and isinstance(raw.get("text_config"), dict) else raw
     model_type = raw.get("model_type")
-    if model_type == "deepseek_v4":
-        check_supported(type("Config", (), {"model_type": model_type})())  # its own one-line refusal
+    if model_type not in SUPPORTED:
+        check_supported(type("Config", (), {"model_type": model_type})())  # the one-line refusal of the type
     if raw.get("kv_lora_rank") is None:
         raise UserError(
             f"{path}/config.json has no kv_lora_rank (model_type {model_type!r}): not an MLA checkpoint, or an incomplete "
@@ -198,7 +198,9 @@ def _load_random(text: str, device: str | None, dtype: str, device_map: str) -> 
     vocab = json.loads((tokenizer_dir / "config.json").read_text(encoding="utf-8"))["vocab_size"]  # the embedded model's
     hf = build_random_model(spec, vocab, dev, _torch_dtype(dtype, dev))
     return LoadedModel(
-        model=hf, tokenizer=tokenizer, adapter=MlaAdapter(hf), path=tokenizer_dir, name=spec.name, device=dev,
+        # path: the spec itself, not the tokenizer's folder, so nothing keyed on a model's path (a stored
+        # reference, a result name) mistakes one random model for another or for the embedded model
+        model=hf, tokenizer=tokenizer, adapter=MlaAdapter(hf), path=Path(spec.name), name=spec.name, device=dev,
         is_default=False, is_random=True, label=spec.label,
     )
 
