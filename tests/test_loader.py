@@ -51,7 +51,7 @@ def test_random_model_is_labelled_seeded_and_leaves_no_global_state():
     assert torch.equal(torch.get_rng_state(), rng)  # the seed did not touch the global generator
     assert a.is_random and not a.is_default
     assert a.label == "random weights with the deepseek-v3.2 attention geometry: for plumbing, timing and memory, not quality"
-    assert a.name == "random:deepseek-v3.2:layers=1:seed=3:hidden=128"
+    assert a.name == str(a.path) == "random:deepseek-v3.2:layers=1:seed=3:hidden=128"
     sa, sb, sc = (m.model.state_dict() for m in (a, b, c))
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
     assert not torch.equal(sa["model.layers.0.self_attn.q_b_proj.weight"], sc["model.layers.0.self_attn.q_b_proj.weight"])
@@ -93,10 +93,11 @@ def _config_dir(tmp_path, **fields):
 @pytest.mark.parametrize(
     "fields,match",
     [
-        ({"model_type": "llama", "kv_lora_rank": None}, "no kv_lora_rank \\(model_type 'llama'\\)"),
-        ({"model_type": "deepseek_v3", "kv_lora_rank": None}, "no kv_lora_rank"),
+        ({"model_type": "llama", "kv_lora_rank": None}, "unsupported architecture 'llama'"),
+        ({"model_type": "deepseek_v3", "kv_lora_rank": None}, "no kv_lora_rank \\(model_type 'deepseek_v3'\\)"),
         ({"model_type": "qwen3_moe"}, "unsupported architecture 'qwen3_moe'"),
-        ({"model_type": "deepseek_v32", "index_topk": 8, "index_n_heads": 2}, "DSA model \\(deepseek_v32\\) without index_head_dim"),
+        ({"model_type": "deepseek_v32", "index_topk": 8, "index_n_heads": 2},
+         "DSA model \\(deepseek_v32\\) without index_head_dim"),
         ({"model_type": "glm_moe_dsa"}, "without index_topk, index_n_heads, index_head_dim"),
         ({"model_type": "deepseek_v4"}, "DeepSeek-V4 is not supported"),
     ],

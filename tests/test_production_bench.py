@@ -45,6 +45,7 @@ def test_tiny_cpu_run_writes_json_and_checks_the_sparse_path(tmp_path, capsys):
     rows = dsa["backends"]["reference"]
     assert rows["bf16"]["kld_mean"] == 0.0 < rows["nvfp4"]["kld_mean"]  # bf16 is the reference itself
     assert rows["nvfp4"]["tokens_per_s_per_layer"] > 0 and dsa["peak_memory_gib"] is None
+    assert rows["nvfp4"]["attend_path"].startswith("reference") and dsa["kernel_vs_reference_kld"] == {}
     assert dsa["projection"]["line"].startswith("GLM-5.2 (DSA + IndexShare), 78 layers, wikitext-2 test (342,571 tokens")
     assert "random weights" in dsa["label"] and "random weights" in capsys.readouterr().out
 

@@ -38,10 +38,12 @@ def tiny_model(model_type: str, seed: int = 0, **over):
         cfg = tf.DeepseekV2Config(q_lora_rank=None, first_k_dense_replace=1, **kw)
         cls = tf.DeepseekV2ForCausalLM
     elif model_type == "deepseek_v32":
-        cfg = tf.DeepseekV32Config(q_lora_rank=48, first_k_dense_replace=1, index_topk=8, index_head_dim=96, index_n_heads=2, **kw)
+        dsa = dict(q_lora_rank=48, first_k_dense_replace=1, index_topk=8, index_head_dim=96, index_n_heads=2)
+        cfg = tf.DeepseekV32Config(**dsa, **kw)
         cls = tf.DeepseekV32ForCausalLM
     elif model_type == "glm_moe_dsa":
-        cfg = tf.GlmMoeDsaConfig(q_lora_rank=48, first_k_dense_replace=1, index_topk=8, index_head_dim=96, index_n_heads=2, indexer_types=["full", "shared", "full"], **kw)
+        dsa = dict(q_lora_rank=48, first_k_dense_replace=1, index_topk=8, index_head_dim=96, index_n_heads=2)
+        cfg = tf.GlmMoeDsaConfig(**dsa, indexer_types=["full", "shared", "full"], **kw)
         cls = tf.GlmMoeDsaForCausalLM
     else:
         raise ValueError(model_type)

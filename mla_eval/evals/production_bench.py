@@ -3,12 +3,14 @@
 For each preset geometry (mla_eval.model_presets) a random model with N layers (`random:<preset>`,
 see mla_eval.model.random_models) runs teacher-forced windows of `ctx` tokens through the cache
 session, first with the reference format (bf16) and then each format, under each attention backend
-(CuTe kernels and the torch reference on CUDA; the reference on a CPU). It records:
+("auto" -- the CuTe kernels wherever they serve the format -- and the torch reference on CUDA; the
+reference on a CPU). It records which path served each format, and:
 
 - seconds per token per layer of each format's forward (the whole forward, embedding, lm head and
   log-softmax included, divided by tokens x layers: an upper bound of the attention layer's cost);
 - the peak GPU memory of the preset;
-- the mean KLD of each format against the bf16 forward, per backend, and kernel-vs-reference gaps;
+- the mean KLD of each format against the bf16 forward, per backend, and the kernel-vs-reference
+  gap of every format the kernels served;
 - for DSA presets, the keys the indexers selected vs the keys causal attention would read (the
   bench refuses to report a DSA preset whose sparse path did not select fewer);
 - a projection of a full-depth run (`estimate_full_run`).
@@ -93,7 +95,7 @@ class BenchSettings:
     ctx: int = 4096
     windows: int = 2  # timed windows per format and backend (one more, untimed, warms up/compiles)
     formats: tuple[str, ...] = DEFAULT_FORMATS
-    backends: tuple[str, ...] | None = None  # None: kernel and reference on CUDA, reference on a CPU
+    backends: tuple[str, ...] | None = None  # None: auto and reference on CUDA, reference on a CPU
     device: str = "auto"
     seed: int = 0
     hidden: int | None = None  # override of hidden_size (CPU tests)
@@ -105,8 +107,9 @@ class BenchSettings:
         for name in self.presets:
             if name not in preset_names():
                 raise UserError(f"--presets: no preset {name!r}; choose from {', '.join(preset_names())}")
-        for name, value, low in (("--layers", self.layers, 1), ("--ctx", self.ctx, 2), ("--windows", self.windows, 1),
-                                 ("--dataset-tokens", self.dataset_tokens, 1), ("--projection-formats", self.projection_formats, 1)):
+        bounds = (("--layers", self.layers, 1), ("--ctx", self.ctx, 2), ("--windows", self.windows, 1),
+                  ("--dataset-tokens", self.dataset_tokens, 1), ("--projection-formats", self.projection_formats, 1))
+        for name, value, low in bounds:
             if value < low:
                 raise UserError(f"{name} must be >= {low}, got {value}")
         for f in self.formats:
@@ -170,16 +173,23 @@ def _bench_preset(st: BenchSettings, preset: str, backends: Sequence[str]) -> di
                     "seconds_per_token_layer": seconds / (tokens * lm.num_layers),
                     "kld_mean": float(kld.mean()),
                 }
-            paths.update(log.paths)
+            for fmt, row in rows.items():  # what really served the format's attention (auto may fall back)
+                key = f"attend {get_format(fmt).name} on "
+                row["attend_path"] = next((v for k, v in log.paths.items() if k.startswith(key)), "unknown")
+            paths.update({f"{k} [{backend}]": v for k, v in log.paths.items()})
         per_backend[backend] = rows
     selected, causal = lm.adapter.sparse_read_counts()
     dsa = getattr(cfg, "index_topk", None) is not None
     if dsa and st.ctx > cfg.index_topk and not 0 < selected < causal:
-        raise RuntimeError(f"{preset}: ctx {st.ctx} > top-k {cfg.index_topk} but the sparse path read {selected} of {causal} keys")
+        raise RuntimeError(f"{preset}: ctx {st.ctx} > top-k {cfg.index_topk}, but the sparse path read {selected} "
+                           f"of {causal} keys")
     agreement = {}
-    if "kernel" in per_backend and "reference" in per_backend:
+    fast = next((b for b in ("kernel", "auto") if b in per_backend), None)
+    if fast and "reference" in per_backend:
         for fmt in st.formats:
-            k, r = per_backend["kernel"][fmt]["kld_mean"], per_backend["reference"][fmt]["kld_mean"]
+            if per_backend[fast][fmt]["attend_path"] != "kernel":
+                continue  # no kernel served it: a gap would compare the reference with itself
+            k, r = per_backend[fast][fmt]["kld_mean"], per_backend["reference"][fmt]["kld_mean"]
             agreement[fmt] = {"kernel": k, "reference": r, "abs_diff": abs(k - r)}
     timed = per_backend[backends[0]]  # the production path: kernel when it runs
     mean_cost = sum(row["seconds_per_token_layer"] for row in timed.values()) / len(timed)
@@ -226,7 +236,7 @@ def run_bench(st: BenchSettings) -> dict:
 
     st.check()
     dev = resolve_device(st.device)
-    backends = tuple(st.backends or (("kernel", "reference") if dev.type == "cuda" else ("reference",)))
+    backends = tuple(st.backends or (("auto", "reference") if dev.type == "cuda" else ("reference",)))
     with dispatch.use_backend(backends[0]) as log:
         env = environment(attention=log)
     presets = [_bench_preset(st, p, backends) for p in st.presets]
@@ -239,7 +249,8 @@ def table(doc: dict) -> str:
     lines = []
     backend = doc["backends"][0]
     fmts = list(doc["presets"][0]["backends"][backend]) if doc["presets"] else []
-    lines.append(f"{'preset':<14}" + "".join(f"{f + ' tok/s/layer':>26}" for f in fmts) + f"{'peak GiB':>10}{'max |dKLD| k-r':>16}")
+    head = "".join(f"{f + ' tok/s/layer':>26}" for f in fmts)
+    lines.append(f"{'preset':<14}{head}{'peak GiB':>10}{'max |dKLD| k-r':>16}")
     for p in doc["presets"]:
         rows = p["backends"][backend]
         peak = "-" if p["peak_memory_gib"] is None else f"{p['peak_memory_gib']:.1f}"
@@ -261,7 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--ctx", type=int, default=4096, help="window length; above 2048 the DSA presets select sparsely")
     ap.add_argument("--windows", type=int, default=2, help="timed windows per format and backend")
     ap.add_argument("--formats", default=",".join(DEFAULT_FORMATS))
-    ap.add_argument("--backends", default=None, help="comma-separated (default: kernel,reference on CUDA, reference on CPU)")
+    ap.add_argument("--backends", default=None, help="comma-separated (default: auto,reference on CUDA, reference on CPU)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--hidden-override", type=int, default=None, help="replace hidden_size (CPU tests)")

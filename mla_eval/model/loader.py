@@ -13,7 +13,7 @@ from typing import Iterator
 import torch
 
 from mla_eval.errors import UserError
-from mla_eval.model.adapter import DSA_TYPES, MlaAdapter, check_supported
+from mla_eval.model.adapter import DSA_TYPES, SUPPORTED, MlaAdapter, check_supported
 from mla_eval.model.indexer import INDEXER_FIELDS
 from mla_eval.model.random_models import build_random_model, is_random_spec, parse_random_spec
 from mla_eval.model_presets import preset_names
@@ -31,7 +31,7 @@ class LoadedModel:
     model: torch.nn.Module
     tokenizer: object
     adapter: MlaAdapter
-    path: Path
+    path: Path  # the checkpoint folder; for a random model its spec string (there is no folder)
     name: str
     device: torch.device
     is_default: bool
@@ -89,8 +89,8 @@ def _check_raw_config(path: Path) -> None:
         raise UserError(f"{path}/config.json must hold a JSON object")
     raw = raw.get("text_config") if "kv_lora_rank" not in raw and isinstance(raw.get("text_config"), dict) else raw
     model_type = raw.get("model_type")
-    if model_type == "deepseek_v4":
-        check_supported(type("Config", (), {"model_type": model_type})())  # its own one-line refusal
+    if model_type not in SUPPORTED:
+        check_supported(type("Config", (), {"model_type": model_type})())  # the one-line refusal of the type
     if raw.get("kv_lora_rank") is None:
         raise UserError(
             f"{path}/config.json has no kv_lora_rank (model_type {model_type!r}): not an MLA checkpoint, or an incomplete "
@@ -99,7 +99,9 @@ def _check_raw_config(path: Path) -> None:
     if model_type in DSA_TYPES:
         missing = [f for f in INDEXER_FIELDS if raw.get(f) is None]
         if missing:
-            raise UserError(f"{path}/config.json is a DSA model ({model_type}) without {', '.join(missing)}: give its full config.json")
+            raise UserError(
+                f"{path}/config.json is a DSA model ({model_type}) without {', '.join(missing)}: give its full config.json"
+            )
 
 
 def load_config(path: Path):
@@ -196,7 +198,9 @@ def _load_random(text: str, device: str | None, dtype: str, device_map: str) -> 
     vocab = json.loads((tokenizer_dir / "config.json").read_text(encoding="utf-8"))["vocab_size"]  # the embedded model's
     hf = build_random_model(spec, vocab, dev, _torch_dtype(dtype, dev))
     return LoadedModel(
-        model=hf, tokenizer=tokenizer, adapter=MlaAdapter(hf), path=tokenizer_dir, name=spec.name, device=dev,
+        # path: the spec itself, not the tokenizer's folder, so nothing keyed on a model's path (a stored
+        # reference, a result name) mistakes one random model for another or for the embedded model
+        model=hf, tokenizer=tokenizer, adapter=MlaAdapter(hf), path=Path(spec.name), name=spec.name, device=dev,
         is_default=False, is_random=True, label=spec.label,
     )
 
@@ -218,18 +222,25 @@ def _load_checkpoint(model: str | Path | None, device: str | None, dtype: str, d
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, TypeError) as exc:
-        raise UserError(f"{path} has no usable tokenizer ({str(exc).splitlines()[0]}); copy the checkpoint's tokenizer files next to it") from None
+        raise UserError(
+            f"{path} has no usable tokenizer ({str(exc).splitlines()[0]}); copy the checkpoint's tokenizer files next to it"
+        ) from None
     # DSA indexers need a materialised attention mask: run those models with eager attention.
     attn = "eager" if config.model_type in DSA_TYPES else "sdpa"
     try:
         extra = {"device_map": "auto"} if device_map == "auto" else {}
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation=attn, local_files_only=True, **extra)
+        hf = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch_dtype, attn_implementation=attn, local_files_only=True, **extra
+        )
     except (OSError, ValueError) as exc:
         raise UserError(f"cannot load weights from {path} ({str(exc).splitlines()[0]})") from None
     if device_map == "auto":
         offloaded = sorted({str(d) for d in getattr(hf, "hf_device_map", {}).values()} & {"disk", "meta"})
         if offloaded:
-            raise UserError(f"--device-map auto offloaded layers to {', '.join(offloaded)}: the model does not fit the visible GPUs and CPU memory")
+            raise UserError(
+                f"--device-map auto offloaded layers to {', '.join(offloaded)}: the model does not fit the visible GPUs "
+                "and CPU memory"
+            )
         dev = hf.get_input_embeddings().weight.device  # where the token ids go in
     else:
         hf = hf.to(dev)

@@ -10,8 +10,9 @@ top-k and its per-layer full/shared schedule, rope theta and yarn factors) is th
 is small: N decoder layers (default 3) with a dense MLP of SMALL_MLP units, no MTP layer (transformers
 builds none), the vocabulary of the embedded tokenizer. `hidden=H` replaces hidden_size (the only
 attention number one may change; it keeps CPU tests fast); `topk=K` replaces a DSA preset's
-index_topk (so short CPU windows already select sparsely). Both are recorded in the model's name. Same spec, same device -> same weights:
-the weights are drawn from a generator seeded with S (default 0), without touching the global RNG.
+index_topk (so short CPU windows already select sparsely). Both are recorded in the model's name.
+Same spec, same device -> same weights: they are drawn after seeding with S (default 0), inside a
+forked RNG state, so the global generator is left as it was.
 Nothing is written to disk. The weights are noise: fit for plumbing, timing and memory, not quality.
 """
 
