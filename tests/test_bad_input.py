@@ -193,8 +193,10 @@ CASES = {
     "run: [kld] ctx = 0": (lambda w: ["run", str(w.recipe("c.toml", f'model = "{w.ckpt}"\ndevice = "cpu"\n[kld]\nctx = 0\n'
                                                                f'text = "{w.text}"\nformats = "nvfp4"\nscales = "none"\n')),
                                       "--out", str(w.root / "run-c")], {}, "ctx"),
-    "run: --force over a user's folder": (lambda w: ["run", str(w.recipe("cap.toml", "[capacity]\npreset = \"glm-5\"\n")),
-                                                     "--out", str(w.user_dir), "--force"], {}, "my-folder"),
+    # --force may add our documents beside a user's files (tests/test_run_recipe.py), never replace one of theirs
+    "run: --force over a user's file of the same name": (lambda w: ["run", str(w.recipe("cap.toml", "[capacity]\npreset = \"glm-5\"\n")),
+                                                     "--out", str(_user_file_named(w, "capacity.json")), "--force"], {},
+                                                         "capacity.json"),
     # report
     "report: not a directory": (lambda w: ["report", str(w.kld_doc)], {}, "not a results directory"),
     "report: empty directory": (lambda w: ["report", str(w.empty)], {}, "holds no kld.json"),
@@ -296,3 +298,11 @@ def test_sigterm_during_kld_leaves_nothing_and_says_so(world, tmp_path):
     assert err.strip().splitlines()[-1].startswith("interrupted by SIGTERM: no result written")
     assert not out_dir.exists() or list(out_dir.iterdir()) == []
     assert [p.name for p in tmp_path.iterdir() if p.name != "long.txt"] in ([], ["out"])
+
+
+def _user_file_named(w, name: str):
+    """A user's folder holding a file (not an mla-eval document) with the name a run would write."""
+    folder = w.root / "my-results"
+    folder.mkdir(exist_ok=True)
+    (folder / name).write_text(USER_TEXT)
+    return folder

@@ -143,7 +143,7 @@ def test_recipe_settings_are_checked_before_anything_runs(tmp_path, capsys):
         CAPACITY_ONLY + "[needle]\nlengths = '0'\n": "positive lengths",
         'backend = "tpu"\n' + CAPACITY_ONLY: "backend 'tpu' is not a backend",
         'colour = "red"\n' + CAPACITY_ONLY: "unknown top-level key(s) colour",
-        '[capacity]\npreset = "glm-5"\nbogus = 1\n': "unknown key 'bogus'",
+        '[capacity]\npreset = "glm-5"\nbogus = 1\n': "unknown capacity option(s) bogus",
     }.items():
         recipe.write_text(body)
         assert main(["run", str(recipe), "--out", str(tmp_path / "never")]) == 2, body

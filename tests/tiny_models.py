@@ -63,8 +63,15 @@ def tiny_checkpoint(folder, model_type: str = "deepseek_v3"):
     import shutil
     from pathlib import Path
 
+    from transformers.utils import logging as hf_logging
+
     folder = Path(folder)
-    tiny_model(model_type, vocab_size=12288, max_position_embeddings=256).save_pretrained(folder)
+    # transformers >= 5.2x draws a "Writing model shards" bar on stderr; the tests read stderr
+    hf_logging.disable_progress_bar()
+    try:
+        tiny_model(model_type, vocab_size=12288, max_position_embeddings=256).save_pretrained(folder)
+    finally:
+        hf_logging.enable_progress_bar()
     tokenizer_dir = Path(__file__).resolve().parents[1] / "mla_eval" / "default_model"
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer_dir / f, folder / f)

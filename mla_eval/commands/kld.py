@@ -13,7 +13,7 @@ from mla_eval.commands.progress import duration, progress_bars
 from mla_eval.evals.calibrate import CalibrateSettings, evaluate_calibration
 from mla_eval.evals.kld_evaluation import DEFAULT_FORMATS, KldSettings, evaluate_kld
 from mla_eval.evals.settings import DEFAULT_CTX, DEVICES_HELP
-from mla_eval.model.loader import DEVICE_MAP_HELP
+from mla_eval.model.loader import DEVICE_MAP_HELP, MODEL_HELP
 from mla_eval.results import check_output_path, default_result_path, write_result
 
 console = Console(stderr=True)
@@ -21,7 +21,7 @@ BACKEND_HELP = "Attention path: auto (kernel for CUDA tensors where it can run),
 
 
 def kld(
-    model: Path = typer.Option(None, "--model", "-m", help="Local Hugging Face MLA checkpoint folder (default: the embedded model)."),
+    model: str = typer.Option(None, "--model", "-m", help=MODEL_HELP),
     formats: str = typer.Option(DEFAULT_FORMATS, "--formats", "-f", help="Comma-separated formats; append +s_l to use the per-layer outer scales."),
     ref: str = typer.Option("bf16", "--ref", help="Reference cache format (bf16, or e.g. fp8_ds_mla to compare against production fp8)."),
     text: Path = typer.Option(None, "--text", help="Plain-text (UTF-8) file to evaluate on."),
@@ -70,6 +70,8 @@ def kld(
         console.print(f"wrote reference log-probs to {save_ref}")
     if result.rank != 0:
         return
+    if result.model.get("random"):  # never let a random-weights figure pass for a quality number
+        console.print(f"[bold yellow]model: {result.model['label']}[/]")
     print_table(result.formats, result.settings["ref"], result.text["label"], Console())
     path = write_result(out or default_result_path("kld", result.model["name"]), result.to_document(), force=force)
     console.print(f"wrote {path}")
@@ -150,7 +152,7 @@ def print_table(summary: dict, ref: str, label: str, con: Console) -> None:
 
 
 def calibrate_cmd(
-    model: Path = typer.Option(None, "--model", "-m", help="Local Hugging Face MLA checkpoint folder (default: the embedded model)."),
+    model: str = typer.Option(None, "--model", "-m", help=MODEL_HELP),
     text: Path = typer.Option(None, "--text", help="Calibration text file (use a different slice than you evaluate on)."),
     dataset: str = typer.Option(None, "--dataset", help="A `datasets` name to calibrate on."),
     max_tokens: int = typer.Option(None, "--max-tokens", help="Use at most this many tokens (default: all)."),

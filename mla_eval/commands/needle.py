@@ -13,14 +13,14 @@ from mla_eval.commands.progress import progress_bars
 from mla_eval.evals.needle_evaluation import DEFAULT_FORMATS, DEFAULT_LENGTHS, NeedleSettings, evaluate_needle
 from mla_eval.evals.needle_tasks import TASKS, VALUE_KINDS
 from mla_eval.evals.settings import DEVICES_HELP
-from mla_eval.model.loader import DEVICE_MAP_HELP
+from mla_eval.model.loader import DEVICE_MAP_HELP, MODEL_HELP
 from mla_eval.results import check_output_path, default_result_path, write_result
 
 console = Console(stderr=True)
 
 
 def needle(
-    model: Path = typer.Option(None, "--model", "-m", help="Local Hugging Face MLA checkpoint folder (default: the embedded model)."),
+    model: str = typer.Option(None, "--model", "-m", help=MODEL_HELP),
     formats: str = typer.Option(DEFAULT_FORMATS, "--formats", "-f", help="Formats to compare with the bf16 baseline (always run first); +s_l uses outer scales."),
     lengths: str = typer.Option(DEFAULT_LENGTHS, "--lengths", help="Prompt lengths in tokens (4K = 4096)."),
     depths: str = typer.Option(None, "--depths", help="Needle depths in percent (default: 0..100 in --depth-steps steps)."),
@@ -91,6 +91,8 @@ def write_needle_plots(result, folder: Path) -> list[Path]:
 
 def print_needle(result, con: Console) -> None:
     s = result.settings
+    if result.model.get("random"):  # never let a random-weights figure pass for a quality number
+        con.print(f"[bold yellow]model: {result.model['label']}[/]")
     _print(result.formats, result.format_induced_failures, s["lengths"], s["depths"], s["threshold"], con)
 
 

@@ -14,7 +14,6 @@ write is ever deleted: --force replaces only files an mla-eval run wrote there.
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import shutil
@@ -25,7 +24,6 @@ import typer
 from rich.console import Console
 
 from mla_eval.attention import dispatch
-from mla_eval.commands import capacity as capacity_cmd
 from mla_eval.commands.kld import BACKEND_HELP, print_estimate, print_table, write_kld_plots
 from mla_eval.commands.needle import print_needle, write_needle_plots
 from mla_eval.commands.progress import progress_bars
@@ -94,47 +92,10 @@ def capacity_setups(section, path: Path) -> list[tuple[str, dict]]:
 
 
 def _capacity_document(opts: dict, where: str) -> dict:
-    """A capacity document from a recipe table, through the capacity command's own steps.
+    """A capacity document from a recipe table through the capacity library (defaults as the command's)."""
+    from mla_eval.capacity import CapacitySettings, evaluate_capacity
 
-    The capacity command's defaults (its Typer options) fill what the table leaves out.
-    TODO(lead): replace with the capacity library call once it exists (another branch builds it).
-    """
-    params = inspect.signature(capacity_cmd.capacity).parameters
-    names = {p.name: p for p in params.values() if p.name not in ("as_json", "plot", "list_presets")}
-    by_option = {}
-    for n, p in names.items():
-        decls = p.default.param_decls
-        by_option[decls[0].lstrip("-").replace("-", "_") if decls else n] = n
-    args = {n: p.default.default for n, p in names.items()}
-    for key, value in opts.items():
-        name = by_option.get(key.replace("-", "_"))
-        if name is None:
-            raise UserError(f"{where}: unknown key {key!r}; known keys: {', '.join(sorted(by_option))}")
-        if isinstance(value, list):
-            value = ",".join(str(v) for v in value)
-        args[name] = value
-    if args["block_size"] < 1:
-        raise UserError(f"{where}: block_size must be >= 1, got {args['block_size']}")
-    config = Path(args["config"]) if args["config"] else None
-    geometry, weights = capacity_cmd._resolve_model(args["preset"], config, args["weights_dtype"])
-    if args["weights_gib"] is not None:
-        if args["weights_gib"] <= 0:
-            raise UserError(f"{where}: weights_gib must be positive, got {args['weights_gib']}")
-        weights = capacity_cmd.WeightsInfo(bytes=capacity_cmd.gib_to_bytes(args["weights_gib"]), source="--weights-gib")
-    tp = args["tp"]
-    parallel = capacity_cmd.Parallelism(gpus=args["gpus"] if args["gpus"] is not None else tp, tp=tp, dcp=args["dcp"])
-    specs = capacity_cmd.parse_format_list(args["names"])
-    gpu_label, budget = capacity_cmd._resolve_budget(
-        args["gpu"], args["gpu_mem_gib"], args["gpu_memory_utilization"], weights, parallel, args["reserve_gib"],
-        args["kv_memory_gib"], args["kv_cache_memory_bytes"], geometry,
-    )
-    rows = capacity_cmd.capacity_table(
-        specs, geometry, budget, parallel, block_size=args["block_size"], include_mtp=args["mtp"],
-        max_model_len=args["max_model_len"],
-    )
-    return capacity_cmd.capacity_document(
-        geometry, weights, budget, parallel, gpu_label, args["block_size"], args["mtp"], args["max_model_len"], rows
-    )
+    return evaluate_capacity(CapacitySettings.from_options(opts, where=where)).to_document()
 
 
 def _ours(path: Path, folder_is_ours: bool) -> bool:

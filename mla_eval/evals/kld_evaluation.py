@@ -195,7 +195,7 @@ def evaluate_kld(st: KldSettings, progress: ProgressCallback = no_progress) -> K
         if calib is not None:
             outer = calibrate(lm, calib, ctx, progress=progress)
         protocol = dataclasses.replace(protocol, outer_scales=outer if needs_outer else given)
-        ref_meta = {"model": str(lm.path.resolve()), "text": source.digest, "ctx": ctx, "stride": stride,
+        ref_meta = {"model": str(lm.path) if lm.is_random else str(lm.path.resolve()), "text": source.digest, "ctx": ctx, "stride": stride,
                     "min_context": min_context, "ref": ref.name}
         if ref.outer:
             ref_meta["ref_scales"] = list(outer.scales)
@@ -207,7 +207,8 @@ def evaluate_kld(st: KldSettings, progress: ProgressCallback = no_progress) -> K
         run.stats = gather_arrays(run.stats)
         env = environment(attention=log)
     return KldResult(
-        model={"name": lm.name, "path": str(lm.path), "default": lm.is_default, "layers": lm.num_layers},
+        model={"name": lm.name, "path": str(lm.path), "default": lm.is_default, "layers": lm.num_layers,
+               "random": lm.is_random, "label": lm.label},
         text={"kind": source.kind, "label": source.label, "digest": source.digest, "tokens": source.num_tokens},
         settings={"ref": ref.name, "ctx": ctx, "stride": stride, "min_context": min_context, "batch": batch,
                   "block_size": protocol.block_size, "world_size": world, "backend": log.backend,

@@ -188,7 +188,8 @@ def evaluate_needle(st: NeedleSettings, progress: ProgressCallback = no_progress
             "decode_steps": run.decode_steps[v.name],
         }
     return NeedleResult(
-        model={"name": lm.name, "path": str(lm.path), "default": lm.is_default, "max_positions": lm.max_positions},
+        model={"name": lm.name, "path": str(lm.path), "default": lm.is_default, "max_positions": lm.max_positions,
+               "random": lm.is_random, "label": lm.label},
         settings={"task": st.task, "values": st.values, "haystack": hay_label, "lengths": lens, "depths": deps,
                   "trials": st.trials, "seed": st.seed, "threshold": st.threshold, "prefill": st.prefill,
                   "max_new_tokens": run.max_new_tokens, "stop_at_answer": not st.full_answers,

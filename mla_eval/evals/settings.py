@@ -48,7 +48,7 @@ def no_progress(stage: str, done: int, total: int) -> None:
 class ModelSettings:
     """Which checkpoint (None: the embedded default model), on which device, through which attention path."""
 
-    model: Path | None = None
+    model: Path | str | None = None  # a folder, or a `random:<preset>` spec (see loader.MODEL_HELP)
     device: str = "auto"
     device_map: str = "none"
     backend: str | None = None  # None: MLA_EVAL_BACKEND or auto (dispatch.default_backend)
@@ -58,8 +58,10 @@ class ModelSettings:
             dispatch.check_backend(self.backend)
 
     def load(self):
-        from mla_eval.model.loader import load_model  # torch + transformers: only when an evaluation runs
+        from mla_eval.model.loader import load_model, resolve_device  # torch + transformers: only when used
 
+        if self.device_map == "none":  # --backend kernel where the kernels cannot run: refused before the load
+            dispatch.preflight(self.backend, [resolve_device(self.device)])
         return load_model(self.model, self.device, device_map=self.device_map)
 
 
