@@ -136,13 +136,19 @@ def run_format(name: str, quick: bool) -> list[dict]:
         idx = torch.argsort(torch.rand(n, SLOTS_A, device="cuda", generator=gen), dim=1)[:, :2048].to(torch.int32)
 
         def fa(i, q=q, idx=idx):
-            return dispatch.mla_attention_sparse(spec, q, caches[i % 4], indices=idx, softmax_scale=0.0417, outer_scale=s_l, backend="kernel")
+            return dispatch.mla_attention_sparse(
+                spec, q, caches[i % 4], indices=idx, softmax_scale=0.0417, outer_scale=s_l, backend="kernel"
+            )
 
         def ref_a(i, q=q, idx=idx):
-            return dispatch.mla_attention_sparse(spec, q, caches[0], indices=idx, softmax_scale=0.0417, outer_scale=s_l, backend="reference")
+            return dispatch.mla_attention_sparse(
+                spec, q, caches[0], indices=idx, softmax_scale=0.0417, outer_scale=s_l, backend="reference"
+            )
 
         ref = ref_a if name == "nvfp4" and n == 64 else None
-        todo.append(("a_sparse_decode", dict(batch=n, heads=128, topk=2048), fa, n * 2048 * spec.record_bytes, flops(n, 128, 2048), ref))
+        todo.append(
+            ("a_sparse_decode", dict(batch=n, heads=128, topk=2048), fa, n * 2048 * spec.record_bytes, flops(n, 128, 2048), ref)
+        )
 
     # (b) dense decode, memory-bound
     batch = 32
@@ -165,7 +171,12 @@ def run_format(name: str, quick: bool) -> list[dict]:
             )
 
         ref = ref_b if name == "nvfp4" and ctx <= 32768 else None
-        todo.append(("b_dense_decode", dict(batch=batch, heads=16, context=ctx), fb, batch * ctx * spec.record_bytes, flops(batch, 16, ctx), ref))
+        todo.append(
+            (
+                "b_dense_decode", dict(batch=batch, heads=16, context=ctx), fb, batch * ctx * spec.record_bytes,
+                flops(batch, 16, ctx), ref,
+            )
+        )
 
     # (c) prefill-as-decode: query i sees slots 0..i of one 2048-token sequence
     n = 2048
@@ -176,7 +187,8 @@ def run_format(name: str, quick: bool) -> list[dict]:
 
     def fc(i):
         return dispatch.mla_attention_dense(
-            spec, qc, ccache, block_table=table, seq_lens=lens, softmax_scale=0.0417, outer_scale=s_l, max_seq_len=n, backend="kernel"
+            spec, qc, ccache, block_table=table, seq_lens=lens, softmax_scale=0.0417, outer_scale=s_l, max_seq_len=n,
+            backend="kernel",
         )
 
     keys = n * (n + 1) / 2
@@ -247,7 +259,10 @@ def main(argv=None) -> int:
         tf = f"{r['tflop_s']:8.1f}" if r.get("tflop_s") else " " * 8
         mm = f"{100 * r['matmul_ratio']:5.1f}" if r.get("matmul_ratio") else " " * 5
         sp = f"{r['speedup_vs_reference']:6.1f}" if "speedup_vs_reference" in r else ""
-        print(f"{r['format']:18} {r['shape']:20} {params:34} {r['ms']:9.4f} {r['cache_gb_s']:7.0f} {100 * r['copy_ratio']:6.1f} {tf} {mm} {sp}")
+        print(
+            f"{r['format']:18} {r['shape']:20} {params:34} {r['ms']:9.4f} {r['cache_gb_s']:7.0f} "
+            f"{100 * r['copy_ratio']:6.1f} {tf} {mm} {sp}"
+        )
     print(f"saved {path}; failed formats: {failed or 'none'}")
     return 1 if failed else 0
 

@@ -22,9 +22,9 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, Int64, Uint32
 
+from mla_eval.formats.spec import TOKEN_SCALE_DENOMINATOR
 from mla_eval_kernels import ptx
 from mla_eval_kernels.compile_cache import arch_tag, compiled
-from mla_eval.formats.spec import TOKEN_SCALE_DENOMINATOR
 from mla_eval_kernels.record_plan import (
     APPLY_DIV,
     APPLY_MUL_RCP_APPROX,
@@ -32,8 +32,8 @@ from mla_eval_kernels.record_plan import (
     RULE_AMAX_E4M3,
     RULE_AMAX_E4M3_RCP6,
     RULE_AMAX_E4M3_UP,
-    RULE_AMAX_FP32_MUL,
     RULE_AMAX_FP32,
+    RULE_AMAX_FP32_MUL,
     RULE_AMAX_FP32_POW2,
     RULE_OCP_E8M0,
     RecordPlan,

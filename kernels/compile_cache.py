@@ -44,8 +44,8 @@ def clear() -> None:
 
 def arch_tag(device) -> str:
     """'sm_90' etc. for a CUDA device (part of every key), plus the CuTe DSL version."""
-    import torch
     import cutlass
+    import torch
 
     major, minor = torch.cuda.get_device_capability(device)
     return f"sm_{major}{minor}/cutlass-dsl-{getattr(cutlass, '__version__', '?')}"

@@ -62,7 +62,10 @@ def main(argv=None) -> int:
             continue
         for outer in ([False, True] if plan.outer_allowed else [False]):
             t = time.time()
-            w = (_p(cutlass.BFloat16), _p(cutlass.BFloat16, 4), _p(cutlass.Int64, 8), _p(cutlass.Uint32), Int32(8), Float32(1.0), stream)
+            w = (
+                _p(cutlass.BFloat16), _p(cutlass.BFloat16, 4), _p(cutlass.Int64, 8), _p(cutlass.Uint32), Int32(8), Float32(1.0),
+                stream,
+            )
             cute.compile(CacheWriter(plan, cutlass.BFloat16, outer), *w)
             print(f"writer    {name:18} outer={outer!s:5} {time.time() - t:5.1f}s", flush=True)
         for heads in (int(h) for h in args.heads.split(",")):
@@ -81,7 +84,11 @@ def main(argv=None) -> int:
                     except Exception as exc:  # noqa: BLE001 - report every variant
                         failures += 1
                         status = f"FAILED {type(exc).__name__}: {str(exc)[:300]}"
-                    print(f"attention {name:18} h={heads:<3} tile={tile} sparse={sparse!s:5} split={split!s:5} {time.time() - t:5.1f}s {status}", flush=True)
+                    print(
+                        f"attention {name:18} h={heads:<3} tile={tile} sparse={sparse!s:5} split={split!s:5} "
+                        f"{time.time() - t:5.1f}s {status}",
+                        flush=True,
+                    )
     for sink in (False, True):
         c = (_p(Float32), _p(Float32, 4), _p(Float32, 4), _p(Float32), _p(Float32, 4), Int32(8), Int32(4), Int32(2), stream)
         cute.compile(MlaCombine(sink), *c)

@@ -32,10 +32,9 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
+import torch
 from cutlass import BFloat16, Float32, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import warp
-
-import torch
 
 from mla_eval_kernels import ptx
 from mla_eval_kernels.compile_cache import arch_tag, compiled
@@ -138,7 +137,9 @@ class MlaAttention:
     of the compile key.
     """
 
-    def __init__(self, plan: RecordPlan, tile: tuple[int, int, int, int], sparse: bool, has_sink: bool, has_outer: bool, split: bool):
+    def __init__(
+        self, plan: RecordPlan, tile: tuple[int, int, int, int], sparse: bool, has_sink: bool, has_outer: bool, split: bool
+    ):
         self.plan = plan
         self.sparse = sparse
         self.has_sink = has_sink
@@ -382,9 +383,9 @@ class MlaAttention:
         cute.arch.cp_async_wait_group(0)
         cute.arch.barrier()
         for r in cutlass.range_constexpr(n_rows):
-            l = self.quad_sum(row_sum[r])
+            l_sum = self.quad_sum(row_sum[r])
             if lane % 4 == 0:
-                sRed[tScS_mn[r, 0][0], warp_n] = l
+                sRed[tScS_mn[r, 0][0], warp_n] = l_sum
         cute.arch.barrier()
 
         base_row = qi * num_heads + h0
@@ -397,19 +398,19 @@ class MlaAttention:
         rows_valid = cutlass.min(num_heads - h0, m)
         for r in cutlass.range_constexpr(n_rows):
             row = tScS_mn[r, 0][0]
-            l = Float32(0.0)
+            l_sum = Float32(0.0)
             for c in cutlass.range_constexpr(self.wn):
-                l = l + sRed[row, c]
-            denom = l
+                l_sum = l_sum + sRed[row, c]
+            denom = l_sum
             if cutlass.const_expr(self.has_sink and not self.split):
                 sink = cute.make_tensor(sink_ptr, cute.make_layout(num_heads))[cutlass.min(h0 + row, num_heads - 1)]
-                denom = l + cute.math.exp2(sink * Float32(LOG2_E) - row_max[r] * scale_log2, fastmath=True)
+                denom = l_sum + cute.math.exp2(sink * Float32(LOG2_E) - row_max[r] * scale_log2, fastmath=True)
             inv = Float32(0.0)
-            if l > Float32(0.0):
+            if l_sum > Float32(0.0):
                 inv = Float32(1.0) / denom
             lse = -Float32.inf
-            if l > Float32(0.0):
-                lse = row_max[r] * softmax_scale + cute.math.log2(l, fastmath=False) * Float32(LN_2)
+            if l_sum > Float32(0.0):
+                lse = row_max[r] * softmax_scale + cute.math.log2(l_sum, fastmath=False) * Float32(LN_2)
             if row < rows_valid:
                 for c in cutlass.range_constexpr(cute.size(tOgO_mn, mode=[1])):
                     tOgO_mn[r, c] = acc_O_mn[r, c] * inv
@@ -488,7 +489,8 @@ class MlaAttention:
 
     @cute.jit
     def decode8(
-        self, coding: cutlass.Constexpr, rec: Int32, d0: Int32, s_l: Float32, outer: cutlass.Constexpr, is_latent: cutlass.Constexpr
+        self, coding: cutlass.Constexpr, rec: Int32, d0: Int32, s_l: Float32, outer: cutlass.Constexpr,
+        is_latent: cutlass.Constexpr,
     ):
         """Values d0..d0+8 of one vector of the record at shared address `rec`, as 4 bf16x2 words."""
         if cutlass.const_expr(coding.elem == "bf16" and not outer):

@@ -4,13 +4,13 @@ import inspect
 
 import pytest
 import torch
+from tiny_models import preset_model, tiny_model
 from transformers import DynamicCache
 
 from mla_eval.errors import UserError
 from mla_eval.formats import get_format
 from mla_eval.model.adapter import MlaAdapter, check_supported
 from mla_eval.model.session import CacheSession
-from tiny_models import preset_model, tiny_model
 
 
 def _bf16(x):

@@ -181,7 +181,9 @@ def test_dispatch_uses_the_reference_on_cpu():
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert dispatch.kernel_status(spec, "cpu")[0] is False
     with pytest.raises(UserError, match="--backend kernel"):
-        dispatch.mla_attention_sparse(spec, q, cache, indices=torch.zeros(3, 4, dtype=torch.int32), softmax_scale=0.1, backend="kernel")
+        dispatch.mla_attention_sparse(
+            spec, q, cache, indices=torch.zeros(3, 4, dtype=torch.int32), softmax_scale=0.1, backend="kernel"
+        )
     with dispatch.use_backend("reference") as log:
         dispatch.mla_attention_dense(spec, q, cache, block_table=table, seq_lens=seq_lens, softmax_scale=0.1)
     assert log.backend == "reference" and log.paths == {"attend nvfp4 on cpu": "reference (asked for)"}

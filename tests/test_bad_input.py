@@ -194,9 +194,9 @@ CASES = {
                                                                f'text = "{w.text}"\nformats = "nvfp4"\nscales = "none"\n')),
                                       "--out", str(w.root / "run-c")], {}, "ctx"),
     # --force may add our documents beside a user's files (tests/test_run_recipe.py), never replace one of theirs
-    "run: --force over a user's file of the same name": (lambda w: ["run", str(w.recipe("cap.toml", "[capacity]\npreset = \"glm-5\"\n")),
-                                                     "--out", str(_user_file_named(w, "capacity.json")), "--force"], {},
-                                                         "capacity.json"),
+    "run: --force over a user's file of the same name": (
+        lambda w: ["run", str(w.recipe("cap.toml", '[capacity]\npreset = "glm-5"\n')),
+                   "--out", str(_user_file_named(w, "capacity.json")), "--force"], {}, "capacity.json"),
     # report
     "report: not a directory": (lambda w: ["report", str(w.kld_doc)], {}, "not a results directory"),
     "report: empty directory": (lambda w: ["report", str(w.empty)], {}, "holds no kld.json"),

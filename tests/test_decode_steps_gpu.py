@@ -14,8 +14,8 @@ cutlass = pytest.importorskip("cutlass")
 
 from mla_eval.errors import NonFiniteInputError  # noqa: E402
 from mla_eval.evals import needle as nd  # noqa: E402
-from mla_eval.evals.variants import Variant  # noqa: E402
 from mla_eval.evals.needle_tasks import PromptBuilder, load_haystack  # noqa: E402
+from mla_eval.evals.variants import Variant  # noqa: E402
 from mla_eval.formats import get_format  # noqa: E402
 from mla_eval.model.decode_steps import DecodeSteps  # noqa: E402
 from mla_eval.model.loader import load_model  # noqa: E402
@@ -40,7 +40,9 @@ def _prefilled(lm, spec, prompts, max_new: int):
     b, t = ids.shape
     s = CacheSession(spec, lm.num_layers, b, t + max_new, lm.layer_devices)
     with lm.adapter.session(s), torch.no_grad():
-        logits = lm.model(input_ids=ids, position_ids=torch.arange(t, device="cuda").expand(b, -1), use_cache=False, logits_to_keep=1)
+        logits = lm.model(
+            input_ids=ids, position_ids=torch.arange(t, device="cuda").expand(b, -1), use_cache=False, logits_to_keep=1
+        )
     return s, logits.logits[:, -1], t
 
 

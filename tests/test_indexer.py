@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from tiny_models import preset_model
 
 from mla_eval.model.indexer import indexer_topk
-from tiny_models import preset_model
 
 
 def _indexer_inputs(model, seq, seed):

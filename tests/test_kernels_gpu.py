@@ -27,6 +27,7 @@ from mla_eval.formats import all_formats, decode, encode, get_format  # noqa: E4
 from mla_eval_kernels import compile_cache  # noqa: E402
 from mla_eval_kernels.record_plan import UnsupportedFormat, plan_for  # noqa: E402
 
+
 def needs_cuda(fn):
     """Marked `gpu` and skipped without CUDA."""
     return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(fn))
@@ -260,7 +261,9 @@ def test_attention_all_invalid_with_and_without_sink():
     q = torch.randn(3, 16, 576).to(torch.bfloat16).cuda()
     for sink in (None, torch.full((16,), 2.0, device="cuda")):
         for splits in (1, 3):
-            out, lse = _run(spec, q, cache, 0.1, sink=sink, num_splits=splits, indices=torch.full((3, 200), -1, dtype=torch.int32).cuda())
+            out, lse = _run(
+                spec, q, cache, 0.1, sink=sink, num_splits=splits, indices=torch.full((3, 200), -1, dtype=torch.int32).cuda()
+            )
             assert torch.all(out == 0) and torch.all(torch.isneginf(lse))
     zero = torch.zeros(3, dtype=torch.int32).cuda()
     out, lse = _run(spec, q, cache, 0.1, block_table=torch.zeros(3, 1, dtype=torch.int32).cuda(), seq_lens=zero)

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import tiny_checkpoint, tiny_model
 
 from mla_eval.cli import main
-from tiny_models import tiny_checkpoint, tiny_model
 
 TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "mla_eval" / "default_model"
 TEXT = " ".join(f"The river {w} flows past the old mill near the {w} bridge." for w in ["north", "south", "east", "west"] * 40)
@@ -77,7 +77,14 @@ def test_bad_inputs(ckpt, text, tmp_path, capsys):
     # a non-MLA model folder
     llama = tmp_path / "llama"
     llama.mkdir()
-    (llama / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 1, "vocab_size": 100, "intermediate_size": 64}))
+    (llama / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 1, "vocab_size": 100,
+                "intermediate_size": 64,
+            }
+        )
+    )
     _one_line_error(*run(["kld", "--model", str(llama), "--text", str(text)], capsys)[::2], "unsupported architecture 'llama'")
     # a folder without config / without tokenizer
     _one_line_error(*run(["kld", "--model", str(tmp_path / "nope")], capsys)[::2], "does not exist")
@@ -89,16 +96,40 @@ def test_bad_inputs(ckpt, text, tmp_path, capsys):
     # text shorter than one window
     short = tmp_path / "short.txt"
     short.write_text("a few words only")
-    _one_line_error(*run(["kld", "--model", str(ckpt), "--text", str(short), "--ctx", "64", "--scales", "none", "--formats", "nvfp4"], capsys)[::2], "shorter than one window")
+    _one_line_error(
+        *run(
+            ["kld", "--model", str(ckpt), "--text", str(short), "--ctx", "64", "--scales", "none", "--formats", "nvfp4"], capsys
+        )[::2],
+        "shorter than one window",
+    )
     # ctx beyond the model's positions
-    _one_line_error(*run(["kld", "--model", str(ckpt), "--text", str(text), "--ctx", "4096", "--formats", "nvfp4"], capsys)[::2], "beyond the model's 256 positions")
+    _one_line_error(
+        *run(["kld", "--model", str(ckpt), "--text", str(text), "--ctx", "4096", "--formats", "nvfp4"], capsys)[::2],
+        "beyond the model's 256 positions",
+    )
     # scales for another layer count
     wrong = tmp_path / "wrong.json"
-    wrong.write_text(json.dumps({"format": "nvfp4_ds_mla_outer_scale_v1", "num_layers": 61, "latent_dim": 512, "denominator": 2688, "scales": [0.01] * 61}))
-    _one_line_error(*run(["kld", "--model", str(ckpt), "--text", str(text), "--ctx", "64", "--formats", "nvfp4+s_l", "--scales", str(wrong)], capsys)[::2], "61 layer scales but the model has 3 layers")
+    wrong.write_text(
+        json.dumps(
+            {
+                "format": "nvfp4_ds_mla_outer_scale_v1", "num_layers": 61, "latent_dim": 512, "denominator": 2688,
+                "scales": [0.01] * 61,
+            }
+        )
+    )
+    _one_line_error(
+        *run(
+            ["kld", "--model", str(ckpt), "--text", str(text), "--ctx", "64", "--formats", "nvfp4+s_l", "--scales", str(wrong)],
+            capsys,
+        )[::2],
+        "61 layer scales but the model has 3 layers",
+    )
     # unknown format / option
     _one_line_error(*run(["kld", "--model", str(ckpt), "--formats", "nvfp9"], capsys)[::2], "unknown cache format")
-    _one_line_error(*run(["kld", "--model", str(ckpt), "--formats", "fp8_ds_mla+s_l"], capsys)[::2], "takes no outer scale s_l; +s_l applies to nvfp4, nvfp4_fp8rope, fp8_e4m3")
+    _one_line_error(
+        *run(["kld", "--model", str(ckpt), "--formats", "fp8_ds_mla+s_l"], capsys)[::2],
+        "takes no outer scale s_l; +s_l applies to nvfp4, nvfp4_fp8rope, fp8_e4m3",
+    )
 
 
 def test_nan_latent_is_a_clear_error(ckpt, text, tmp_path, capsys):
@@ -109,7 +140,13 @@ def test_nan_latent_is_a_clear_error(ckpt, text, tmp_path, capsys):
     model.save_pretrained(bad)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(TOKENIZER_DIR / f, bad / f)
-    code, _, err = run(["kld", "--model", str(bad), "--text", str(text), "--ctx", "64", "--formats", "nvfp4", "--scales", "none", "--out", str(tmp_path / "x.json")], capsys)
+    code, _, err = run(
+        [
+            "kld", "--model", str(bad), "--text", str(text), "--ctx", "64", "--formats", "nvfp4", "--scales", "none",
+            "--out", str(tmp_path / "x.json"),
+        ],
+        capsys,
+    )
     # found mid-run, after the header: the error is still its own single last line
     last = err.rstrip("\n").split("\n")[-1]
     assert code == 2 and "Traceback" not in err
@@ -118,11 +155,15 @@ def test_nan_latent_is_a_clear_error(ckpt, text, tmp_path, capsys):
 
 
 def test_saved_reference_reproduces_the_live_reference(ckpt, text, tmp_path, capsys):
-    common = ["kld", "--model", str(ckpt), "--text", str(text), "--ctx", "64", "--stride", "32", "--formats", "nvfp4,fp8_ds_mla", "--scales", "none", "--no-layer-stats"]
+    common = [
+        "kld", "--model", str(ckpt), "--text", str(text), "--ctx", "64", "--stride", "32", "--formats", "nvfp4,fp8_ds_mla",
+        "--scales", "none", "--no-layer-stats",
+    ]
     results = {}
     for mode in ("fp16", "topk"):
         ref = tmp_path / f"ref-{mode}.pt"
-        assert run(common + ["--save-ref", str(ref), "--ref-store", mode, "--out", str(tmp_path / f"live-{mode}.json")], capsys)[0] == 0
+        live_args = common + ["--save-ref", str(ref), "--ref-store", mode, "--out", str(tmp_path / f"live-{mode}.json")]
+        assert run(live_args, capsys)[0] == 0
         assert run(common + ["--ref-file", str(ref), "--out", str(tmp_path / f"stored-{mode}.json")], capsys)[0] == 0
         live = json.loads((tmp_path / f"live-{mode}.json").read_text())["formats"]
         stored = json.loads((tmp_path / f"stored-{mode}.json").read_text())["formats"]
@@ -139,7 +180,10 @@ def test_saved_reference_reproduces_the_live_reference(ckpt, text, tmp_path, cap
         # model is (this random model is nearly flat: it is not close here, see the README)
         assert 0 < stored[f]["kld_mean"] <= live[f]["kld_mean"] * (1 + 1e-6)
     # settings must match the stored reference
-    code, _, err = run(common[:5] + ["--ctx", "48", "--formats", "nvfp4", "--ref-file", str(tmp_path / "ref-topk.pt"), "--scales", "none"], capsys)
+    code, _, err = run(
+        common[:5] + ["--ctx", "48", "--formats", "nvfp4", "--ref-file", str(tmp_path / "ref-topk.pt"), "--scales", "none"],
+        capsys,
+    )
     assert code == 2 and "other settings" in err
 
 
@@ -149,12 +193,21 @@ def test_torchrun_two_processes_reduce_to_identical_statistics(ckpt, text, tmp_p
     import subprocess
     import sys
 
-    common = ["--model", str(ckpt), "--text", str(text), "--ctx", "64", "--stride", "32", "--formats", "nvfp4", "--scales", "none", "--no-layer-stats", "--device", "cpu"]
+    common = [
+        "--model", str(ckpt), "--text", str(text), "--ctx", "64", "--stride", "32", "--formats", "nvfp4", "--scales", "none",
+        "--no-layer-stats", "--device", "cpu",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    one = subprocess.run([sys.executable, "-m", "mla_eval", "kld", *common, "--out", str(tmp_path / "one.json")], env=env, capture_output=True, text=True)
+    one = subprocess.run(
+        [sys.executable, "-m", "mla_eval", "kld", *common, "--out", str(tmp_path / "one.json")],
+        env=env, capture_output=True, text=True,
+    )
     assert one.returncode == 0, one.stderr[-2000:]
     two = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29561", "-m", "mla_eval", "kld", *common, "--out", str(tmp_path / "two.json")],
+        [
+            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29561",
+            "-m", "mla_eval", "kld", *common, "--out", str(tmp_path / "two.json"),
+        ],
         env=env, capture_output=True, text=True,
     )
     assert two.returncode == 0, two.stderr[-2000:]
@@ -171,16 +224,24 @@ def test_device_map_auto_gives_the_same_numbers(ckpt, text, tmp_path, capsys):
     docs = []
     for i, extra in enumerate(([], ["--device-map", "auto"])):
         out = tmp_path / f"k{i}.json"
-        args = ["kld", "--model", str(ckpt), "--text", str(text), "--ctx", "64", "--stride", "32", "--formats", "nvfp4", "--scales", "none", "--out", str(out), *extra]
+        args = [
+            "kld", "--model", str(ckpt), "--text", str(text), "--ctx", "64", "--stride", "32", "--formats", "nvfp4",
+            "--scales", "none", "--out", str(out), *extra,
+        ]
         assert main(args) == 0, capsys.readouterr().err
         docs.append(json.loads(out.read_text())["formats"])
     assert docs[0] == docs[1]
 
 
 def test_device_map_bad_input(ckpt, text, monkeypatch, capsys):
-    _one_line_error(*run(["kld", "--model", str(ckpt), "--text", str(text), "--device-map", "balanced"], capsys)[::2], "--device-map 'balanced'")
+    _one_line_error(
+        *run(["kld", "--model", str(ckpt), "--text", str(text), "--device-map", "balanced"], capsys)[::2],
+        "--device-map 'balanced'",
+    )
     import importlib.util
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "accelerate" else real(name, *a))
-    _one_line_error(*run(["kld", "--model", str(ckpt), "--text", str(text), "--device-map", "auto"], capsys)[::2], "pip install accelerate")
+    _one_line_error(
+        *run(["kld", "--model", str(ckpt), "--text", str(text), "--device-map", "auto"], capsys)[::2], "pip install accelerate"
+    )

@@ -28,11 +28,17 @@ def test_token_metrics_hand_computed():
 
 def _arrays(kld, nll_ref, nll_fmt, p_ref, p_fmt, top1, depth):
     n = len(kld)
-    return {k: np.asarray(v, dtype=np.float64) for k, v in dict(kld=kld, nll_ref=nll_ref, nll_fmt=nll_fmt, p_ref=p_ref, p_fmt=p_fmt, same_top1=top1, depth=depth, order=range(n)).items()}
+    arrays = dict(
+        kld=kld, nll_ref=nll_ref, nll_fmt=nll_fmt, p_ref=p_ref, p_fmt=p_fmt, same_top1=top1, depth=depth, order=range(n)
+    )
+    return {k: np.asarray(v, dtype=np.float64) for k, v in arrays.items()}
 
 
 def test_summary_hand_computed():
-    a = _arrays([0.1, 0.2, 0.3, 0.4], [1.0, 2.0, 1.0, 2.0], [1.5, 2.0, 1.5, 3.0], [0.5, 0.5, 0.4, 0.4], [0.4, 0.5, 0.2, 0.4], [1, 1, 0, 1], [10, 300, 600, 700])
+    a = _arrays(
+        [0.1, 0.2, 0.3, 0.4], [1.0, 2.0, 1.0, 2.0], [1.5, 2.0, 1.5, 3.0], [0.5, 0.5, 0.4, 0.4], [0.4, 0.5, 0.2, 0.4],
+        [1, 1, 0, 1], [10, 300, 600, 700],
+    )
     s = summarize(a)
     assert s["kld_mean"] == pytest.approx(0.25)
     assert s["kld_se"] == pytest.approx(np.std([0.1, 0.2, 0.3, 0.4], ddof=1) / 2)
@@ -71,7 +77,10 @@ def test_depth_buckets_split_the_scored_range():
 def test_shards_concatenate_to_identical_statistics():
     rng = np.random.default_rng(0)
     n = 1000
-    a = _arrays(rng.exponential(0.1, n), rng.random(n) * 5, rng.random(n) * 5, rng.random(n), rng.random(n), rng.integers(0, 2, n), rng.integers(0, 4096, n))
+    a = _arrays(
+        rng.exponential(0.1, n), rng.random(n) * 5, rng.random(n) * 5, rng.random(n), rng.random(n), rng.integers(0, 2, n),
+        rng.integers(0, 4096, n),
+    )
     whole = TokenStats.from_arrays(a).summary()
     perm = rng.permutation(n)
     halves = [{k: v[perm[: n // 2]] for k, v in a.items()}, {k: v[perm[n // 2 :]] for k, v in a.items()}]

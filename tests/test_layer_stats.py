@@ -1,12 +1,12 @@
 """Per-layer error statistics: on DSA models the reference reads the same top-k keys as the model."""
 
 import torch
+from tiny_models import preset_model
 
 from mla_eval.evals.layer_stats import LayerStats, exact_attention
 from mla_eval.formats import get_format
 from mla_eval.model.adapter import MlaAdapter
 from mla_eval.model.session import CacheSession
-from tiny_models import preset_model
 
 
 def test_topk_over_every_visible_key_is_dense_attention():

@@ -76,7 +76,12 @@ def test_bad_input(capsys, tmp_path):
 
 def test_tiny_grid_end_to_end_bf16_retrieves(tmp_path, capsys):
     out = tmp_path / "n.json"
-    code = main(["needle", "--lengths", "256,512", "--depths", "10,50,90", "--formats", "nvfp4", "--scales", "none", "--out", str(out), "--plot", str(tmp_path / "p")])
+    code = main(
+        [
+            "needle", "--lengths", "256,512", "--depths", "10,50,90", "--formats", "nvfp4", "--scales", "none", "--out", str(out),
+            "--plot", str(tmp_path / "p"),
+        ]
+    )
     assert code == 0, capsys.readouterr().err
     doc = json.loads(out.read_text())
     assert doc["schema"] == "mla-eval/needle/v1"
@@ -91,7 +96,10 @@ def test_prefill_modes_give_the_same_answers(tmp_path, capsys):
     docs = {}
     for mode in ("mha", "absorbed"):
         out = tmp_path / f"{mode}.json"
-        args = ["needle", "--lengths", "384", "--depths", "0,60", "--formats", "nvfp4", "--scales", "none", "--prefill", mode, "--out", str(out)]
+        args = [
+            "needle", "--lengths", "384", "--depths", "0,60", "--formats", "nvfp4", "--scales", "none", "--prefill", mode,
+            "--out", str(out),
+        ]
         assert main(args) == 0, capsys.readouterr().err
         docs[mode] = json.loads(out.read_text())
     assert docs["mha"]["settings"]["prefill"] == "mha"
@@ -102,7 +110,10 @@ def test_stop_at_answer_keeps_every_score_and_shortens_only_found_answers(tmp_pa
     docs = {}
     for name, extra in (("stop", []), ("full", ["--full-answers"])):
         out = tmp_path / f"{name}.json"
-        args = ["needle", "--lengths", "256,512", "--depths", "0,50,100", "--formats", "nvfp4,mxfp4", "--scales", "none", "--out", str(out), *extra]
+        args = [
+            "needle", "--lengths", "256,512", "--depths", "0,50,100", "--formats", "nvfp4,mxfp4", "--scales", "none",
+            "--out", str(out), *extra,
+        ]
         assert main(args) == 0, capsys.readouterr().err
         docs[name] = json.loads(out.read_text())
     stop, full = docs["stop"]["records"], docs["full"]["records"]

@@ -9,7 +9,10 @@ from mla_eval.formats import OuterScales
 
 
 def good_doc(n=3):
-    return {"format": "nvfp4_ds_mla_outer_scale_v1", "num_layers": n, "latent_dim": 512, "denominator": 2688, "scales": [0.01, 0.02, 0.5][:n]}
+    return {
+        "format": "nvfp4_ds_mla_outer_scale_v1", "num_layers": n, "latent_dim": 512, "denominator": 2688,
+        "scales": [0.01, 0.02, 0.5][:n],
+    }
 
 
 def test_round_trip_keeps_provenance(tmp_path):

@@ -5,8 +5,10 @@ import dataclasses
 
 import pytest
 
-from mla_eval.formats import Field, FormatSpec, ScaleRule, VectorCoding, all_formats, spec as spec_mod
+from mla_eval.formats import Field, FormatSpec, ScaleRule, VectorCoding, all_formats
+from mla_eval.formats import spec as spec_mod
 from mla_eval_kernels import record_plan as rp
+
 
 def _check_coding(plan: rp.CodingPlan, coding: VectorCoding) -> None:
     assert plan.dim == coding.dim and plan.elem == coding.elem

@@ -25,7 +25,9 @@ def test_shared_rows_equal_one_query_at_a_time(fmt, sink):
     # Same math, different matmul batching: float32 reassociation leaves ~1e-6 absolute noise on
     # O(1) outputs (seen: 1.2e-6), so the bound is a few ulps of the summed values, not 1e-6.
     for i in range(9):
-        o1, l1 = reference.mla_attention(spec, q[i : i + 1], cache, softmax_scale=0.05, block_table=table[i : i + 1], seq_lens=lens[i : i + 1], sink=s)
+        o1, l1 = reference.mla_attention(
+            spec, q[i : i + 1], cache, softmax_scale=0.05, block_table=table[i : i + 1], seq_lens=lens[i : i + 1], sink=s
+        )
         torch.testing.assert_close(out[i : i + 1], o1, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(lse[i : i + 1], l1, rtol=1e-5, atol=1e-5)
     assert torch.isinf(lse[5]).all() and (out[5] == 0).all()
@@ -39,7 +41,9 @@ def test_dispatch_takes_the_codecs_outer_scale_rules():
     nvfp4, fp8 = get_format("nvfp4"), get_format("fp8_ds_mla")
     assert _outer_scale_value(nvfp4, None) is None
     assert _outer_scale_value(nvfp4, 0.1) == float(torch.tensor(0.1, dtype=torch.float32))
-    for bad, match in ((-1.0, "positive and finite"), (float("nan"), "positive and finite"), (torch.tensor([0.1, 0.2]), "one outer scale")):
+    for bad, match in (
+        (-1.0, "positive and finite"), (float("nan"), "positive and finite"), (torch.tensor([0.1, 0.2]), "one outer scale")
+    ):
         with pytest.raises(UserError, match=match):
             _outer_scale_value(nvfp4, bad)
     with pytest.raises(UserError, match="takes no outer scale"):

@@ -46,7 +46,9 @@ def test_user_format_registration_round_trip():
         description="E4M3 latent with a scale per 64 values, bf16 rope",
         source="test",
         record_bytes=672,
-        latent=VectorCoding(512, "e4m3", Field("latent", 0, "e4m3", 512), ScaleRule.AMAX_FP32, 64, Field("latent_scale", 512, "fp32", 8)),
+        latent=VectorCoding(
+            512, "e4m3", Field("latent", 0, "e4m3", 512), ScaleRule.AMAX_FP32, 64, Field("latent_scale", 512, "fp32", 8)
+        ),
         rope=VectorCoding(64, "bf16", Field("rope", 544, "bf16", 64), ScaleRule.NONE, 64),
     )
     register_format(spec)
@@ -83,7 +85,9 @@ def test_invalid_layouts_are_rejected(record_bytes, rope_offset, match):
             description="",
             source="",
             record_bytes=record_bytes,
-            latent=VectorCoding(512, "e4m3", Field("latent", 0, "e4m3", 512), ScaleRule.AMAX_FP32, 64, Field("latent_scale", 512, "fp32", 8)),
+            latent=VectorCoding(
+                512, "e4m3", Field("latent", 0, "e4m3", 512), ScaleRule.AMAX_FP32, 64, Field("latent_scale", 512, "fp32", 8)
+            ),
             rope=VectorCoding(64, "bf16", Field("rope", rope_offset, "bf16", 64), ScaleRule.NONE, 64),
         )
 

@@ -3,8 +3,9 @@
 import json
 from pathlib import Path
 
-from mla_eval.cli import main
 from tiny_models import tiny_checkpoint
+
+from mla_eval.cli import main
 
 
 def _without_timings(x):
@@ -28,7 +29,10 @@ def _twice(args: list[str], tmp_path: Path) -> tuple[dict, dict]:
 def test_kld_document_reproduces_with_seeded_self_samples(tmp_path):
     ckpt = tiny_checkpoint(tmp_path / "ckpt")
     # no text: seeded samples drawn from the model itself, then scored (the README's main job)
-    args = ["kld", "--model", str(ckpt), "--samples", "3", "--sample-len", "64", "--formats", "nvfp4,fp8_ds_mla,mxfp4", "--scales", "none"]
+    args = [
+        "kld", "--model", str(ckpt), "--samples", "3", "--sample-len", "64", "--formats", "nvfp4,fp8_ds_mla,mxfp4",
+        "--scales", "none",
+    ]
     a, b = _twice([*args, "--seed", "3"], tmp_path)
     assert "seconds" in a and a["seconds"] != 0  # the timing exists; it is what may differ
     assert _without_timings(a) == _without_timings(b)
@@ -38,6 +42,8 @@ def test_kld_document_reproduces_with_seeded_self_samples(tmp_path):
 
 
 def test_needle_document_reproduces(tmp_path):
-    a, b = _twice(["needle", "--lengths", "256", "--depths", "20,80", "--trials", "2", "--formats", "nvfp4", "--scales", "none"], tmp_path)
+    a, b = _twice(
+        ["needle", "--lengths", "256", "--depths", "20,80", "--trials", "2", "--formats", "nvfp4", "--scales", "none"], tmp_path
+    )
     assert len(a["records"]) == 2 * 2 * 2
     assert _without_timings(a) == _without_timings(b)

@@ -28,7 +28,9 @@ def format_row(spec: FormatSpec) -> dict:
         "outer_scale": None
         if spec.outer_scale is None
         else {"required": spec.outer_scale.required, "denominator": spec.outer_scale.denominator},
-        "fields": [{"name": f.name, "offset": f.offset, "bytes": f.nbytes, "dtype": f.dtype, "count": f.count} for f in spec.fields],
+        "fields": [
+            {"name": f.name, "offset": f.offset, "bytes": f.nbytes, "dtype": f.dtype, "count": f.count} for f in spec.fields
+        ],
         "description": spec.description,
         "source": spec.source,
         "engine": None if spec.engine is None else {

@@ -17,30 +17,54 @@ from mla_eval.model.loader import DEVICE_MAP_HELP, MODEL_HELP
 from mla_eval.results import check_output_path, default_result_path, write_result
 
 console = Console(stderr=True)
-BACKEND_HELP = "Attention path: auto (kernel for CUDA tensors where it can run), kernel, or reference (default: MLA_EVAL_BACKEND or auto)."
+BACKEND_HELP = (
+    "Attention path: auto (kernel for CUDA tensors where it can run), kernel, or reference (default: MLA_EVAL_BACKEND or auto)."
+)
 
 
 def kld(
     model: str = typer.Option(None, "--model", "-m", help=MODEL_HELP),
-    formats: str = typer.Option(DEFAULT_FORMATS, "--formats", "-f", help="Comma-separated formats; append +s_l to use the per-layer outer scales."),
-    ref: str = typer.Option("bf16", "--ref", help="Reference cache format (bf16, or e.g. fp8_ds_mla to compare against production fp8)."),
+    formats: str = typer.Option(
+        DEFAULT_FORMATS, "--formats", "-f", help="Comma-separated formats; append +s_l to use the per-layer outer scales."
+    ),
+    ref: str = typer.Option(
+        "bf16", "--ref", help="Reference cache format (bf16, or e.g. fp8_ds_mla to compare against production fp8)."
+    ),
     text: Path = typer.Option(None, "--text", help="Plain-text (UTF-8) file to evaluate on."),
-    dataset: str = typer.Option(None, "--dataset", help="A `datasets` name (wikitext-2 = wikitext-2-raw-v1 test); needs the data extra."),
+    dataset: str = typer.Option(
+        None, "--dataset", help="A `datasets` name (wikitext-2 = wikitext-2-raw-v1 test); needs the data extra."
+    ),
     max_tokens: int = typer.Option(None, "--max-tokens", help="Use at most this many tokens of the text (default: all)."),
     samples: int = typer.Option(4, "--samples", help="Self-samples (no --text/--dataset): number of sequences."),
     sample_len: int = typer.Option(256, "--sample-len", help="Self-samples: tokens per sequence."),
     ctx: int = typer.Option(None, "--ctx", help=f"Window length in tokens (default {DEFAULT_CTX}; self-samples: --sample-len)."),
     stride: int = typer.Option(None, "--stride", help="Window stride in tokens (default 512, or ctx - min-context if smaller)."),
-    min_context: int = typer.Option(None, "--min-context", help="Score only tokens with at least this much context (default ctx/2)."),
+    min_context: int = typer.Option(
+        None, "--min-context", help="Score only tokens with at least this much context (default ctx/2)."
+    ),
     batch: int = typer.Option(None, "--batch", help="Windows per forward (default: 1; self-samples: all samples at once)."),
-    scales: str = typer.Option("auto", "--scales", help="Outer scales for +s_l: a JSON file (nvfp4_ds_mla_outer_scale_v1), 'auto' (calibrate on a held-out slice), or 'none'."),
+    scales: str = typer.Option(
+        "auto", "--scales",
+        help="Outer scales for +s_l: a JSON file (nvfp4_ds_mla_outer_scale_v1), 'auto' (calibrate on a held-out slice), "
+        "or 'none'.",
+    ),
     calib_tokens: int = typer.Option(2048, "--calib-tokens", help="--scales auto: tokens held out for calibration."),
-    layer_stats: bool = typer.Option(True, "--layer-stats/--no-layer-stats", help="Per-layer attention-output error and latent SNR."),
+    layer_stats: bool = typer.Option(
+        True, "--layer-stats/--no-layer-stats", help="Per-layer attention-output error and latent SNR."
+    ),
     out: Path = typer.Option(None, "--out", "-o", help="Result JSON path (default results/kld-<model>-<time>.json)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing --out file."),
-    save_ref: Path = typer.Option(None, "--save-ref", help="Store the reference log-probs here, to score more formats later with --ref-file."),
-    ref_file: Path = typer.Option(None, "--ref-file", help="Reuse stored reference log-probs (same model, text and window settings) instead of the reference forward."),
-    ref_store: str = typer.Option("topk", "--ref-store", help="--save-ref encoding: topk (64 largest + tail mass; KL is a lower bound) or fp16 (full rows)."),
+    save_ref: Path = typer.Option(
+        None, "--save-ref", help="Store the reference log-probs here, to score more formats later with --ref-file."
+    ),
+    ref_file: Path = typer.Option(
+        None, "--ref-file",
+        help="Reuse stored reference log-probs (same model, text and window settings) instead of the reference forward.",
+    ),
+    ref_store: str = typer.Option(
+        "topk", "--ref-store",
+        help="--save-ref encoding: topk (64 largest + tail mass; KL is a lower bound) or fp16 (full rows).",
+    ),
     plot: Path = typer.Option(None, "--plot", help="Folder for PNG plots: KLD CDF, KLD by depth, per-layer error."),
     device: str = typer.Option("auto", "--device", help=DEVICES_HELP + "."),
     device_map: str = typer.Option("none", "--device-map", help=DEVICE_MAP_HELP),
@@ -146,7 +170,9 @@ def print_table(summary: dict, ref: str, label: str, con: Console) -> None:
     con.print(f"{first['tokens']} scored tokens; PPL({ref}) = {first['ppl_ref']:.3f}. "
               + "; ".join(f"{c} = {GLOSSARY[c]}" for c in shown) + ".")
     if hidden:
-        con.print(f"Not shown at this terminal width: {', '.join(hidden)} (widen the terminal); all figures are in the result JSON.")
+        con.print(
+            f"Not shown at this terminal width: {', '.join(hidden)} (widen the terminal); all figures are in the result JSON."
+        )
     else:
         con.print("All figures: the result JSON.")
 

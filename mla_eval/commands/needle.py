@@ -21,15 +21,24 @@ console = Console(stderr=True)
 
 def needle(
     model: str = typer.Option(None, "--model", "-m", help=MODEL_HELP),
-    formats: str = typer.Option(DEFAULT_FORMATS, "--formats", "-f", help="Formats to compare with the bf16 baseline (always run first); +s_l uses outer scales."),
+    formats: str = typer.Option(
+        DEFAULT_FORMATS, "--formats", "-f",
+        help="Formats to compare with the bf16 baseline (always run first); +s_l uses outer scales.",
+    ),
     lengths: str = typer.Option(DEFAULT_LENGTHS, "--lengths", help="Prompt lengths in tokens (4K = 4096)."),
     depths: str = typer.Option(None, "--depths", help="Needle depths in percent (default: 0..100 in --depth-steps steps)."),
     depth_steps: int = typer.Option(11, "--depth-steps", help="Number of evenly spaced depths when --depths is not given."),
     trials: int = typer.Option(1, "--trials", help="Prompts per cell, each with a different needle and seed."),
     task: str = typer.Option("passkey", "--task", help=f"One of {', '.join(TASKS)}."),
-    values: str = typer.Option("number", "--values", help=f"Needle values: {', '.join(VALUE_KINDS)} (passkey always uses numbers)."),
-    haystack: Path = typer.Option(None, "--haystack", help="Text file or folder of .txt files (default: noise of repeated filler sentences)."),
-    scales: str = typer.Option("auto", "--scales", help="Outer scales for +s_l: JSON file, 'auto' (calibrate on a separate prompt), or 'none'."),
+    values: str = typer.Option(
+        "number", "--values", help=f"Needle values: {', '.join(VALUE_KINDS)} (passkey always uses numbers)."
+    ),
+    haystack: Path = typer.Option(
+        None, "--haystack", help="Text file or folder of .txt files (default: noise of repeated filler sentences)."
+    ),
+    scales: str = typer.Option(
+        "auto", "--scales", help="Outer scales for +s_l: JSON file, 'auto' (calibrate on a separate prompt), or 'none'."
+    ),
     batch: int = typer.Option(1, "--batch", help="Prompts of one length per forward."),
     prefill: str = typer.Option(
         "mha", "--prefill",
@@ -40,7 +49,8 @@ def needle(
     full_answers: bool = typer.Option(
         False, "--full-answers",
         help="Decode every answer to its full token budget. By default a prompt stops once its output holds every "
-        "expected string: the score cannot change by that (appending never removes a match); only the recorded output is shorter.",
+        "expected string: the score cannot change by that (appending never removes a match); "
+        "only the recorded output is shorter.",
     ),
     cuda_graphs: bool = typer.Option(
         True, "--cuda-graphs/--no-cuda-graphs",
@@ -48,7 +58,9 @@ def needle(
         "every cell of that shape (a step is host-bound otherwise). The arithmetic is identical; --no-cuda-graphs runs "
         "every step eagerly (for debugging).",
     ),
-    threshold: float = typer.Option(0.9, "--threshold", help="Accuracy that a length must keep to count toward the effective length."),
+    threshold: float = typer.Option(
+        0.9, "--threshold", help="Accuracy that a length must keep to count toward the effective length."
+    ),
     seed: int = typer.Option(0, "--seed", help="Seed of the needles and haystack offsets."),
     out: Path = typer.Option(None, "--out", "-o", help="Result JSON (default results/needle-<model>-<time>.json)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing --out file."),
@@ -102,12 +114,18 @@ def _print(summary: dict, failures: list[dict], lens: list[int], deps: list[floa
         for c in ("format", "length", "depth %", "trial", "expected", "output"):
             t.add_column(c)
         for r in failures[:30]:
-            t.add_row(r["format"], str(r["length"]), f"{r['depth']:g}", str(r["trial"]), ", ".join(r["expected"]), repr(r["output"][:40]))
+            t.add_row(
+                r["format"], str(r["length"]), f"{r['depth']:g}", str(r["trial"]), ", ".join(r["expected"]),
+                repr(r["output"][:40]),
+            )
         con.print(t)
     else:
         con.print("[green]No format-induced failures: every format retrieves wherever bf16 does.[/]")
     for name, s in summary.items():
-        t = Table(title=f"{name}: accuracy by length (rows) x depth % (columns); effective length {s['effective_length'] or '-'} (>= {threshold:g})")
+        t = Table(
+            title=f"{name}: accuracy by length (rows) x depth % (columns); "
+            f"effective length {s['effective_length'] or '-'} (>= {threshold:g})"
+        )
         t.add_column("length", justify="right", style="bold")
         for d in deps:
             t.add_column(f"{d:g}", justify="right")

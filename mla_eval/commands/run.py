@@ -65,7 +65,10 @@ def load_recipe(path: Path) -> dict:
     if "capacity" in doc:
         names = [n.removeprefix("capacity-") for n, _ in capacity_setups(doc["capacity"], path)]
         if len(set(names)) != len(names):
-            raise UserError(f"recipe {path}: two [[capacity]] setups are both named {sorted(n for n in names if names.count(n) > 1)[0]!r}; give each a distinct name")
+            raise UserError(
+                f"recipe {path}: two [[capacity]] setups are both named {sorted(n for n in names if names.count(n) > 1)[0]!r}; "
+                "give each a distinct name"
+            )
     return doc
 
 

@@ -25,14 +25,14 @@ from pathlib import Path
 
 import torch
 
+from mla_eval.atomic_io import write_json_atomic, write_text_atomic
 from mla_eval.evals import needle as nd
 from mla_eval.evals.needle_tasks import PromptBuilder, load_haystack
 from mla_eval.evals.variants import parse_variants
-from mla_eval.model.loader import load_model
 from mla_eval.model.decode_steps import DecodeSteps
+from mla_eval.model.loader import load_model
 from mla_eval.model.session import CacheSession
 from mla_eval.results import environment
-from mla_eval.atomic_io import write_json_atomic, write_text_atomic
 
 
 def _time(fn, repeats: int, device) -> float:
@@ -111,7 +111,9 @@ def bench_needle(lm, variants, length: int, repeats: int, absorbed_format: str |
                 "grid_cell_full_seconds": grid_full, "grid_cell_full_ratio_vs_stock_prefill": grid_full / stock,
                 "prefill_seconds": prefill, "prefill_ratio_vs_stock_prefill": prefill / stock,
                 "decode_step_seconds": (sec - prefill) / (max_new - 1),
-                "replay_step_seconds": _step_seconds(lm, v, prompt, mode, graphs=True) if info["full"].why_eager is None else None,
+                "replay_step_seconds": (
+                    _step_seconds(lm, v, prompt, mode, graphs=True) if info["full"].why_eager is None else None
+                ),
                 "eager_cell_seconds": eager, "eager_step_seconds": _step_seconds(lm, v, prompt, mode, graphs=False),
                 "same_answers": len({tuple(answers[k]) for k in ("full", "grid_full", "eager")}) == 1,
                 "retrieved": all(e in text for e in prompt.expected),
@@ -128,7 +130,9 @@ def _step_seconds(lm, variant, prompt, mode: str, graphs: bool, steps_timed: int
     session = CacheSession(variant.spec, lm.num_layers, 1, t + 2 + steps_timed, lm.layer_devices, prefill=mode)
     steps = DecodeSteps(lm, session, graphs=graphs)
     with lm.adapter.session(session):
-        logits = lm.model(input_ids=ids, position_ids=torch.arange(t, device=lm.device).view(1, -1), use_cache=False, logits_to_keep=1)
+        logits = lm.model(
+            input_ids=ids, position_ids=torch.arange(t, device=lm.device).view(1, -1), use_cache=False, logits_to_keep=1
+        )
     nxt = logits.logits[:, -1].argmax(-1)
     times = []
     for i in range(2 + steps_timed):
@@ -180,11 +184,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ctx", type=int, default=2048)
     ap.add_argument("--kld-batch", type=int, default=8)
     ap.add_argument("--needle-length", type=int, default=65536)
-    ap.add_argument("--absorbed-format", default="nvfp4", help="format whose needle cell is also timed with --prefill absorbed ('' for none)")
+    ap.add_argument(
+        "--absorbed-format", default="nvfp4", help="format whose needle cell is also timed with --prefill absorbed ('' for none)"
+    )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--parts", default="kld,needle", help="which measurements: kld, needle or both (comma-separated)")
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--profile", type=Path, default=None, help="also write torch.profiler tables of one --absorbed-format needle cell here")
+    ap.add_argument(
+        "--profile", type=Path, default=None, help="also write torch.profiler tables of one --absorbed-format needle cell here"
+    )
     a = ap.parse_args(argv)
     lm = load_model(a.model, a.device)
     variants = parse_variants(a.formats)
@@ -203,21 +211,27 @@ def main(argv: list[str] | None = None) -> int:
         n = doc["needle"]
         print(
             f"needle cell {n['length']} tokens ({n['prompt_tokens']} prompt + {n['answer_tokens']} answer): "
-            f"stock SDPA prefill {n['stock_prefill_seconds'] * 1e3:.1f} ms, stock cell (prefill + decode) {n['stock_cell_seconds'] * 1e3:.1f} ms"
+            f"stock SDPA prefill {n['stock_prefill_seconds'] * 1e3:.1f} ms, "
+            f"stock cell (prefill + decode) {n['stock_cell_seconds'] * 1e3:.1f} ms"
         )
         for name, r in n["cells"].items():
             print(
                 f"  {name:28s} cell {r['seconds'] * 1e3:8.1f} ms (x{r['ratio_vs_stock_prefill']:.2f} of stock prefill, "
-                f"x{r['ratio_vs_stock_cell']:.2f} of stock cell); stopped at the answer after {r['stop_at_answer_tokens']} tokens "
+                f"x{r['ratio_vs_stock_cell']:.2f} of stock cell); "
+                f"stopped at the answer after {r['stop_at_answer_tokens']} tokens "
                 f"{r['stop_at_answer_seconds'] * 1e3:.1f} ms (x{r['stop_at_answer_ratio_vs_stock_prefill']:.2f}); "
                 f"a later grid cell {r['grid_cell_seconds'] * 1e3:.1f} ms (x{r['grid_cell_ratio_vs_stock_prefill']:.2f}), "
                 f"full budget {r['grid_cell_full_seconds'] * 1e3:.1f} ms (x{r['grid_cell_full_ratio_vs_stock_prefill']:.2f})\n"
                 f"  {'':28s} prefill {r['prefill_seconds'] * 1e3:.1f} ms (x{r['prefill_ratio_vs_stock_prefill']:.2f}); "
-                f"decode steps {r['decode_steps']}: replayed {_ms(r['replay_step_seconds'])}, eager {_ms(r['eager_step_seconds'])} "
-                f"(eager cell {r['eager_cell_seconds'] * 1e3:.1f} ms); same answers={r['same_answers']}; retrieved={r['retrieved']}"
+                f"decode steps {r['decode_steps']}: replayed {_ms(r['replay_step_seconds'])}, "
+                f"eager {_ms(r['eager_step_seconds'])} "
+                f"(eager cell {r['eager_cell_seconds'] * 1e3:.1f} ms); "
+                f"same answers={r['same_answers']}; retrieved={r['retrieved']}"
             )
     if a.profile:
-        profile_cell(lm, next(v for v in variants if v.name == (a.absorbed_format or variants[0].name)), a.needle_length, a.profile)
+        profile_cell(
+            lm, next(v for v in variants if v.name == (a.absorbed_format or variants[0].name)), a.needle_length, a.profile
+        )
         print(f"wrote {a.profile}")
     if a.out:
         write_json_atomic(a.out, doc)

@@ -18,7 +18,13 @@ from mla_eval.evals.calibrate import calibrate
 from mla_eval.evals.kld import KldProtocol, KldRun, gather_arrays, plan_windows, run_kld
 from mla_eval.evals.ref_store import REF_STORE_MODES, RefStore
 from mla_eval.evals.settings import (
-    DEFAULT_CTX, ModelSettings, ProgressCallback, check_ctx, default_min_context, default_stride, no_progress,
+    DEFAULT_CTX,
+    ModelSettings,
+    ProgressCallback,
+    check_ctx,
+    default_min_context,
+    default_stride,
+    no_progress,
 )
 from mla_eval.evals.variants import Variant, parse_variants
 from mla_eval.formats import OuterScales

@@ -142,5 +142,7 @@ def depth_buckets(kld: np.ndarray, depth: np.ndarray, buckets: int = DEPTH_BUCKE
         m = which == i
         if m.any():
             mean, se = _mean_se(kld[m])
-            rows.append({"depth_lo": int(edges[i]), "depth_hi": int(edges[i + 1]), "tokens": int(m.sum()), "kld_mean": mean, "kld_se": se})
+            rows.append(
+                {"depth_lo": int(edges[i]), "depth_hi": int(edges[i + 1]), "tokens": int(m.sum()), "kld_mean": mean, "kld_se": se}
+            )
     return rows

@@ -193,7 +193,8 @@ def run_needle(lm, builder: PromptBuilder, st: NeedleGrid, progress: ProgressCal
                     records.append(
                         {
                             "format": v.name, "task": p.task, "length": p.length, "depth": p.depth, "trial": p.trial,
-                            "seed": p.seed, "prompt_tokens": len(p.ids), "needle_pos": p.needle_pos, "expected": p.expected, "output": text,
+                            "seed": p.seed, "prompt_tokens": len(p.ids), "needle_pos": p.needle_pos, "expected": p.expected,
+                            "output": text,
                             "answer_tokens": len(a),
                             "correct": all(e in text for e in p.expected),
                         }
@@ -230,4 +231,6 @@ def effective_length(acc: list[list[float]], lengths: list[int], threshold: floa
 def format_failures(records: list[dict], baseline: str) -> list[dict]:
     """Prompts the baseline retrieves and a format does not: what the format itself broke."""
     base = {(r["length"], r["depth"], r["trial"]): r["correct"] for r in records if r["format"] == baseline}
-    return [r for r in records if r["format"] != baseline and not r["correct"] and base.get((r["length"], r["depth"], r["trial"]))]
+    return [
+        r for r in records if r["format"] != baseline and not r["correct"] and base.get((r["length"], r["depth"], r["trial"]))
+    ]

@@ -72,13 +72,21 @@ class PromptBuilder:
             return [f" The pass key is {v}. Remember it. {v} is the pass key."], "\nWhat is the pass key? The pass key is", [v]
         if task == "single":
             k, v = r.choice(KEYS), self._value(kind, r)
-            return [f" The special magic {kind} for {k} is: {v}."], f"\nWhat is the special magic {kind} for {k}? The special magic {kind} for {k} is:", [v]
+            return (
+                [f" The special magic {kind} for {k} is: {v}."],
+                f"\nWhat is the special magic {kind} for {k}? The special magic {kind} for {k} is:",
+                [v],
+            )
         if task == "multikey":
             keys = r.sample(KEYS, 4)
             vals = [self._value(kind, r) for _ in keys]
             ask = r.randrange(4)
             sentences = [f" The special magic {kind} for {k} is: {v}." for k, v in zip(keys, vals)]
-            return sentences, f"\nWhat is the special magic {kind} for {keys[ask]}? The special magic {kind} for {keys[ask]} is:", [vals[ask]]
+            return (
+                sentences,
+                f"\nWhat is the special magic {kind} for {keys[ask]}? The special magic {kind} for {keys[ask]} is:",
+                [vals[ask]],
+            )
         if task == "multivalue":
             k = r.choice(KEYS)
             vals = []
@@ -122,7 +130,9 @@ class PromptBuilder:
             reps = n // len(self.hay) + 1
             return np.tile(self.hay, reps)[:n]
         if len(self.hay) < n:
-            raise UserError(f"the haystack has {len(self.hay)} tokens but a prompt needs {n}; give a longer --haystack or shorter --lengths")
+            raise UserError(
+                f"the haystack has {len(self.hay)} tokens but a prompt needs {n}; give a longer --haystack or shorter --lengths"
+            )
         start = r.randrange(0, len(self.hay) - n + 1)
         return self.hay[start : start + n]
 
@@ -138,7 +148,8 @@ class PromptBuilder:
 def load_haystack(tokenizer, haystack: Path | None) -> tuple[np.ndarray, bool, str]:
     """(token ids, is_noise, label). No path: the filler-sentence noise haystack."""
     if haystack is None:
-        return np.asarray(tokenizer(" " + FILLER, add_special_tokens=False)["input_ids"]), True, "noise (repeated filler sentences)"
+        ids = np.asarray(tokenizer(" " + FILLER, add_special_tokens=False)["input_ids"])
+        return ids, True, "noise (repeated filler sentences)"
     haystack = Path(haystack)
     if haystack.is_dir():
         files = sorted(p for p in haystack.rglob("*.txt") if p.is_file())

@@ -116,7 +116,9 @@ def self_samples(lm, num: int, length: int, seed: int, progress=None) -> TokenSo
             if progress is not None:
                 progress("sample", t + 1, length - 1)
     seqs = list(ids)
-    return TokenSource("self-samples", f"self-samples of the model (seed {seed}, {num} x {length} tokens; not wikitext)", seqs, _digest(seqs))
+    return TokenSource(
+        "self-samples", f"self-samples of the model (seed {seed}, {num} x {length} tokens; not wikitext)", seqs, _digest(seqs)
+    )
 
 
 def self_samples_subset(source: TokenSource, n: int) -> TokenSource:

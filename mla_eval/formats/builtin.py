@@ -7,16 +7,16 @@ two formats that no single source defines (mxfp4, fp8_e4m3) are our own choices,
 from __future__ import annotations
 
 from mla_eval.formats.spec import (
-    LATENT_DIM,
-    Engine,
-    ScaleApply,
-    ScaleOrder,
     FLT_MIN,
+    LATENT_DIM,
     ROPE_DIM,
     TOKEN_SCALE_DENOMINATOR,
+    Engine,
     Field,
     FormatSpec,
     OuterScale,
+    ScaleApply,
+    ScaleOrder,
     ScaleRule,
     VectorCoding,
 )

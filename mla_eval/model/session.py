@@ -18,7 +18,6 @@ from mla_eval.attention import dispatch
 from mla_eval.errors import NonFiniteInputError
 from mla_eval.formats import FormatSpec, OuterScales, decode
 
-
 # How a fresh prefill (the first forward of a sequence, many tokens) reads the cache. Both modes
 # read only what the format stored; they differ in where the up-projection happens:
 #   absorbed: every query runs the format's absorbed MQA attention over the cache (576-dim keys),

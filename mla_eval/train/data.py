@@ -54,7 +54,7 @@ def iter_wikiextractor(stream: Iterable[str]) -> Iterator[tuple[str, str]]:
                 title, lines = m.group(1), []
             continue
         if line == "</doc>":
-            text = "\n".join(l.rstrip() for l in lines).strip()
+            text = "\n".join(ln.rstrip() for ln in lines).strip()
             yield title, text
             title = None
         else:

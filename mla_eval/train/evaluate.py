@@ -188,7 +188,7 @@ def run_eval(args) -> None:
     }
     if time.time() < deadline:
         res["needle_multikey_magic"] = needle_grid(
-            model, maker, [l for l in lengths if l in (8192, 32768, 65536)], [0.5], 12, "magic", deadline, seed0=1,
+            model, maker, [n for n in lengths if n in (8192, 32768, 65536)], [0.5], 12, "magic", deadline, seed0=1,
             n_needles=4,
         )
         res["needle_multikey_magic"]["note"] = "4 needles (numbers, words or UUID-like values), one queried; depths random"
@@ -196,19 +196,23 @@ def run_eval(args) -> None:
         text = Path(args.austen).read_text(encoding="utf-8")
         austen = _stream(tok_file, [text])
         res["needle_passkey_austen"] = needle_grid(
-            model, maker, [l for l in lengths if l in (16384, 65536)], list(np.linspace(0, 1, 5)), 2, "passkey",
+            model, maker, [n for n in lengths if n in (16384, 65536)], list(np.linspace(0, 1, 5)), 2, "passkey",
             deadline, seed0=2, intro=True, filler=False, haystack=austen,
         )
     beyond = [int(x) for x in args.beyond.split(",") if x]
     if beyond and time.time() < deadline:
         d5 = list(np.linspace(0, 1, 6))
-        res["needle_beyond_plain_rope"] = needle_grid(model, maker, beyond, d5, 2, "passkey", deadline, seed0=3, intro=True, filler=False)
+        res["needle_beyond_plain_rope"] = needle_grid(
+            model, maker, beyond, d5, 2, "passkey", deadline, seed0=3, intro=True, filler=False
+        )
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
         if time.time() < deadline:
             ymodel = load_model(model_dir, device, yarn_factor=2.0)
-            res["needle_beyond_yarn2"] = needle_grid(ymodel, maker, beyond, d5, 2, "passkey", deadline, seed0=3, intro=True, filler=False)
+            res["needle_beyond_yarn2"] = needle_grid(
+                ymodel, maker, beyond, d5, 2, "passkey", deadline, seed0=3, intro=True, filler=False
+            )
             res["needle_beyond_yarn2"]["rope"] = dict(ymodel.config.rope_parameters)
     res["eval_seconds"] = round(time.time() - _T0, 1)
     Path(args.out).write_text(json.dumps(res, indent=1))
