@@ -201,7 +201,8 @@ def evaluate_kld(st: KldSettings, progress: ProgressCallback = no_progress) -> K
         if calib is not None:
             outer = calibrate(lm, calib, ctx, progress=progress)
         protocol = dataclasses.replace(protocol, outer_scales=outer if needs_outer else given)
-        ref_meta = {"model": str(lm.path) if lm.is_random else str(lm.path.resolve()), "text": source.digest, "ctx": ctx, "stride": stride,
+        model_id = str(lm.path) if lm.is_random else str(lm.path.resolve())  # a random spec has no folder
+        ref_meta = {"model": model_id, "text": source.digest, "ctx": ctx, "stride": stride,
                     "min_context": min_context, "ref": ref.name}
         if ref.outer:
             ref_meta["ref_scales"] = list(outer.scales)
