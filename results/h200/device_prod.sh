@@ -43,8 +43,8 @@ presets)
     for p in deepseek-v3 deepseek-v3.2 kimi-k2 glm-5 glm-5.2; do
         for b in kernel reference; do
             step "kld random:$p:layers=3 --backend $b"
-            timeout 240 python3 -m mla_eval kld --model "random:$p:layers=3" --text "$TEXT" --max-tokens 16384 \
-                --ctx 4096 --stride 4096 --min-context 2048 --formats fp8_ds_mla,nvfp4,nvfp4_fp8rope --backend "$b" \
+            timeout 150 python3 -m mla_eval kld --model "random:$p:layers=3" --text "$TEXT" --max-tokens 16384 \
+                --ctx 4096 --stride 2048 --min-context 2048 --formats fp8_ds_mla,nvfp4,nvfp4_fp8rope --backend "$b" \
                 --out "$OUT/runs/kld-$p-$b.json" 2>&1 | grep -v -E "scoring|^[│┃┏┡└]" | tail -14
             echo "exit $?"
         done
