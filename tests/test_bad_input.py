@@ -40,6 +40,14 @@ USER_TEXT = "my own notes, not a result\n"
 class World:
     """Files the cases point at, made once per module."""
 
+    def _config_variant(self, name: str, edit) -> Path:
+        """A copy of the tiny checkpoint whose config.json went through `edit`."""
+        folder = self.root / name
+        shutil.copytree(self.ckpt, folder)
+        cfg = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps(edit(cfg)))
+        return folder
+
     def __init__(self, root: Path):
         self.root = root
         self.ckpt = tiny_checkpoint(root / "ckpt")
@@ -52,6 +60,11 @@ class World:
         cfg = json.loads((self.no_rank / "config.json").read_text())
         del cfg["kv_lora_rank"]
         (self.no_rank / "config.json").write_text(json.dumps(cfg))
+        self.llama = self._config_variant("llama", lambda c: {**c, "model_type": "llama"})
+        self.dsa_no_indexer = self._config_variant(
+            "dsa-no-indexer",
+            lambda c: {k: v for k, v in {**c, "model_type": "deepseek_v32"}.items() if not k.startswith("index_")},
+        )
         self.user_file = root / "mine.json"
         self.user_file.write_text(USER_TEXT)
         self.user_dir = root / "my-folder"
@@ -151,6 +164,12 @@ CASES = {
     "kld: missing text file": (lambda w: _kld(w, "--text", str(w.root / "nope.txt")), {}, "nope.txt"),
     "kld: config without kv_lora_rank": (lambda w: _kld(w, "--model", str(w.no_rank)), {}, "kv_lora_rank"),
     "kld: --device tpu": (lambda w: _kld(w, "--device", "tpu"), {}, "tpu"),
+    "kld: unsupported architecture": (lambda w: _kld(w, "--model", str(w.llama)), {}, "llama"),
+    "kld: DSA config without indexer fields": (lambda w: _kld(w, "--model", str(w.dsa_no_indexer)), {}, "index_topk"),
+    "kld: unknown random preset": (lambda w: _kld(w, "--model", "random:glm-9"), {}, "glm-9"),
+    "kld: random preset with bad layers": (lambda w: _kld(w, "--model", "random:glm-5:layers=0"), {}, "layers"),
+    "kld: --backend kernel on a CPU": (lambda w: _kld(w, "--backend", "kernel"), {}, "kernel"),
+    "needle: --backend bogus": (lambda w: _needle(w, "--backend", "bogus"), {}, "bogus"),
     "kld: unknown format": (lambda w: _kld(w, "--formats", "int3"), {}, "int3"),
     "kld: unknown format option": (lambda w: _kld(w, "--formats", "nvfp4+foo"), {}, "+foo"),
     "kld: --out is a folder": (lambda w: _kld(w, "--out", str(w.empty)), {}, "is a folder"),
