@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import tempfile
 
 import torch
+
+from mla_eval.atomic_io import write_json_atomic
 
 
 def _kernel():
@@ -93,10 +93,7 @@ def main() -> None:
     print(json.dumps({k: v for k, v in doc.items() if k not in ("inputs", "outputs")}, indent=1))
     six = x.tolist().index(6.0)
     print("rcp.approx(6) =", y[six].item(), "correctly rounded:", exact[six].item())
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(args.out)) or ".")
-    with os.fdopen(fd, "w") as f:
-        json.dump(doc, f)
-    os.replace(tmp, args.out)
+    write_json_atomic(args.out, doc)
 
 
 if __name__ == "__main__":

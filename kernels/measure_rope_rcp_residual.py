@@ -17,6 +17,7 @@ import json
 
 import torch
 
+from mla_eval.atomic_io import write_json_atomic
 from mla_eval_kernels.measure_rcp_approx import _kernel
 
 
@@ -59,8 +60,7 @@ def main() -> None:
     }
     print(json.dumps(doc, indent=1))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(doc, f, indent=1)
+        write_json_atomic(args.out, doc)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import json
 
 import torch
 
+from mla_eval.atomic_io import write_json_atomic
 from mla_eval.formats import encode
 
 E2M1_MAX = 6.0
@@ -77,8 +78,7 @@ def main() -> None:
            "results": results}
     print(json.dumps(doc, indent=1))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(doc, f, indent=1)
+        write_json_atomic(args.out, doc)
 
 
 if __name__ == "__main__":

@@ -324,6 +324,30 @@ def _glm52_indexer_types(layers: int = 78) -> list[str]:
     return ["full" if max(i - 3 + 1, 0) % 4 == 0 else "shared" for i in range(layers)]
 
 
+# DeepSeek-V3's attention geometry, shared by V3.2 (its config.json repeats these values)
+_DSV3_ATTENTION = {
+    "hidden_size": 7168,
+    "num_attention_heads": 128,
+    "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128,
+    "v_head_dim": 128,
+    "rope_theta": 10000,
+    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                     "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+}
+
+
+# GLM-5's attention geometry, shared by GLM-5.2
+_GLM5_ATTENTION = {
+    "hidden_size": 6144,
+    "num_attention_heads": 64,
+    "q_lora_rank": 2048,
+    "qk_nope_head_dim": 192,
+    "v_head_dim": 256,
+    "rope_theta": 1000000,
+}
+
+
 MODEL_PRESETS: tuple[ModelPreset, ...] = (
     ModelPreset(
         name="deepseek-v3",
@@ -336,14 +360,7 @@ MODEL_PRESETS: tuple[ModelPreset, ...] = (
             "kv_lora_rank": 512,
             "qk_rope_head_dim": 64,
             "max_position_embeddings": 163840,
-            "hidden_size": 7168,
-            "num_attention_heads": 128,
-            "q_lora_rank": 1536,
-            "qk_nope_head_dim": 128,
-            "v_head_dim": 128,
-            "rope_theta": 10000,
-            "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
-                             "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+            **_DSV3_ATTENTION,
         },
         param_count=685_000_000_000,
         weights_dtype="fp8",
@@ -372,14 +389,7 @@ MODEL_PRESETS: tuple[ModelPreset, ...] = (
             "index_topk": 2048,
             "index_head_dim": 128,
             "index_n_heads": 64,
-            "hidden_size": 7168,
-            "num_attention_heads": 128,
-            "q_lora_rank": 1536,
-            "qk_nope_head_dim": 128,
-            "v_head_dim": 128,
-            "rope_theta": 10000,
-            "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
-                             "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+            **_DSV3_ATTENTION,
         },
         param_count=685_000_000_000,
         weights_dtype="fp8",
@@ -450,12 +460,7 @@ MODEL_PRESETS: tuple[ModelPreset, ...] = (
             "index_topk": 2048,
             "index_head_dim": 128,
             "index_n_heads": 32,
-            "hidden_size": 6144,
-            "num_attention_heads": 64,
-            "q_lora_rank": 2048,
-            "qk_nope_head_dim": 192,
-            "v_head_dim": 256,
-            "rope_theta": 1000000,
+            **_GLM5_ATTENTION,
         },
         param_count=744_000_000_000,
         weights_dtype="fp8",
@@ -495,12 +500,7 @@ MODEL_PRESETS: tuple[ModelPreset, ...] = (
             "index_topk_freq": 4,
             "index_skip_topk_offset": 3,
             "indexer_types": _glm52_indexer_types(),
-            "hidden_size": 6144,
-            "num_attention_heads": 64,
-            "q_lora_rank": 2048,
-            "qk_nope_head_dim": 192,
-            "v_head_dim": 256,
-            "rope_theta": 1000000,
+            **_GLM5_ATTENTION,
         },
         param_count=753_000_000_000,
         weights_dtype="fp8",

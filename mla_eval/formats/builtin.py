@@ -1,6 +1,6 @@
 """The built-in cache formats. Each is written once here; everything else reads these specs.
 
-Byte layouts follow the public sources named in each spec's `source` (see also DESIGN.md). The
+Byte layouts follow the public sources named in each spec's `source`. The
 two formats that no single source defines (mxfp4, fp8_e4m3) are our own choices, documented here.
 """
 
@@ -211,7 +211,7 @@ BUILTIN_FORMATS: tuple[FormatSpec, ...] = (
         name="nvfp4",
         title="nvfp4",
         description="E2M1 latent, one E4M3 scale e4m3(amax*rcp(6)) per 16 values (NVIDIA recipe); bf16 rope; optional s_l.",
-        source="NVFP4 MLA cache (DESIGN.md): 256 B E2M1 + 32 B E4M3 scales + 16 B pad + 128 B bf16 rope",
+        source="NVFP4 MLA cache: 256 B E2M1 + 32 B E4M3 scales + 16 B pad + 128 B bf16 rope",
         record_bytes=432,
         latent=_nvfp4_latent(ScaleRule.AMAX_E4M3_RCP6, ScaleApply.MUL_RCP_APPROX),
         rope=_bf16_rope(304),
@@ -223,7 +223,7 @@ BUILTIN_FORMATS: tuple[FormatSpec, ...] = (
         name="nvfp4_fp8rope",
         title="nvfp4 + fp8 rope",
         description="nvfp4 latent; rope as E4M3 with one fp32 scale (amax/448); optional s_l.",
-        source="NVFP4 MLA cache with fp8 rope (DESIGN.md): 368 B",
+        source="NVFP4 MLA cache with fp8 rope: 368 B",
         record_bytes=368,
         latent=_nvfp4_latent(ScaleRule.AMAX_E4M3_RCP6, ScaleApply.MUL_RCP_APPROX, clears=True),
         rope=VectorCoding(
@@ -245,7 +245,7 @@ BUILTIN_FORMATS: tuple[FormatSpec, ...] = (
         title="nvfp4 two-level (s_t)",
         description="nvfp4_fp8rope layout plus a per-token fp32 scale s_t = amax/(6*448); block scales relative to s_t "
         "(our arithmetic: b12x's per_token_scale mode multiplies by rcp.approx and orders the products differently).",
-        source="Two-level NVFP4 scaling on the 368 B layout (DESIGN.md): s_t at [292,296)",
+        source="Two-level NVFP4 scaling on the 368 B layout: s_t at [292,296)",
         record_bytes=368,
         latent=_nvfp4_latent(),
         rope=VectorCoding(

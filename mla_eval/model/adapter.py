@@ -1,6 +1,6 @@
 """Own each MLA attention module's forward so latent KV goes through our cache formats.
 
-Why own the forward (DESIGN.md): the stable hook points across transformers versions are the
+Why own the forward (docs/ARCHITECTURE.md): the stable hook points across transformers versions are the
 projections (`q_proj` | `q_a_proj`/`q_a_layernorm`/`q_b_proj`, `kv_a_proj_with_mqa`,
 `kv_a_layernorm`, `kv_b_proj`, `o_proj`), the `position_embeddings` handed to `self_attn`, and
 `module.scaling` (which includes the YaRN mscale^2). Registering an attention function instead

@@ -11,19 +11,7 @@
 #     needle   only the [needle] grid of recipes/h200-full.toml, twice: decode steps replayed as
 #              CUDA graphs (the default) and eager (cuda_graphs = false), one .tgz each
 # Needs .devdata/wiki.test.raw carried (never committed). Logs and JSON under $OUT.
-set -o pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-exec > >(tee -a "$OUT/log") 2>&1
-t0=$(date +%s); step() { echo "=== [$(( $(date +%s) - t0 ))s] $*"; }
-export PYTHONUNBUFFERED=1
-step "install"
-bash kernels/device_check.sh install > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 3; }
-tail -2 "$OUT/install.log"
-export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
-if [ -d .devwheels/js ] && ! python3 -c 'import jsonschema' 2>/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devwheels/js/jsonschema*.whl \
-        .devwheels/js/jsonschema_specifications*.whl .devwheels/js/referencing*.whl .devwheels/js/rpds_py*.whl 2>&1 | tail -2
-fi
+. "$(dirname "$0")/device_setup.sh"  # log, step timer, CuTe DSL + jsonschema
 for what in "${@:-bench}"; do
 case "$what" in
 tests)

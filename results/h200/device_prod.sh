@@ -11,18 +11,7 @@
 #                engine residual scripts of the formats
 # Needs .devdata/wiki.test.raw carried (never committed). Logs and JSON under $OUT (packed: a call
 # returns at most 8 files). Every step is independent: a rerun may name just the steps that are missing.
-set -o pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-exec > >(tee -a "$OUT/log") 2>&1
-t0=$(date +%s); step() { echo "=== [$(( $(date +%s) - t0 ))s] $*"; }
-export PYTHONUNBUFFERED=1
-step "install"
-bash kernels/device_check.sh install > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 3; }
-tail -2 "$OUT/install.log"
-export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
-if [ -d .devwheels/js ] && ! python3 -c 'import jsonschema' 2>/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devwheels/js/*.whl 2>&1 | tail -2
-fi
+. "$(dirname "$0")/device_setup.sh"  # log, step timer, CuTe DSL + jsonschema
 TEXT=.devdata/wiki.test.raw
 mkdir -p "$OUT/runs"
 for what in "${@:-tests}"; do
@@ -56,7 +45,9 @@ formats)
     timeout 300 python3 -m mla_eval kld --text "$TEXT" --max-tokens 65536 --formats "$fmts" --no-layer-stats \
         --out "$OUT/runs/kld-default-all-formats.json" 2>&1 | grep -v -E "scoring" | tail -30
     echo "exit $?"
-    for s in ${FORMAT_SCRIPTS:-}; do step "$s"; timeout 120 python3 $s 2>&1 | tail -20; done
+    for s in measure_rope_rcp_residual measure_sglang_fp4_residual; do
+        step "$s"; timeout 120 python3 -m mla_eval_kernels.$s --out "$OUT/runs/$s.json" 2>&1 | tail -12
+    done
     ;;
 esac
 done

@@ -1,0 +1,14 @@
+# Sourced by the device scripts of results/h200/ (device_eval.sh, device_prod.sh): the log under $OUT,
+# the step timer, and CuTe DSL + the jsonschema wheels (.devwheels/js) installed into /tmp/site.
+set -o pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+exec > >(tee -a "$OUT/log") 2>&1
+t0=$(date +%s); step() { echo "=== [$(( $(date +%s) - t0 ))s] $*"; }
+export PYTHONUNBUFFERED=1
+step "install"
+bash kernels/device_check.sh install > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 3; }
+tail -2 "$OUT/install.log"
+export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
+if [ -d .devwheels/js ] && ! python3 -c 'import jsonschema' 2>/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devwheels/js/*.whl 2>&1 | tail -2
+fi
