@@ -216,13 +216,29 @@ def run_format(name: str, quick: bool) -> list[dict]:
     return rows
 
 
+def kernel_format_names() -> list[str]:
+    """Every registered format the CuTe kernels serve (others run on the torch reference only)."""
+    from mla_eval_kernels.record_plan import UnsupportedFormat, plan_for
+
+    names = []
+    for spec in all_formats():
+        try:
+            plan_for(spec)
+        except UnsupportedFormat:
+            continue
+        names.append(spec.name)
+    return names
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--formats", default=",".join(s.name for s in all_formats()))
+    ap.add_argument("--formats", default=None, help="comma-separated (default: every format the kernels serve)")
     ap.add_argument("--out", default="results/kernels")
     ap.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.formats is None:
+        args.formats = ",".join(kernel_format_names())
     if args.worker:
         run_format(args.worker, args.quick)
         return 0
