@@ -40,6 +40,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from mla_eval.attention import reference
+from mla_eval.attention.semantics import AttentionMath, get_math, quantize_q
 from mla_eval.errors import UserError
 from mla_eval.formats import get_format
 from mla_eval.formats.codec import check_finite as require_finite
@@ -281,13 +282,18 @@ def mla_attention(
     max_seq_len: int | None = None,
     num_splits: int | None = None,
     backend: str = "auto",
+    math: str | AttentionMath = "bf16",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """out [N, H, 512] float32 and lse [N, H] float32; dense (block_table + seq_lens) or sparse (indices).
 
     `max_seq_len` (dense) spares the kernel path a device sync to find the longest list;
-    `num_splits` overrides the split-KV heuristic (kernel path only).
+    `num_splits` overrides the split-KV heuristic (kernel path only). `math` is the attention math
+    (`mla_eval.attention.semantics.MATHS`): fp8 Q is quantised here, once, for both paths -- the
+    E4M3 codes are exact in bf16, so the kernel fed the codes with the Q scale folded into the
+    softmax scale computes the same products as the reference; P in E4M3 is reference-only.
     """
     spec = get_format(spec)
+    math = get_math(math, option="math")
     if (indices is None) == (block_table is None or seq_lens is None):
         raise ValueError("give either block_table and seq_lens (dense) or indices (sparse)")
     if q.dim() != 3 or q.shape[2] != QK_DIM:
@@ -296,10 +302,13 @@ def mla_attention(
         raise UserError(f"cache must be uint8 [num_blocks, block_size, {spec.record_bytes}]")
     if sink is not None and sink.shape != (q.shape[1],):
         raise UserError(f"sink must be [H] = [{q.shape[1]}], got {tuple(sink.shape)}")
-    if not _use_kernel(spec, cache.device, backend):
+    if math.q_fp8:
+        q, q_scale = quantize_q(q, math)
+        softmax_scale = float(softmax_scale) * q_scale
+    if not _use_kernel(spec, cache.device, backend, blocker=math.kernel_blocker):
         return reference.mla_attention(
             spec, q, cache, softmax_scale=softmax_scale, block_table=block_table, seq_lens=seq_lens,
-            indices=indices, sink=sink, outer_scale=outer_scale,
+            indices=indices, sink=sink, outer_scale=outer_scale, p_fp8=math.p_fp8,
         )
     from mla_eval_kernels import mla_attention as kernel  # noqa: PLC0415 - CUDA-only import
     from mla_eval_kernels.record_plan import plan_for  # noqa: PLC0415
@@ -335,3 +344,73 @@ def mla_attention_sparse(spec, q, cache, indices, softmax_scale, sink=None, oute
     return mla_attention(
         spec, q, cache, softmax_scale=softmax_scale, indices=indices, sink=sink, outer_scale=outer_scale, **kw
     )
+
+
+def mla_attention_chunk(
+    spec,
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    *,
+    softmax_scale: float,
+    block_table: torch.Tensor,
+    prefix_len: int,
+    chunk_keys: torch.Tensor,
+    outer_scale=None,
+    backend: str = "auto",
+    math: str | AttentionMath = "bf16",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Engine chunked-prefill attention: q [B * T, H, 576] of each sequence's current chunk (positions
+    prefix_len .. prefix_len + T - 1) over the cache's positions < prefix_len and the chunk's fresh
+    keys `chunk_keys` [B, T, 576] (causal within the chunk). See `reference.mla_attention_chunk`.
+
+    Kernel path: the prefix through the format's kernel (every query reads prefix_len keys) and the
+    chunk through the bf16 kernel over a scratch bf16 paged cache holding the fresh keys (the bf16
+    format stores bf16 values exactly), merged by their log-sum-exp as vLLM's `merge_attn_states`
+    does. Same math as the reference up to float32 summation order.
+    """
+    spec = get_format(spec)
+    math = get_math(math, option="math")
+    b, t = chunk_keys.shape[:2]
+    if q.dim() != 3 or q.shape[2] != QK_DIM or q.shape[0] != b * t:
+        raise UserError(f"q must be [B * T = {b * t}, H, {QK_DIM}], got {tuple(q.shape)}")
+    if math.q_fp8:
+        q, q_scale = quantize_q(q, math)
+        softmax_scale = float(softmax_scale) * q_scale
+    if not _use_kernel(spec, cache.device, backend, blocker=math.kernel_blocker):
+        return reference.mla_attention_chunk(
+            spec, q, cache, softmax_scale=softmax_scale, block_table=block_table, prefix_len=prefix_len,
+            chunk_keys=chunk_keys, outer_scale=outer_scale, p_fp8=math.p_fp8,
+        )
+    dev = cache.device
+    bf16 = get_format("bf16")
+    block = cache.shape[1]
+    blocks = -(-t // block)
+    scratch = torch.zeros(b * blocks, block, bf16.record_bytes, dtype=torch.uint8, device=dev)
+    table = torch.arange(b * blocks, dtype=torch.int32, device=dev).view(b, blocks)
+    pos = torch.arange(t, device=dev)
+    slots = (table[:, pos // block].long() * block + pos % block).reshape(-1)
+    keys = chunk_keys.reshape(b * t, QK_DIM)
+    write_cache(bf16, keys[:, :512], keys[:, 512:], slots, scratch, backend="kernel")
+    out, lse = mla_attention(
+        bf16, q, scratch, softmax_scale=softmax_scale, block_table=table.repeat_interleave(t, 0),
+        seq_lens=(pos + 1).repeat(b).to(torch.int32), max_seq_len=t, backend="kernel",
+    )
+    if prefix_len == 0:
+        return out, lse
+    out_p, lse_p = mla_attention(
+        spec, q, cache, softmax_scale=softmax_scale, block_table=block_table.repeat_interleave(t, 0),
+        seq_lens=torch.full((b * t,), prefix_len, dtype=torch.int32, device=dev), outer_scale=outer_scale,
+        max_seq_len=prefix_len, backend="kernel",
+    )
+    return merge_states(out_p, lse_p, out, lse)
+
+
+def merge_states(out_a, lse_a, out_b, lse_b) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two partial attentions over disjoint key sets -> the attention over their union (log-sum-exp
+    weights; a part with lse = -inf has no keys and weight 0)."""
+    m = torch.maximum(lse_a, lse_b)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    wa, wb = torch.exp(lse_a - m), torch.exp(lse_b - m)
+    total = wa + wb
+    out = (out_a * wa.unsqueeze(-1) + out_b * wb.unsqueeze(-1)) / torch.where(total > 0, total, 1.0).unsqueeze(-1)
+    return out, m + torch.log(total)

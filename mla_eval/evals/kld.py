@@ -2,8 +2,9 @@
 
 Protocol (llama.cpp / vLLM-fork parity): sliding windows of `ctx` tokens every `stride` tokens
 within each token sequence; a position is scored once, by the first window in which it has at
-least `min_context` tokens before it. Every position of every layer reads the quantised cache
-(what decode sees). One reference forward per window batch serves every format; KL(ref || fmt)
+least `min_context` tokens before it. Under cache semantics every position of every layer reads
+the quantised cache (what decode sees); under engine semantics the window is prefilled in chunks
+(mla_eval.attention.semantics). One reference forward per window batch serves every format; KL(ref || fmt)
 over the full vocabulary in float32.
 """
 
@@ -16,6 +17,7 @@ import warnings
 import numpy as np
 import torch
 
+from mla_eval.attention.semantics import BF16, CACHE, MATHS, AttentionMath, Semantics, row_label
 from mla_eval.errors import UserError
 from mla_eval.evals.kld_stats import TokenStats, token_metrics
 from mla_eval.evals.layer_stats import LayerStats
@@ -23,7 +25,7 @@ from mla_eval.evals.ref_store import RefStore, metrics_from_store
 from mla_eval.evals.settings import ProgressCallback, check_ctx, no_progress
 from mla_eval.evals.text_sources import TokenSource
 from mla_eval.evals.variants import Variant, scales_for
-from mla_eval.formats import OuterScales
+from mla_eval.formats import OuterScales, get_format
 from mla_eval.model.session import CacheSession
 
 
@@ -69,6 +71,25 @@ class KldProtocol:
     block_size: int = 64
     layer_stats: bool = True
     outer_scales: OuterScales | None = None
+    # attention semantics and math (mla_eval.attention.semantics): one row per format x semantics x
+    # math, plus the `explain` format's storage / compute / both rows under every semantics
+    semantics: tuple[Semantics, ...] = (CACHE,)
+    maths: tuple[AttentionMath, ...] = (BF16,)
+    explain: Variant | None = None
+
+    def rows(self, bf16: Variant) -> list[tuple[Variant, AttentionMath]]:
+        """The (variant, math) pairs scored under each semantics, distinct, in order: every format in
+        every math, then for `explain` the compute-only rows (bf16 cache, each fp8 math), storage only
+        (the format, bf16 math) and both (the format, each fp8 math)."""
+        out = [(v, m) for v in self.variants for m in self.maths]
+        if self.explain is not None:
+            fp8 = [m for m in self.maths if m.name != "bf16"] or [MATHS["fp8-q"]]
+            out += [(bf16, m) for m in fp8] + [(self.explain, BF16)] + [(self.explain, m) for m in fp8]
+        seen: list[tuple[Variant, AttentionMath]] = []
+        for row in out:
+            if row not in seen:
+                seen.append(row)
+        return seen
 
 
 def plan_windows(lm, source: TokenSource, st: KldProtocol) -> list[Window]:
@@ -111,11 +132,12 @@ class KldRun:
     windows: int
     seconds: float
     unscored: int = 0  # see unscored_positions
+    rows: dict[str, dict] = dataclasses.field(default_factory=dict)  # row key -> format, semantics, math, chunk
 
     def summary(self) -> dict[str, dict]:
         out = {}
         for name, ts in self.stats.items():
-            out[name] = ts.summary()
+            out[name] = {**ts.summary(), **self.rows.get(name, {})}
             if self.layers:
                 out[name]["layers"] = self.layers[name].summary()
         return out
@@ -138,8 +160,10 @@ def run_kld(
     """
     windows = plan_windows(lm, source, st)
     mine = list(enumerate(windows))[rank::world]
-    stats = {v.name: TokenStats() for v in st.variants}
-    layers = {v.name: LayerStats(lm.num_layers) for v in st.variants} if st.layer_stats else {}
+    rows = st.rows(Variant(get_format("bf16")))
+    keys = [(sem, v, m, row_label(v.name, sem, m)) for sem in st.semantics for v, m in rows]
+    stats = {k: TokenStats() for *_, k in keys}
+    layers = {k: LayerStats(lm.num_layers) for *_, k in keys} if st.layer_stats else {}
     total_scored = sum(w.length - 1 - w.score_from for _, w in mine)
     done, t0 = 0, time.perf_counter()
     progress("score", 0, total_scored)
@@ -152,20 +176,28 @@ def run_kld(
             # position p predicts token p+1: the window's last position has no target in it
             depth = torch.arange(sf, ws[0].length - 1).repeat(len(ws))
             order = torch.cat([wi * st.ctx + torch.arange(sf, ws[0].length - 1) for wi, _ in group])
-            if ref_file is not None:
-                stored = ref_file.lookup(order)
-            else:
-                ref_logp = _forward_logp(lm, st.ref, ids, sf, st, None)
-                if save_ref is not None:
-                    save_ref.add(ref_logp, targets, order)
-            for v in st.variants:
-                obs = layers[v.name].observers(v.spec) if layers else ()
-                logp = _forward_logp(lm, v, ids, sf, st, obs)
-                m = metrics_from_store(stored, logp, targets) if ref_file is not None else token_metrics(ref_logp, logp, targets)
-                stats[v.name].add(m, depth, order)
+            for sem in st.semantics:
+                # the reference runs each semantics' forward schedule in bf16 math: with a bf16
+                # cache every semantics reads the same keys, so only the schedule's rounding remains
+                if ref_file is not None:
+                    stored = ref_file.lookup(order)
+                else:
+                    ref_logp = _forward_logp(lm, st.ref, ids, sf, st, None, sem)
+                    if save_ref is not None and sem == st.semantics[0]:
+                        save_ref.add(ref_logp, targets, order)
+                for s2, v, am, key in keys:
+                    if s2 != sem:
+                        continue
+                    obs = layers[key].observers(v.spec) if layers else ()
+                    logp = _forward_logp(lm, v, ids, sf, st, obs, sem, am)
+                    m = metrics_from_store(stored, logp, targets) if ref_file is not None else token_metrics(ref_logp, logp, targets)
+                    stats[key].add(m, depth, order)
             done += len(ws) * (ws[0].length - 1 - sf)
             progress("score", done, total_scored)
-    return KldRun(stats, layers, len(windows), time.perf_counter() - t0, unscored_positions(source, windows, st.min_context))
+    info = {k: {"format": v.name, "semantics": sem.label, "math": m.name, "chunk": sem.chunk} for sem, v, m, k in keys}
+    run = KldRun(stats, layers, len(windows), time.perf_counter() - t0, unscored_positions(source, windows, st.min_context))
+    run.rows = info
+    return run
 
 
 def _same_shape_groups(ws: list[tuple[int, Window]]) -> list[list[tuple[int, Window]]]:
@@ -176,10 +208,28 @@ def _same_shape_groups(ws: list[tuple[int, Window]]) -> list[list[tuple[int, Win
     return list(groups.values())
 
 
+def forward_chunk(lm, semantics: Semantics, length: int) -> int:
+    """Tokens per forward: the engine's chunk under engine semantics on a dense model, else the whole
+    window. A DSA model's sparse prefill reads the cache for every selected key (see
+    mla_eval.attention.semantics), so it runs like cache semantics, in one forward."""
+    if semantics.is_engine and not lm.adapter.is_dsa:
+        return min(semantics.chunk, length)
+    return length
+
+
 @torch.no_grad()
-def _forward_logp(lm, variant: Variant, ids: torch.Tensor, score_from: int, st: KldProtocol, observers) -> torch.Tensor:
-    """log-softmax (float32) of the positions score_from..len-2 of every row, stacked [n, vocab]."""
+def _forward_logp(
+    lm, variant: Variant, ids: torch.Tensor, score_from: int, st: KldProtocol, observers,
+    semantics: Semantics = CACHE, attn_math: AttentionMath = BF16, chunk_keys: str = "fresh",
+) -> torch.Tensor:
+    """log-softmax (float32) of the positions score_from..len-2 of every row, stacked [n, vocab].
+
+    Under engine semantics the window runs as consecutive forwards of the chunk size, each chunk's
+    queries reading the earlier chunks through the cache (what an engine's chunked prefill does)."""
     b, t = ids.shape
+    chunk = forward_chunk(lm, semantics, t)
+    if lm.adapter.is_dsa:
+        semantics = CACHE  # engine == cache on the sparse path: one forward, every key from the cache
     scales = scales_for(variant, st.outer_scales)
     session = CacheSession(
         variant.spec,
@@ -191,14 +241,24 @@ def _forward_logp(lm, variant: Variant, ids: torch.Tensor, score_from: int, st: 
         outer_scales=scales,
         observers=tuple(observers or ()),
         keep_exact=bool(observers),
+        semantics=semantics,
+        attn_math=attn_math,
+        chunk_keys=chunk_keys,
     )
     pos = torch.arange(t, device=lm.device).expand(b, -1)
+    parts = []
     with lm.adapter.session(session), warnings.catch_warnings():
         # transformers may warn that past_key_values is deprecated: our cache session replaces it
         warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated.*")
-        logits = lm.model(input_ids=ids, position_ids=pos, use_cache=False).logits
+        for s in range(0, t, chunk):
+            e = min(t, s + chunk)
+            logits = lm.model(input_ids=ids[:, s:e], position_ids=pos[:, s:e], use_cache=False).logits
+            lo, hi = max(s, score_from), min(e, t - 1)
+            if lo < hi:
+                parts.append(logits[:, lo - s : hi - s])
+    logits = parts[0] if len(parts) == 1 else torch.cat([p.to(parts[0].device) for p in parts], 1)
     # under --device-map auto the logits come out on the last GPU: score on the input's device
-    return torch.log_softmax(logits[:, score_from : t - 1].float(), dim=-1).reshape(-1, logits.shape[-1]).to(lm.device)
+    return torch.log_softmax(logits.float(), dim=-1).reshape(-1, logits.shape[-1]).to(lm.device)
 
 
 def gather_arrays(stats: dict[str, TokenStats]) -> dict[str, TokenStats]:

@@ -12,6 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from mla_eval.attention import dispatch
+from mla_eval.attention.semantics import (
+    AttentionMath,
+    Semantics,
+    parse_math_list,
+    parse_semantics_list,
+    row_label,
+)
 from mla_eval.errors import UserError
 from mla_eval.evals import text_sources
 from mla_eval.evals.calibrate import calibrate
@@ -22,6 +29,7 @@ from mla_eval.evals.settings import (
     ModelSettings,
     ProgressCallback,
     check_ctx,
+    check_math_backend,
     default_min_context,
     default_stride,
     no_progress,
@@ -53,6 +61,9 @@ class KldSettings(ModelSettings, text_sources.TextSettings):
     save_ref: Path | None = None
     ref_file: Path | None = None
     ref_store: str = "topk"
+    semantics: str | list[str] = "cache"  # mla_eval.attention.semantics: cache, engine:C or a preset; a list
+    math: str | list[str] = "bf16"  # attention math(s): bf16, fp8-q, fp8-qp
+    explain: str | None = None  # a format: add its storage-only / compute-only / both rows and breakdown
 
     def __post_init__(self) -> None:
         ModelSettings.__post_init__(self)
@@ -72,6 +83,23 @@ class KldSettings(ModelSettings, text_sources.TextSettings):
             raise UserError("give --save-ref or --ref-file, not both")
         self.variants()  # a bad format name fails here, before any model is loaded
         self.ref_variant()
+        self.semantics_list()
+        check_math_backend(self.math_list(), self.backend)
+        self.explain_variant()
+
+    def semantics_list(self) -> list[Semantics]:
+        return parse_semantics_list(self.semantics)
+
+    def math_list(self) -> list[AttentionMath]:
+        return parse_math_list(self.math)
+
+    def explain_variant(self) -> Variant | None:
+        if self.explain is None:
+            return None
+        found = parse_variants(self.explain, option="--explain")
+        if len(found) != 1 or found[0].name == "bf16":
+            raise UserError(f"--explain takes one quantised format (e.g. nvfp4), got {self.explain!r}")
+        return found[0]
 
     def variants(self) -> list[Variant]:
         return parse_variants(self.formats)
@@ -107,8 +135,11 @@ class KldResult:
     def mean_kld(self, fmt: str) -> float:
         return self.formats[fmt]["kld_mean"]
 
+    notes: list[str] = dataclasses.field(default_factory=list)  # one-line facts the reader must not miss
+    explain: dict[str, Any] | None = None  # see explain_breakdown
+
     def to_document(self) -> dict[str, Any]:
-        return {
+        doc = {
             "schema": KLD_SCHEMA,
             "model": self.model,
             "text": self.text,
@@ -118,7 +149,51 @@ class KldResult:
             "seconds": self.seconds,
             "environment": self.environment,
             "formats": self.formats,
+            "notes": self.notes,
         }
+        if self.explain is not None:
+            doc["explain"] = self.explain
+        return doc
+
+
+def explain_breakdown(formats: dict[str, dict], fmt: str, semantics: list[Semantics], maths: list[AttentionMath]) -> dict:
+    """Per semantics: the mean KLD of storage only (fmt's cache, bf16 math), compute only (bf16 cache,
+    each fp8 math), both (fmt's cache, each fp8 math), and what both adds over the sum of the two."""
+    fp8 = [m.name for m in maths if m.name != "bf16"] or ["fp8-q"]
+    out: dict[str, Any] = {"format": fmt, "semantics": {}}
+    for sem in semantics:
+        def kld(f: str, m: str, sem=sem) -> float:
+            return formats[row_label(f, sem, m)]["kld_mean"]
+
+        storage = kld(fmt, "bf16")
+        out["semantics"][sem.label] = {
+            "storage_only": storage,
+            "compute_only": {m: kld("bf16", m) for m in fp8},
+            "both": {m: kld(fmt, m) for m in fp8},
+            "interaction": {m: kld(fmt, m) - storage - kld("bf16", m) for m in fp8},
+        }
+    return out
+
+
+def semantics_notes(semantics: list[Semantics], ctx: int, is_dsa: bool, maths: list[AttentionMath]) -> list[str]:
+    """What the chosen semantics mean for these numbers, in one line each."""
+    notes = []
+    for sem in semantics:
+        if not sem.is_engine:
+            continue
+        if is_dsa:
+            notes.append(
+                f"{sem.label}: this DSA model's sparse prefill reads every selected key from the quantised cache "
+                "(as vLLM's FlashMLA sparse backend does), so engine semantics equal cache semantics here"
+            )
+        elif sem.chunk >= ctx:
+            fp8 = " (only the fp8-math rows can differ from 0)" if any(m.name != "bf16" for m in maths) else ""
+            notes.append(
+                f"{sem.label}: one chunk covers each {ctx}-token window, so no position reads the cache and every "
+                f"format's KLD is exactly 0 with bf16 math{fp8}: a single-chunk prefill never sees the storage error, "
+                "decode does"
+            )
+    return notes
 
 
 def distributed() -> tuple[int, int]:
@@ -195,7 +270,13 @@ def evaluate_kld(st: KldSettings, progress: ProgressCallback = no_progress) -> K
         min_context = st.min_context if st.min_context is not None else default_min_context(ctx)
         stride = st.stride if st.stride is not None else default_stride(ctx, min_context)
         batch = st.batch if st.batch is not None else (len(source.sequences) if source.kind == "self-samples" else 1)
-        protocol = KldProtocol(tuple(variants), ref, ctx, stride, min_context, batch, layer_stats=st.layer_stats)
+        semantics, maths = st.semantics_list(), st.math_list()
+        for sem in semantics:
+            sem.check_positions(lm.max_positions)
+        protocol = KldProtocol(
+            tuple(variants), ref, ctx, stride, min_context, batch, layer_stats=st.layer_stats,
+            semantics=tuple(semantics), maths=tuple(maths), explain=st.explain_variant(),
+        )
         plan_windows(lm, source, protocol)  # bad settings fail here, before any work
         outer = given
         if calib is not None:
@@ -204,6 +285,8 @@ def evaluate_kld(st: KldSettings, progress: ProgressCallback = no_progress) -> K
         model_id = str(lm.path) if lm.is_random else str(lm.path.resolve())  # a random spec has no folder
         ref_meta = {"model": model_id, "text": source.digest, "ctx": ctx, "stride": stride,
                     "min_context": min_context, "ref": ref.name}
+        if semantics[0].is_engine:  # the stored reference ran that forward schedule
+            ref_meta["semantics"] = semantics[0].label
         if ref.outer:
             ref_meta["ref_scales"] = list(outer.scales)
         saver = RefStore(mode=st.ref_store, meta=ref_meta) if st.save_ref is not None else None
@@ -219,7 +302,8 @@ def evaluate_kld(st: KldSettings, progress: ProgressCallback = no_progress) -> K
         text={"kind": source.kind, "label": source.label, "digest": source.digest, "tokens": source.num_tokens},
         settings={"ref": ref.name, "ctx": ctx, "stride": stride, "min_context": min_context, "batch": batch,
                   "block_size": protocol.block_size, "world_size": world, "backend": log.backend,
-                  "unscored_tokens": run.unscored},
+                  "unscored_tokens": run.unscored, "semantics": [s.as_dict() for s in semantics],
+                  "math": [m.name for m in maths], "explain": None if st.explain is None else protocol.explain.name},
         outer_scales=protocol.outer_scales,
         windows=run.windows,
         seconds=run.seconds,
@@ -227,4 +311,7 @@ def evaluate_kld(st: KldSettings, progress: ProgressCallback = no_progress) -> K
         environment=env,
         run=run,
         rank=rank,
+        notes=semantics_notes(semantics, ctx, lm.adapter.is_dsa, maths),
+        explain=None if protocol.explain is None else explain_breakdown(
+            run.summary(), protocol.explain.name, semantics, maths),
     )

@@ -35,6 +35,16 @@ def check_ctx(ctx: int | None, option: str = "--ctx") -> None:
         raise UserError(f"{option} must be at least 2 tokens (omit it for the default), got {ctx}")
 
 
+def check_math_backend(maths, backend: str | None) -> None:
+    """An attention math the CuTe kernels cannot compute (P in E4M3) with --backend kernel: refused
+    before any work, in one line (auto sends it to the torch reference and says so)."""
+    chosen = backend if backend is not None else dispatch.default_backend()
+    for m in maths:
+        if chosen == "kernel" and m.kernel_blocker is not None:
+            where = "--backend kernel" if backend is not None else f"{dispatch.BACKEND_ENV}=kernel"
+            raise UserError(f"--math {m.name} with {where}: {m.kernel_blocker}; use --backend reference or auto")
+
+
 # progress(stage, done, total): `stage` names the work ("sample", "calibrate", "score", "prompts"), `done` of
 # `total` units. The library reports; commands draw the bar (the library never prints).
 ProgressCallback = Callable[[str, int, int], None]

@@ -206,20 +206,36 @@ def _owned_forward(self, hidden_states, *args, **kwargs):
 
 
 def _mha_prefill(self, session: CacheSession, q_nope, q_pe, dtype) -> torch.Tensor:
-    """Causal multi-head attention of a fresh prefill over the decoded cache (session.PREFILL_MODES).
+    """Causal multi-head attention of a prefill over the decoded cache (session.PREFILL_MODES).
 
     K and V come from what the cache stores -- the format's decoded latent up-projected through
-    kv_b_proj and its decoded rope -- never from the unquantised c_kv. Returns [B, T, H * v_dim]
-    in the model's dtype, ready for o_proj.
+    kv_b_proj and its decoded rope -- never from the unquantised c_kv; under engine semantics the
+    current chunk's own K and V come from its fresh bf16 latent instead (session.chunk_kv), as
+    vLLM's MHA prefill attends over the new tokens' fresh K/V. The math is the model dtype's SDPA
+    whatever the session's attention math (engines prefill MLA in bf16 MHA). Returns
+    [B, T, H * v_dim] in the model's dtype, ready for o_proj.
     """
     bsz, heads, seq, _ = q_nope.shape
     nope, v_d = self.qk_nope_head_dim, self.v_head_dim
-    latent, rope = session.read_back(self.layer_idx, 0, seq)  # float32 [B, T, 512], [B, T, 64]
-    kv = self.kv_b_proj(latent.to(dtype)).view(bsz, seq, heads, nope + v_d).transpose(1, 2)
+    prefix = session.lengths[self.layer_idx] - seq  # > 0 only for a later chunk under engine semantics
+    if session.semantics.is_engine:
+        # engine chunked prefill: earlier chunks as the cache stores them, this chunk's keys fresh (bf16)
+        latent, rope = session.chunk_kv(self.layer_idx, seq)
+        if prefix > 0:
+            old_latent, old_rope = session.read_back(self.layer_idx, 0, prefix)
+            latent, rope = torch.cat([old_latent, latent], 1), torch.cat([old_rope, rope], 1)
+    else:
+        latent, rope = session.read_back(self.layer_idx, 0, seq)  # float32 [B, T, 512], [B, T, 64]
+    keys = prefix + seq
+    kv = self.kv_b_proj(latent.to(dtype)).view(bsz, keys, heads, nope + v_d).transpose(1, 2)
     k_nope, v = torch.split(kv, [nope, v_d], dim=-1)
-    k = torch.cat([k_nope, rope.to(dtype).view(bsz, 1, seq, -1).expand(-1, heads, -1, -1)], dim=-1)
+    k = torch.cat([k_nope, rope.to(dtype).view(bsz, 1, keys, -1).expand(-1, heads, -1, -1)], dim=-1)
     q = torch.cat([q_nope, q_pe.to(q_nope.dtype)], dim=-1)
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=float(self.scaling))
+    if prefix == 0:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=float(self.scaling))
+    else:  # query i (position prefix + i) sees keys 0 .. prefix + i
+        mask = torch.arange(keys, device=q.device).view(1, -1) <= (prefix + torch.arange(seq, device=q.device)).view(-1, 1)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=float(self.scaling))
     return out.transpose(1, 2).reshape(bsz, seq, heads * v_d)
 
 

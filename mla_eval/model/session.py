@@ -3,7 +3,9 @@
 The adapter's attention forward hands every layer's new latent and rotated rope to `write`, then
 reads attention through `attend`: exactly what a serving engine's decode sees, for prefill and for
 each decode step. Sequences of a batch advance together (same length), which is what the
-teacher-forced windows and the needle prompts need.
+teacher-forced windows and the needle prompts need. `semantics` and `attn_math`
+(mla_eval.attention.semantics) say which keys a prefill chunk reads from the cache and in which
+precision every read computes.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from mla_eval.attention import dispatch
+from mla_eval.attention.semantics import BF16, CACHE, AttentionMath, Semantics
 from mla_eval.errors import NonFiniteInputError
 from mla_eval.formats import FormatSpec, OuterScales, decode
 
@@ -26,6 +29,13 @@ from mla_eval.formats import FormatSpec, OuterScales, decode
 #             attended with causal SDPA (flash on CUDA) -- how serving engines prefill MLA, with
 #             3.4x fewer FLOPs per query than the absorbed form. Decode steps stay absorbed.
 PREFILL_MODES = ("absorbed", "mha")
+
+# Under engine semantics (mla_eval.attention.semantics) a multi-token forward is one prefill chunk:
+# its queries read earlier positions from the cache and the chunk's own keys from CHUNK_KEYS:
+#   fresh: the chunk's latent and rope as computed, rounded to bf16 (what an engine attends over);
+#   cache: what the cache stores for them -- cache semantics run on the engine's chunked schedule
+#          (with a bf16 cache the two are bit-identical: the tests hold them to that).
+CHUNK_KEYS = ("fresh", "cache")
 
 
 class LayerObserver(Protocol):
@@ -80,9 +90,14 @@ class CacheSession:
         observers: tuple[Callable[[LayerEvent], None], ...] = (),
         keep_exact: bool = False,
         prefill: str = "absorbed",
+        semantics: Semantics = CACHE,
+        attn_math: AttentionMath = BF16,
+        chunk_keys: str = "fresh",
     ) -> None:
         if prefill not in PREFILL_MODES:
             raise ValueError(f"prefill mode {prefill!r}: one of {', '.join(PREFILL_MODES)}")
+        if chunk_keys not in CHUNK_KEYS:
+            raise ValueError(f"chunk keys {chunk_keys!r}: one of {', '.join(CHUNK_KEYS)}")
         if outer_scales is not None:
             outer_scales.check_layers(num_layers)
         self.spec = spec
@@ -99,6 +114,10 @@ class CacheSession:
         self.outer_scales = outer_scales
         self.observers = observers
         self.prefill = prefill
+        self.semantics = semantics
+        self.math = attn_math
+        self.chunk_keys = chunk_keys
+        self._fresh: dict[int, torch.Tensor] = {}  # engine semantics: the last written layer's chunk keys [B, T, 576]
         self.blocks_per_seq = math.ceil(capacity / block_size)
         nblocks = batch * self.blocks_per_seq
         self.caches = [
@@ -122,6 +141,7 @@ class CacheSession:
         self.lengths = [0] * self.num_layers
         self.last_scale = [1.0] * self.num_layers
         self.step_pos = None
+        self._fresh = {}
         if self.exact:
             self.exact = [None] * self.num_layers
 
@@ -156,6 +176,9 @@ class CacheSession:
         if step:
             self._step_finite[layer].copy_(torch.isfinite(latent).all() & torch.isfinite(rope).all())
         self.lengths[layer] = start + t
+        if self.semantics.is_engine and not step:
+            # the engine attends over its bf16 activations: the same rounding a bf16 cache stores
+            self._fresh = {layer: torch.cat([latent, rope.to(latent.dtype)], -1).to(torch.bfloat16).float()}
         if self.exact:
             prev = self.exact[layer]
             new = (latent.float(), rope.float())
@@ -173,7 +196,18 @@ class CacheSession:
         Observers (per-layer error statistics) need the latent-space output, so they keep the
         absorbed path.
         """
-        return self.prefill == "mha" and not self.observers and new_tokens > 1 and self.lengths[layer] == new_tokens
+        if self.prefill != "mha" or self.observers or new_tokens <= 1:
+            return False
+        return self.semantics.is_engine or self.lengths[layer] == new_tokens
+
+    def chunk_kv(self, layer: int, new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Engine semantics: the keys the current chunk's queries read for the chunk itself, as
+        (latent [B, T, 512], rope [B, T, 64]) float32 -- fresh bf16 or read back (CHUNK_KEYS)."""
+        end = self.lengths[layer]
+        if self.chunk_keys == "cache":
+            return self.read_back(layer, end - new_tokens, new_tokens)
+        keys = self._fresh[layer]
+        return keys[..., :512], keys[..., 512:]
 
     def attend(self, layer: int, q: torch.Tensor, softmax_scale: float, topk: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of the T newest tokens' queries q [B, T, H, 576] over the cache.
@@ -199,10 +233,24 @@ class CacheSession:
                 softmax_scale=softmax_scale,
                 outer_scale=self.outer_scale(layer),
                 max_seq_len=self.capacity,
+                math=self.math,
             )
             return out.view(b, t, h, -1)
         q_pos = torch.arange(end - t, end, device=dev)
-        if topk is None:
+        if topk is None and self.semantics.is_engine:
+            latent, rope = self.chunk_kv(layer, t)
+            out, _ = dispatch.mla_attention_chunk(
+                self.spec,
+                q.reshape(b * t, h, -1),
+                self.caches[layer],
+                softmax_scale=softmax_scale,
+                block_table=self.block_tables[dev],
+                prefix_len=end - t,
+                chunk_keys=torch.cat([latent, rope], -1),
+                outer_scale=self.outer_scale(layer),
+                math=self.math,
+            )
+        elif topk is None:
             out, _ = dispatch.mla_attention_dense(
                 self.spec,
                 q.reshape(b * t, h, -1),
@@ -212,6 +260,7 @@ class CacheSession:
                 softmax_scale=softmax_scale,
                 outer_scale=self.outer_scale(layer),
                 max_seq_len=end,  # the longest list, known here: spares the kernel path a device sync
+                math=self.math,
             )
         else:
             # The block table is contiguous per sequence, so position p of sequence b is slot
@@ -229,6 +278,7 @@ class CacheSession:
                 indices=slots.reshape(b * t, -1).to(torch.int32),
                 softmax_scale=softmax_scale,
                 outer_scale=self.outer_scale(layer),
+                math=self.math,
             )
         return out.view(b, t, h, -1)
 
