@@ -121,6 +121,14 @@ class Semantics:
             out["preset_source"] = PRESETS[self.preset].source
         return out
 
+    def forward_chunk(self, length: int, is_dsa: bool) -> int:
+        """Tokens per forward of a `length`-token prompt: the chunk under engine semantics on a dense
+        model, else the whole prompt. A DSA model's sparse prefill reads every selected key from the
+        cache, so it runs like cache semantics, in one forward."""
+        if self.is_engine and not is_dsa:
+            return min(self.chunk, length)
+        return length
+
     def check_positions(self, max_positions: int, option: str = "--semantics") -> None:
         """A chunk longer than the model's positions names no prefill an engine could run."""
         if self.is_engine and max_positions > 0 and self.chunk > max_positions:

@@ -9,6 +9,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from mla_eval.attention.semantics import MATH_HELP, SEMANTICS_HELP
 from mla_eval.commands.progress import duration, progress_bars
 from mla_eval.evals.calibrate import CalibrateSettings, evaluate_calibration
 from mla_eval.evals.kld_evaluation import DEFAULT_FORMATS, KldSettings, evaluate_kld
@@ -70,6 +71,13 @@ def kld(
     device_map: str = typer.Option("none", "--device-map", help=DEVICE_MAP_HELP),
     backend: str = typer.Option(None, "--backend", help=BACKEND_HELP),
     seed: int = typer.Option(0, "--seed", help="Seed of the self-samples."),
+    semantics: str = typer.Option("cache", "--semantics", help=SEMANTICS_HELP),
+    math: str = typer.Option("bf16", "--math", help=MATH_HELP),
+    explain: str = typer.Option(
+        None, "--explain",
+        help="A format (e.g. nvfp4): add its storage-only (format cache, bf16 math), compute-only (bf16 cache, fp8 "
+        "math) and both rows under every --semantics, and the breakdown in the JSON.",
+    ),
 ) -> None:
     """Teacher-forced KL divergence of each cache format vs a reference format.
 
@@ -82,6 +90,7 @@ def kld(
         max_tokens=max_tokens, samples=samples, sample_len=sample_len, seed=seed, formats=formats, ref=ref, ctx=ctx,
         stride=stride, min_context=min_context, batch=batch, scales=scales, calib_tokens=calib_tokens,
         layer_stats=layer_stats, save_ref=save_ref, ref_file=ref_file, ref_store=ref_store,
+        semantics=semantics, math=math, explain=explain,
     )
     # a bad --out costs nothing: checked before the model loads (the default name's folder too)
     check_output_path(out if out is not None else default_result_path("kld", "model"), force)
@@ -96,7 +105,11 @@ def kld(
         return
     if result.model.get("random"):  # never let a random-weights figure pass for a quality number
         console.print(f"[bold yellow]model: {result.model['label']}[/]")
-    print_table(result.formats, result.settings["ref"], result.text["label"], Console())
+    print_table(result.formats, result.settings["ref"], result.text["label"], Console(), attention_title(result.settings))
+    for note in result.notes:
+        console.print(f"[bold]note:[/] {note}")
+    if result.explain is not None:
+        print_explain(result.explain, Console())
     path = write_result(out or default_result_path("kld", result.model["name"]), result.to_document(), force=force)
     console.print(f"wrote {path}")
     if plot:
@@ -153,11 +166,32 @@ def table_columns(summary: dict, width: int) -> list[tuple]:
     return [c for c in cols if c in chosen]
 
 
-def print_table(summary: dict, ref: str, label: str, con: Console) -> None:
+def attention_title(settings: dict) -> str:
+    """' — semantics cache, engine:512; math bf16, fp8-q' (documents before semantics existed: '')."""
+    sems = [s["semantics"] for s in settings.get("semantics", [])]
+    if not sems:
+        return ""
+    return f" — semantics {', '.join(sems)}; math {', '.join(settings.get('math', ['bf16']))}"
+
+
+def print_explain(explain: dict, con: Console) -> None:
+    """The storage / compute split of one format, one line per semantics and fp8 math."""
+    fmt = explain["format"]
+    table = Table(title=f"Where {fmt}'s KLD comes from: storage (its cache, bf16 math) vs compute (bf16 cache, fp8 math)")
+    for c in ("semantics", "math", "storage only", "compute only", "both", "both - sum"):
+        table.add_column(c, justify="right" if c not in ("semantics", "math") else "left")
+    for sem, row in explain["semantics"].items():
+        for m, both in row["both"].items():
+            table.add_row(sem, m, f"{row['storage_only']:.5f}", f"{row['compute_only'][m]:.5f}", f"{both:.5f}",
+                          f"{row['interaction'][m]:+.5f}")
+    con.print(table)
+
+
+def print_table(summary: dict, ref: str, label: str, con: Console, attention: str = "") -> None:
     """Formats as rows (they are what the reader compares); columns that do not fit the terminal
     are named below the table, and every figure is in the result JSON."""
     cols = table_columns(summary, con.width)
-    table = Table(title=f"Teacher-forced KLD vs {ref} cache — {label}")
+    table = Table(title=f"Teacher-forced KLD vs {ref} cache — {label}{attention}")
     table.add_column("format", style="bold", no_wrap=True)
     for title, _, _ in cols:
         table.add_column(title, justify="right", no_wrap=True)
@@ -191,13 +225,16 @@ def calibrate_cmd(
     device: str = typer.Option("auto", "--device", help=DEVICES_HELP + "."),
     device_map: str = typer.Option("none", "--device-map", help=DEVICE_MAP_HELP),
     backend: str = typer.Option(None, "--backend", help=BACKEND_HELP),
+    semantics: str = typer.Option("cache", "--semantics", help="One attention semantics for the calibration forwards "
+                                  "(see `mla-eval kld --help`); with the bf16 cache calibration runs, only the schedule changes."),
+    math: str = typer.Option("bf16", "--math", help="One attention math (bf16, fp8-q, fp8-qp) for the calibration forwards."),
 ) -> None:
     """Compute per-layer outer scales s_l = max|c_kv| / (6*448) and write the published JSON schema."""
     from mla_eval.atomic_io import write_json_atomic
 
     settings = CalibrateSettings(
         model=model, device=device, device_map=device_map, backend=backend, text=text, dataset=dataset,
-        max_tokens=max_tokens, samples=samples, sample_len=sample_len, seed=seed, ctx=ctx,
+        max_tokens=max_tokens, samples=samples, sample_len=sample_len, seed=seed, ctx=ctx, semantics=semantics, math=math,
     )
     check_output_path(out, force)
     with progress_bars(console) as progress:

@@ -68,6 +68,12 @@ def needle(
     device: str = typer.Option("auto", "--device", help=DEVICES_HELP + "."),
     device_map: str = typer.Option("none", "--device-map", help=DEVICE_MAP_HELP),
     backend: str = typer.Option(None, "--backend", help=BACKEND_HELP),
+    semantics: str = typer.Option(
+        "cache", "--semantics",
+        help="How the prompt's prefill reads the cache: cache (default), engine:C (chunked prefill: earlier chunks "
+        "through the cache, the own chunk fresh) or a preset (vllm, vllm-offline, sglang). Decode steps read the cache.",
+    ),
+    math: str = typer.Option("bf16", "--math", help="Attention math of the absorbed reads (decode steps): bf16, fp8-q, fp8-qp."),
 ) -> None:
     """Needle-in-a-haystack retrieval per cache format, on identical prompts of exact token length.
 
@@ -80,7 +86,7 @@ def needle(
         model=model, device=device, device_map=device_map, backend=backend, formats=formats, lengths=lengths,
         depths=depths, depth_steps=depth_steps, trials=trials, task=task, values=values, haystack=haystack,
         scales=scales, batch=batch, prefill=prefill, full_answers=full_answers, cuda_graphs=cuda_graphs,
-        threshold=threshold, seed=seed,
+        threshold=threshold, seed=seed, semantics=semantics, math=math,
     )
     check_output_path(out if out is not None else default_result_path("needle", "model"), force)
     with progress_bars(console) as progress:
@@ -105,6 +111,8 @@ def print_needle(result, con: Console) -> None:
     s = result.settings
     if result.model.get("random"):  # never let a random-weights figure pass for a quality number
         con.print(f"[bold yellow]model: {result.model['label']}[/]")
+    if "semantics" in s:
+        con.print(f"prefill semantics {s['semantics']['semantics']}; attention math {s['math']}")
     _print(result.formats, result.format_induced_failures, s["lengths"], s["depths"], s["threshold"], con)
 
 

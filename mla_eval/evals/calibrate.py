@@ -12,8 +12,9 @@ from typing import Any
 import torch
 
 from mla_eval.attention import dispatch
+from mla_eval.attention.semantics import BF16, CACHE, AttentionMath, Semantics, get_math, parse_semantics
 from mla_eval.evals import text_sources
-from mla_eval.evals.settings import DEFAULT_CTX, ModelSettings, ProgressCallback, check_ctx, no_progress
+from mla_eval.evals.settings import DEFAULT_CTX, ModelSettings, ProgressCallback, check_ctx, check_math_backend, no_progress
 from mla_eval.evals.text_sources import TokenSource
 from mla_eval.formats import OuterScales, get_format
 from mla_eval.model.session import CacheSession
@@ -21,8 +22,15 @@ from mla_eval.results import environment
 
 
 @torch.no_grad()
-def latent_amax(lm, source: TokenSource, ctx: int, progress: ProgressCallback = no_progress) -> list[float]:
-    """max |c_kv| per layer over non-overlapping windows of `ctx` tokens of every sequence."""
+def latent_amax(
+    lm, source: TokenSource, ctx: int, progress: ProgressCallback = no_progress,
+    semantics: Semantics = CACHE, attn_math: AttentionMath = BF16,
+) -> list[float]:
+    """max |c_kv| per layer over non-overlapping windows of `ctx` tokens of every sequence.
+
+    The windows run through a bf16 cache, where engine and cache semantics read the same keys; under
+    engine semantics a window runs in chunks (the engine's schedule). The attention math changes the
+    activations that reach later layers, so it can move the scales."""
     check_ctx(ctx)
     amax = [0.0] * lm.num_layers
 
@@ -33,19 +41,26 @@ def latent_amax(lm, source: TokenSource, ctx: int, progress: ProgressCallback = 
     progress("calibrate", 0, len(chunks))
     for done, chunk in enumerate(chunks, 1):
         ids = chunk.view(1, -1).to(lm.device)
-        session = CacheSession(get_format("bf16"), lm.num_layers, 1, ids.shape[1], lm.layer_devices, observers=(observe,))
+        session = CacheSession(get_format("bf16"), lm.num_layers, 1, ids.shape[1], lm.layer_devices, observers=(observe,),
+                               semantics=semantics, attn_math=attn_math)
+        pos = torch.arange(ids.shape[1], device=lm.device).view(1, -1)
+        step = semantics.forward_chunk(ids.shape[1], lm.adapter.is_dsa)
         with lm.adapter.session(session):
-            lm.model(input_ids=ids, position_ids=torch.arange(ids.shape[1], device=lm.device).view(1, -1), use_cache=False)
+            for a in range(0, ids.shape[1], step):
+                lm.model(input_ids=ids[:, a : a + step], position_ids=pos[:, a : a + step], use_cache=False)
         progress("calibrate", done, len(chunks))
     return amax
 
 
-def calibrate(lm, source: TokenSource, ctx: int, progress: ProgressCallback = no_progress) -> OuterScales:
-    amax = latent_amax(lm, source, ctx, progress)
-    return OuterScales.from_amax(
-        amax,
-        provenance={"model": lm.name, "calibration": source.label, "tokens": source.num_tokens, "max_abs_c_kv": amax},
-    )
+def calibrate(
+    lm, source: TokenSource, ctx: int, progress: ProgressCallback = no_progress,
+    semantics: Semantics = CACHE, attn_math: AttentionMath = BF16,
+) -> OuterScales:
+    amax = latent_amax(lm, source, ctx, progress, semantics, attn_math)
+    provenance = {"model": lm.name, "calibration": source.label, "tokens": source.num_tokens, "max_abs_c_kv": amax}
+    if semantics.is_engine or attn_math.name != "bf16":  # older scale files stay byte-identical
+        provenance.update(semantics=semantics.label, math=attn_math.name)
+    return OuterScales.from_amax(amax, provenance=provenance)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,11 +72,15 @@ class CalibrateSettings(ModelSettings, text_sources.TextSettings):
     sample_len: int = 768
     seed: int = 1000
     ctx: int = DEFAULT_CTX
+    semantics: str = "cache"  # mla_eval.attention.semantics (one value)
+    math: str = "bf16"
 
     def __post_init__(self) -> None:
         ModelSettings.__post_init__(self)
         text_sources.TextSettings.__post_init__(self)
         check_ctx(self.ctx)
+        parse_semantics(self.semantics)
+        check_math_backend([get_math(self.math)], self.backend)
 
 
 @dataclasses.dataclass
@@ -80,7 +99,9 @@ class CalibrationResult:
 def evaluate_calibration(st: CalibrateSettings, progress: ProgressCallback = no_progress) -> CalibrationResult:
     with dispatch.use_backend(st.backend) as log:
         lm = st.load()
+        semantics = parse_semantics(st.semantics)
+        semantics.check_positions(lm.max_positions)
         source = text_sources.load_source(lm, st, progress)
-        scales = calibrate(lm, source, st.ctx, progress)
+        scales = calibrate(lm, source, st.ctx, progress, semantics, get_math(st.math))
         env = environment(attention=log)
     return CalibrationResult(scales, source.label, env)

@@ -208,15 +208,6 @@ def _same_shape_groups(ws: list[tuple[int, Window]]) -> list[list[tuple[int, Win
     return list(groups.values())
 
 
-def forward_chunk(lm, semantics: Semantics, length: int) -> int:
-    """Tokens per forward: the engine's chunk under engine semantics on a dense model, else the whole
-    window. A DSA model's sparse prefill reads the cache for every selected key (see
-    mla_eval.attention.semantics), so it runs like cache semantics, in one forward."""
-    if semantics.is_engine and not lm.adapter.is_dsa:
-        return min(semantics.chunk, length)
-    return length
-
-
 @torch.no_grad()
 def _forward_logp(
     lm, variant: Variant, ids: torch.Tensor, score_from: int, st: KldProtocol, observers,
@@ -227,7 +218,7 @@ def _forward_logp(
     Under engine semantics the window runs as consecutive forwards of the chunk size, each chunk's
     queries reading the earlier chunks through the cache (what an engine's chunked prefill does)."""
     b, t = ids.shape
-    chunk = forward_chunk(lm, semantics, t)
+    chunk = semantics.forward_chunk(t, lm.adapter.is_dsa)
     if lm.adapter.is_dsa:
         semantics = CACHE  # engine == cache on the sparse path: one forward, every key from the cache
     scales = scales_for(variant, st.outer_scales)

@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from mla_eval.attention.semantics import BF16, CACHE, AttentionMath, Semantics
 from mla_eval.evals.needle_tasks import Prompt, PromptBuilder
 from mla_eval.evals.settings import ProgressCallback, no_progress
 from mla_eval.evals.variants import Variant, scales_for
@@ -38,16 +39,21 @@ class NeedleGrid:
     prefill: str = "mha"  # session.PREFILL_MODES
     stop_at_answer: bool = True  # end a prompt's decode once its answer is complete (exact for the score)
     cuda_graphs: bool = True  # decode steps replay as one CUDA graph where they can (model.decode_steps)
+    semantics: Semantics = CACHE  # mla_eval.attention.semantics: how the prompt's prefill reads the cache
+    math: AttentionMath = BF16  # the attention math of every absorbed read (decode steps included)
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodeOptions:
-    """How `generate` decodes: the answer budget, the prefill mode, early stop, CUDA graphs."""
+    """How `generate` decodes: the answer budget, the prefill mode, early stop, CUDA graphs, and the
+    attention semantics (the prompt prefills in chunks under engine semantics) and math."""
 
     max_new: int
     prefill: str = "mha"
     stop_at_answer: bool = False
     graphs: bool = True
+    semantics: Semantics = CACHE
+    math: AttentionMath = BF16
 
 
 @dataclasses.dataclass
@@ -131,19 +137,25 @@ def generate(
 
     def build():
         session = CacheSession(
-            variant.spec, lm.num_layers, b, t + max_new, lm.layer_devices, outer_scales=outer, prefill=opts.prefill
+            variant.spec, lm.num_layers, b, t + max_new, lm.layer_devices, outer_scales=outer, prefill=opts.prefill,
+            semantics=opts.semantics, attn_math=opts.math,
         )
         return session, DecodeSteps(lm, session, graphs=opts.graphs)
 
-    key = (variant.name, None if outer is None else outer.scales, b, t + max_new, opts.prefill, opts.graphs)
+    key = (variant.name, None if outer is None else outer.scales, b, t + max_new, opts.prefill, opts.graphs,
+           opts.semantics, opts.math)
     session, steps = (reuse or SessionReuse()).get(key, build)
     out: list[list[int]] = [[] for _ in prompts]
     done = [False] * len(prompts)
     with lm.adapter.session(session):
-        # only the last position's logits: a 64K prompt's full logits would be 64K x vocab
-        logits = lm.model(
-            input_ids=ids, position_ids=torch.arange(t, device=lm.device).expand(b, -1), use_cache=False, logits_to_keep=1
-        ).logits[:, -1]
+        # only the last position's logits: a 64K prompt's full logits would be 64K x vocab; under
+        # engine semantics the prompt prefills in chunks (the last chunk's last logits answer)
+        pos = torch.arange(t, device=lm.device).expand(b, -1)
+        chunk = opts.semantics.forward_chunk(t, lm.adapter.is_dsa)
+        for a in range(0, t, chunk):
+            logits = lm.model(
+                input_ids=ids[:, a : a + chunk], position_ids=pos[:, a : a + chunk], use_cache=False, logits_to_keep=1
+            ).logits[:, -1]
         for step in range(max_new):
             nxt = logits.float().argmax(-1)
             for i, tok in enumerate(nxt.tolist()):
@@ -171,7 +183,7 @@ class NeedleRun:
 def run_needle(lm, builder: PromptBuilder, st: NeedleGrid, progress: ProgressCallback = no_progress) -> NeedleRun:
     prompts = make_prompts(builder, st)
     max_new = st.max_new_tokens or new_tokens_for(st.values, st.task)
-    opts = DecodeOptions(max_new, st.prefill, st.stop_at_answer, st.cuda_graphs)
+    opts = DecodeOptions(max_new, st.prefill, st.stop_at_answer, st.cuda_graphs, st.semantics, st.math)
     records = []
     total = len(prompts) * len(st.variants)
     done = 0

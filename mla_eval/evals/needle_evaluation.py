@@ -12,11 +12,12 @@ from typing import Any
 import torch
 
 from mla_eval.attention import dispatch
+from mla_eval.attention.semantics import get_math, parse_semantics
 from mla_eval.errors import UserError
 from mla_eval.evals import needle as nd
 from mla_eval.evals.calibrate import calibrate
 from mla_eval.evals.needle_tasks import TASKS, VALUE_KINDS, PromptBuilder, load_haystack
-from mla_eval.evals.settings import ModelSettings, ProgressCallback, no_progress
+from mla_eval.evals.settings import ModelSettings, ProgressCallback, check_math_backend, no_progress
 from mla_eval.evals.text_sources import TokenSource
 from mla_eval.evals.variants import Variant, parse_variants
 from mla_eval.formats import OuterScales
@@ -79,9 +80,13 @@ class NeedleSettings(ModelSettings):
     cuda_graphs: bool = True
     threshold: float = 0.9
     seed: int = 0
+    semantics: str = "cache"  # mla_eval.attention.semantics (one value): how the prompt's prefill reads the cache
+    math: str = "bf16"  # attention math of every absorbed read (decode steps included)
 
     def __post_init__(self) -> None:
         ModelSettings.__post_init__(self)
+        parse_semantics(self.semantics)
+        check_math_backend([get_math(self.math)], self.backend)
         if self.task not in TASKS:
             raise UserError(f"unknown task {self.task!r}; choose one of {', '.join(TASKS)}")
         if self.values not in VALUE_KINDS:
@@ -171,9 +176,12 @@ def evaluate_needle(st: NeedleSettings, progress: ProgressCallback = no_progress
             else:
                 outer = OuterScales.load(st.scales)
                 outer.check_layers(lm.num_layers, source=st.scales)
+        semantics = parse_semantics(st.semantics)
+        semantics.check_positions(lm.max_positions)
         grid = nd.NeedleGrid(
             tuple(variants), tuple(lens), tuple(deps), st.trials, st.task, st.values, seed=st.seed, batch=st.batch,
             outer_scales=outer, prefill=st.prefill, stop_at_answer=not st.full_answers, cuda_graphs=st.cuda_graphs,
+            semantics=semantics, math=get_math(st.math),
         )
         run = nd.run_needle(lm, builder, grid, progress=progress)
         env = environment(attention=log)
@@ -193,7 +201,8 @@ def evaluate_needle(st: NeedleSettings, progress: ProgressCallback = no_progress
         settings={"task": st.task, "values": st.values, "haystack": hay_label, "lengths": lens, "depths": deps,
                   "trials": st.trials, "seed": st.seed, "threshold": st.threshold, "prefill": st.prefill,
                   "max_new_tokens": run.max_new_tokens, "stop_at_answer": not st.full_answers,
-                  "cuda_graphs": st.cuda_graphs, "backend": log.backend},
+                  "cuda_graphs": st.cuda_graphs, "backend": log.backend, "semantics": semantics.as_dict(),
+                  "math": st.math},
         outer_scales=outer,
         environment=env,
         formats=summary,

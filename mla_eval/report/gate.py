@@ -3,7 +3,8 @@
 Every metric has a direction (KLD may not rise, retrieval may not fall, pool tokens must match)
 and a tolerance: a change against the good direction is a regression only when it exceeds
 max(abs, rel * |baseline|). A metric present in the baseline and missing from the results is a
-regression too (a format silently dropped must not pass).
+regression too (a format silently dropped must not pass). A row's identity includes the attention
+semantics and math it ran under (`identity`): a figure is only ever compared with one of the same.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 from xml.sax.saxutils import escape
 
 from mla_eval.atomic_io import write_text_atomic
+from mla_eval.attention.semantics import row_label
 from mla_eval.errors import UserError
 from mla_eval.result_schemas import validate
 from mla_eval.results import check_writable_folder, fulfil_output, is_our_document, load_json, promise_output, read_result
@@ -44,15 +46,30 @@ class Check:
     why: str
 
 
+def identity(row_key: str, row: dict, doc: dict) -> str:
+    """A result row's identity: its format with the attention semantics and math it ran under
+    (mla_eval.attention.semantics.row_label), so that figures of different semantics or math are
+    never compared with each other. A kld row names them itself; a needle document (and any
+    document written before they existed: cache, bf16) in its settings."""
+    sem, math = row.get("semantics"), row.get("math")
+    if sem is None or math is None:
+        settings = doc.get("settings", {})
+        given = settings.get("semantics")
+        sem = given.get("semantics", "cache") if isinstance(given, dict) else "cache"
+        math = settings.get("math") if isinstance(settings.get("math"), str) else "bf16"
+    return row_label(row.get("format", row_key), sem, math)
+
+
 def _metrics(doc: dict) -> dict[str, tuple[str, float | None]]:
-    """'<format>.<metric>' -> (metric, value) for a kld, needle or capacity document."""
+    """'<row identity>.<metric>' -> (metric, value) for a kld, needle or capacity document."""
     schema = str(doc.get("schema", ""))
     out: dict[str, tuple[str, float | None]] = {}
     if schema.startswith("mla-eval/kld/") or schema.startswith("mla-eval/needle/"):
         for fmt, s in doc.get("formats", {}).items():
+            name = identity(fmt, s, doc)
             for m in ("kld_mean", "kld_p99", "same_top1_pct", "mean_accuracy", "effective_length"):
                 if m in s:
-                    out[f"{fmt}.{m}"] = (m, s[m])
+                    out[f"{name}.{m}"] = (m, s[m])
     elif schema.startswith("mla-eval.capacity/"):
         for row in doc.get("formats", []):
             for m in ("pool_tokens", "bytes_per_token"):

@@ -28,6 +28,30 @@ def _fmt(v, spec: str) -> str:
     return "–" if v is None else spec.format(v)
 
 
+def _attention(settings: dict) -> str:
+    """' — semantics cache, engine:512; math bf16' for documents that name them, else ''."""
+    sems = settings.get("semantics")
+    if isinstance(sems, dict):  # needle: one semantics
+        sems = [sems]
+    if not sems:
+        return ""
+    maths = settings.get("math", "bf16")
+    maths = [maths] if isinstance(maths, str) else maths
+    return f" — semantics {', '.join(x['semantics'] for x in sems)}; math {', '.join(maths)}"
+
+
+def _explain_section(ex: dict) -> tuple[str, list[str], list[list[str]]]:
+    """Storage-only / compute-only / both rows of the --explain format, per semantics and fp8 math."""
+    rows = [
+        [sem, m, f"{r['storage_only']:.5f}", f"{r['compute_only'][m]:.5f}", f"{both:.5f}", f"{r['interaction'][m]:+.5f}"]
+        for sem, r in ex["semantics"].items()
+        for m, both in r["both"].items()
+    ]
+    head = ["semantics", "math", "storage only (KLD)", "compute only (KLD)", "both (KLD)", "both - sum"]
+    return (f"Where {ex['format']}'s error comes from: storage (its cache, bf16 math) vs compute (bf16 cache, fp8 math)",
+            head, rows)
+
+
 def _of_kind(docs: dict[str, dict], kind: str) -> list[dict]:
     """The documents of one kind: `<kind>.json` and any `<kind>-<name>.json`, in name order."""
     return [docs[k] for k in sorted(docs) if k == kind or k.startswith(kind + "-")]
@@ -38,12 +62,16 @@ def sections(docs: dict[str, dict]) -> list[tuple[str, list[str], list[list[str]
     out = []
     for d in _of_kind(docs, "kld"):
         rows = [[name] + [_fmt(s.get(k), f) for _, k, f in KLD_COLUMNS] for name, s in d["formats"].items()]
-        title = f"Teacher-forced KLD vs {d['settings']['ref']} — {d['text']['label']}"
+        title = f"Teacher-forced KLD vs {d['settings']['ref']} — {d['text']['label']}{_attention(d['settings'])}"
         out.append((title, ["format"] + [c for c, _, _ in KLD_COLUMNS], rows))
+        for note in d.get("notes", []):
+            out.append((f"Note: {note}", [], []))
+        if d.get("explain"):
+            out.append(_explain_section(d["explain"]))
     for d in _of_kind(docs, "needle"):
         s = d["settings"]
         rows = [[name, f"{v['mean_accuracy']:.3f}", str(v["effective_length"] or "–")] for name, v in d["formats"].items()]
-        title = f"Needle retrieval ({s['task']}, {s['values']}; lengths {s['lengths']})"
+        title = f"Needle retrieval ({s['task']}, {s['values']}; lengths {s['lengths']}){_attention(s)}"
         out.append((title, ["format", "mean accuracy", "effective length"], rows))
         fails = d.get("format_induced_failures", [])
         if fails:
@@ -93,6 +121,9 @@ def load_results_dir(folder: Path) -> dict[str, dict]:
 def render_markdown(title: str, secs) -> str:
     lines = [f"<!-- generator: {GENERATOR} -->", f"# {title}", ""]
     for t, head, rows in secs:
+        if not head:  # a note: one line of text, no table
+            lines += [f"> {t}", ""]
+            continue
         lines += [f"## {t}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         lines += ["| " + " | ".join(r) + " |" for r in rows]
         lines.append("")
@@ -111,6 +142,9 @@ def render_html(title: str, secs, images: list[Path]) -> str:
         f"<h1>{html.escape(title)}</h1>",
     ]
     for t, head, rows in secs:
+        if not head:  # a note: one line of text, no table
+            parts.append(f"<p><strong>{html.escape(t)}</strong></p>")
+            continue
         parts.append(f"<h2>{html.escape(t)}</h2><table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in head) + "</tr>")
         parts += ["<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows]
         parts.append("</table>")
