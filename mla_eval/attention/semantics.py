@@ -93,7 +93,9 @@ PRESETS = {
 SEMANTICS_HELP = (
     "Which keys a query reads from the quantised cache: 'cache' (every key, its own included: what decode sees; "
     "default), 'engine:C' (chunked prefill of C tokens: earlier chunks through the cache, the own chunk from fresh bf16 "
-    f"latents, as vLLM/SGLang prefill dense MLA), or an engine preset: {', '.join(f'{p.name} (engine:{p.chunk})' for p in PRESETS.values())}. "
+    "latents, as vLLM/SGLang prefill dense MLA), or an engine preset: "
+    + ", ".join(f"{p.name} (engine:{p.chunk})" for p in PRESETS.values())
+    + ". "
     "Comma-separate several for one row each."
 )
 

@@ -225,8 +225,11 @@ def calibrate_cmd(
     device: str = typer.Option("auto", "--device", help=DEVICES_HELP + "."),
     device_map: str = typer.Option("none", "--device-map", help=DEVICE_MAP_HELP),
     backend: str = typer.Option(None, "--backend", help=BACKEND_HELP),
-    semantics: str = typer.Option("cache", "--semantics", help="One attention semantics for the calibration forwards "
-                                  "(see `mla-eval kld --help`); with the bf16 cache calibration runs, only the schedule changes."),
+    semantics: str = typer.Option(
+        "cache", "--semantics",
+        help="One attention semantics for the calibration forwards (see `mla-eval kld --help`); with the bf16 cache "
+        "calibration runs, only the schedule changes.",
+    ),
     math: str = typer.Option("bf16", "--math", help="One attention math (bf16, fp8-q, fp8-qp) for the calibration forwards."),
 ) -> None:
     """Compute per-layer outer scales s_l = max|c_kv| / (6*448) and write the published JSON schema."""

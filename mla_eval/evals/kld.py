@@ -190,7 +190,10 @@ def run_kld(
                         continue
                     obs = layers[key].observers(v.spec) if layers else ()
                     logp = _forward_logp(lm, v, ids, sf, st, obs, sem, am)
-                    m = metrics_from_store(stored, logp, targets) if ref_file is not None else token_metrics(ref_logp, logp, targets)
+                    if ref_file is not None:
+                        m = metrics_from_store(stored, logp, targets)
+                    else:
+                        m = token_metrics(ref_logp, logp, targets)
                     stats[key].add(m, depth, order)
             done += len(ws) * (ws[0].length - 1 - sf)
             progress("score", done, total_scored)
