@@ -197,7 +197,8 @@ def mla_attention_chunk(
     for r in range(b):
         keys = chunk_keys[r].to(torch.float32)
         if prefix_len > 0:
-            slots = dense_slots(block_table[r : r + 1], torch.tensor([prefix_len]), cache.shape[1])[0]
+            row = block_table[r : r + 1]
+            slots = dense_slots(row, torch.tensor([prefix_len], device=row.device), cache.shape[1])[0]
             lat, rope = decode(spec, cache.view(-1, spec.record_bytes)[slots], outer_scale=outer_scale)
             keys = torch.cat([torch.cat([lat, rope], dim=-1), keys], dim=0)  # [prefix + T, 576]
         sel = torch.arange(r * t, (r + 1) * t, device=q.device)

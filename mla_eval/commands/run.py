@@ -24,7 +24,7 @@ import typer
 from rich.console import Console
 
 from mla_eval.attention import dispatch
-from mla_eval.commands.kld import BACKEND_HELP, print_estimate, print_table, write_kld_plots
+from mla_eval.commands.kld import BACKEND_HELP, attention_title, print_estimate, print_table, write_kld_plots
 from mla_eval.commands.needle import print_needle, write_needle_plots
 from mla_eval.commands.progress import progress_bars
 from mla_eval.errors import UserError
@@ -205,7 +205,9 @@ def run(
             section = "kld"
             with progress_bars(console, on_first=print_estimate) as progress:
                 result = evaluate_kld(kld_st, progress)
-            print_table(result.formats, result.settings["ref"], result.text["label"], Console())
+            print_table(result.formats, result.settings["ref"], result.text["label"], Console(), attention_title(result.settings))
+            for note in result.notes:
+                console.print(f"note: {note}")
             write_result(stage / "kld.json", result.to_document())
             write_kld_plots(result, stage / "plots")
         if needle_st is not None:

@@ -1,0 +1,119 @@
+"""GPU: attention math fp8-q and the engine chunked-prefill attention, CuTe kernel vs torch reference.
+
+fp8-q feeds the bf16-MMA kernel the E4M3 codes of Q (exact in bf16) with the Q scale folded into
+the softmax scale: the kernel then computes the same QK^T products as the reference (float32
+accumulation; summation order and the kernel's bf16 P in P.V differ), so the two agree to the
+kernels' usual bf16 tolerance, and both differ from bf16 math by more than that. Skipped without CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("cutlass")
+
+from mla_eval import api  # noqa: E402
+from mla_eval.attention import dispatch  # noqa: E402
+from mla_eval.attention.semantics import row_label  # noqa: E402
+from mla_eval.errors import UserError  # noqa: E402
+from mla_eval.formats import get_format  # noqa: E402
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+BLOCK = 64
+
+
+def _cache(fmt: str, tokens: int, gen):
+    spec = get_format(fmt)
+    blocks = -(-tokens // BLOCK)
+    cache = torch.zeros(blocks, BLOCK, spec.record_bytes, dtype=torch.uint8, device="cuda")
+    latent = (torch.randn(tokens, 512, generator=gen) * 2).cuda()
+    rope = torch.randn(tokens, 64, generator=gen).cuda()
+    dispatch.write_cache(spec, latent, rope, torch.arange(tokens, device="cuda"), cache, backend="reference")
+    return spec, cache, torch.arange(blocks, dtype=torch.int32, device="cuda").view(1, -1), latent, rope
+
+
+def _agree(out, ref, label):
+    a, b = out.double().flatten(), ref.double().flatten()
+    cos = float(a @ b / (a.norm() * b.norm()))
+    err = float((out - ref).abs().max())
+    assert cos >= 0.9999, f"{label}: cosine {cos}"
+    assert err <= 2e-2 * float(ref.abs().max()), f"{label}: max abs error {err}"
+    return err
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4", "fp8_ds_mla"])
+@pytest.mark.parametrize("mode", ["dense", "sparse"])
+def test_fp8_q_kernel_matches_reference(fmt, mode):
+    gen = torch.Generator().manual_seed(7)
+    spec, cache, table, _, _ = _cache(fmt, 700, gen)
+    n, h = 6, 16
+    q = (torch.randn(n, h, 576, generator=gen) * 4).cuda()  # wide enough that E4M3 rounding is visible
+    if mode == "dense":
+        lists = dict(block_table=table.repeat(n, 1), seq_lens=torch.tensor([1, 63, 64, 65, 400, 700], dtype=torch.int32).cuda())
+    else:
+        lists = dict(indices=torch.randint(0, 700, (n, 128), generator=gen, dtype=torch.int32).cuda())
+    runs = {}
+    for backend in ("kernel", "reference"):
+        for m in ("bf16", "fp8-q"):
+            runs[backend, m] = dispatch.mla_attention(spec, q, cache, softmax_scale=576**-0.5, backend=backend, math=m, **lists)[0]
+    err = _agree(runs["kernel", "fp8-q"], runs["reference", "fp8-q"], f"{fmt} {mode} fp8-q")
+    moved = float((runs["reference", "fp8-q"] - runs["reference", "bf16"]).abs().max())
+    assert moved > 4 * err, f"fp8-q moved the output by {moved}, kernel-vs-reference {err}"
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("prefix", [0, 100])
+@pytest.mark.parametrize("math", ["bf16", "fp8-q"])
+def test_engine_chunk_attention_kernel_matches_reference(fmt, prefix, math):
+    gen = torch.Generator().manual_seed(3)
+    t, b, h = 70, 2, 16
+    spec = get_format(fmt)
+    per_seq = -(-(prefix + t) // BLOCK)
+    cache = torch.zeros(b * per_seq, BLOCK, spec.record_bytes, dtype=torch.uint8, device="cuda")
+    table = torch.arange(b * per_seq, dtype=torch.int32, device="cuda").view(b, per_seq)
+    pos = torch.arange(prefix + t, device="cuda")
+    slots = (table[:, pos // BLOCK].long() * BLOCK + pos % BLOCK).reshape(-1)
+    latent = (torch.randn(b * (prefix + t), 512, generator=gen) * 2).cuda()
+    rope = torch.randn(b * (prefix + t), 64, generator=gen).cuda()
+    dispatch.write_cache(spec, latent, rope, slots, cache, backend="reference")
+    keys = torch.cat([latent, rope], -1).view(b, prefix + t, 576)[:, prefix:].to(torch.bfloat16).float()
+    q = torch.randn(b * t, h, 576, generator=gen).cuda()
+    outs = {
+        backend: dispatch.mla_attention_chunk(spec, q, cache, softmax_scale=576**-0.5, block_table=table, prefix_len=prefix,
+                                              chunk_keys=keys, backend=backend, math=math)
+        for backend in ("kernel", "reference")
+    }
+    _agree(outs["kernel"][0], outs["reference"][0], f"{fmt} prefix={prefix} {math}")
+    assert float((outs["kernel"][1] - outs["reference"][1]).abs().max()) < 0.05
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_fp8_qp_refused_on_the_kernel_path():
+    gen = torch.Generator().manual_seed(1)
+    spec, cache, table, _, _ = _cache("nvfp4", 64, gen)
+    q = torch.randn(1, 16, 576, generator=gen).cuda()
+    with pytest.raises(UserError, match="torch reference only"):
+        dispatch.mla_attention(spec, q, cache, softmax_scale=0.1, block_table=table, seq_lens=torch.tensor([64]).int().cuda(),
+                               backend="kernel", math="fp8-qp")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_kld_engine_and_fp8_math_agree_between_backends():
+    """The whole evaluation on the default model: kernel and reference paths give the same KLD for
+    engine semantics and fp8-q math (within the kernels' bf16 rounding)."""
+    common = dict(formats="nvfp4", samples=2, sample_len=256, device="cuda", layer_stats=False,
+                  semantics="cache,engine:64", math="bf16,fp8-q")
+    kern = api.evaluate_kld(api.KldSettings(**common, backend="kernel"))
+    ref = api.evaluate_kld(api.KldSettings(**common, backend="reference"))
+    for sem in ("cache", "engine:64"):
+        for m in ("bf16", "fp8-q"):
+            key = row_label("nvfp4", sem, m)
+            a, b = kern.mean_kld(key), ref.mean_kld(key)
+            assert abs(a - b) <= max(2e-3, 0.05 * b), f"{key}: kernel {a} vs reference {b}"
