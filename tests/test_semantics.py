@@ -302,3 +302,17 @@ def test_needle_engine_prefill_with_bf16_cache_decodes_the_same_answers():
     eng = {r["format"]: r["output"] for r in engine.records}
     assert eng["bf16"] == out["bf16"]
     assert engine.settings["semantics"]["semantics"] == "engine:64"
+
+
+# ------------------------------------------------------------------ report: title, note, breakdown
+def test_report_shows_semantics_notes_and_the_breakdown(tmp_path):
+    from mla_eval.report.page import build_report
+    from mla_eval.results import write_result
+
+    result = api.evaluate_kld(api.KldSettings(formats="nvfp4", samples=1, sample_len=32, device="cpu", layer_stats=False,
+                                              semantics="cache,engine:32", explain="nvfp4"))
+    write_result(tmp_path / "kld.json", result.to_document())
+    md = build_report(tmp_path).markdown()
+    assert "semantics cache, engine:32; math bf16" in md
+    assert "no position reads the cache" in md
+    assert "storage only (KLD)" in md and "| engine:32 | fp8-q | 0.00000 |" in md

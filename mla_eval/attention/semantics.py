@@ -238,8 +238,9 @@ def quantize_q(q: torch.Tensor, math: AttentionMath) -> tuple[torch.Tensor, floa
     q = q.to(torch.float32)
     if not math.q_fp8:
         return q, 1.0
-    scale = torch.tensor(math.q_scale, dtype=torch.float32)
-    return e4m3_decode(e4m3_encode(q / scale.to(q.device))), float(scale)
+    # a Python float, not a tensor: no host-to-device copy, so a decode step stays CUDA-graph capturable
+    scale = float(torch.tensor(math.q_scale, dtype=torch.float32))  # the float32 value an engine holds
+    return e4m3_decode(e4m3_encode(q / scale)), scale
 
 
 def quantize_p(p: torch.Tensor) -> torch.Tensor:
