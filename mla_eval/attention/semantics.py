@@ -10,10 +10,12 @@ Semantics
   keys of earlier chunks (positions < s) from the quantised cache and the keys of its own chunk
   from the freshly computed latents, rounded to bf16 (the engine's activation dtype). Decode steps
   read only the cache. This is how vLLM's dense-MLA prefill runs: the context already in the cache
-  is gathered, dequantised and attended (`_compute_prefill_context`), the new tokens attend over
-  their own fresh K/V, and the two partial results are merged by their log-sum-exp
-  (vllm-project/vllm vllm/model_executor/layers/attention/mla_attention.py @90b0a26e,
-  `forward_prefill` -> `merge_attn_states`; vllm/v1/attention/backends/mla/common.py @37fa5c09).
+  is gathered in context chunks, dequantised and attended (non-causal "context run"), the new
+  tokens attend causally over their own fresh K/V ("main run"), and the partial results are merged
+  by their log-sum-exp (vllm-project/vllm vllm/model_executor/layers/attention/mla_attention.py
+  @90b0a26e: `MLACommonImpl.forward` writes the cache, then `_forward_prefill`; the metadata
+  builder plans the main and context runs; vllm/v1/attention/backends/mla/common.py @37fa5c09,
+  "Chunked Prefill" in its header).
   With a bf16 cache the fresh keys are bit-identical to the stored ones, so engine and cache
   semantics agree; with one chunk covering the window no query reads the cache at all.
 - DSA models (deepseek_v32, glm_moe_dsa): the sparse prefill backends read every selected entry
@@ -38,8 +40,9 @@ Math
 - ``bf16``: the absorbed attention in float32 over the dequantised keys (our bf16-MMA kernels).
 - ``fp8-q``: Q quantised to E4M3 before QK^T with a static per-tensor scale, as vLLM's MLA decode
   does for an fp8 KV cache (vllm/model_executor/layers/attention/mla_attention.py @90b0a26e,
-  `forward_decode`: `ops.scaled_fp8_quant(ql_nope, self._q_scale)` and the same for q_pe;
-  `_q_scale` is 1.0 unless the checkpoint sets one): codes = E4M3(q / q_scale) (round to nearest
+  `MLACommonImpl.forward`: `_decode_concat_quant_fp8_op(decode_ql_nope, decode_q_pe, layer._q_scale)`,
+  i.e. the absorbed [q_nope W_UK, q_pe] in one E4M3 tensor; the attention layer's `_q_scale` is
+  1.0 unless the checkpoint or --calculate-kv-scales sets one): codes = E4M3(q / q_scale) (round to nearest
   even, saturating at +-448), scores = (codes . K) * softmax_scale * q_scale. Every E4M3 value is
   exact in bf16, so the bf16-MMA kernel fed the codes computes exactly these products (fp32
   accumulation; only the summation order differs from the reference).

@@ -256,7 +256,7 @@ def evaluate_kld(st: KldSettings, progress: ProgressCallback = no_progress) -> K
         if world > 1 and st.save_ref is not None:
             raise UserError("--save-ref is single-process only; run it without torchrun")
         variants, ref = st.variants(), st.ref_variant()
-        needs_outer = any(v.outer for v in [*variants, ref])
+        needs_outer = any(v.outer for v in [*variants, ref, *filter(None, [st.explain_variant()])])
         if st.scales == "none" and needs_outer:
             raise UserError("--scales none, but +s_l formats were asked for; drop them or give --scales FILE")
         given = None
