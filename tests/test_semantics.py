@@ -123,24 +123,31 @@ def test_quantised_cache_engine_reads_fresh_keys_in_the_chunk_only(v3, prefill):
     assert not torch.allclose(fresh[:, 16:], bf16[:, 16:], atol=1e-4)  # later chunks do
 
 
-def test_engine_chunks_then_absorbed_decode_reads_only_the_cache(v3):
-    """A decode step after an engine prefill reads the cache (its own key included), exactly as the
-    last position of a cache-semantics chunked run with chunk 1 would... and differs from a
-    fresh-keys read for a quantised format."""
-    model, adapter, ids = v3
-    t = ids.shape[1]
-    session = CacheSession(get_format("nvfp4"), adapter.num_layers, 2, t, "cpu", semantics=Semantics("engine", 8))
-    pos = torch.arange(t).expand(2, -1)
+def _engine_prefill_then_last(model, adapter, ids, last):
+    """Engine prefill (chunks of 8) of all but the last token of `ids` through an nvfp4 session,
+    then the last token as `last`: 'step' (a decode step), 'fresh' or 'cache' (a one-token chunk
+    whose own key is fresh, or read back from the cache). -> the last token's logits [B, vocab]."""
+    b, t = ids.shape
+    session = CacheSession(get_format("nvfp4"), adapter.num_layers, b, t, "cpu", semantics=Semantics("engine", 8))
+    pos = torch.arange(t).expand(b, -1)
     with torch.no_grad(), adapter.session(session):
-        for a in range(0, t - 1, 8):
+        for a in range(0, t - 1, 8):  # the engine's prefill, the same for every `last`
             e = min(a + 8, t - 1)
             model(input_ids=ids[:, a:e], position_ids=pos[:, a:e], use_cache=False)
-        session.begin_step(t - 1)
-        step = model(input_ids=ids[:, t - 1 :], position_ids=pos[:, t - 1 :], use_cache=False).logits
-        session.step_pos = None
-    full = _chunked_logits(model, adapter, "nvfp4", ids, 8, Semantics("engine", 8))
-    # the prefix [0, t-1) is the same engine prefill in both; only the last token differs in how it reads its own key
-    assert not torch.allclose(step[:, -1], full[:, -1], atol=1e-5)
+        session.chunk_keys = "cache" if last == "cache" else "fresh"
+        if last == "step":
+            session.begin_step(t - 1)
+        logits = model(input_ids=ids[:, t - 1 :], position_ids=pos[:, t - 1 :], use_cache=False).logits[:, -1]
+    return logits
+
+
+def test_decode_step_after_an_engine_prefill_reads_its_own_key_from_the_cache(v3):
+    model, adapter, ids = v3
+    step = _engine_prefill_then_last(model, adapter, ids, "step")
+    from_cache = _engine_prefill_then_last(model, adapter, ids, "cache")
+    fresh = _engine_prefill_then_last(model, adapter, ids, "fresh")
+    assert torch.allclose(step, from_cache, atol=1e-6, rtol=0)  # decode = every key, its own included, from the cache
+    assert not torch.allclose(step, fresh, atol=1e-4)  # a prefill chunk would have read its own key fresh
 
 
 # ------------------------------------------------------------------ one chunk = no cache read
