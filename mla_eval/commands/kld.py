@@ -14,6 +14,7 @@ from mla_eval.evals.calibrate import CalibrateSettings, evaluate_calibration
 from mla_eval.evals.kld_evaluation import DEFAULT_FORMATS, KldSettings, evaluate_kld
 from mla_eval.evals.settings import DEFAULT_CTX, DEVICES_HELP
 from mla_eval.model.loader import DEVICE_MAP_HELP, MODEL_HELP
+from mla_eval.model.rope_scaling import ROPE_SCALING_HELP
 from mla_eval.results import check_output_path, default_result_path, write_result
 
 console = Console(stderr=True)
@@ -70,6 +71,10 @@ def kld(
     device_map: str = typer.Option("none", "--device-map", help=DEVICE_MAP_HELP),
     backend: str = typer.Option(None, "--backend", help=BACKEND_HELP),
     seed: int = typer.Option(0, "--seed", help="Seed of the self-samples."),
+    rope_scaling: str = typer.Option("none", "--rope-scaling", help=ROPE_SCALING_HELP),
+    text_note: str = typer.Option(
+        None, "--text-note", help="How the --text file was built (recorded in the result's text.note), e.g. which articles."
+    ),
 ) -> None:
     """Teacher-forced KL divergence of each cache format vs a reference format.
 
@@ -82,6 +87,7 @@ def kld(
         max_tokens=max_tokens, samples=samples, sample_len=sample_len, seed=seed, formats=formats, ref=ref, ctx=ctx,
         stride=stride, min_context=min_context, batch=batch, scales=scales, calib_tokens=calib_tokens,
         layer_stats=layer_stats, save_ref=save_ref, ref_file=ref_file, ref_store=ref_store,
+        rope_scaling=rope_scaling, text_note=text_note,
     )
     # a bad --out costs nothing: checked before the model loads (the default name's folder too)
     check_output_path(out if out is not None else default_result_path("kld", "model"), force)

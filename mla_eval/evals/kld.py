@@ -5,6 +5,11 @@ within each token sequence; a position is scored once, by the first window in wh
 least `min_context` tokens before it. Every position of every layer reads the quantised cache
 (what decode sees). One reference forward per window batch serves every format; KL(ref || fmt)
 over the full vocabulary in float32.
+
+The loss is chunked: a forward keeps only the final hidden states of its scored positions, and the
+full-vocabulary log-probs are made `loss_chunk` rows at a time (reference and format side by side,
+through the model's own output head), so a 64K window never holds [64K, vocab] logits, let alone
+one per format.
 """
 
 from __future__ import annotations
@@ -69,6 +74,15 @@ class KldProtocol:
     block_size: int = 64
     layer_stats: bool = True
     outer_scales: OuterScales | None = None
+    loss_chunk: int = 0  # rows of full-vocabulary log-probs at a time; 0: loss_chunk_rows(vocab)
+
+
+LOSS_CHUNK_ELEMENTS = 1 << 26  # 64 Mi floats (256 MiB) per [rows, vocab] float32 tensor of the loss
+
+
+def loss_chunk_rows(vocab: int, asked: int = 0) -> int:
+    """Rows per loss chunk: `asked`, or as many as keep one [rows, vocab] float32 tensor at 256 MiB."""
+    return asked if asked > 0 else max(1, LOSS_CHUNK_ELEMENTS // max(1, vocab))
 
 
 def plan_windows(lm, source: TokenSource, st: KldProtocol) -> list[Window]:
@@ -152,16 +166,27 @@ def run_kld(
             # position p predicts token p+1: the window's last position has no target in it
             depth = torch.arange(sf, ws[0].length - 1).repeat(len(ws))
             order = torch.cat([wi * st.ctx + torch.arange(sf, ws[0].length - 1) for wi, _ in group])
+            rows = loss_chunk_rows(lm.model.config.vocab_size, st.loss_chunk)
+            chunks = [slice(c, min(c + rows, targets.numel())) for c in range(0, targets.numel(), rows)]
             if ref_file is not None:
                 stored = ref_file.lookup(order)
             else:
-                ref_logp = _forward_logp(lm, st.ref, ids, sf, st, None)
+                ref_h = _forward_hidden(lm, st.ref, ids, sf, st, None)
                 if save_ref is not None:
-                    save_ref.add(ref_logp, targets, order)
+                    for c in chunks:
+                        save_ref.add(_logp(lm, ref_h[c]), targets[c], order[c])
             for v in st.variants:
                 obs = layers[v.name].observers(v.spec) if layers else ()
-                logp = _forward_logp(lm, v, ids, sf, st, obs)
-                m = metrics_from_store(stored, logp, targets) if ref_file is not None else token_metrics(ref_logp, logp, targets)
+                fmt_h = _forward_hidden(lm, v, ids, sf, st, obs)
+                parts = []
+                for c in chunks:
+                    logp = _logp(lm, fmt_h[c])
+                    if ref_file is not None:
+                        parts.append(metrics_from_store({k: x[c] for k, x in stored.items()}, logp, targets[c]))
+                    else:
+                        parts.append(token_metrics(_logp(lm, ref_h[c]), logp, targets[c]))
+                    del logp
+                m = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
                 stats[v.name].add(m, depth, order)
             done += len(ws) * (ws[0].length - 1 - sf)
             progress("score", done, total_scored)
@@ -177,8 +202,9 @@ def _same_shape_groups(ws: list[tuple[int, Window]]) -> list[list[tuple[int, Win
 
 
 @torch.no_grad()
-def _forward_logp(lm, variant: Variant, ids: torch.Tensor, score_from: int, st: KldProtocol, observers) -> torch.Tensor:
-    """log-softmax (float32) of the positions score_from..len-2 of every row, stacked [n, vocab]."""
+def _forward_hidden(lm, variant: Variant, ids: torch.Tensor, score_from: int, st: KldProtocol, observers) -> torch.Tensor:
+    """Final hidden states (what the output head reads) of positions score_from..len-2 of every row,
+    stacked [n, hidden], through the variant's cache; the logits are made later, chunk by chunk (_logp)."""
     b, t = ids.shape
     scales = scales_for(variant, st.outer_scales)
     session = CacheSession(
@@ -196,9 +222,20 @@ def _forward_logp(lm, variant: Variant, ids: torch.Tensor, score_from: int, st: 
     with lm.adapter.session(session), warnings.catch_warnings():
         # transformers may warn that past_key_values is deprecated: our cache session replaces it
         warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated.*")
-        logits = lm.model(input_ids=ids, position_ids=pos, use_cache=False).logits
-    # under --device-map auto the logits come out on the last GPU: score on the input's device
-    return torch.log_softmax(logits[:, score_from : t - 1].float(), dim=-1).reshape(-1, logits.shape[-1]).to(lm.device)
+        hidden = lm.model.base_model(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
+    return hidden[:, score_from : t - 1].reshape(-1, hidden.shape[-1])
+
+
+@torch.no_grad()
+def _logp(lm, hidden: torch.Tensor) -> torch.Tensor:
+    """float32 log-softmax over the full vocabulary of some rows of final hidden states, [rows, vocab]:
+    the model's own output head (and final logit soft-capping where a config has it), as its forward does.
+    Under --device-map auto the head sits on the last GPU: the result moves to the input's device."""
+    logits = lm.model.get_output_embeddings()(hidden)
+    cap = getattr(lm.model.config, "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return torch.log_softmax(logits.float(), dim=-1).to(lm.device)
 
 
 def gather_arrays(stats: dict[str, TokenStats]) -> dict[str, TokenStats]:
