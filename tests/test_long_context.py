@@ -232,3 +232,46 @@ def test_chunked_loss_equals_the_full_logits():
     assert torch.allclose(torch.tensor(runs[7]["kld"][:95]), m["kld"], rtol=1e-5, atol=2e-6)
     assert torch.allclose(torch.tensor(runs[7]["nll_fmt"][:95]), m["nll_fmt"], rtol=1e-6, atol=1e-6)
     assert kld.loss_chunk_rows(12288) == (1 << 26) // 12288 and kld.loss_chunk_rows(129280, 100) == 100
+
+
+# --- end to end ---------------------------------------------------------------------------------
+
+
+def test_multi_task_run_document_and_printout(tmp_path, capsys):
+    from mla_eval.cli import main
+    from mla_eval.result_schemas import validate
+
+    out = tmp_path / "n.json"
+    # short answers (passkey, multikey numbers) keep the CPU decode short; vt's prompts are tested above
+    code = main(["needle", "--task", "multikey,passkey", "--lengths", "300", "--depths", "20,80", "--trials", "1", "--formats",
+                 "nvfp4", "--scales", "none", "--device", "cpu", "--out", str(out), "--plot", str(tmp_path / "plots")])
+    assert code == 0
+    import json
+
+    doc = json.loads(out.read_text())
+    validate(doc, str(out))
+    assert doc["settings"]["tasks"] == ["multikey:number", "passkey"] and doc["settings"]["samples_per_cell"] == 2
+    assert doc["model"]["rope_scaling"] is None
+    assert set(doc["tasks"]) == {"multikey:number", "passkey"}
+    for label, per in doc["tasks"].items():
+        for fmt in ("bf16", "nvfp4"):
+            cell = per[fmt]["cells"][0]
+            got = [r["correct"] for r in doc["records"] if r["task"] == label and r["format"] == fmt]
+            assert cell["n"] == 2 == len(got) and cell["correct"] == sum(got)
+    assert len(doc["paired_tests"]) == 2 and doc["statistics"]["alpha"] == 0.05
+    assert len(doc["records"]) == 2 * 2 * 2
+    printed = capsys.readouterr().out
+    assert "95 % Wilson interval" in printed and "McNemar" in printed
+    assert (tmp_path / "plots" / "multikey_number" / "needle_nvfp4.png").is_file()
+
+
+def test_kld_depth_plot_across_windows(tmp_path):
+    from mla_eval.report.plots import kld_depth_across_windows
+
+    def doc(ctx):
+        rows = [{"depth_lo": lo, "depth_hi": lo * 2, "tokens": 10, "kld_mean": 0.01, "kld_se": 0.001}
+                for lo in (512, 1024, ctx // 2)]
+        return {"settings": {"ctx": ctx}, "formats": {"nvfp4": {"kld_by_depth": rows}, "mxfp4": {"kld_by_depth": rows}}}
+
+    path = kld_depth_across_windows([doc(65536), doc(16384)], tmp_path / "depth.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

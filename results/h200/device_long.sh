@@ -41,6 +41,8 @@ kld)
             --out "$OUT/runs/kld-ctx$ctx.json" --plot "$OUT/runs/plots/kld-ctx$ctx" 2>&1 | quiet | tail -16
         echo "exit $?"
     done
+    step "KLD-vs-depth plot across windows"
+    python3 results/long/plot_kld_depth.py "$OUT/runs/plots/kld_by_depth_to_64k.png" "$OUT"/runs/kld-ctx*.json 2>&1 | tail -2
     ;;
 needle)
     run_needle() {  # name, timeout, lengths, formats, extra...
