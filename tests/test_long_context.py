@@ -261,7 +261,7 @@ def test_multi_task_run_document_and_printout(tmp_path, capsys):
     assert len(doc["paired_tests"]) == 2 and doc["statistics"]["alpha"] == 0.05
     assert len(doc["records"]) == 2 * 2 * 2
     printed = capsys.readouterr().out
-    assert "95 % Wilson interval" in printed and "McNemar" in printed
+    assert "Wilson" in printed and "McNemar" in printed  # (rich wraps the titles at the console width)
     assert (tmp_path / "plots" / "multikey_number" / "needle_nvfp4.png").is_file()
 
 
