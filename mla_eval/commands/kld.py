@@ -15,6 +15,7 @@ from mla_eval.evals.calibrate import CalibrateSettings, evaluate_calibration
 from mla_eval.evals.kld_evaluation import DEFAULT_FORMATS, KldSettings, evaluate_kld
 from mla_eval.evals.settings import DEFAULT_CTX, DEVICES_HELP
 from mla_eval.model.loader import DEVICE_MAP_HELP, MODEL_HELP
+from mla_eval.model.rope_scaling import ROPE_SCALING_HELP
 from mla_eval.results import check_output_path, default_result_path, write_result
 
 console = Console(stderr=True)
@@ -78,6 +79,10 @@ def kld(
         help="A format (e.g. nvfp4): add its storage-only (format cache, bf16 math), compute-only (bf16 cache, fp8 "
         "math) and both rows under every --semantics, and the breakdown in the JSON.",
     ),
+    rope_scaling: str = typer.Option("none", "--rope-scaling", help=ROPE_SCALING_HELP),
+    text_note: str = typer.Option(
+        None, "--text-note", help="How the --text file was built (recorded in the result's text.note), e.g. which articles."
+    ),
 ) -> None:
     """Teacher-forced KL divergence of each cache format vs a reference format.
 
@@ -91,6 +96,7 @@ def kld(
         stride=stride, min_context=min_context, batch=batch, scales=scales, calib_tokens=calib_tokens,
         layer_stats=layer_stats, save_ref=save_ref, ref_file=ref_file, ref_store=ref_store,
         semantics=semantics, math=math, explain=explain,
+        rope_scaling=rope_scaling, text_note=text_note,
     )
     # a bad --out costs nothing: checked before the model loads (the default name's folder too)
     check_output_path(out if out is not None else default_result_path("kld", "model"), force)

@@ -14,6 +14,7 @@ from mla_eval.evals.needle_evaluation import DEFAULT_FORMATS, DEFAULT_LENGTHS, N
 from mla_eval.evals.needle_tasks import TASKS, VALUE_KINDS
 from mla_eval.evals.settings import DEVICES_HELP
 from mla_eval.model.loader import DEVICE_MAP_HELP, MODEL_HELP
+from mla_eval.model.rope_scaling import ROPE_SCALING_HELP
 from mla_eval.results import check_output_path, default_result_path, write_result
 
 console = Console(stderr=True)
@@ -29,9 +30,19 @@ def needle(
     depths: str = typer.Option(None, "--depths", help="Needle depths in percent (default: 0..100 in --depth-steps steps)."),
     depth_steps: int = typer.Option(11, "--depth-steps", help="Number of evenly spaced depths when --depths is not given."),
     trials: int = typer.Option(1, "--trials", help="Prompts per cell, each with a different needle and seed."),
-    task: str = typer.Option("passkey", "--task", help=f"One of {', '.join(TASKS)}."),
+    task: str = typer.Option(
+        "passkey", "--task",
+        help=f"One task or a comma list, each NAME[:VALUES], NAME one of {', '.join(TASKS)} (e.g. "
+        "single:word,multikey:uuid,multivalue,vt): every task runs the whole length x depth x trials grid.",
+    ),
     values: str = typer.Option(
-        "number", "--values", help=f"Needle values: {', '.join(VALUE_KINDS)} (passkey always uses numbers)."
+        "number", "--values",
+        help=f"Needle values of tasks without ':VALUES': {', '.join(VALUE_KINDS)} (passkey and vt always use numbers).",
+    ),
+    needles: int = typer.Option(
+        0, "--needles",
+        help="Needles of the multi-needle tasks: multikey keys (1 asked + distractors, default 4), multivalue values "
+        "(default 3), vt chain variables (default 5); 0: those defaults. Single-needle tasks ignore it.",
     ),
     haystack: Path = typer.Option(
         None, "--haystack", help="Text file or folder of .txt files (default: noise of repeated filler sentences)."
@@ -74,19 +85,21 @@ def needle(
         "through the cache, the own chunk fresh) or a preset (vllm, vllm-offline, sglang). Decode steps read the cache.",
     ),
     math: str = typer.Option("bf16", "--math", help="Attention math of the absorbed reads (decode steps): bf16, fp8-q, fp8-qp."),
+    rope_scaling: str = typer.Option("none", "--rope-scaling", help=ROPE_SCALING_HELP),
 ) -> None:
     """Needle-in-a-haystack retrieval per cache format, on identical prompts of exact token length.
 
     A cell of length L holds L tokens: the prompt and the decoded answer. Prefill and greedy
     decoding both read the format's quantised cache (see --prefill). Reports a length x depth
-    accuracy table per format, the failures the format causes (bf16 right, format wrong) first,
-    and an effective length per format. The default grid is a GPU job (hours on a CPU).
+    accuracy table per format, a 95 % Wilson interval per (task, length) cell, format-induced
+    failures decided by an exact McNemar test against bf16 on the same prompts (Holm-corrected,
+    alpha 0.05), and an effective length per format. The default grid is a GPU job (hours on a CPU).
     """
     settings = NeedleSettings(
         model=model, device=device, device_map=device_map, backend=backend, formats=formats, lengths=lengths,
-        depths=depths, depth_steps=depth_steps, trials=trials, task=task, values=values, haystack=haystack,
+        depths=depths, depth_steps=depth_steps, trials=trials, task=task, values=values, needles=needles, haystack=haystack,
         scales=scales, batch=batch, prefill=prefill, full_answers=full_answers, cuda_graphs=cuda_graphs,
-        threshold=threshold, seed=seed, semantics=semantics, math=math,
+        threshold=threshold, seed=seed, semantics=semantics, math=math, rope_scaling=rope_scaling,
     )
     check_output_path(out if out is not None else default_result_path("needle", "model"), force)
     with progress_bars(console) as progress:
@@ -102,6 +115,10 @@ def write_needle_plots(result, folder: Path) -> list[Path]:
     from mla_eval.report.plots import needle_heatmaps
 
     paths = needle_heatmaps(result.formats, result.settings["lengths"], result.settings["depths"], folder)
+    if len(result.tasks) > 1:  # one set per task as well (the pooled set above averages the tasks)
+        for label, per_format in result.tasks.items():
+            sub = Path(folder) / label.replace(":", "_")
+            paths += needle_heatmaps(per_format, result.settings["lengths"], result.settings["depths"], sub)
     for p in paths:
         console.print(f"wrote {p}")
     return paths
@@ -114,11 +131,43 @@ def print_needle(result, con: Console) -> None:
     if "semantics" in s:
         con.print(f"prefill semantics {s['semantics']['semantics']}; attention math {s['math']}")
     _print(result.formats, result.format_induced_failures, s["lengths"], s["depths"], s["threshold"], con)
+    if result.tasks:
+        _print_cells(result, con)
+
+
+def _print_cells(result, con: Console) -> None:
+    """Accuracy with its 95 % Wilson interval per task x length x format, and the paired verdicts."""
+    lens = result.settings["lengths"]
+    for label, per_format in result.tasks.items():
+        t = Table(title=f"{label}: accuracy [95 % Wilson interval], {result.settings.get('samples_per_cell')} samples per cell")
+        t.add_column("format", style="bold")
+        for length in lens:
+            t.add_column(str(length), justify="right")
+        for name, s in per_format.items():
+            t.add_row(name, *(
+                "-" if c["n"] == 0 else f"{c['accuracy']:.2f} [{c['wilson_lo']:.2f},{c['wilson_hi']:.2f}]" for c in s["cells"]
+            ))
+        con.print(t)
+    sig = [r for r in result.paired_tests if r["format_induced_failure"]]
+    alpha = result.statistics.get("alpha")
+    if not sig:
+        con.print(f"[green]No significant format-induced failure (exact McNemar vs bf16, Holm, alpha {alpha}) "
+                  f"over {len(result.paired_tests)} tests.[/]")
+        return
+    t = Table(title=f"Format-induced failures (exact McNemar vs bf16, Holm over {len(result.paired_tests)} tests, "
+              f"alpha {alpha})", title_style="bold red")
+    for c in ("task", "length", "format", "bf16 only", "format only", "n", "p"):
+        t.add_column(c)
+    for r in sig:
+        t.add_row(r["task"], str(r["length"]), r["format"], str(r["base_only"]), str(r["format_only"]), str(r["n"]),
+                  f"{r['p_value']:.2g}")
+    con.print(t)
 
 
 def _print(summary: dict, failures: list[dict], lens: list[int], deps: list[float], threshold: float, con: Console) -> None:
     if failures:
-        t = Table(title=f"Format-induced failures ({len(failures)}): bf16 retrieves, the format does not", title_style="bold red")
+        t = Table(title=f"Prompts bf16 retrieves and the format does not ({len(failures)}; one is not a significant failure)",
+                  title_style="yellow")
         for c in ("format", "length", "depth %", "trial", "expected", "output"):
             t.add_column(c)
         for r in failures[:30]:
@@ -128,7 +177,7 @@ def _print(summary: dict, failures: list[dict], lens: list[int], deps: list[floa
             )
         con.print(t)
     else:
-        con.print("[green]No format-induced failures: every format retrieves wherever bf16 does.[/]")
+        con.print("[green]Every format retrieves wherever bf16 does.[/]")
     for name, s in summary.items():
         t = Table(
             title=f"{name}: accuracy by length (rows) x depth % (columns); "

@@ -6,6 +6,11 @@ least `min_context` tokens before it. Under cache semantics every position of ev
 the quantised cache (what decode sees); under engine semantics the window is prefilled in chunks
 (mla_eval.attention.semantics). One reference forward per window batch serves every format; KL(ref || fmt)
 over the full vocabulary in float32.
+
+The loss is chunked: a forward keeps only the final hidden states of its scored positions, and the
+full-vocabulary log-probs are made `loss_chunk` rows at a time (reference and format side by side,
+through the model's own output head), so a 64K window never holds [64K, vocab] logits, let alone
+one per format.
 """
 
 from __future__ import annotations
@@ -76,6 +81,7 @@ class KldProtocol:
     semantics: tuple[Semantics, ...] = (CACHE,)
     maths: tuple[AttentionMath, ...] = (BF16,)
     explain: Variant | None = None
+    loss_chunk: int = 0  # rows of full-vocabulary log-probs at a time; 0: loss_chunk_rows(vocab)
 
     def rows(self, bf16: Variant) -> list[tuple[Variant, AttentionMath]]:
         """The (variant, math) pairs scored under each semantics, distinct, in order: every format in
@@ -90,6 +96,14 @@ class KldProtocol:
             if row not in seen:
                 seen.append(row)
         return seen
+
+
+LOSS_CHUNK_ELEMENTS = 1 << 26  # 64 Mi floats (256 MiB) per [rows, vocab] float32 tensor of the loss
+
+
+def loss_chunk_rows(vocab: int, asked: int = 0) -> int:
+    """Rows per loss chunk: `asked`, or as many as keep one [rows, vocab] float32 tensor at 256 MiB."""
+    return asked if asked > 0 else max(1, LOSS_CHUNK_ELEMENTS // max(1, vocab))
 
 
 def plan_windows(lm, source: TokenSource, st: KldProtocol) -> list[Window]:
@@ -176,24 +190,32 @@ def run_kld(
             # position p predicts token p+1: the window's last position has no target in it
             depth = torch.arange(sf, ws[0].length - 1).repeat(len(ws))
             order = torch.cat([wi * st.ctx + torch.arange(sf, ws[0].length - 1) for wi, _ in group])
+            loss_rows = loss_chunk_rows(lm.model.config.vocab_size, st.loss_chunk)
+            chunks = [slice(c, min(c + loss_rows, targets.numel())) for c in range(0, targets.numel(), loss_rows)]
             for sem in st.semantics:
                 # the reference runs each semantics' forward schedule in bf16 math: with a bf16
                 # cache every semantics reads the same keys, so only the schedule's rounding remains
                 if ref_file is not None:
                     stored = ref_file.lookup(order)
                 else:
-                    ref_logp = _forward_logp(lm, st.ref, ids, sf, st, None, sem)
+                    ref_h = _forward_hidden(lm, st.ref, ids, sf, st, None, sem)
                     if save_ref is not None and sem == st.semantics[0]:
-                        save_ref.add(ref_logp, targets, order)
+                        for c in chunks:
+                            save_ref.add(_logp(lm, ref_h[c]), targets[c], order[c])
                 for s2, v, am, key in keys:
                     if s2 != sem:
                         continue
                     obs = layers[key].observers(v.spec) if layers else ()
-                    logp = _forward_logp(lm, v, ids, sf, st, obs, sem, am)
-                    if ref_file is not None:
-                        m = metrics_from_store(stored, logp, targets)
-                    else:
-                        m = token_metrics(ref_logp, logp, targets)
+                    fmt_h = _forward_hidden(lm, v, ids, sf, st, obs, sem, am)
+                    parts = []
+                    for c in chunks:
+                        logp = _logp(lm, fmt_h[c])
+                        if ref_file is not None:
+                            parts.append(metrics_from_store({k: x[c] for k, x in stored.items()}, logp, targets[c]))
+                        else:
+                            parts.append(token_metrics(_logp(lm, ref_h[c]), logp, targets[c]))
+                        del logp
+                    m = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
                     stats[key].add(m, depth, order)
             done += len(ws) * (ws[0].length - 1 - sf)
             progress("score", done, total_scored)
@@ -212,11 +234,12 @@ def _same_shape_groups(ws: list[tuple[int, Window]]) -> list[list[tuple[int, Win
 
 
 @torch.no_grad()
-def _forward_logp(
+def _forward_hidden(
     lm, variant: Variant, ids: torch.Tensor, score_from: int, st: KldProtocol, observers,
     semantics: Semantics = CACHE, attn_math: AttentionMath = BF16, chunk_keys: str = "fresh",
 ) -> torch.Tensor:
-    """log-softmax (float32) of the positions score_from..len-2 of every row, stacked [n, vocab].
+    """Final hidden states (what the output head reads) of positions score_from..len-2 of every row,
+    stacked [n, hidden], through the variant's cache; the logits are made later, chunk by chunk (_logp).
 
     Under engine semantics the window runs as consecutive forwards of the chunk size, each chunk's
     queries reading the earlier chunks through the cache (what an engine's chunked prefill does)."""
@@ -246,13 +269,24 @@ def _forward_logp(
         warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated.*")
         for s in range(0, t, chunk):
             e = min(t, s + chunk)
-            logits = lm.model(input_ids=ids[:, s:e], position_ids=pos[:, s:e], use_cache=False).logits
+            hidden = lm.model.base_model(input_ids=ids[:, s:e], position_ids=pos[:, s:e], use_cache=False).last_hidden_state
             lo, hi = max(s, score_from), min(e, t - 1)
             if lo < hi:
-                parts.append(logits[:, lo - s : hi - s])
-    logits = parts[0] if len(parts) == 1 else torch.cat([p.to(parts[0].device) for p in parts], 1)
-    # under --device-map auto the logits come out on the last GPU: score on the input's device
-    return torch.log_softmax(logits.float(), dim=-1).reshape(-1, logits.shape[-1]).to(lm.device)
+                parts.append(hidden[:, lo - s : hi - s])
+    hidden = parts[0] if len(parts) == 1 else torch.cat([p.to(parts[0].device) for p in parts], 1)
+    return hidden.reshape(-1, hidden.shape[-1])
+
+
+@torch.no_grad()
+def _logp(lm, hidden: torch.Tensor) -> torch.Tensor:
+    """float32 log-softmax over the full vocabulary of some rows of final hidden states, [rows, vocab]:
+    the model's own output head (and final logit soft-capping where a config has it), as its forward does.
+    Under --device-map auto the head sits on the last GPU: the result moves to the input's device."""
+    logits = lm.model.get_output_embeddings()(hidden)
+    cap = getattr(lm.model.config, "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return torch.log_softmax(logits.float(), dim=-1).to(lm.device)
 
 
 def gather_arrays(stats: dict[str, TokenStats]) -> dict[str, TokenStats]:

@@ -298,8 +298,10 @@ def evaluate_kld(st: KldSettings, progress: ProgressCallback = no_progress) -> K
         env = environment(attention=log)
     return KldResult(
         model={"name": lm.name, "path": str(lm.path), "default": lm.is_default, "layers": lm.num_layers,
-               "random": lm.is_random, "label": lm.label},
-        text={"kind": source.kind, "label": source.label, "digest": source.digest, "tokens": source.num_tokens},
+               "random": lm.is_random, "label": lm.label, "max_positions": lm.max_positions,
+               "rope_scaling": lm.rope_scaling},
+        text={"kind": source.kind, "label": source.label, "digest": source.digest, "tokens": source.num_tokens,
+              **({"note": st.text_note} if st.text_note else {})},
         settings={"ref": ref.name, "ctx": ctx, "stride": stride, "min_context": min_context, "batch": batch,
                   "block_size": protocol.block_size, "world_size": world, "backend": log.backend,
                   "unscored_tokens": run.unscored, "semantics": [s.as_dict() for s in semantics],

@@ -14,7 +14,7 @@ import time
 import torch
 
 from mla_eval.attention.semantics import BF16, CACHE, AttentionMath, Semantics
-from mla_eval.evals.needle_tasks import Prompt, PromptBuilder
+from mla_eval.evals.needle_tasks import DEFAULT_NEEDLES, Prompt, PromptBuilder, TaskSpec
 from mla_eval.evals.settings import ProgressCallback, no_progress
 from mla_eval.evals.variants import Variant, scales_for
 from mla_eval.formats import OuterScales
@@ -30,11 +30,10 @@ class NeedleGrid:
     lengths: tuple[int, ...]
     depths: tuple[float, ...]
     trials: int
-    task: str
-    values: str
+    tasks: tuple[TaskSpec, ...]
     seed: int = 0
     batch: int = 1
-    max_new_tokens: int = 0  # 0: by value kind
+    max_new_tokens: int = 0  # 0: by task (new_tokens_for)
     outer_scales: OuterScales | None = None
     prefill: str = "mha"  # session.PREFILL_MODES
     stop_at_answer: bool = True  # end a prompt's decode once its answer is complete (exact for the score)
@@ -89,22 +88,42 @@ class SessionReuse:
         return self.session, self.steps
 
 
-def new_tokens_for(values: str, task: str) -> int:
-    per = {"number": 6, "word": 4, "uuid": 24}[values if task != "passkey" else "number"]
-    return per * (3 if task == "multivalue" else 1) + 4
+# Answer tokens per value with the embedded tokenizer (one token per digit): " 1234567," is 9,
+# " apple," at most 4, a UUID 34 plus its separator; a vt variable " QWERT," 5 to 7.
+TOKENS_PER_VALUE = {"number": 9, "word": 4, "uuid": 36, "variable": 7}
+
+
+def new_tokens_for(values: str, task: str, needles: int = 0) -> int:
+    """The greedy answer budget of a task: every expected value fits, plus 4 tokens of slack."""
+    if task == "passkey":
+        return 10  # a 5-digit key: 6 tokens
+    answers = (needles or DEFAULT_NEEDLES[task]) if task in ("multivalue", "vt") else 1
+    return TOKENS_PER_VALUE["variable" if task == "vt" else values] * answers + 4
+
+
+def budget(st: NeedleGrid, task: TaskSpec) -> int:
+    return st.max_new_tokens or new_tokens_for(task.kind, task.name, task.count)
+
+
+def prompt_seed(seed: int, task_index: int, length_index: int, depth_index: int, trial: int) -> int:
+    """A distinct needle per task, cell and trial; task 0 keeps the seeds of single-task runs."""
+    return seed * 1_000_003 + task_index * 1_000_000_007 + length_index * 10_007 + depth_index * 101 + trial
 
 
 def make_prompts(builder: PromptBuilder, st: NeedleGrid) -> list[Prompt]:
-    """A cell of length L holds L tokens in all: the prompt plus the answer tokens decoded."""
-    max_new = st.max_new_tokens or new_tokens_for(st.values, st.task)
+    """A cell of length L holds L tokens in all: the prompt plus the answer tokens decoded.
+    Prompts do not depend on the formats: every format reads exactly these."""
     prompts = []
-    for li, length in enumerate(st.lengths):
-        for di, depth in enumerate(st.depths):
-            for t in range(st.trials):
-                seed = st.seed * 1_000_003 + li * 10_007 + di * 101 + t  # a distinct needle per cell and trial
-                p = builder.build(st.task, st.values, length - max_new, depth, t, seed)
-                p.length = length
-                prompts.append(p)
+    for ti, task in enumerate(st.tasks):
+        max_new = budget(st, task)
+        for li, length in enumerate(st.lengths):
+            for di, depth in enumerate(st.depths):
+                for t in range(st.trials):
+                    seed = prompt_seed(st.seed, ti, li, di, t)
+                    p = builder.build(task.name, task.kind, length - max_new, depth, t, seed, task.count)
+                    p.length = length
+                    p.task = task.label
+                    prompts.append(p)
     return prompts
 
 
@@ -177,13 +196,13 @@ class NeedleRun:
     seconds: dict[str, float]  # per format
     decode_steps: dict[str, str]  # per format: how its decode steps ran (steps_label)
     total_seconds: float
-    max_new_tokens: int
+    max_new_tokens: int  # the largest answer budget of the run's tasks
+    budgets: dict[str, int] = dataclasses.field(default_factory=dict)  # per task label
 
 
 def run_needle(lm, builder: PromptBuilder, st: NeedleGrid, progress: ProgressCallback = no_progress) -> NeedleRun:
     prompts = make_prompts(builder, st)
-    max_new = st.max_new_tokens or new_tokens_for(st.values, st.task)
-    opts = DecodeOptions(max_new, st.prefill, st.stop_at_answer, st.cuda_graphs, st.semantics, st.math)
+    budgets = {task.label: budget(st, task) for task in st.tasks}
     records = []
     total = len(prompts) * len(st.variants)
     done = 0
@@ -194,8 +213,9 @@ def run_needle(lm, builder: PromptBuilder, st: NeedleGrid, progress: ProgressCal
     for v in st.variants:
         tv = time.perf_counter()
         reuse = SessionReuse()  # one session (and decode graph) per prompt shape, kept across its cells
-        for length in st.lengths:
-            group = [p for p in prompts if p.length == length]
+        for task, length in ((task, length) for task in st.tasks for length in st.lengths):
+            opts = DecodeOptions(budgets[task.label], st.prefill, st.stop_at_answer, st.cuda_graphs, st.semantics, st.math)
+            group = [p for p in prompts if p.length == length and p.task == task.label]
             for i in range(0, len(group), st.batch):
                 chunk = group[i : i + st.batch]
                 decoded = generate(lm, v, chunk, opts, st.outer_scales, reuse)
@@ -214,16 +234,17 @@ def run_needle(lm, builder: PromptBuilder, st: NeedleGrid, progress: ProgressCal
                 done += len(chunk)
                 progress("prompts", done, total)
         seconds[v.name] = time.perf_counter() - tv
-    return NeedleRun(records, seconds, decode_steps, time.perf_counter() - t0, max_new)
+    return NeedleRun(records, seconds, decode_steps, time.perf_counter() - t0, max(budgets.values()), budgets)
 
 
-def grid(records: list[dict], fmt: str, lengths: list[int], depths: list[float]) -> list[list[float]]:
-    """Accuracy [length][depth] of one format."""
+def grid(records: list[dict], fmt: str, lengths: list[int], depths: list[float], task: str | None = None) -> list[list[float]]:
+    """Accuracy [length][depth] of one format (of one task label, or pooled over every task)."""
+    mine = [r for r in records if r["format"] == fmt and (task is None or r["task"] == task)]
     out = []
     for length in lengths:
         row = []
         for d in depths:
-            cell = [r["correct"] for r in records if r["format"] == fmt and r["length"] == length and r["depth"] == d]
+            cell = [r["correct"] for r in mine if r["length"] == length and r["depth"] == d]
             row.append(sum(cell) / len(cell) if cell else float("nan"))
         out.append(row)
     return out
@@ -241,8 +262,12 @@ def effective_length(acc: list[list[float]], lengths: list[int], threshold: floa
 
 
 def format_failures(records: list[dict], baseline: str) -> list[dict]:
-    """Prompts the baseline retrieves and a format does not: what the format itself broke."""
-    base = {(r["length"], r["depth"], r["trial"]): r["correct"] for r in records if r["format"] == baseline}
-    return [
-        r for r in records if r["format"] != baseline and not r["correct"] and base.get((r["length"], r["depth"], r["trial"]))
-    ]
+    """Prompts the baseline retrieves and a format does not (the discordant pairs b of the paired
+    test; one such prompt is not a significant failure: see needle_stats.paired_tests)."""
+    base = {prompt_key(r): r["correct"] for r in records if r["format"] == baseline}
+    return [r for r in records if r["format"] != baseline and not r["correct"] and base.get(prompt_key(r))]
+
+
+def prompt_key(record: dict) -> tuple:
+    """What identifies a prompt across formats (every format reads the same prompts)."""
+    return record.get("task"), record["length"], record["depth"], record["trial"]

@@ -15,8 +15,9 @@ from mla_eval.attention import dispatch
 from mla_eval.attention.semantics import get_math, parse_semantics
 from mla_eval.errors import UserError
 from mla_eval.evals import needle as nd
+from mla_eval.evals import needle_stats
 from mla_eval.evals.calibrate import calibrate
-from mla_eval.evals.needle_tasks import TASKS, VALUE_KINDS, PromptBuilder, load_haystack
+from mla_eval.evals.needle_tasks import VALUE_KINDS, PromptBuilder, TaskSpec, load_haystack, parse_tasks
 from mla_eval.evals.settings import ModelSettings, ProgressCallback, check_math_backend, no_progress
 from mla_eval.evals.text_sources import TokenSource
 from mla_eval.evals.variants import Variant, parse_variants
@@ -70,8 +71,9 @@ class NeedleSettings(ModelSettings):
     depths: str | list[float] | None = None
     depth_steps: int = 11
     trials: int = 1
-    task: str = "passkey"
+    task: str | list[str] = "passkey"  # one task or a comma list, each `name[:values]` (needle_tasks.parse_tasks)
     values: str = "number"
+    needles: int = 0  # multikey / multivalue / vt needle count; 0: each task's default
     haystack: Path | None = None
     scales: str = "auto"
     batch: int = 1
@@ -87,8 +89,9 @@ class NeedleSettings(ModelSettings):
         ModelSettings.__post_init__(self)
         parse_semantics(self.semantics)
         check_math_backend([get_math(self.math)], self.backend)
-        if self.task not in TASKS:
-            raise UserError(f"unknown task {self.task!r}; choose one of {', '.join(TASKS)}")
+        if self.needles < 0:
+            raise UserError(f"--needles must be at least 1 (or 0 for each task's default), got {self.needles}")
+        self.task_list()
         if self.values not in VALUE_KINDS:
             raise UserError(f"--values {self.values!r}: choose one of {', '.join(VALUE_KINDS)}")
         if self.prefill not in PREFILL_MODES:
@@ -116,13 +119,17 @@ class NeedleSettings(ModelSettings):
     def depth_list(self) -> list[float]:
         return parse_depths(self.depths, self.depth_steps)
 
+    def task_list(self) -> list[TaskSpec]:
+        return parse_tasks(self.task, self.values, self.needles)
+
     def max_new_tokens(self) -> int:
-        return nd.new_tokens_for(self.values, self.task)
+        """The largest answer budget of the asked tasks."""
+        return max(nd.new_tokens_for(t.kind, t.name, t.count) for t in self.task_list())
 
     @property
     def cells(self) -> int:
-        """Prompts per format: lengths x depths x trials."""
-        return len(self.length_list()) * len(self.depth_list()) * self.trials
+        """Prompts per format: tasks x lengths x depths x trials."""
+        return len(self.task_list()) * len(self.length_list()) * len(self.depth_list()) * self.trials
 
 
 @dataclasses.dataclass
@@ -131,10 +138,18 @@ class NeedleResult:
     settings: dict[str, Any]
     outer_scales: OuterScales | None
     environment: dict[str, Any]
-    formats: dict[str, dict]  # per format: accuracy [length][depth], mean_accuracy, effective_length, ...
-    format_induced_failures: list[dict]
+    formats: dict[str, dict]  # per format: accuracy [length][depth] pooled over tasks, mean_accuracy, effective_length, ...
+    format_induced_failures: list[dict]  # prompts bf16 retrieves and the format does not (discordant, not a verdict)
     records: list[dict]
     total_seconds: float
+    tasks: dict[str, dict] = dataclasses.field(default_factory=dict)  # per task label: per format accuracy + intervals
+    paired_tests: list[dict] = dataclasses.field(default_factory=list)  # needle_stats.paired_tests
+    statistics: dict[str, Any] = dataclasses.field(default_factory=dict)  # needle_stats.METHOD
+
+    @property
+    def significant_failures(self) -> list[dict]:
+        """The paired tests that decide a format-induced failure (needle_stats.METHOD['failure_rule'])."""
+        return [t for t in self.paired_tests if t["format_induced_failure"]]
 
     def to_document(self) -> dict[str, Any]:
         return {
@@ -147,30 +162,36 @@ class NeedleResult:
             "format_induced_failures": self.format_induced_failures,
             "records": self.records,
             "total_seconds": self.total_seconds,
+            "tasks": self.tasks,
+            "paired_tests": self.paired_tests,
+            "statistics": self.statistics,
         }
 
 
 def evaluate_needle(st: NeedleSettings, progress: ProgressCallback = no_progress) -> NeedleResult:
     """Needle-in-a-haystack retrieval per format on identical prompts; `progress("prompts", done, total)`."""
-    variants, lens, deps = st.variants(), st.length_list(), st.depth_list()
+    variants, lens, deps, tasks = st.variants(), st.length_list(), st.depth_list(), st.task_list()
     needs_outer = any(v.outer for v in variants)
     if needs_outer and st.scales == "none":
         raise UserError("--scales none, but +s_l formats were asked for; drop them or give --scales FILE")
     with dispatch.use_backend(st.backend) as log:
         lm = st.load()
-        max_new = st.max_new_tokens()
         if lm.max_positions and max(lens) > lm.max_positions:
             raise UserError(
                 f"--lengths {max(lens)} exceeds the model's {lm.max_positions} positions; "
-                "use shorter lengths (context extension such as YaRN must be set in the checkpoint's config)"
+                "use shorter lengths or extend the context with --rope-scaling yarn:FACTOR"
             )
         hay_ids, noise, hay_label = load_haystack(lm.tokenizer, st.haystack)
         builder = PromptBuilder(lm.tokenizer, hay_ids, noise)
-        builder.build(st.task, st.values, max(lens) - max_new, deps[-1], 0, st.seed)  # fails early if the haystack is too short
+        for t in tasks:  # fail early: a haystack too short for the longest prompt, needles too many for the shortest
+            budget = nd.new_tokens_for(t.kind, t.name, t.count)
+            for length in (min(lens), max(lens)):
+                builder.build(t.name, t.kind, length - budget, deps[-1], 0, st.seed, t.count)
+        first = tasks[0]
         outer = None
         if needs_outer:
             if st.scales == "auto":
-                calib = builder.build(st.task, st.values, min(lens), 50.0, 0, st.seed + 99_991)
+                calib = builder.build(first.name, first.kind, min(lens), 50.0, 0, st.seed + 99_991, first.count)
                 source = TokenSource("needle", "a separate needle prompt", [torch.tensor(calib.ids)], "calib")
                 outer = calibrate(lm, source, min(lens), progress)
             else:
@@ -179,12 +200,21 @@ def evaluate_needle(st: NeedleSettings, progress: ProgressCallback = no_progress
         semantics = parse_semantics(st.semantics)
         semantics.check_positions(lm.max_positions)
         grid = nd.NeedleGrid(
-            tuple(variants), tuple(lens), tuple(deps), st.trials, st.task, st.values, seed=st.seed, batch=st.batch,
+            tuple(variants), tuple(lens), tuple(deps), st.trials, tuple(tasks), seed=st.seed, batch=st.batch,
             outer_scales=outer, prefill=st.prefill, stop_at_answer=not st.full_answers, cuda_graphs=st.cuda_graphs,
             semantics=semantics, math=get_math(st.math),
         )
         run = nd.run_needle(lm, builder, grid, progress=progress)
         env = environment(attention=log)
+    names, labels = [v.name for v in variants], [t.label for t in tasks]
+    intervals = needle_stats.cell_intervals(run.records, names, labels, lens)
+    per_task = {
+        label: {
+            name: {"accuracy": nd.grid(run.records, name, lens, deps, task=label), "cells": intervals[label][name]}
+            for name in names
+        }
+        for label in labels
+    }
     summary = {}
     for v in variants:
         acc = nd.grid(run.records, v.name, lens, deps)
@@ -197,16 +227,21 @@ def evaluate_needle(st: NeedleSettings, progress: ProgressCallback = no_progress
         }
     return NeedleResult(
         model={"name": lm.name, "path": str(lm.path), "default": lm.is_default, "max_positions": lm.max_positions,
-               "random": lm.is_random, "label": lm.label},
-        settings={"task": st.task, "values": st.values, "haystack": hay_label, "lengths": lens, "depths": deps,
+               "random": lm.is_random, "label": lm.label, "rope_scaling": lm.rope_scaling},
+        settings={"task": ",".join(labels), "values": st.values, "haystack": hay_label, "lengths": lens, "depths": deps,
                   "trials": st.trials, "seed": st.seed, "threshold": st.threshold, "prefill": st.prefill,
                   "max_new_tokens": run.max_new_tokens, "stop_at_answer": not st.full_answers,
                   "cuda_graphs": st.cuda_graphs, "backend": log.backend, "semantics": semantics.as_dict(),
-                  "math": st.math},
+                  "math": st.math, "tasks": labels,
+                  "needles": {t.label: t.count for t in tasks}, "answer_budgets": run.budgets,
+                  "samples_per_cell": len(deps) * st.trials},
         outer_scales=outer,
         environment=env,
         formats=summary,
         format_induced_failures=nd.format_failures(run.records, BASELINE),
         records=run.records,
         total_seconds=run.total_seconds,
+        tasks=per_task,
+        paired_tests=needle_stats.paired_tests(run.records, BASELINE, names, labels, lens),
+        statistics=dict(needle_stats.METHOD),
     )

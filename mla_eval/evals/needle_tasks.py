@@ -1,12 +1,22 @@
 """Needle-in-a-haystack prompts of exact token length.
 
-Tasks (phrasings follow the passkey / RULER literature and what the default model was trained on):
+Tasks (the task family of RULER, NVIDIA/RULER `scripts/data/synthetic/niah.py` and
+`variable_tracking.py`: facts only, our own phrasing, which follows what the default model was
+trained on, see mla_eval/train/data.py):
 - passkey:    a pass key in a noise haystack of repeated filler sentences (data-free default)
 - single:     one "special magic" value in a text haystack (--haystack FILE|DIR)
-- multikey:   four key-value needles, the question asks for one of them
-- multivalue: one key given three values, the question asks for all of them
+- multikey:   N key-value needles (default 4); the question asks for one key, the other N-1 are
+              distractors with the same phrasing and value kind (RULER niah_multikey)
+- multivalue: one key given N distinct values (default 3); all must be returned (RULER niah_multivalue)
+- vt:         variable tracking: a chain of N variables (default 5, i.e. 4 hops), "VAR A = 12345",
+              "VAR B = VAR A", ... spread through the haystack in order; the question asks for every
+              variable that holds the value (RULER vt, one chain). Not in the default model's training.
 Values are numbers, words or UUID-like strings (`--values`). A needle goes in right after a
 sentence end at or after the requested depth, so the tokens are those of the natural text.
+The needle the question is about (multikey: the asked key; multivalue, vt: the first) sits at the
+requested depth; the others at seeded random depths (vt: in chain order after it).
+Scoring (needle.py): string-match-all, a prompt is correct when its greedy answer contains every
+expected string.
 """
 
 from __future__ import annotations
@@ -19,7 +29,9 @@ import numpy as np
 
 from mla_eval.errors import UserError
 
-TASKS = ("passkey", "single", "multikey", "multivalue")
+TASKS = ("passkey", "single", "multikey", "multivalue", "vt")
+DEFAULT_NEEDLES = {"passkey": 1, "single": 1, "multikey": 4, "multivalue": 3, "vt": 5}
+MULTI_NEEDLE_TASKS = ("multikey", "multivalue", "vt")  # the tasks whose needle count --needles sets
 VALUE_KINDS = ("number", "word", "uuid")
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 INTRO = "There is important info hidden inside a lot of irrelevant text. Find it and memorize it."
@@ -28,6 +40,58 @@ WORDS = (
     "glacier", "thunder", "saffron", "willow", "ember", "orchid", "granite", "sparrow", "velvet", "compass",
 )
 KEYS = ("alpha", "cobalt", "juniper", "quartz", "nimbus", "tundra", "ivory", "zephyr", "basalt", "lotus", "onyx", "prairie")
+VAR_LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskSpec:
+    """One task of a grid: its name, value kind and needle count (see the module docstring)."""
+
+    name: str
+    values: str = "number"
+    needles: int = 0  # 0: the task's default (DEFAULT_NEEDLES)
+
+    def __post_init__(self) -> None:
+        if self.name not in TASKS:
+            raise UserError(f"unknown task {self.name!r}; choose one of {', '.join(TASKS)}")
+        if self.values not in VALUE_KINDS:
+            raise UserError(f"--values {self.values!r}: choose one of {', '.join(VALUE_KINDS)}")
+        n = self.count
+        if n < 1:
+            raise UserError(f"--needles must be at least 1, got {n}")
+        if self.name == "multikey" and n > len(KEYS):
+            raise UserError(f"--needles {n}: multikey has {len(KEYS)} distinct keys; use --needles <= {len(KEYS)}")
+        if self.name == "multivalue" and self.values == "word" and n > len(WORDS):
+            raise UserError(f"--needles {n}: multivalue word has {len(WORDS)} distinct words; use --needles <= {len(WORDS)}")
+
+    @property
+    def count(self) -> int:
+        return self.needles or DEFAULT_NEEDLES[self.name]
+
+    @property
+    def kind(self) -> str:
+        """The value kind actually used: passkey and vt always use numbers."""
+        return "number" if self.name in ("passkey", "vt") else self.values
+
+    @property
+    def label(self) -> str:
+        """How results name the task: 'multikey:uuid', 'vt', 'passkey'."""
+        return self.name if self.name in ("passkey", "vt") else f"{self.name}:{self.kind}"
+
+
+def parse_tasks(text: str | list, values: str = "number", needles: int = 0) -> list[TaskSpec]:
+    """'single:word,multikey:uuid,vt' (or a list) -> TaskSpecs; a task without ':kind' takes `values`.
+    `needles` (0: each task's default) applies to the multi-needle tasks only."""
+    items = text.split(",") if isinstance(text, str) else [str(t) for t in text]
+    out = []
+    for item in (t.strip() for t in items if t.strip()):
+        name, _, kind = item.partition(":")
+        spec = TaskSpec(name.strip(), kind.strip() or values, needles if name.strip() in MULTI_NEEDLE_TASKS else 0)
+        if spec.label not in {t.label for t in out}:
+            out.append(spec)
+    if not out:
+        raise UserError(f"--task needs at least one of {', '.join(TASKS)}")
+    return out
 
 
 @dataclasses.dataclass
@@ -65,8 +129,9 @@ class PromptBuilder:
         h = "".join(r.choice("0123456789abcdef") for _ in range(32))
         return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
-    def _needles(self, task: str, kind: str, r: random.Random) -> tuple[list[str], str, list[str]]:
-        """(needle sentences, question, expected answers)."""
+    def _needles(self, task: str, kind: str, r: random.Random, n: int = 0) -> tuple[list[str], str, list[str]]:
+        """(needle sentences, question, expected answers); the first sentence is the one at the asked depth."""
+        n = n or DEFAULT_NEEDLES.get(task, 1)
         if task == "passkey":
             v = str(r.randint(10000, 99999))
             return [f" The pass key is {v}. Remember it. {v} is the pass key."], "\nWhat is the pass key? The pass key is", [v]
@@ -78,10 +143,11 @@ class PromptBuilder:
                 [v],
             )
         if task == "multikey":
-            keys = r.sample(KEYS, 4)
+            keys = r.sample(KEYS, n)
             vals = [self._value(kind, r) for _ in keys]
-            ask = r.randrange(4)
+            ask = r.randrange(n)
             sentences = [f" The special magic {kind} for {k} is: {v}." for k, v in zip(keys, vals)]
+            sentences.insert(0, sentences.pop(ask))  # the asked needle goes at the requested depth
             return (
                 sentences,
                 f"\nWhat is the special magic {kind} for {keys[ask]}? The special magic {kind} for {keys[ask]} is:",
@@ -90,26 +156,45 @@ class PromptBuilder:
         if task == "multivalue":
             k = r.choice(KEYS)
             vals = []
-            while len(vals) < 3:
+            while len(vals) < n:
                 v = self._value(kind, r)
                 if v not in vals:
                     vals.append(v)
             sentences = [f" One of the special magic {kind}s for {k} is: {v}." for v in vals]
             return sentences, f"\nWhat are all the special magic {kind}s for {k}? The special magic {kind}s for {k} are:", vals
+        if task == "vt":
+            v = str(r.randint(10000, 99999))
+            names: list[str] = []
+            while len(names) < n:
+                name = "".join(r.choice(VAR_LETTERS) for _ in range(5))
+                if name not in names:
+                    names.append(name)
+            sentences = [f" VAR {names[0]} = {v}."] + [f" VAR {b} = VAR {a}." for a, b in zip(names, names[1:])]
+            question = (
+                f"\nQuestion: which variables are assigned the value {v}, directly or through other variables? "
+                f"Answer: the variables assigned {v} are:"
+            )
+            return sentences, question, names
         raise UserError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
 
-    def build(self, task: str, kind: str, length: int, depth: float, trial: int, seed: int) -> Prompt:
+    def build(self, task: str, kind: str, length: int, depth: float, trial: int, seed: int, needles: int = 0) -> Prompt:
         r = random.Random(seed)
-        sentences, question, expected = self._needles(task, kind, r)
+        sentences, question, expected = self._needles(task, kind, r, needles)
         head = [self.bos] + (self.ids(INTRO) if self.noise else [])
         needle_ids = [self.ids(s) for s in sentences]
         q_ids = self.ids(question)
         hay_len = length - len(head) - sum(map(len, needle_ids)) - len(q_ids)
         if hay_len < 16:
-            raise UserError(f"--lengths {length} is too short for the {task} needles and question")
+            raise UserError(
+                f"a {length}-token prompt cannot hold the {task} task's {len(sentences)} needles and question "
+                f"({length - hay_len} tokens, and at least 16 of haystack): use fewer --needles or longer --lengths"
+            )
         hay = self._haystack(hay_len, r)
-        # the first needle goes at `depth`; the others of multikey/multivalue at random depths
-        depths = [depth / 100] + [r.random() for _ in needle_ids[1:]]
+        # the first needle goes at `depth`; the others at random depths (vt: in chain order, after it)
+        rest = [r.random() for _ in needle_ids[1:]]
+        if task == "vt":
+            rest = sorted(depth / 100 + (1 - depth / 100) * x for x in rest)
+        depths = [depth / 100] + rest
         cuts = [self._cut(hay, d) for d in depths]
         order = np.argsort(cuts, kind="stable")
         ids = list(head)

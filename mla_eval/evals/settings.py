@@ -62,17 +62,21 @@ class ModelSettings:
     device: str = "auto"
     device_map: str = "none"
     backend: str | None = None  # None: MLA_EVAL_BACKEND or auto (dispatch.default_backend)
+    rope_scaling: str = "none"  # 'yarn:FACTOR' extends the context (mla_eval.model.rope_scaling)
 
     def __post_init__(self) -> None:
+        from mla_eval.model.rope_scaling import parse_rope_scaling  # no torch: validated before any load
+
         if self.backend is not None:
             dispatch.check_backend(self.backend)
+        parse_rope_scaling(self.rope_scaling)
 
     def load(self):
         from mla_eval.model.loader import load_model, resolve_device  # torch + transformers: only when used
 
         if self.device_map == "none":  # --backend kernel where the kernels cannot run: refused before the load
             dispatch.preflight(self.backend, [resolve_device(self.device)])
-        return load_model(self.model, self.device, device_map=self.device_map)
+        return load_model(self.model, self.device, device_map=self.device_map, rope_scaling=self.rope_scaling)
 
 
 def _accepts(annotation, value) -> bool:

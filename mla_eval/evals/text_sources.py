@@ -138,6 +138,7 @@ class TextSettings:
     samples: int = 4
     sample_len: int = 256
     seed: int = 0
+    text_note: str | None = None  # how the text was built, recorded in the result's text.note
 
     def __post_init__(self) -> None:
         if self.text is not None and self.dataset is not None:

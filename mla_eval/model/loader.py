@@ -16,6 +16,7 @@ from mla_eval.errors import UserError
 from mla_eval.model.adapter import DSA_TYPES, SUPPORTED, MlaAdapter, check_supported
 from mla_eval.model.indexer import INDEXER_FIELDS
 from mla_eval.model.random_models import build_random_model, is_random_spec, parse_random_spec
+from mla_eval.model.rope_scaling import apply_yarn, describe, parse_rope_scaling
 from mla_eval.model_presets import preset_names
 
 # The one help text of every command's --model option.
@@ -37,6 +38,7 @@ class LoadedModel:
     is_default: bool
     is_random: bool = False  # random weights (a `random:` spec): numbers about cost, never about quality
     label: str = ""  # one line saying what was loaded, for output headers
+    rope_from_option: bool = False  # --rope-scaling rewrote the checkpoint's rope (model.rope_scaling)
 
     def __post_init__(self) -> None:
         if not self.label:
@@ -54,6 +56,11 @@ class LoadedModel:
     @property
     def max_positions(self) -> int:
         return int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
+
+    @property
+    def rope_scaling(self) -> dict | None:
+        """The rope scaling the model runs with (None: plain rope), recorded in every result."""
+        return describe(self.model.config, self.rope_from_option)
 
 
 def default_model_path() -> Path:
@@ -161,7 +168,8 @@ def _torch_dtype(dtype: str, dev: torch.device) -> torch.dtype:
 
 
 def load_model(
-    model: str | Path | None, device: str | None = None, dtype: str = "auto", device_map: str = "none"
+    model: str | Path | None, device: str | None = None, dtype: str = "auto", device_map: str = "none",
+    rope_scaling: str | None = None,
 ) -> LoadedModel:
     """Load weights + tokenizer, patch the attention modules, put the model in eval mode.
 
@@ -176,14 +184,18 @@ def load_model(
     device_map 'auto': transformers spreads the layers over every visible GPU (a checkpoint too
     large for one; needs `accelerate`); each layer's cache then lives on that layer's GPU, and
     `device` is ignored.
+    rope_scaling 'yarn:FACTOR' extends the checkpoint's context (mla_eval.model.rope_scaling).
     Environment variables and transformers' logging state are changed only during the load.
     """
     if device_map not in DEVICE_MAPS:
         raise UserError(f"--device-map {device_map!r}: one of {', '.join(DEVICE_MAPS)}")
+    factor = parse_rope_scaling(rope_scaling)
     with _quiet_offline():
         if model is not None and is_random_spec(str(model)):
+            if factor is not None:
+                raise UserError("--rope-scaling applies to checkpoints; a random:<preset> model keeps its preset's rope/yarn")
             return _load_random(str(model), device, dtype, device_map)
-        return _load_checkpoint(model, device, dtype, device_map)
+        return _load_checkpoint(model, device, dtype, device_map, factor)
 
 
 def _load_random(text: str, device: str | None, dtype: str, device_map: str) -> LoadedModel:
@@ -205,12 +217,16 @@ def _load_random(text: str, device: str | None, dtype: str, device_map: str) -> 
     )
 
 
-def _load_checkpoint(model: str | Path | None, device: str | None, dtype: str, device_map: str) -> LoadedModel:
+def _load_checkpoint(
+    model: str | Path | None, device: str | None, dtype: str, device_map: str, yarn_factor: float | None = None
+) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     is_default = model is None
     path = default_model_path() if is_default else Path(model).expanduser()
     config = load_config(path)
+    if yarn_factor is not None:
+        apply_yarn(config, yarn_factor)
     if device_map == "auto":
         import importlib.util
 
@@ -230,7 +246,7 @@ def _load_checkpoint(model: str | Path | None, device: str | None, dtype: str, d
     try:
         extra = {"device_map": "auto"} if device_map == "auto" else {}
         hf = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch_dtype, attn_implementation=attn, local_files_only=True, **extra
+            path, config=config, dtype=torch_dtype, attn_implementation=attn, local_files_only=True, **extra
         )
     except (OSError, ValueError) as exc:
         raise UserError(f"cannot load weights from {path} ({str(exc).splitlines()[0]})") from None
@@ -253,4 +269,5 @@ def _load_checkpoint(model: str | Path | None, device: str | None, dtype: str, d
         name="mla-eval default model" if is_default else path.name,
         device=dev,
         is_default=is_default,
+        rope_from_option=yarn_factor is not None,
     )

@@ -119,6 +119,30 @@ def plot_path(path: Path, default_name: str) -> Path:
     return path
 
 
+def kld_depth_across_windows(docs: list[dict], path: Path) -> Path:
+    """One KLD-vs-depth figure from several kld documents (e.g. --ctx 16K, 32K, 64K): a colour per
+    format, a line style per window length, log-scaled depth, so the error can be followed to 64K."""
+    plt = _plt()
+    styles = ("-", "--", ":", "-.")
+    colours: dict[str, str] = {}
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for i, doc in enumerate(sorted(docs, key=lambda d: d["settings"]["ctx"])):
+        ctx = doc["settings"]["ctx"]
+        for name, s in doc["formats"].items():
+            rows = s["kld_by_depth"]
+            x = [(r["depth_lo"] + r["depth_hi"]) / 2 for r in rows]
+            line = ax.plot(x, [r["kld_mean"] for r in rows], styles[i % len(styles)], marker="o", ms=3,
+                           color=colours.get(name), label=f"{name}, ctx {ctx}")[0]
+            colours.setdefault(name, line.get_color())
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context depth of the scored token (tokens; bucket centres)")
+    ax.set_ylabel("mean KLD vs the reference, nats")
+    ax.set_title("KLD by context depth, per window length")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6, ncol=2)
+    return _save(fig, Path(path))
+
+
 def needle_heatmaps(summary: dict, lengths: list[int], depths: list[float], folder: Path) -> list[Path]:
     """An accuracy heatmap per format and a difference heatmap (format - bf16) per format."""
     plt = _plt()
