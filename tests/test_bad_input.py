@@ -140,6 +140,7 @@ CASES = {
     # formats
     "formats: unknown format": (lambda w: ["formats", "--formats", "int3"], {}, "int3"),
     "formats: empty list": (lambda w: ["formats", "--formats", ","], {}, "--formats is empty"),
+    "formats: ambiguous engine name": (lambda w: ["formats", "--formats", "nvfp4_ds_mla"], {}, "is ambiguous"),
     "formats: unknown option": (lambda w: ["formats", "--bogus"], {}, "No such option: --bogus"),
     # capacity
     "capacity: --tp 0 names --tp": (lambda w: ["capacity", "--tp", "0"], {}, "--tp must be >= 1"),

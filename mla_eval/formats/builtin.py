@@ -165,7 +165,7 @@ def _nvfp4_latent(
 
 
 def _fp8_ds_mla(
-    name: str, rule: ScaleRule, title: str, description: str, source: str, engine: Engine, floor: float
+    name: str, rule: ScaleRule, title: str, description: str, source: str, engine: Engine, floor: float, alias: str
 ) -> FormatSpec:
     return FormatSpec(
         name=name,
@@ -185,8 +185,14 @@ def _fp8_ds_mla(
         ),
         rope=_bf16_rope(528),
         engine=engine,
+        aliases=(alias,),
     )
 
+
+# Engine names that several records share, each with the formats it may mean: a bare one is refused
+# (the user names the record), the '<engine>:<name>' aliases of the specs select one format each.
+# The local-inference-lab vLLM fork's --kv-cache-dtype nvfp4_ds_mla writes 432 B, or 368 B under KV_FP8_ROPE=1.
+AMBIGUOUS_ENGINE_NAMES: dict[str, tuple[str, ...]] = {"nvfp4_ds_mla": ("nvfp4", "nvfp4_fp8rope")}
 
 BUILTIN_FORMATS: tuple[FormatSpec, ...] = (
     FormatSpec(
@@ -206,6 +212,7 @@ BUILTIN_FORMATS: tuple[FormatSpec, ...] = (
         "vLLM fp8_ds_mla cache layout (DeepSeek-V3.2 sparse MLA)",
         VLLM_FP8_DS_MLA,
         FLT_MIN,
+        "vllm:fp8_ds_mla",
     ),
     _fp8_ds_mla(
         "fp8_ds_mla_pow2",
@@ -215,6 +222,7 @@ BUILTIN_FORMATS: tuple[FormatSpec, ...] = (
         "FlashMLA sparse decode tests (quantize_k_cache: power-of-two scales)",
         FLASHMLA_FP8_POW2,
         FLASHMLA_POW2_FLOOR,
+        "flashmla:V32_FP8Sparse",
     ),
     FormatSpec(
         name="nvfp4",
@@ -227,6 +235,7 @@ BUILTIN_FORMATS: tuple[FormatSpec, ...] = (
         pads=(Field("pad", 288, "pad", 16),),
         outer_scale=NVFP4_OUTER,
         engine=VLLM_FORK_NVFP4,
+        aliases=("vllm-fork:nvfp4_ds_mla",),
     ),
     FormatSpec(
         name="nvfp4_fp8rope",
@@ -248,6 +257,7 @@ BUILTIN_FORMATS: tuple[FormatSpec, ...] = (
         pads=(Field("pad", 292, "pad", 12),),
         outer_scale=NVFP4_OUTER,
         engine=B12X_NVFP4_FP8ROPE,
+        aliases=("vllm-fork:nvfp4_ds_mla:KV_FP8_ROPE=1",),
     ),
     # Ours (engine=None): the arithmetic is mla-eval's, on the byte map of b12x's per_token_scale=True record
     # (local-inference-lab/b12x@36bce2c1552ba2d47dc09f20a6f64fbfc8ec4ff8 b12x/attention/_shared/mla/kv_cache.py,
@@ -295,6 +305,7 @@ BUILTIN_FORMATS: tuple[FormatSpec, ...] = (
         ),
         rope=VectorCoding(ROPE_DIM, "e4m3", Field("rope", 256, "e4m3", ROPE_DIM), ScaleRule.TENSOR, ROPE_DIM),
         engine=VLLM_NVFP4_FP8_DS_MLA,
+        aliases=("vllm:nvfp4_fp8_ds_mla",),
     ),
     FormatSpec(
         name="sglang_fp4_e2m1",
@@ -307,6 +318,7 @@ BUILTIN_FORMATS: tuple[FormatSpec, ...] = (
         rope=_sglang_fp4(ROPE_DIM, 256, 320, "rope"),
         align=4,
         engine=SGLANG_FP4_E2M1,
+        aliases=("sglang:fp4_e2m1",),
         buffers=(("kv_buffer", 0, 288), ("kv_scale_buffer", 288, 324)),
     ),
     # Our choice: OCP MX v1.0 MXFP4 (E2M1, one E8M0 scale per 32 values). 256 B of codes, 16 B of

@@ -194,7 +194,9 @@ class FormatSpec:
     # Separate allocations the engine keeps per token (name, start, end) inside this logical record,
     # e.g. SGLang's packed data and scale buffers; () = one record. Capacity counts their sum.
     buffers: tuple[tuple[str, int, int], ...] = ()
-    aliases: tuple[str, ...] = ()  # older names that still select this format
+    # Other names that select this format: the engine-facing '<engine>:<its name>' (e.g. 'vllm:fp8_ds_mla'),
+    # and any older name of ours. Results always record `name`.
+    aliases: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _validate(self)

@@ -13,6 +13,7 @@ from typing import Iterator
 import torch
 
 from mla_eval.errors import UserError
+from mla_eval.formats import check_model_dims
 from mla_eval.model.adapter import DSA_TYPES, SUPPORTED, MlaAdapter, check_supported
 from mla_eval.model.indexer import INDEXER_FIELDS
 from mla_eval.model.random_models import build_random_model, is_random_spec, parse_random_spec
@@ -96,6 +97,8 @@ def _check_raw_config(path: Path) -> None:
             f"{path}/config.json has no kv_lora_rank (model_type {model_type!r}): not an MLA checkpoint, or an incomplete "
             "config; give the checkpoint's full config.json"
         )
+    if isinstance(raw.get("kv_lora_rank"), int) and isinstance(raw.get("qk_rope_head_dim"), int):
+        check_model_dims(raw["kv_lora_rank"], raw["qk_rope_head_dim"], f"{path} ({model_type})")  # before any weight
     if model_type in DSA_TYPES:
         missing = [f for f in INDEXER_FIELDS if raw.get(f) is None]
         if missing:
