@@ -1,7 +1,20 @@
 """The built-in cache formats. Each is written once here; everything else reads these specs.
 
-Byte layouts follow the public sources named in each spec's `source`. The
-two formats that no single source defines (mxfp4, fp8_e4m3) are our own choices, documented here.
+Byte layouts follow the public sources named in each spec's `source`. The formats that no engine
+defines (nvfp4_fp8rope_st, mxfp4, fp8_e4m3) are our own choices, documented at their specs.
+
+Published 512 + 64 NVFP4 records not built in, and why (searched 2026-12-03: the search tool's code,
+issues and pages corpora, GitHub snapshots of sgl-project/sglang and NVIDIA/TensorRT-LLM):
+- SGLang PR 35237 (sgl-project/sglang, open, "Add SM100 NVFP4 KV cache support for GLM-5.2 DSA"): the
+  PR text gives a 416 B record (256 B E2M1 latent, 32 B block-16 E4M3 scales, 128 B bf16 rope) with a
+  per-layer fp32 global K scale. Its source (the writer's arithmetic) is not in any stored copy: the PR
+  branch is not on sglang main, the author's fork is not indexed, and sglang's snapshot (1.2 GB) is over
+  the fetch limit. Without the writer there is no engine port, so no spec.
+- TensorRT-LLM: `DSACacheManager` (NVIDIA/TensorRT-LLM@0bbb76d22e61bde633cc5f7733f5194881853501,
+  tensorrt_llm/_torch/attention_backend/sparse/dsa/cache_manager.py) admits DataType.NVFP4 for the DSA
+  latent cache: all 576 values as E2M1 (288 B) plus one E4M3 scale per 16 (36 B) kept in a separate
+  block-scale pool, 324 B per token; PR 18723 extends GLM-5.2 NVFP4 KV coverage. Its writer (the MLA
+  RoPE/quantise kernel with the KV global scale) was not read and ported this session: a follow-up.
 """
 
 from __future__ import annotations
