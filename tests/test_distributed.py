@@ -130,3 +130,47 @@ def test_timeout_default_and_override(monkeypatch):
 def test_single_process_needs_no_process_group(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert d.start("cpu") == d.Ranks()
+
+
+def _as_rank(monkeypatch, rank: int, world: int = 2, port: int | None = None):
+    monkeypatch.setattr(d, "_STATE", {})
+    for k, v in {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world, "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": port or _free_port()}.items():
+        monkeypatch.setenv(k, str(v))
+
+
+def _fake_gpus(monkeypatch, count: int, nccl: bool):
+    import torch
+    import torch.distributed as dist
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: nccl)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: pytest.fail("no GPU may be selected before the checks pass"))
+
+
+def test_gpus_without_nccl_are_one_line_naming_the_fix(monkeypatch):
+    _as_rank(monkeypatch, 0)
+    _fake_gpus(monkeypatch, 2, nccl=False)
+    with pytest.raises(UserError, match="needs NCCL, which this torch build lacks: install a CUDA build of torch"):
+        d.start("auto")
+
+
+def test_one_gpu_for_every_rank_and_too_many_ranks_are_refused(monkeypatch):
+    _as_rank(monkeypatch, 1)
+    _fake_gpus(monkeypatch, 2, nccl=True)
+    with pytest.raises(UserError, match="--device cuda:0 under torchrun would put every rank on one GPU"):
+        d.start("cuda:0")
+    _fake_gpus(monkeypatch, 1, nccl=True)
+    with pytest.raises(UserError, match="LOCAL_RANK 1 but only 1 GPU\\(s\\) are visible"):
+        d.start("auto")
+
+
+def test_a_process_group_that_cannot_start_is_one_line(monkeypatch):
+    """Rank 1 with nobody listening at MASTER_PORT: refused within the timeout, not a hang."""
+    _as_rank(monkeypatch, 1)
+    monkeypatch.setenv(d.TIMEOUT_ENV, "2")
+    t0 = time.monotonic()
+    with pytest.raises(UserError, match="could not start the gloo process group") as exc:
+        d.start("cpu")
+    assert "\n" not in str(exc.value) and time.monotonic() - t0 < 30
