@@ -13,7 +13,7 @@ from mla_eval.commands.progress import progress_bars
 from mla_eval.evals.needle_evaluation import DEFAULT_FORMATS, DEFAULT_LENGTHS, NeedleSettings, evaluate_needle
 from mla_eval.evals.needle_tasks import TASKS, VALUE_KINDS
 from mla_eval.evals.settings import DEVICES_HELP
-from mla_eval.model.loader import DEVICE_MAP_HELP, MODEL_HELP
+from mla_eval.model.loader import DEVICE_MAP_HELP, MAX_MEMORY_HELP, MODEL_HELP
 from mla_eval.results import check_output_path, default_result_path, write_result
 
 console = Console(stderr=True)
@@ -67,6 +67,7 @@ def needle(
     plot: Path = typer.Option(None, "--plot", help="Folder for heatmap PNGs (one per format + difference vs bf16)."),
     device: str = typer.Option("auto", "--device", help=DEVICES_HELP + "."),
     device_map: str = typer.Option("none", "--device-map", help=DEVICE_MAP_HELP),
+    max_memory: str = typer.Option(None, "--max-memory", help=MAX_MEMORY_HELP),
     backend: str = typer.Option(None, "--backend", help=BACKEND_HELP),
 ) -> None:
     """Needle-in-a-haystack retrieval per cache format, on identical prompts of exact token length.
@@ -77,7 +78,8 @@ def needle(
     and an effective length per format. The default grid is a GPU job (hours on a CPU).
     """
     settings = NeedleSettings(
-        model=model, device=device, device_map=device_map, backend=backend, formats=formats, lengths=lengths,
+        model=model, device=device, device_map=device_map, max_memory=max_memory, backend=backend, formats=formats,
+        lengths=lengths,
         depths=depths, depth_steps=depth_steps, trials=trials, task=task, values=values, haystack=haystack,
         scales=scales, batch=batch, prefill=prefill, full_answers=full_answers, cuda_graphs=cuda_graphs,
         threshold=threshold, seed=seed,

@@ -214,7 +214,7 @@ def evaluate_kld(st: KldSettings, progress: ProgressCallback = no_progress) -> K
         text={"kind": source.kind, "label": source.label, "digest": source.digest, "tokens": source.num_tokens},
         settings={"ref": ref.name, "ctx": ctx, "stride": stride, "min_context": min_context, "batch": batch,
                   "block_size": protocol.block_size, "world_size": world, "backend": log.backend,
-                  "unscored_tokens": run.unscored},
+                  "unscored_tokens": run.unscored, **st.placement(lm)},
         outer_scales=protocol.outer_scales,
         windows=run.windows,
         seconds=run.seconds,

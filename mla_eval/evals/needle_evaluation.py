@@ -193,7 +193,7 @@ def evaluate_needle(st: NeedleSettings, progress: ProgressCallback = no_progress
         settings={"task": st.task, "values": st.values, "haystack": hay_label, "lengths": lens, "depths": deps,
                   "trials": st.trials, "seed": st.seed, "threshold": st.threshold, "prefill": st.prefill,
                   "max_new_tokens": run.max_new_tokens, "stop_at_answer": not st.full_answers,
-                  "cuda_graphs": st.cuda_graphs, "backend": log.backend},
+                  "cuda_graphs": st.cuda_graphs, "backend": log.backend, **st.placement(lm)},
         outer_scales=outer,
         environment=env,
         formats=summary,
