@@ -28,7 +28,8 @@ def format_row(spec: FormatSpec) -> dict:
         "token_scale": spec.token_scale is not None,
         "outer_scale": None
         if spec.outer_scale is None
-        else {"required": spec.outer_scale.required, "denominator": spec.outer_scale.denominator},
+        else {"required": spec.outer_scale.required, "denominator": spec.outer_scale.denominator,
+              "applies_to_rope": spec.outer_scale.applies_to_rope, "bf16_result": spec.outer_scale.bf16_result},
         "fields": [
             {"name": f.name, "offset": f.offset, "bytes": f.nbytes, "dtype": f.dtype, "count": f.count} for f in spec.fields
         ],
