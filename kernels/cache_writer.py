@@ -103,11 +103,16 @@ class CacheWriter:
             w = cute.make_rmem_tensor((2,), Float32)
             w.store(r_rope.load().to(Float32))
 
-            # ---- 1. outer scale: v = c * rcp.rn(s_l) ----
+            # ---- 1. outer scale: v = c * rcp.rn(s_l), rounded to bf16 where the engine scales in bf16 ----
             if cutlass.const_expr(self.has_outer):
                 r_l = ptx.rcp_rn(s_l)
                 for i in cutlass.range_constexpr(16):
                     v[i] = ptx.mul_rn(v[i], r_l)
+                if cutlass.const_expr(plan.outer_bf16):
+                    for i in cutlass.range_constexpr(8):
+                        pair = ptx.bf16x2(v[2 * i + 1], v[2 * i])  # RNE; [31:16] odd value, [15:0] even value
+                        v[2 * i] = ptx.bits_f32(pair << Uint32(16))
+                        v[2 * i + 1] = ptx.bits_f32(pair & Uint32(0xFFFF0000))
                 if cutlass.const_expr(plan.outer_on_rope):
                     for i in cutlass.range_constexpr(2):
                         w[i] = ptx.mul_rn(w[i], r_l)
@@ -281,7 +286,7 @@ class CacheWriter:
 
 def compile_key(plan: RecordPlan, in_dtype: torch.dtype, has_outer: bool, device: torch.device) -> tuple:
     """Every specialisation of a compiled writer; s_l itself is a run-time argument."""
-    return ("cache_writer", 3, plan, str(in_dtype), bool(has_outer), arch_tag(device))
+    return ("cache_writer", 4, plan, str(in_dtype), bool(has_outer), arch_tag(device))
 
 
 def _ptr(t: torch.Tensor, dtype, align: int):

@@ -83,6 +83,7 @@ class RecordPlan:
     outer_allowed: bool  # the format takes a per-layer s_l
     outer_required: bool
     outer_on_rope: bool
+    outer_bf16: bool = False  # the latent scaled by s_l is rounded to bf16 before quantisation (engine order)
 
     @property
     def record_words(self) -> int:
@@ -126,6 +127,7 @@ def plan_for(spec) -> RecordPlan:
         outer_allowed=outer is not None,
         outer_required=bool(outer is not None and outer.required),
         outer_on_rope=bool(outer is not None and outer.applies_to_rope),
+        outer_bf16=bool(outer is not None and outer.bf16_result),
     )
     _check_kernel_scope(plan)
     return plan

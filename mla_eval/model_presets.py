@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from mla_eval.errors import UserError
-from mla_eval.formats import LATENT_DIM, ROPE_DIM
+from mla_eval.formats import check_model_dims
 
 INDEXER_QUANT_BLOCK = 128  # vLLM Indexer.quant_block_size: one fp32 scale per 128 key values
 INDEXER_SCALE_BYTES = 4  # fp32
@@ -168,11 +168,7 @@ def geometry_from_config(cfg: dict[str, Any], *, name: str, source: str) -> MlaC
     rope_dim = _int_field(cfg, "qk_rope_head_dim", name, minimum=1)
     nextn = _int_field(cfg, "num_nextn_predict_layers", name, minimum=0, default=0)
     max_pos = _int_field(cfg, "max_position_embeddings", name, minimum=1, default=None)
-    if (kv_lora_rank, rope_dim) != (LATENT_DIM, ROPE_DIM):
-        raise UserError(
-            f"{name} is MLA with kv_lora_rank={kv_lora_rank} and qk_rope_head_dim={rope_dim}, but the cache "
-            f"formats are defined for {LATENT_DIM} latent + {ROPE_DIM} rope values, so their byte counts do not apply"
-        )
+    check_model_dims(kv_lora_rank, rope_dim, name)
     if max_pos is None:
         notes.append("config has no max_position_embeddings: model-limited context unknown; pass --max-model-len")
 

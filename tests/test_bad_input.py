@@ -140,6 +140,7 @@ CASES = {
     # formats
     "formats: unknown format": (lambda w: ["formats", "--formats", "int3"], {}, "int3"),
     "formats: empty list": (lambda w: ["formats", "--formats", ","], {}, "--formats is empty"),
+    "formats: ambiguous engine name": (lambda w: ["formats", "--formats", "nvfp4_ds_mla"], {}, "is ambiguous"),
     "formats: unknown option": (lambda w: ["formats", "--bogus"], {}, "No such option: --bogus"),
     # capacity
     "capacity: --tp 0 names --tp": (lambda w: ["capacity", "--tp", "0"], {}, "--tp must be >= 1"),
@@ -185,6 +186,10 @@ CASES = {
     "needle: --backend bogus": (lambda w: _needle(w, "--backend", "bogus"), {}, "bogus"),
     "kld: unknown format": (lambda w: _kld(w, "--formats", "int3"), {}, "int3"),
     "kld: unknown format option": (lambda w: _kld(w, "--formats", "nvfp4+foo"), {}, "+foo"),
+    "kld: --max-memory without --device-map auto": (lambda w: _kld(w, "--max-memory", "40GiB"), {},
+                                                    "--max-memory caps what --device-map auto plans"),
+    "kld: bad --max-memory": (lambda w: _kld(w, "--device-map", "auto", "--max-memory", "lots"), {},
+                              "--max-memory 'lots': give a positive size"),
     "kld: --out is a folder": (lambda w: _kld(w, "--out", str(w.empty)), {}, "is a folder"),
     "kld: --out in a locked folder": (lambda w: _kld(w, "--out", str(w.locked / "k.json")), {}, "not writable"),
     "kld: --force over a user's file": (lambda w: _kld(w, "--out", str(w.user_file), "--force"), {}, "not an mla-eval result"),
@@ -206,6 +211,8 @@ CASES = {
     # needle
     "needle: bad --lengths": (lambda w: _needle(w, "--lengths", "abc"), {}, "--lengths"),
     "needle: unknown --task": (lambda w: _needle(w, "--task", "bogus"), {}, "bogus"),
+    "needle: bad --max-memory": (lambda w: _needle(w, "--device-map", "auto", "--max-memory", "0GiB"), {},
+                                 "--max-memory '0GiB'"),
     "needle: depth over 100": (lambda w: _needle(w, "--depths", "150"), {}, "150"),
     "needle: --trials 0": (lambda w: _needle(w, "--trials", "0"), {}, "--trials"),
     "needle: --semantics engine:0": (lambda w: _needle(w, "--semantics", "engine:0"), {}, "--semantics"),

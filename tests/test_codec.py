@@ -188,11 +188,15 @@ def test_fp8_e4m3_per_tensor_scale():
 
 def test_outer_scale_is_applied_before_quantisation():
     torch.manual_seed(1)
-    lat = torch.randn(7, 512) * 40
+    lat = (torch.randn(7, 512) * 40).bfloat16().float()  # the engine's latent is bf16
     rope = torch.randn(7, 64)
     s_l = 0.03125
     r = encode("nvfp4", lat, rope, outer_scale=s_l)
     assert torch.equal(r, encode("nvfp4", lat * (1 / s_l), rope))  # 1/s_l is exact here
+    # the scaled latent is held in bf16 before quantisation (the vLLM fork scales its bf16 tensor in torch)
+    lat32 = torch.randn(7, 512) * 40
+    held = (lat32 * (1 / torch.tensor(0.37))).bfloat16().float()
+    assert torch.equal(encode("nvfp4", lat32, rope, outer_scale=0.37), encode("nvfp4", held, rope))
     latd, _ = decode("nvfp4", r, outer_scale=s_l)
     latd0, _ = decode("nvfp4", r)
     assert torch.equal(latd, latd0 * s_l)

@@ -25,6 +25,12 @@ Sources (the spec of each format names the same engine, `FormatSpec.engine`):
   rcp.approx.ftz results for E4M3 values and 6 come from the H200 table (mla_eval/formats/data/
   rcp_approx_ftz_f32.json, read here directly); for the rope's arbitrary fp32 scale the port, like the
   codec, uses the correctly rounded reciprocal (kernels/measure_rope_rcp_residual.py measures the rest).
+- the per-layer outer scale s_l of nvfp4 / nvfp4_fp8rope: local-inference-lab/vllm @
+  7e39fe0969a03377cc1aaea06a7f1511268a4fd5, vllm/model_executor/layers/mla.py
+  `MultiHeadLatentAttentionWrapper.forward`: `kv_c_for_cache = kv_c_normed / self._nvfp4_mla_outer_scale`
+  (the bf16 latent only, skipped at s_l = 1.0) before the writers above; a bf16 CUDA tensor divided by a
+  Python float is `bf16(float(x) * (1.0f / float(s_l)))` (pytorch/pytorch @
+  0f57f050df0e969d03e76495ace7ea90ba2b05d8 aten/src/ATen/native/cuda/BinaryDivTrueKernel.cu).
 - sglang_fp4_e2m1: sgl-project/sglang @ 0e6b6cf0ac719aca12987b393d17e8caaabcaa87,
   python/sglang/srt/layers/quantization/kvfp4_tensor.py `KVFP4QuantizeUtil.batched_quantize` on the 576
   values of a token (MLATokenToKVPoolFP4): data buffer [288] then scale buffer [36] here. The engine's
@@ -185,6 +191,15 @@ def b12x_concat_and_cache_nvfp4_mla_fp8_rope(kv_c: np.ndarray, k_pe: np.ndarray)
     return out
 
 
+def vllm_fork_outer_scaled_latent(kv_c: np.ndarray, s_l: float) -> np.ndarray:
+    """The fork's `kv_c_normed / s_l` on the bf16 latent (float32 values of bf16 numbers) -> bf16 values."""
+    if s_l == 1.0:  # the fork leaves the tensor untouched
+        return kv_c
+    inv_b = np.float32(1.0) / np.float32(s_l)  # opmath_t(1.0) / scalar_value<float>: an f32 division on the host
+    prod = (kv_c.astype(np.float32) * inv_b).astype(np.float32)
+    return (np_bf16_rn(prod).astype(np.uint32) << 16).view(np.float32)
+
+
 def sglang_kvfp4_batched_quantize(kv: torch.Tensor) -> np.ndarray:
     """SGLang's KVFP4 quantiser on [n, 576] float32 -> [n, 288 packed | 36 scale bytes]."""
     n = kv.shape[0]
@@ -286,6 +301,33 @@ def test_nvfp4_fp8rope_bytes_equal_b12x(kind):
     x = _inputs(kind)
     engine = b12x_concat_and_cache_nvfp4_mla_fp8_rope(x[:, :512].numpy(), x[:, 512:].numpy())
     assert np.count_nonzero(engine != _ours("nvfp4_fp8rope", x)) == 0
+
+
+OUTER_SCALES = [1.0, 0.37, 2.5e-3, 5.2 / 2688, 7.0]
+_FORK_WRITERS = {"nvfp4": vllm_fork_concat_and_cache_nvfp4_mla, "nvfp4_fp8rope": b12x_concat_and_cache_nvfp4_mla_fp8_rope}
+
+
+@pytest.mark.parametrize("fmt", sorted(_FORK_WRITERS))
+@pytest.mark.parametrize("kind", KINDS)
+def test_outer_scale_bytes_equal_the_vllm_fork(fmt, kind):
+    """s_l applied as the fork applies it (bf16 latent / s_l in torch, then the writer): 0 differing bytes.
+    The engine's latent is bf16, so the inputs are bf16 values; the rope is never scaled."""
+    x = _inputs(kind).bfloat16().float()
+    lat, rope = x[:, :512].numpy(), x[:, 512:].numpy()
+    for s_l in OUTER_SCALES:
+        engine = _FORK_WRITERS[fmt](vllm_fork_outer_scaled_latent(lat, s_l), rope)
+        ours = encode(fmt, x[:, :512], x[:, 512:], outer_scale=s_l).numpy()
+        assert np.count_nonzero(engine != ours) == 0, f"{fmt} {kind} s_l={s_l}"
+
+
+def test_outer_scale_bf16_rounding_is_what_the_comparison_detects():
+    """Scaling in float32 without the fork's bf16 rounding gives different bytes on ordinary data, so the
+    test above can tell the two orders apart."""
+    x = _inputs("bf16", seed=5)
+    lat, rope = x[:, :512].numpy(), x[:, 512:].numpy()
+    in_f32 = (lat * (np.float32(1.0) / np.float32(0.37))).astype(np.float32)
+    unrounded = vllm_fork_concat_and_cache_nvfp4_mla(in_f32, rope)
+    assert np.count_nonzero(unrounded != encode("nvfp4", x[:, :512], x[:, 512:], outer_scale=0.37).numpy()) > 0
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -35,6 +35,7 @@ def test_plan_agrees_with_spec_or_is_refused_with_a_reason(spec):
     assert plan.token_scale_offset == (spec.token_scale.offset if spec.token_scale else -1)
     assert plan.pads == tuple((f.offset, f.nbytes) for f in spec.pads)
     assert plan.outer_allowed == (spec.outer_scale is not None)
+    assert plan.outer_bf16 == bool(spec.outer_scale is not None and spec.outer_scale.bf16_result)
 
 def test_rule_names_are_the_spec_rules():
     assert rp.KNOWN_RULES == tuple(r.value for r in ScaleRule)
@@ -80,3 +81,15 @@ def test_every_kernel_format_has_its_own_plan_hence_its_own_compiled_kernels():
         except rp.UnsupportedFormat:
             continue
     assert len(set(plans.values())) == len(plans) >= 9
+
+
+def test_engine_outer_scale_order_reaches_the_plan():
+    """nvfp4 / nvfp4_fp8rope round the s_l-scaled latent to bf16 (the vLLM fork scales in torch on bf16);
+    fp8_e4m3 scales in float32: the writer must know which, and the compile key must differ."""
+    by_name = {s.name: s for s in all_formats()}
+    assert rp.plan_for(by_name["nvfp4"]).outer_bf16 and rp.plan_for(by_name["nvfp4_fp8rope"]).outer_bf16
+    assert not rp.plan_for(by_name["fp8_e4m3"]).outer_bf16
+    flipped = dataclasses.replace(
+        by_name["nvfp4"], outer_scale=dataclasses.replace(by_name["nvfp4"].outer_scale, bf16_result=False)
+    )
+    assert rp.plan_for(flipped) != rp.plan_for(by_name["nvfp4"])

@@ -128,7 +128,7 @@ def test_old_names_select_the_format_with_a_note():
     try:
         assert get_format("user_old_name") is spec
         assert [s.name for s in parse_format_list("user_old_name,user_new_name")] == ["user_new_name"]
-        assert "old name of 'user_new_name'" in alias_note("user_old_name")
+        assert "alias of 'user_new_name'" in alias_note("user_old_name")
         assert alias_note("user_new_name") is None
         with pytest.raises(ValueError, match="already taken"):
             register_format(_user_spec("user_other", aliases=("user_old_name",)))
@@ -143,6 +143,34 @@ def test_old_names_select_the_format_with_a_note():
 def test_builtin_names_and_aliases_never_collide():
     names = [s.name for s in all_formats()] + [a for s in all_formats() for a in s.aliases]
     assert len(names) == len(set(names))
+
+
+def test_every_engine_defined_format_has_an_engine_facing_alias_selecting_only_it():
+    """'<engine>:<its name>' selects exactly our format, and results record our name."""
+    from mla_eval.evals.variants import parse_variants
+    from mla_eval.formats import alias_note
+
+    engine_specs = [s for s in all_formats() if s.engine is not None]
+    assert {s.name for s in engine_specs} >= {"fp8_ds_mla", "fp8_ds_mla_pow2", "nvfp4", "nvfp4_fp8rope", "nvfp4_fp8_ds_mla"}
+    for spec in engine_specs:
+        engine_aliases = [a for a in spec.aliases if ":" in a]
+        assert engine_aliases, f"{spec.name} has no engine-facing alias"
+        for alias in engine_aliases:
+            assert get_format(alias) is spec
+            assert f"results record {spec.name!r}" in alias_note(alias)
+            assert sum(get_format(a) is spec for s in all_formats() for a in s.aliases if a == alias) == 1
+    assert get_format("vllm-fork:nvfp4_ds_mla").record_bytes == 432
+    assert get_format("vllm-fork:nvfp4_ds_mla:KV_FP8_ROPE=1").record_bytes == 368
+    assert [v.name for v in parse_variants("vllm-fork:nvfp4_ds_mla+s_l,sglang:fp4_e2m1")] == ["nvfp4+s_l", "sglang_fp4_e2m1"]
+
+
+def test_an_engine_name_shared_by_several_records_is_refused_naming_the_choices():
+    with pytest.raises(UnknownFormatError) as exc:
+        get_format("nvfp4_ds_mla")
+    msg = str(exc.value)
+    assert "ambiguous" in msg and "nvfp4 (432 B" in msg and "nvfp4_fp8rope (368 B" in msg and "\n" not in msg
+    with pytest.raises(ValueError, match="already taken"):
+        register_format(_user_spec("nvfp4_ds_mla"))
 
 
 def test_record_width_lookup():

@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from mla_eval.formats import FormatSpec, get_format, parse_format_list
+from mla_eval.formats.builtin import AMBIGUOUS_ENGINE_NAMES
 
 
 def format_row(spec: FormatSpec) -> dict:
@@ -27,7 +28,8 @@ def format_row(spec: FormatSpec) -> dict:
         "token_scale": spec.token_scale is not None,
         "outer_scale": None
         if spec.outer_scale is None
-        else {"required": spec.outer_scale.required, "denominator": spec.outer_scale.denominator},
+        else {"required": spec.outer_scale.required, "denominator": spec.outer_scale.denominator,
+              "applies_to_rope": spec.outer_scale.applies_to_rope, "bf16_result": spec.outer_scale.bf16_result},
         "fields": [
             {"name": f.name, "offset": f.offset, "bytes": f.nbytes, "dtype": f.dtype, "count": f.count} for f in spec.fields
         ],
@@ -106,12 +108,14 @@ def formats(
     et.add_column("source (repository@commit path symbol)", overflow="fold")
     for spec in specs:
         eng = spec.engine
-        aliases = f" (old names: {', '.join(spec.aliases)})" if spec.aliases else ""
+        aliases = f" (also: {', '.join(spec.aliases)})" if spec.aliases else ""
         if eng is None:
-            et.add_row(spec.name + aliases, "-", "-", f"no engine pinned; the codec follows our reading of: {spec.source}")
+            et.add_row(spec.name + aliases, "-", "-", f"no engine pinned: {spec.source}")
         else:
             et.add_row(spec.name + aliases, eng.name, eng.flag, eng.citation())
     console.print(et)
+    for name, fmts in AMBIGUOUS_ENGINE_NAMES.items():
+        console.print(f"'{name}' alone is ambiguous (an engine name for {' and '.join(fmts)}): use our name or its alias.")
     console.print(
         "bits = stored bits per cached value; x bf16 / x fp8 = tokens that fit in the same memory as "
         "with bf16 / fp8_ds_mla; s_l = per-layer outer scale (not stored per token)."

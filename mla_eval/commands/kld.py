@@ -14,7 +14,7 @@ from mla_eval.commands.progress import duration, progress_bars
 from mla_eval.evals.calibrate import CalibrateSettings, evaluate_calibration
 from mla_eval.evals.kld_evaluation import DEFAULT_FORMATS, KldSettings, evaluate_kld
 from mla_eval.evals.settings import DEFAULT_CTX, DEVICES_HELP
-from mla_eval.model.loader import DEVICE_MAP_HELP, MODEL_HELP
+from mla_eval.model.loader import DEVICE_MAP_HELP, MAX_MEMORY_HELP, MODEL_HELP
 from mla_eval.model.rope_scaling import ROPE_SCALING_HELP
 from mla_eval.results import check_output_path, default_result_path, write_result
 
@@ -70,6 +70,7 @@ def kld(
     plot: Path = typer.Option(None, "--plot", help="Folder for PNG plots: KLD CDF, KLD by depth, per-layer error."),
     device: str = typer.Option("auto", "--device", help=DEVICES_HELP + "."),
     device_map: str = typer.Option("none", "--device-map", help=DEVICE_MAP_HELP),
+    max_memory: str = typer.Option(None, "--max-memory", help=MAX_MEMORY_HELP),
     backend: str = typer.Option(None, "--backend", help=BACKEND_HELP),
     seed: int = typer.Option(0, "--seed", help="Seed of the self-samples."),
     semantics: str = typer.Option("cache", "--semantics", help=SEMANTICS_HELP),
@@ -91,7 +92,7 @@ def kld(
     from the quantised cache. Prints a side-by-side table and writes a versioned JSON.
     """
     settings = KldSettings(
-        model=model, device=device, device_map=device_map, backend=backend, text=text, dataset=dataset,
+        model=model, device=device, device_map=device_map, max_memory=max_memory, backend=backend, text=text, dataset=dataset,
         max_tokens=max_tokens, samples=samples, sample_len=sample_len, seed=seed, formats=formats, ref=ref, ctx=ctx,
         stride=stride, min_context=min_context, batch=batch, scales=scales, calib_tokens=calib_tokens,
         layer_stats=layer_stats, save_ref=save_ref, ref_file=ref_file, ref_store=ref_store,

@@ -13,7 +13,7 @@ from mla_eval.commands.progress import progress_bars
 from mla_eval.evals.needle_evaluation import DEFAULT_FORMATS, DEFAULT_LENGTHS, NeedleSettings, evaluate_needle
 from mla_eval.evals.needle_tasks import TASKS, VALUE_KINDS
 from mla_eval.evals.settings import DEVICES_HELP
-from mla_eval.model.loader import DEVICE_MAP_HELP, MODEL_HELP
+from mla_eval.model.loader import DEVICE_MAP_HELP, MAX_MEMORY_HELP, MODEL_HELP
 from mla_eval.model.rope_scaling import ROPE_SCALING_HELP
 from mla_eval.results import check_output_path, default_result_path, write_result
 
@@ -78,6 +78,7 @@ def needle(
     plot: Path = typer.Option(None, "--plot", help="Folder for heatmap PNGs (one per format + difference vs bf16)."),
     device: str = typer.Option("auto", "--device", help=DEVICES_HELP + "."),
     device_map: str = typer.Option("none", "--device-map", help=DEVICE_MAP_HELP),
+    max_memory: str = typer.Option(None, "--max-memory", help=MAX_MEMORY_HELP),
     backend: str = typer.Option(None, "--backend", help=BACKEND_HELP),
     semantics: str = typer.Option(
         "cache", "--semantics",
@@ -96,8 +97,9 @@ def needle(
     alpha 0.05), and an effective length per format. The default grid is a GPU job (hours on a CPU).
     """
     settings = NeedleSettings(
-        model=model, device=device, device_map=device_map, backend=backend, formats=formats, lengths=lengths,
-        depths=depths, depth_steps=depth_steps, trials=trials, task=task, values=values, needles=needles, haystack=haystack,
+        model=model, device=device, device_map=device_map, max_memory=max_memory, backend=backend, formats=formats,
+        lengths=lengths, depths=depths, depth_steps=depth_steps, trials=trials, task=task, values=values, needles=needles,
+        haystack=haystack,
         scales=scales, batch=batch, prefill=prefill, full_answers=full_answers, cuda_graphs=cuda_graphs,
         threshold=threshold, seed=seed, semantics=semantics, math=math, rope_scaling=rope_scaling,
     )

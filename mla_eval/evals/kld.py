@@ -289,13 +289,14 @@ def _logp(lm, hidden: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits.float(), dim=-1).to(lm.device)
 
 
-def gather_arrays(stats: dict[str, TokenStats]) -> dict[str, TokenStats]:
-    """Concatenate every rank's per-token arrays (exact: the same numbers as one process)."""
+def gather_arrays(stats: dict[str, TokenStats], group=None) -> dict[str, TokenStats]:
+    """Concatenate every rank's per-token arrays (exact: the same numbers as one process); `group`: the
+    process group to gather through (the gloo group of `evals.distributed` under NCCL)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return stats
     local = {k: v.arrays() for k, v in stats.items()}
     allv: list = [None] * dist.get_world_size()
-    dist.all_gather_object(allv, local)
+    dist.all_gather_object(allv, local, group=group)
     return {k: TokenStats.from_arrays({f: np.concatenate([r[k][f] for r in allv]) for f in TokenStats.FIELDS}) for k in stats}

@@ -7,7 +7,6 @@ the result serialises to the versioned `mla-eval/kld/v1` document (`to_document`
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ from mla_eval.attention.semantics import (
     row_label,
 )
 from mla_eval.errors import UserError
+from mla_eval.evals import distributed as dist_ranks
 from mla_eval.evals import text_sources
 from mla_eval.evals.calibrate import calibrate
 from mla_eval.evals.kld import KldProtocol, KldRun, gather_arrays, plan_windows, run_kld
@@ -196,17 +196,10 @@ def semantics_notes(semantics: list[Semantics], ctx: int, is_dsa: bool, maths: l
     return notes
 
 
-def distributed() -> tuple[int, int]:
-    """(rank, world) under torchrun; initialises torch.distributed once."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return 0, 1
-    import torch
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    return dist.get_rank(), world
+def distributed(device: str | None = "auto") -> dist_ranks.Ranks:
+    """This rank's place under torchrun (rank 0 of 1 without it); starts the process group once.
+    Backend, timeout and the rank checks: `mla_eval.evals.distributed`."""
+    return dist_ranks.start(device)
 
 
 def _split_calibration(source: text_sources.TokenSource, calib_tokens: int):
@@ -247,7 +240,8 @@ def evaluate_kld(st: KldSettings, progress: ProgressCallback = no_progress) -> K
     ("score", tokens). Under torchrun every rank calls this; rank 0's result holds the document.
     """
     with dispatch.use_backend(st.backend) as log:
-        rank, world = distributed()
+        ranks = distributed(st.device)
+        rank, world = ranks.rank, ranks.world
         if world > 1 and st.device_map != "none":
             raise UserError(
                 "--device-map auto spreads one model over the GPUs; under torchrun each rank holds its own copy: "
@@ -294,7 +288,8 @@ def evaluate_kld(st: KldSettings, progress: ProgressCallback = no_progress) -> K
         run = run_kld(lm, source, protocol, progress=progress, save_ref=saver, ref_file=loaded, rank=rank, world=world)
         if saver is not None:
             saver.save(st.save_ref)
-        run.stats = gather_arrays(run.stats)
+        with dist_ranks.collective(ranks, "gathering the per-token statistics"):
+            run.stats = gather_arrays(run.stats, group=ranks.cpu_group)
         env = environment(attention=log)
     return KldResult(
         model={"name": lm.name, "path": str(lm.path), "default": lm.is_default, "layers": lm.num_layers,
@@ -305,7 +300,8 @@ def evaluate_kld(st: KldSettings, progress: ProgressCallback = no_progress) -> K
         settings={"ref": ref.name, "ctx": ctx, "stride": stride, "min_context": min_context, "batch": batch,
                   "block_size": protocol.block_size, "world_size": world, "backend": log.backend,
                   "unscored_tokens": run.unscored, "semantics": [s.as_dict() for s in semantics],
-                  "math": [m.name for m in maths], "explain": None if st.explain is None else protocol.explain.name},
+                  "math": [m.name for m in maths], "explain": None if st.explain is None else protocol.explain.name,
+                  **st.placement(lm)},
         outer_scales=protocol.outer_scales,
         windows=run.windows,
         seconds=run.seconds,

@@ -234,7 +234,7 @@ def evaluate_needle(st: NeedleSettings, progress: ProgressCallback = no_progress
                   "cuda_graphs": st.cuda_graphs, "backend": log.backend, "semantics": semantics.as_dict(),
                   "math": st.math, "tasks": labels,
                   "needles": {t.label: t.count for t in tasks}, "answer_budgets": run.budgets,
-                  "samples_per_cell": len(deps) * st.trials},
+                  "samples_per_cell": len(deps) * st.trials, **st.placement(lm)},
         outer_scales=outer,
         environment=env,
         formats=summary,

@@ -63,6 +63,7 @@ class ModelSettings:
     device_map: str = "none"
     backend: str | None = None  # None: MLA_EVAL_BACKEND or auto (dispatch.default_backend)
     rope_scaling: str = "none"  # 'yarn:FACTOR' extends the context (mla_eval.model.rope_scaling)
+    max_memory: str | None = None  # --device-map auto: accelerate's cap per GPU, e.g. "40GiB"
 
     def __post_init__(self) -> None:
         from mla_eval.model.rope_scaling import parse_rope_scaling  # no torch: validated before any load
@@ -70,13 +71,29 @@ class ModelSettings:
         if self.backend is not None:
             dispatch.check_backend(self.backend)
         parse_rope_scaling(self.rope_scaling)
+        if self.max_memory is not None:
+            from mla_eval.model.loader import check_max_memory  # torch: only when the option is used
+
+            check_max_memory(self.max_memory, self.device_map)
 
     def load(self):
         from mla_eval.model.loader import load_model, resolve_device  # torch + transformers: only when used
 
         if self.device_map == "none":  # --backend kernel where the kernels cannot run: refused before the load
             dispatch.preflight(self.backend, [resolve_device(self.device)])
-        return load_model(self.model, self.device, device_map=self.device_map, rope_scaling=self.rope_scaling)
+        return load_model(
+            self.model, self.device, device_map=self.device_map, rope_scaling=self.rope_scaling, max_memory=self.max_memory
+        )
+
+    def placement(self, lm) -> dict:
+        """Where the model ran, for the result document: the device map, the per-GPU cap (bytes) and,
+        under --device-map auto, each layer's device (its cache lives there too)."""
+        from mla_eval.model.loader import check_max_memory
+
+        out = {"device_map": self.device_map, "max_memory_per_gpu": check_max_memory(self.max_memory, self.device_map)}
+        if self.device_map == "auto":
+            out["layer_devices"] = [str(dev) for dev in lm.layer_devices]
+        return out
 
 
 def _accepts(annotation, value) -> bool:

@@ -1,7 +1,20 @@
 """The built-in cache formats. Each is written once here; everything else reads these specs.
 
-Byte layouts follow the public sources named in each spec's `source`. The
-two formats that no single source defines (mxfp4, fp8_e4m3) are our own choices, documented here.
+Byte layouts follow the public sources named in each spec's `source`. The formats that no engine
+defines (nvfp4_fp8rope_st, mxfp4, fp8_e4m3) are our own choices, documented at their specs.
+
+Published 512 + 64 NVFP4 records not built in, and why (searched 2026-12-03: the search tool's code,
+issues and pages corpora, GitHub snapshots of sgl-project/sglang and NVIDIA/TensorRT-LLM):
+- SGLang PR 35237 (sgl-project/sglang, open, "Add SM100 NVFP4 KV cache support for GLM-5.2 DSA"): the
+  PR text gives a 416 B record (256 B E2M1 latent, 32 B block-16 E4M3 scales, 128 B bf16 rope) with a
+  per-layer fp32 global K scale. Its source (the writer's arithmetic) is not in any stored copy: the PR
+  branch is not on sglang main, the author's fork is not indexed, and sglang's snapshot (1.2 GB) is over
+  the fetch limit. Without the writer there is no engine port, so no spec.
+- TensorRT-LLM: `DSACacheManager` (NVIDIA/TensorRT-LLM@0bbb76d22e61bde633cc5f7733f5194881853501,
+  tensorrt_llm/_torch/attention_backend/sparse/dsa/cache_manager.py) admits DataType.NVFP4 for the DSA
+  latent cache: all 576 values as E2M1 (288 B) plus one E4M3 scale per 16 (36 B) kept in a separate
+  block-scale pool, 324 B per token; PR 18723 extends GLM-5.2 NVFP4 KV coverage. Its writer (the MLA
+  RoPE/quantise kernel with the KV global scale) was not read and ported this session: a follow-up.
 """
 
 from __future__ import annotations
@@ -21,7 +34,15 @@ from mla_eval.formats.spec import (
     VectorCoding,
 )
 
-NVFP4_OUTER = OuterScale(required=False, denominator=TOKEN_SCALE_DENOMINATOR)
+# The per-layer s_l of the nvfp4_ds_mla records (432 B, and 368 B under KV_FP8_ROPE=1), as the
+# local-inference-lab vLLM fork applies it, read at local-inference-lab/vllm@7e39fe0969a03377cc1aaea06a7f1511268a4fd5
+# vllm/model_executor/layers/mla.py `MultiHeadLatentAttentionWrapper.forward`: `kv_c_normed /
+# self._nvfp4_mla_outer_scale` on the bf16 latent only (k_pe stays unscaled), in torch, before the cache
+# writer, when s_l != 1.0 (VLLM_NVFP4_MLA_SCALES_FILE, schema nvfp4_ds_mla_outer_scale_v1). On CUDA torch
+# computes a bf16 tensor / Python float as bf16(float(x) * (1.0f / float(s_l)))
+# (pytorch/pytorch@0f57f050df0e969d03e76495ace7ea90ba2b05d8 aten/src/ATen/native/cuda/BinaryDivTrueKernel.cu:
+# a CPU-scalar divisor becomes a multiplication by its opmath reciprocal). The CuTe readers multiply s_l back.
+NVFP4_OUTER = OuterScale(required=False, denominator=TOKEN_SCALE_DENOMINATOR, bf16_result=True)
 
 # vLLM's writer of the 656 B DeepSeek-V3.2 record. Read at this commit: tile_scale =
 # fmaxf(max_abs / kFp8ScaleDivisor, FLT_MIN) with kFp8ScaleDivisor = 448 (224 only on gfx942), rope
@@ -79,8 +100,8 @@ VLLM_FORK_NVFP4 = Engine(
     commit="bde90062eb908dec6a314970a5edb554f6e8a0cc",
     flag="--kv-cache-dtype nvfp4_ds_mla (local-inference-lab/vllm, B12X_MLA_SPARSE)",
     note="record of the fork's concat_and_cache_nvfp4_mla (codes, scales, 16 B zero pad, bf16 rope copied), read in an "
-    "unpinned copy; rcp.approx of E4M3 values and of 6 from the H200 table; s_l is applied by the fork in torch on bf16 "
-    "(bf16(x * (1/s_l))), here in float32 (not yet engine-exact)",
+    "unpinned copy; rcp.approx of E4M3 values and of 6 from the H200 table; s_l as the fork applies it before the writer: "
+    "bf16(x * (1.0f / s_l)) on the latent (local-inference-lab/vllm@7e39fe0969a0 vllm/model_executor/layers/mla.py)",
 )
 # b12x's 368 B writer (KV_FP8_ROPE=1), read at this commit: latent as the recipe above but a group whose
 # decoded scale is 0 stores 8 zero bytes; rope scale = rope_amax * f32(1/448) (a compile-time constant,
@@ -95,7 +116,8 @@ B12X_NVFP4_FP8ROPE = Engine(
     commit="1eed7483540585e4d84b705375309766c9317db9",
     flag="--kv-cache-dtype nvfp4_ds_mla with KV_FP8_ROPE=1 (local-inference-lab/vllm)",
     note="rope codes use rcp.approx.ftz of an arbitrary fp32 (computed here with rcp.rn; residual: "
-    "kernels/measure_rope_rcp_residual.py on the GPU); s_l applied in float32 here, in torch on bf16 by the engine",
+    "kernels/measure_rope_rcp_residual.py on the GPU); s_l as the vLLM fork applies it before the writer: "
+    "bf16(x * (1.0f / s_l)) on the latent (local-inference-lab/vllm@7e39fe0969a0 vllm/model_executor/layers/mla.py)",
 )
 
 # SGLang's FP4 KV cache for MLA (--kv-cache-dtype fp4_e2m1), read at this commit: MLATokenToKVPoolFP4
@@ -156,7 +178,7 @@ def _nvfp4_latent(
 
 
 def _fp8_ds_mla(
-    name: str, rule: ScaleRule, title: str, description: str, source: str, engine: Engine, floor: float
+    name: str, rule: ScaleRule, title: str, description: str, source: str, engine: Engine, floor: float, alias: str
 ) -> FormatSpec:
     return FormatSpec(
         name=name,
@@ -176,8 +198,14 @@ def _fp8_ds_mla(
         ),
         rope=_bf16_rope(528),
         engine=engine,
+        aliases=(alias,),
     )
 
+
+# Engine names that several records share, each with the formats it may mean: a bare one is refused
+# (the user names the record), the '<engine>:<name>' aliases of the specs select one format each.
+# The local-inference-lab vLLM fork's --kv-cache-dtype nvfp4_ds_mla writes 432 B, or 368 B under KV_FP8_ROPE=1.
+AMBIGUOUS_ENGINE_NAMES: dict[str, tuple[str, ...]] = {"nvfp4_ds_mla": ("nvfp4", "nvfp4_fp8rope")}
 
 BUILTIN_FORMATS: tuple[FormatSpec, ...] = (
     FormatSpec(
@@ -197,6 +225,7 @@ BUILTIN_FORMATS: tuple[FormatSpec, ...] = (
         "vLLM fp8_ds_mla cache layout (DeepSeek-V3.2 sparse MLA)",
         VLLM_FP8_DS_MLA,
         FLT_MIN,
+        "vllm:fp8_ds_mla",
     ),
     _fp8_ds_mla(
         "fp8_ds_mla_pow2",
@@ -206,6 +235,7 @@ BUILTIN_FORMATS: tuple[FormatSpec, ...] = (
         "FlashMLA sparse decode tests (quantize_k_cache: power-of-two scales)",
         FLASHMLA_FP8_POW2,
         FLASHMLA_POW2_FLOOR,
+        "flashmla:V32_FP8Sparse",
     ),
     FormatSpec(
         name="nvfp4",
@@ -218,6 +248,7 @@ BUILTIN_FORMATS: tuple[FormatSpec, ...] = (
         pads=(Field("pad", 288, "pad", 16),),
         outer_scale=NVFP4_OUTER,
         engine=VLLM_FORK_NVFP4,
+        aliases=("vllm-fork:nvfp4_ds_mla",),
     ),
     FormatSpec(
         name="nvfp4_fp8rope",
@@ -239,13 +270,23 @@ BUILTIN_FORMATS: tuple[FormatSpec, ...] = (
         pads=(Field("pad", 292, "pad", 12),),
         outer_scale=NVFP4_OUTER,
         engine=B12X_NVFP4_FP8ROPE,
+        aliases=("vllm-fork:nvfp4_ds_mla:KV_FP8_ROPE=1",),
     ),
+    # Ours (engine=None): the arithmetic is mla-eval's, on the byte map of b12x's per_token_scale=True record
+    # (local-inference-lab/b12x@36bce2c1552ba2d47dc09f20a6f64fbfc8ec4ff8 b12x/attention/_shared/mla/kv_cache.py,
+    # VLLM_NVFP4_MLA_DYNAMIC_SCALE=1 in the vLLM fork). It exists to measure what a per-token second-level scale
+    # buys over the static layout without a calibration file, with every step exactly reproducible on CPU. b12x's
+    # writer differs: s_t = token_amax * f32(1/2688) (no floor, 0 for an all-zero token), group scale
+    # e4m3((group_amax * rcp.approx(s_t)) * rcp.approx(6)), codes x * (rcp.approx(decoded) * rcp.approx(s_t)),
+    # fp32 rope as nvfp4_fp8rope. rcp.approx of the arbitrary fp32 s_t cannot be tabulated, so an engine-exact
+    # CPU codec of that mode would carry a measured residual, like nvfp4_fp8rope's rope.
     FormatSpec(
         name="nvfp4_fp8rope_st",
         title="nvfp4 two-level (s_t)",
-        description="nvfp4_fp8rope layout plus a per-token fp32 scale s_t = amax/(6*448); block scales relative to s_t "
-        "(our arithmetic: b12x's per_token_scale mode multiplies by rcp.approx and orders the products differently).",
-        source="Two-level NVFP4 scaling on the 368 B layout: s_t at [292,296)",
+        description="nvfp4_fp8rope layout plus a per-token fp32 scale s_t = amax/(6*448); block scales relative to s_t. "
+        "mla-eval's own arithmetic, not an engine's (b12x's per_token_scale mode uses rcp.approx and other products).",
+        source="mla-eval's two-level NVFP4 on the byte map of b12x's per_token_scale record (368 B, s_t at [292,296)); "
+        "no engine writes these exact bytes",
         record_bytes=368,
         latent=_nvfp4_latent(),
         rope=VectorCoding(
@@ -277,6 +318,7 @@ BUILTIN_FORMATS: tuple[FormatSpec, ...] = (
         ),
         rope=VectorCoding(ROPE_DIM, "e4m3", Field("rope", 256, "e4m3", ROPE_DIM), ScaleRule.TENSOR, ROPE_DIM),
         engine=VLLM_NVFP4_FP8_DS_MLA,
+        aliases=("vllm:nvfp4_fp8_ds_mla",),
     ),
     FormatSpec(
         name="sglang_fp4_e2m1",
@@ -289,6 +331,7 @@ BUILTIN_FORMATS: tuple[FormatSpec, ...] = (
         rope=_sglang_fp4(ROPE_DIM, 256, 320, "rope"),
         align=4,
         engine=SGLANG_FP4_E2M1,
+        aliases=("sglang:fp4_e2m1",),
         buffers=(("kv_buffer", 0, 288), ("kv_scale_buffer", 288, 324)),
     ),
     # Our choice: OCP MX v1.0 MXFP4 (E2M1, one E8M0 scale per 32 values). 256 B of codes, 16 B of

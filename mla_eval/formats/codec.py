@@ -226,6 +226,8 @@ def encode(
         latent = latent * r_l
         if spec.outer_scale.applies_to_rope:
             rope = rope * r_l
+        if spec.outer_scale.bf16_result:  # the engine's writer reads the scaled latent as bf16 (RNE)
+            latent = latent.to(torch.bfloat16).to(torch.float32)
     if spec.token_scale is not None:
         amax = latent.abs().amax(dim=-1, keepdim=True)
         s_t = torch.clamp_min(_div(amax, TOKEN_SCALE_DENOMINATOR), nx.FLT_MIN)

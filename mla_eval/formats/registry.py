@@ -10,21 +10,30 @@ name must not clash with an existing one unless `replace=True`.
 from __future__ import annotations
 
 from mla_eval.errors import UnknownFormatError, UserError
-from mla_eval.formats.builtin import BUILTIN_FORMATS
+from mla_eval.formats.builtin import AMBIGUOUS_ENGINE_NAMES, BUILTIN_FORMATS
 from mla_eval.formats.spec import LATENT_DIM, ROPE_DIM, FormatSpec
 
 _REGISTRY: dict[str, FormatSpec] = {spec.name: spec for spec in BUILTIN_FORMATS}
 
 
 def _aliases() -> dict[str, FormatSpec]:
-    """Old names that still select a format (each spec lists its own under `aliases`)."""
+    """Other names that select a format (each spec lists its own under `aliases`)."""
     return {alias: spec for spec in _REGISTRY.values() for alias in spec.aliases}
 
 
 def alias_note(name: str) -> str | None:
-    """'X is an old name of Y' when `name` is an alias, for commands to show once; else None."""
+    """'X selects Y' when `name` is an alias, for commands to show once; else None."""
     spec = _aliases().get(name)
-    return None if spec is None else f"format name {name!r} is an old name of {spec.name!r}; results record {spec.name!r}"
+    return None if spec is None else f"format name {name!r} is an alias of {spec.name!r}; results record {spec.name!r}"
+
+
+def _ambiguous(name: str) -> UnknownFormatError:
+    options = ", ".join(
+        f"{spec.name} ({spec.record_bytes} B{', alias ' + ' / '.join(spec.aliases) if spec.aliases else ''})"
+        for spec in (_REGISTRY[fmt] for fmt in AMBIGUOUS_ENGINE_NAMES[name])
+    )
+    why = "an engine's name for more than one record"
+    return UnknownFormatError(f"format name {name!r} is ambiguous ({why}): name one of {options}")
 
 
 def register_format(spec: FormatSpec, *, replace: bool = False) -> FormatSpec:
@@ -33,9 +42,9 @@ def register_format(spec: FormatSpec, *, replace: bool = False) -> FormatSpec:
         raise TypeError("register_format takes a FormatSpec")
     if spec.name in _REGISTRY and not replace:
         raise ValueError(f"format {spec.name!r} is already registered; pass replace=True to override it")
-    taken = set(_REGISTRY) | set(_aliases())
+    taken = set(_REGISTRY) | set(_aliases()) | set(AMBIGUOUS_ENGINE_NAMES)
     clashes = [a for a in spec.aliases if a in taken or a == spec.name]
-    if spec.name in _aliases() or clashes:
+    if spec.name in _aliases() or spec.name in AMBIGUOUS_ENGINE_NAMES or clashes:
         raise ValueError(f"format {spec.name!r}: name or alias {(clashes or [spec.name])[0]!r} is already taken")
     _REGISTRY[spec.name] = spec
     return spec
@@ -63,6 +72,8 @@ def get_format(fmt: str | FormatSpec) -> FormatSpec:
         return fmt
     if fmt in _REGISTRY:
         return _REGISTRY[fmt]
+    if fmt in AMBIGUOUS_ENGINE_NAMES:
+        raise _ambiguous(fmt)
     try:
         return _aliases()[fmt]
     except KeyError:
@@ -116,6 +127,7 @@ def check_model_dims(latent_dim: int, rope_dim: int, model: str = "this model") 
             f"{LATENT_DIM} + {ROPE_DIM} MLA records of DeepSeek-V3/V3.2, Kimi-K2 and GLM-5 and V4 caches are not supported"
         )
     raise UserError(
-        f"{model} caches {latent_dim} + {rope_dim} values per token; every cache format is defined for "
-        f"{LATENT_DIM} (kv_lora_rank) + {ROPE_DIM} (qk_rope_head_dim)"
+        f"{model} caches {latent_dim} + {rope_dim} values per token (kv_lora_rank {latent_dim}, qk_rope_head_dim {rope_dim}); "
+        f"every cache format is defined for {LATENT_DIM} latent + {ROPE_DIM} rope values (kv_lora_rank {LATENT_DIM}, "
+        f"qk_rope_head_dim {ROPE_DIM}), so neither the codecs nor the byte counts apply"
     )

@@ -8,7 +8,9 @@ Exact arithmetic (shared by the torch codec and the GPU writers, so both agree b
 all in float32, IEEE round-to-nearest-even.
 1. Outer scale (optional, per layer, `outer_scale`): v = c * r_l with r_l = 1 / s_l (one correctly
    rounded reciprocal, `rcp.rn.f32`), applied to the latent (and to the rope too where
-   `OuterScale.applies_to_rope`). The reader multiplies s_l back.
+   `OuterScale.applies_to_rope`); where `OuterScale.bf16_result` the product is rounded to bf16
+   (RNE) before anything else, as an engine that scales its bf16 tensor in torch ahead of the
+   writer holds it. The reader multiplies s_l back.
 2. Per-token scale (two-level mode, `token_scale`): s_t = max(amax(v over the token's latent) / 2688,
    FLT_MIN) (`div.rn.f32`), stored as fp32; the latent becomes v * (1 / s_t) before its group
    scales are taken.
@@ -169,6 +171,10 @@ class OuterScale:
     required: bool
     denominator: float
     applies_to_rope: bool = False
+    # The engine divides its bf16 latent by s_l in torch before the cache writer: on CUDA a tensor
+    # divided by a Python float is bf16(float(x) * (1.0f / float(s_l))) (torch's div_true_kernel_cuda
+    # multiplies by the opmath reciprocal of a CPU scalar), so the writer sees bf16 values.
+    bf16_result: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,7 +194,9 @@ class FormatSpec:
     # Separate allocations the engine keeps per token (name, start, end) inside this logical record,
     # e.g. SGLang's packed data and scale buffers; () = one record. Capacity counts their sum.
     buffers: tuple[tuple[str, int, int], ...] = ()
-    aliases: tuple[str, ...] = ()  # older names that still select this format
+    # Other names that select this format: the engine-facing '<engine>:<its name>' (e.g. 'vllm:fp8_ds_mla'),
+    # and any older name of ours. Results always record `name`.
+    aliases: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -227,6 +235,8 @@ def _validate(spec: FormatSpec) -> None:
         ends = [0] + [end for _, _, end in spec.buffers]
         if [start for _, start, _ in spec.buffers] != ends[:-1] or ends[-1] != spec.record_bytes:
             raise ValueError(f"{spec.name}: buffers must split the record [0,{spec.record_bytes}) in order")
+    if spec.outer_scale is not None and spec.outer_scale.bf16_result and spec.outer_scale.applies_to_rope:
+        raise ValueError(f"{spec.name}: bf16_result is defined for a latent-only outer scale (no engine scales the rope so)")
     if spec.record_bytes % spec.align:
         raise ValueError(f"{spec.name}: record of {spec.record_bytes} B is not {spec.align}-byte aligned")
     for c in (spec.latent, spec.rope):

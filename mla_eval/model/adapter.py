@@ -24,6 +24,7 @@ from typing import Iterator
 import torch
 
 from mla_eval.errors import UserError
+from mla_eval.formats import check_model_dims
 from mla_eval.model.indexer import INDEXER_FIELDS, indexer_topk
 from mla_eval.model.session import CacheSession, LayerEvent
 
@@ -52,11 +53,7 @@ def check_supported(config) -> None:
     for field in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
         if getattr(config, field, None) is None:
             raise UserError(f"config of {model_type!r} has no {field}: not an MLA checkpoint")
-    if config.kv_lora_rank != 512 or config.qk_rope_head_dim != 64:
-        raise UserError(
-            f"cache formats are defined for kv_lora_rank 512 + rope 64; this model has "
-            f"{config.kv_lora_rank} + {config.qk_rope_head_dim}"
-        )
+    check_model_dims(config.kv_lora_rank, config.qk_rope_head_dim, f"this {model_type} model")
     if model_type in DSA_TYPES:
         missing = [f for f in INDEXER_FIELDS if not getattr(config, f, None)]
         if missing:

@@ -13,6 +13,7 @@ from typing import Iterator
 import torch
 
 from mla_eval.errors import UserError
+from mla_eval.formats import check_model_dims
 from mla_eval.model.adapter import DSA_TYPES, SUPPORTED, MlaAdapter, check_supported
 from mla_eval.model.indexer import INDEXER_FIELDS
 from mla_eval.model.random_models import build_random_model, is_random_spec, parse_random_spec
@@ -103,6 +104,8 @@ def _check_raw_config(path: Path) -> None:
             f"{path}/config.json has no kv_lora_rank (model_type {model_type!r}): not an MLA checkpoint, or an incomplete "
             "config; give the checkpoint's full config.json"
         )
+    if isinstance(raw.get("kv_lora_rank"), int) and isinstance(raw.get("qk_rope_head_dim"), int):
+        check_model_dims(raw["kv_lora_rank"], raw["qk_rope_head_dim"], f"{path} ({model_type})")  # before any weight
     if model_type in DSA_TYPES:
         missing = [f for f in INDEXER_FIELDS if raw.get(f) is None]
         if missing:
@@ -128,6 +131,36 @@ def load_config(path: Path):
 
 
 DEVICE_MAPS = ("none", "auto")
+MAX_MEMORY_HELP = (
+    "With --device-map auto: the most memory accelerate may plan on each GPU, e.g. 40GiB or 80GB (its max_memory); "
+    "a smaller cap spreads the layers over more GPUs. Default: what each GPU has free."
+)
+_MEMORY_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+                 "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_memory(text: str, option: str = "--max-memory") -> int:
+    """'40GiB' / '80GB' / '500MiB' / '123456' (bytes) -> bytes; one-line UserError otherwise."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in _MEMORY_UNITS or float(m.group(1)) <= 0:
+        raise UserError(f"{option} {text!r}: give a positive size such as 40GiB, 80GB or 500MiB")
+    return int(float(m.group(1)) * _MEMORY_UNITS[unit])
+
+
+def check_max_memory(max_memory: str | None, device_map: str) -> int | None:
+    """The --max-memory cap in bytes (None without one); it only means something with --device-map auto."""
+    if max_memory is None:
+        return None
+    cap = parse_memory(max_memory)
+    if device_map != "auto":
+        raise UserError("--max-memory caps what --device-map auto plans per GPU: add --device-map auto, or drop it")
+    return cap
+
+
+def gpu_max_memory(cap_bytes: int, gpus: int) -> dict[int, int]:
+    """accelerate's max_memory: the same cap on every visible GPU (CPU and disk get nothing: an offload is refused)."""
+    return {i: cap_bytes for i in range(gpus)}
 DEVICE_MAP_HELP = (
     "'auto': spread the model's layers over every visible GPU (a checkpoint too large for one; needs accelerate); "
     "each layer's cache lives on its layer's GPU. 'none': the whole model on --device."
@@ -170,6 +203,7 @@ def _torch_dtype(dtype: str, dev: torch.device) -> torch.dtype:
 def load_model(
     model: str | Path | None, device: str | None = None, dtype: str = "auto", device_map: str = "none",
     rope_scaling: str | None = None,
+    max_memory: str | None = None,
 ) -> LoadedModel:
     """Load weights + tokenizer, patch the attention modules, put the model in eval mode.
 
@@ -183,19 +217,20 @@ def load_model(
     dtype 'auto': float32 on CPU (the reference path is exact there), bfloat16 on CUDA.
     device_map 'auto': transformers spreads the layers over every visible GPU (a checkpoint too
     large for one; needs `accelerate`); each layer's cache then lives on that layer's GPU, and
-    `device` is ignored.
+    `device` is ignored. `max_memory` ('40GiB'): the cap accelerate plans with on each GPU.
     rope_scaling 'yarn:FACTOR' extends the checkpoint's context (mla_eval.model.rope_scaling).
     Environment variables and transformers' logging state are changed only during the load.
     """
     if device_map not in DEVICE_MAPS:
         raise UserError(f"--device-map {device_map!r}: one of {', '.join(DEVICE_MAPS)}")
     factor = parse_rope_scaling(rope_scaling)
+    cap = check_max_memory(max_memory, device_map)
     with _quiet_offline():
         if model is not None and is_random_spec(str(model)):
             if factor is not None:
                 raise UserError("--rope-scaling applies to checkpoints; a random:<preset> model keeps its preset's rope/yarn")
             return _load_random(str(model), device, dtype, device_map)
-        return _load_checkpoint(model, device, dtype, device_map, factor)
+        return _load_checkpoint(model, device, dtype, device_map, factor, cap)
 
 
 def _load_random(text: str, device: str | None, dtype: str, device_map: str) -> LoadedModel:
@@ -218,7 +253,8 @@ def _load_random(text: str, device: str | None, dtype: str, device_map: str) -> 
 
 
 def _load_checkpoint(
-    model: str | Path | None, device: str | None, dtype: str, device_map: str, yarn_factor: float | None = None
+    model: str | Path | None, device: str | None, dtype: str, device_map: str, yarn_factor: float | None = None,
+    cap: int | None = None,
 ) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -245,6 +281,10 @@ def _load_checkpoint(
     attn = "eager" if config.model_type in DSA_TYPES else "sdpa"
     try:
         extra = {"device_map": "auto"} if device_map == "auto" else {}
+        if cap is not None:
+            if not torch.cuda.is_available():
+                raise UserError("--max-memory caps each GPU, but no CUDA GPU is visible; drop it on a CPU machine")
+            extra["max_memory"] = gpu_max_memory(cap, torch.cuda.device_count())
         hf = AutoModelForCausalLM.from_pretrained(
             path, config=config, dtype=torch_dtype, attn_implementation=attn, local_files_only=True, **extra
         )
@@ -252,10 +292,12 @@ def _load_checkpoint(
         raise UserError(f"cannot load weights from {path} ({str(exc).splitlines()[0]})") from None
     if device_map == "auto":
         offloaded = sorted({str(d) for d in getattr(hf, "hf_device_map", {}).values()} & {"disk", "meta"})
-        if offloaded:
+        if offloaded or (cap is not None and "cpu" in {str(d) for d in getattr(hf, "hf_device_map", {}).values()}):
+            where = ", ".join(offloaded) or "cpu"
+            limit = f" under --max-memory {cap / 2**30:.3g} GiB per GPU" if cap is not None else " and CPU memory"
             raise UserError(
-                f"--device-map auto offloaded layers to {', '.join(offloaded)}: the model does not fit the visible GPUs "
-                "and CPU memory"
+                f"--device-map auto offloaded layers to {where}: the model does not fit the visible GPUs{limit}; "
+                "raise the cap or use more GPUs"
             )
         dev = hf.get_input_embeddings().weight.device  # where the token ids go in
     else:
