@@ -127,5 +127,5 @@ def test_kld_builds_each_layers_cache_on_that_layers_device(monkeypatch):
     (variant,) = parse_variants("nvfp4")
     protocol = kld.KldProtocol((variant,), variant, ctx=16, stride=8, min_context=8)
     with pytest.raises(Stop):
-        kld._forward_logp(lm, variant, torch.zeros(1, 16, dtype=torch.long), 8, protocol, None)
+        kld._forward_hidden(lm, variant, torch.zeros(1, 16, dtype=torch.long), 8, protocol, None)
     assert seen == [lm.layer_devices]
