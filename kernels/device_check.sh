@@ -6,7 +6,8 @@
 # then device call 1 with carry [".devwheels/a"]:
 #     mkdir -p /tmp/cutedsl-half && cp .devwheels/a/part.aa /tmp/cutedsl-half/
 # and at once device call 2 with carry [".devwheels/b"]:
-#     bash kernels/device_check.sh [tests|bench|all] [pytest -k expression]
+#     bash kernels/device_check.sh [tests|bench|all|kern] [pytest -k expression]
+# (kern: register use of the h=16 attention kernels, the benchmark with --variants, then the tests)
 # When the working tree is too large to carry a 47 MB half, the wheel travels in six 16 MB parts
 # (.devwheels/c1..c6), made here after prepare-cutedsl.sh with
 #     for i in 1 2 3 4 5 6; do mkdir -p .devwheels/c$i; done
@@ -47,9 +48,23 @@ print("torch", torch.__version__, "cutlass-dsl", getattr(cutlass, "__version__",
 EOF
 
 rc=0
+if [ "$what" = kern ]; then  # issue 14 round: resources, then the benchmark with variants, then the tests
+    step "tools and resources"
+    which ncu nsys cuobjdump 2>&1 | head -3
+    cuobj=$(command -v cuobjdump || python3 -c 'import triton, pathlib; print(next(pathlib.Path(triton.__file__).parent.rglob("cuobjdump")))' 2>/dev/null)
+    echo "cuobjdump: ${cuobj:-none}"
+    timeout 90 python3 -m mla_eval_kernels.compile_check --formats nvfp4,bf16,fp8_ds_mla --heads 16 --versions v1,v2 ${cuobj:+--cuobjdump $cuobj} \
+        2>&1 | grep -E "attention .*split=False" | sed 's/  */ /g'
+    step "benchmark (variants)"
+    timeout ${BENCH_TIMEOUT:-180} python3 -m mla_eval_kernels.bench --out "$OUT" --variants \
+        --formats ${BENCH_FORMATS:-bf16,fp8_ds_mla,nvfp4,nvfp4_fp8_ds_mla} 2> "$OUT/bench.err" | grep -E "b_dense|a_sparse|c_prefill|GPU|saved"
+    echo "bench exit ${PIPESTATUS[0]}"
+    tail -3 "$OUT/bench.err"
+    what=tests
+fi
 if [ "$what" = all ] || [ "$what" = tests ]; then
     step "GPU tests"
-    timeout 330 python3 -m pytest tests/test_kernels_gpu.py tests/test_decode_steps_gpu.py tests/test_dispatch_backends.py tests/test_random_models_gpu.py -q -n 8 -rfEP -p no:cacheprovider ${kexpr:+-k "$kexpr"} \
+    timeout ${TEST_TIMEOUT:-330} python3 -m pytest tests/test_kernels_gpu.py tests/test_decode_steps_gpu.py tests/test_dispatch_backends.py tests/test_random_models_gpu.py -q -n 8 -rfEP -p no:cacheprovider ${kexpr:+-k "$kexpr"} \
         > "$OUT/pytest.log" 2>&1
     rc=$?
     grep -E "cos=|FAILED|ERROR|Error|error:|passed|failed" "$OUT/pytest.log" | grep -v "^E  " | sort | uniq | tail -80

@@ -36,9 +36,11 @@ import torch
 from cutlass import BFloat16, Float32, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import warp
 
-from mla_eval_kernels import ptx
+from mla_eval_kernels import e2m1_bits, ptx
+from mla_eval_kernels.attention_tuning import Tuning, default_tuning, fast_e2m1_eligible
 from mla_eval_kernels.compile_cache import arch_tag, compiled
 from mla_eval_kernels.device_limits import smem_per_block, smem_per_sm
+from mla_eval_kernels.launch_grid import attention_grid
 from mla_eval_kernels.mla_combine import MlaCombine
 from mla_eval_kernels.record_plan import ORDER_8X4, RecordPlan
 
@@ -138,9 +140,14 @@ class MlaAttention:
     """
 
     def __init__(
-        self, plan: RecordPlan, tile: tuple[int, int, int, int], sparse: bool, has_sink: bool, has_outer: bool, split: bool
+        self, plan: RecordPlan, tile: tuple[int, int, int, int], sparse: bool, has_sink: bool, has_outer: bool, split: bool,
+        tuning: Tuning = Tuning(),
     ):
         self.plan = plan
+        self.tuning = tuning
+        # E2M1 latent with E4M3 block scales, no per-token scale, s_l not on the rope: the latent is
+        # decoded exactly into bf16 up to 2^-9 (e2m1_bits) and 2^9 * s_l is folded into scores and output
+        self.fold = bool(tuning.fast_e2m1 and fast_e2m1_eligible(plan))
         self.sparse = sparse
         self.has_sink = has_sink
         self.has_outer = has_outer
@@ -194,11 +201,12 @@ class MlaAttention:
             (self.wm, self.wn, 1),
             permutation_mnk=(16 * self.wm, (16 if self.bn % (16 * self.wn) == 0 else 8) * self.wn, 16),
         )
-        grid = (num_splits, (num_heads + m - 1) // m, num_queries)
+        # queries and splits share grid x (launch_grid.attention_grid; y and z stop at 65535)
+        grid = (num_queries * num_splits, (num_heads + m - 1) // m, 1)
         self.kernel(
             q_ptr, cache_ptr, idx_ptr, seqlen_ptr, sink_ptr, out_ptr, lse_ptr,
             num_queries, num_heads, idx_stride, num_slots, block_size,
-            softmax_scale, s_l, tiles_per_split,
+            softmax_scale, s_l, tiles_per_split, num_splits,
             sQ_layout, sK_layout, sP_layout, tiled_mma, SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
@@ -220,6 +228,7 @@ class MlaAttention:
         softmax_scale: Float32,
         s_l: Float32,
         tiles_per_split: Int32,
+        num_splits: Int32,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sP_layout: cute.ComposedLayout,
@@ -229,7 +238,9 @@ class MlaAttention:
         m, bn = self.m, self.bn
         rec = self.plan.record_bytes
         tidx, _, _ = cute.arch.thread_idx()
-        split_idx, head_tile, qi = cute.arch.block_idx()
+        block_x, head_tile, _ = cute.arch.block_idx()
+        split_idx = block_x % num_splits  # launch_grid.cta_coords
+        qi = block_x // num_splits
         warp_n = (tidx // 32) // self.wm
         lane = tidx % 32
         h0 = head_tile * m
@@ -254,13 +265,15 @@ class MlaAttention:
         t_begin = split_idx * tiles_per_split
         t_end = cutlass.min(t_begin + tiles_per_split, num_tiles)
         n_local = cutlass.max(t_end - t_begin, 0)
-        m_idx = cute.make_tensor(idx_ptr, cute.make_layout((num_queries, idx_stride), stride=(idx_stride, 1)))
+        # this query's row of the slot lists (64-bit offset: N x stride may pass 2^31 entries)
+        m_idx = cute.make_tensor(idx_ptr + Int64(qi) * Int64(idx_stride), cute.make_layout(idx_stride))
 
         # ---- prologue: Q, slot ids of the first two tiles, records of the first ----
         self.load_q(q_ptr, sQ_addr, qi, h0, num_heads, tidx)
+        cute.arch.cp_async_commit_group()
         if tidx < bn:
             for t in cutlass.range_constexpr(2):
-                sSlot[tidx, t] = self.slot_of(m_idx, qi, (t_begin + t) * bn + tidx, num_keys, num_slots, block_size, t < n_local)
+                sSlot[tidx, t] = self.slot_of(m_idx, (t_begin + t) * bn + tidx, num_keys, num_slots, block_size, t < n_local)
         cute.arch.barrier()
         if n_local > 0:
             self.load_tile(sSlot, 0, 0, raw_addr, sK_addr, cache_addr, tidx)
@@ -309,6 +322,18 @@ class MlaAttention:
         row_max.fill(-ptx.FLT_MAX)
         row_sum.fill(0.0)
         scale_log2 = softmax_scale * Float32(LOG2_E)
+        n_k = cute.size(tSsQ.shape[2])
+        n_k_latent = n_k * D_V // D_QK  # k-steps over the latent dims; the rest cover the rope
+        chains = self.tuning.s_chains
+        # factor of the latent part of each score and of the output (see e2m1_bits)
+        fold = Float32(2.0**e2m1_bits.FOLD_LOG2)
+        if cutlass.const_expr(self.has_outer):
+            fold = fold * s_l
+        if cutlass.const_expr(self.tuning.q_regs):
+            cute.arch.cp_async_wait_group(1)  # the Q group (tile 0's records may still be in flight)
+            cute.arch.barrier()
+            for k in cutlass.range_constexpr(n_k):
+                cute.copy(copy_Q, tSsQ[None, None, k], tSrQ_v[None, None, k])
 
         # ---- main loop over this CTA's key tiles ----
         for it in range(n_local):
@@ -321,22 +346,36 @@ class MlaAttention:
             cute.arch.cp_async_commit_group()
             if tidx < bn:
                 sSlot[tidx, (it + 2) % 3] = self.slot_of(
-                    m_idx, qi, (t_begin + it + 2) * bn + tidx, num_keys, num_slots, block_size, it + 2 < n_local
+                    m_idx, (t_begin + it + 2) * bn + tidx, num_keys, num_slots, block_size, it + 2 < n_local
                 )
             k_stage = 0
             if cutlass.const_expr(self.copy_k):
                 k_stage = stage2
             else:
-                self.decode_tile(raw_addr + stage2 * (bn * rec), sK_addr, s_l, tidx)
+                if cutlass.const_expr(not self.tuning.skip_decode):
+                    self.decode_tile(raw_addr + stage2 * (bn * rec), sK_addr, s_l, tidx)
                 cute.arch.barrier()
 
-            # S = Q K^T
-            acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((m, bn)), Float32)
-            acc_S.fill(0.0)
-            for k in cutlass.range_constexpr(cute.size(tSsQ.shape[2])):
-                cute.copy(copy_Q, tSsQ[None, None, k], tSrQ_v[None, None, k])
+            # S = Q K^T, k-step k into chain k % chains (independent MMA chains, summed below)
+            accs = []
+            for c in cutlass.range_constexpr(chains):
+                accs.append(cute.make_rmem_tensor(thr_mma.partition_shape_C((m, bn)), Float32))
+                accs[c].fill(0.0)
+            for k in cutlass.range_constexpr(n_k):
+                if cutlass.const_expr(not self.tuning.q_regs):
+                    cute.copy(copy_Q, tSsQ[None, None, k], tSrQ_v[None, None, k])
                 cute.copy(copy_K, tSsK[None, None, k, k_stage], tSrK_v[None, None, k])
-                cute.gemm(tiled_mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k], acc_S)
+                acc = accs[k % chains]
+                cute.gemm(tiled_mma, acc, tSrQ[None, None, k], tSrK[None, None, k], acc)
+                if cutlass.const_expr(self.fold and k == n_k_latent - 1):
+                    # the latent part of the score times 2^9 * s_l, before the rope part is added
+                    for c in cutlass.range_constexpr(1, chains):
+                        accs[0].store(accs[0].load() + accs[c].load())
+                        accs[c].fill(0.0)
+                    accs[0].store(accs[0].load() * fold)
+            acc_S = accs[0]
+            for c in cutlass.range_constexpr(1, chains):
+                acc_S.store(acc_S.load() + accs[c].load())
 
             # online softmax; the running max is shared by the C warps of a row
             acc_S_mn = self.mn_view(acc_S)
@@ -408,6 +447,8 @@ class MlaAttention:
             inv = Float32(0.0)
             if l_sum > Float32(0.0):
                 inv = Float32(1.0) / denom
+                if cutlass.const_expr(self.fold):
+                    inv = inv * fold  # V = K[:, :512] was decoded up to 2^9 * s_l
             lse = -Float32.inf
             if l_sum > Float32(0.0):
                 lse = row_max[r] * softmax_scale + cute.math.log2(l_sum, fastmath=False) * Float32(LN_2)
@@ -419,18 +460,17 @@ class MlaAttention:
 
     # ------------------------------------------------------------------ helpers (inlined)
     @cute.jit
-    def slot_of(
-        self, m_idx: cute.Tensor, qi: Int32, j: Int32, num_keys: Int32, num_slots: Int32, block_size: Int32, live
-    ) -> Int32:
-        """Global slot id of key j of query qi, or -1 (past the end, invalid index, tile not used)."""
+    def slot_of(self, m_idx: cute.Tensor, j: Int32, num_keys: Int32, num_slots: Int32, block_size: Int32, live) -> Int32:
+        """Global slot id of key j of this CTA's query (`m_idx`: its row), or -1 (past the end,
+        invalid index, tile not used)."""
         slot = Int32(-1)
         if live and j < num_keys:
             if cutlass.const_expr(self.sparse):
-                s = m_idx[qi, j]
+                s = m_idx[j]
                 if s >= 0 and s < num_slots:
                     slot = s
             else:
-                slot = m_idx[qi, j // block_size] * block_size + j % block_size
+                slot = m_idx[j // block_size] * block_size + j % block_size
         return slot
 
     @cute.jit
@@ -476,7 +516,10 @@ class MlaAttention:
             i = u * self.num_threads + tidx
             key = i // 64
             d0 = (i % 64) * 8
-            w0, w1, w2, w3 = self.decode8(plan.latent, raw + key * rec, d0, s_l, self.has_outer, True)
+            if cutlass.const_expr(self.fold):
+                w0, w1, w2, w3 = self.decode8_e2m1_folded(plan.latent, raw + key * rec, d0)
+            else:
+                w0, w1, w2, w3 = self.decode8(plan.latent, raw + key * rec, d0, s_l, self.has_outer, True)
             _st_shared_v4(sK_addr + 2 * swizzled_offset(key, d0, self.bn), w0, w1, w2, w3)
         for u in cutlass.range_constexpr(self.bn * 8 // self.num_threads):
             i = u * self.num_threads + tidx
@@ -486,6 +529,16 @@ class MlaAttention:
                 plan.rope, raw + key * rec, d0, s_l, self.has_outer and plan.outer_on_rope, False
             )
             _st_shared_v4(sK_addr + 2 * swizzled_offset(key, D_V + d0, self.bn), w0, w1, w2, w3)
+
+    @cute.jit
+    def decode8_e2m1_folded(self, coding: cutlass.Constexpr, rec: Int32, d0: Int32):
+        """Latent values d0..d0+8 as E2M1 * E4M3 block scale * 2^-9, exact bf16 (e2m1_bits)."""
+        word = _ld_shared_u32(rec + coding.data_offset + d0 // 2)
+        entry = d0 // coding.group
+        if cutlass.const_expr(coding.scale_order == ORDER_8X4):
+            entry = 8 * (entry & 3) + (entry >> 2)
+        f = ptx.e4m3_to_f32(_ld_shared_u8(rec + coding.scale_offset + entry)) * Float32(2.0**e2m1_bits.SCALE_BIAS_LOG2)
+        return ptx.e2m1x8_scaled_bf16x2(word, ptx.bf16x2(f, f))
 
     @cute.jit
     def decode8(
@@ -564,12 +617,14 @@ def flops(num_queries: int, num_heads: int, keys_per_query: float) -> float:
     return 2.0 * (D_QK + D_V) * num_queries * num_heads * keys_per_query
 
 
-def compile_key(plan: RecordPlan, tile: tuple, sparse: bool, has_sink: bool, has_outer: bool, split: bool, device) -> tuple:
+def compile_key(
+    plan: RecordPlan, tile: tuple, sparse: bool, has_sink: bool, has_outer: bool, split: bool, device, tuning: Tuning = Tuning()
+) -> tuple:
     """Every specialisation of a compiled attention kernel. The head count enters through the
     tile it selects; s_l, the softmax scale, lengths and the head count are run-time arguments."""
     return (
-        "mla_attention", 1, plan, tuple(tile), bool(sparse),
-        bool(has_sink), bool(has_outer), bool(split), "q=bf16", "acc=f32", arch_tag(device),
+        "mla_attention", 2, plan, tuple(tile), bool(sparse),
+        bool(has_sink), bool(has_outer), bool(split), "q=bf16", "acc=f32", tuning, arch_tag(device),
     )
 
 
@@ -612,12 +667,16 @@ def mla_attention(
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     workspace_fill: float | None = None,
+    tuning: Tuning | None = None,
+    tile: tuple[int, int, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch on CUDA tensors (validated by mla_eval.attention.dispatch): q bf16 [N, H, 576]
     contiguous, cache uint8 [blocks, block_size, R], int32 slot lists, sink fp32 [H].
 
     `out` / `lse` may be given (contiguous fp32); `workspace_fill` fills the split partials
-    first (tests poison them with NaN to prove every element is written).
+    first (tests poison them with NaN to prove every element is written). `tuning` and `tile`
+    override the defaults (`attention_tuning.default_tuning`, `tile_config`; the benchmark and
+    tests compare variants with them).
     """
     n, h = q.shape[0], q.shape[1]
     dev = q.device
@@ -628,7 +687,10 @@ def mla_attention(
     if n == 0:
         return out, lse
     sparse = indices is not None
-    tile = tile_config(plan, h, smem_per_block(dev))
+    if tile is None:
+        tile = tile_config(plan, h, smem_per_block(dev))
+    if tuning is None:
+        tuning = default_tuning(plan, tile)
     m, bn = tile[0], tile[3]
     if sparse:
         idx, seqlen, stride = indices, indices, indices.shape[1]
@@ -646,6 +708,7 @@ def mla_attention(
         per = max(1, -(-max_tiles // max(1, num_splits)))
         num_splits = max(1, -(-max_tiles // per)) if max_tiles else 1
     split = num_splits > 1
+    attention_grid(n, head_tiles, num_splits)  # refuses a grid past CUDA's limits before the launch
     has_sink, has_outer = sink is not None, outer_scale is not None
     if split:
         part_out = torch.empty(num_splits, n, h, D_V, dtype=torch.float32, device=dev)
@@ -675,8 +738,8 @@ def mla_attention(
         Int32(num_splits),
         stream,
     )
-    key = compile_key(plan, tile, sparse, has_sink, has_outer, split, dev)
-    fn = compiled(key, lambda: cute.compile(MlaAttention(plan, tile, sparse, has_sink, has_outer, split), *args))
+    key = compile_key(plan, tile, sparse, has_sink, has_outer, split, dev, tuning)
+    fn = compiled(key, lambda: cute.compile(MlaAttention(plan, tile, sparse, has_sink, has_outer, split, tuning), *args))
     fn(*args)
     if split:
         cargs = (
