@@ -37,28 +37,35 @@ import torch
 from mla_eval.formats import all_formats, get_format
 
 SLOTS_A = 1 << 18
+LOCK = Path(os.environ.get("TMPDIR", "/tmp")) / "mla_eval_bench.lock"
 
 
 def probe_variants(plan) -> list[tuple[str, tuple | None, object]]:
-    """(name, tile or None for the default, Tuning) of the h=16 variants timed at shape (b)."""
-    from mla_eval_kernels.attention_tuning import V1, Tuning, default_tuning, fast_e2m1_eligible
-    from mla_eval_kernels.mla_attention import is_bf16_plan
+    """(name, tile or None for the default, Tuning) of the h=16 variants timed at shape (b): v1, v2,
+    and v2 with one change undone or varied (what each change is worth, measured in one run)."""
+    import dataclasses
+
+    from mla_eval_kernels.attention_tuning import V1, Tuning, default_tuning, fast_e2m1_eligible, is_bf16_plan
 
     v2 = default_tuning(plan, (16, 1, 8, 64), "v2")
+    narrow = default_tuning(plan, (16, 1, 4, 32), "v2")
     out = [
         ("v1", None, V1),
         ("v2", None, v2),
-        ("v1+q_regs", None, Tuning(q_regs=True)),
-        ("v1+chains4", None, Tuning(s_chains=4)),
-        ("v2-chains2", None, Tuning(q_regs=True, s_chains=2, fast_e2m1=v2.fast_e2m1)),
-        ("v2+bn32x4warps", (16, 1, 4, 32), v2),
+        ("v2-q_smem", None, dataclasses.replace(v2, q_regs=False)),
+        ("v2-chains4", None, dataclasses.replace(v2, s_chains=4)),
+        ("v2-narrow", (16, 1, 4, 32), narrow),
     ]
-    if fast_e2m1_eligible(plan):
-        out.append(("v1+fast_e2m1", None, Tuning(fast_e2m1=True)))
     if not is_bf16_plan(plan):
-        out.append(("v2+skip_decode", None, Tuning(q_regs=True, s_chains=4, fast_e2m1=v2.fast_e2m1, skip_decode=True)))
+        out += [("v2-prefetch1", None, dataclasses.replace(v2, prefetch=1))]
+        out += [("v2-prefetch2", None, dataclasses.replace(v2, prefetch=2))] if v2.prefetch > 2 else []
+        # two 4-warp CTAs per SM (the ring of 3 tiles would leave room for one)
+        out += [("v2-narrow-pf2", (16, 1, 4, 32), dataclasses.replace(narrow, prefetch=2))]
+        out += [("v2+skip_decode", None, dataclasses.replace(v2, skip_decode=True))]
+    if fast_e2m1_eligible(plan):
+        out += [("v2-slow_e2m1", None, dataclasses.replace(v2, fast_e2m1=False))]
+        out += [("v1+fast_e2m1", None, Tuning(fast_e2m1=True))]
     return out
-LOCK = Path(os.environ.get("TMPDIR", "/tmp")) / "mla_eval_bench.lock"
 
 
 def _median_ms(fn, reps: int, warmup: int = 3) -> float:

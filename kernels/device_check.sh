@@ -55,11 +55,24 @@ if [ "$what" = kern ]; then  # issue 14 round: resources, then the benchmark wit
     echo "cuobjdump: ${cuobj:-none}"
     timeout 90 python3 -m mla_eval_kernels.compile_check --formats nvfp4,bf16,fp8_ds_mla --heads 16 --versions v1,v2 ${cuobj:+--cuobjdump $cuobj} \
         2>&1 | grep -E "attention .*split=False" | sed 's/  */ /g'
-    step "benchmark (variants)"
-    timeout ${BENCH_TIMEOUT:-180} python3 -m mla_eval_kernels.bench --out "$OUT" --variants \
-        --formats ${BENCH_FORMATS:-bf16,fp8_ds_mla,nvfp4,nvfp4_fp8_ds_mla} 2> "$OUT/bench.err" | grep -E "b_dense|a_sparse|c_prefill|GPU|saved"
+    step "benchmark v2 (variants at (b))"
+    timeout ${BENCH_TIMEOUT:-180} python3 -m mla_eval_kernels.bench --out "$OUT" --variants ${BENCH_FORMATS:+--formats $BENCH_FORMATS} \
+        2> "$OUT/bench.err" | grep -E "b_dense|a_sparse|c_prefill|GPU|saved"
     echo "bench exit ${PIPESTATUS[0]}"
     tail -3 "$OUT/bench.err"
+    step "benchmark v1 (the fallback kernel, every shape)"
+    mkdir -p "$OUT/v1"
+    MLA_EVAL_ATTENTION_KERNEL=v1 timeout ${BENCH_TIMEOUT:-180} python3 -m mla_eval_kernels.bench --out "$OUT/v1" \
+        ${BENCH_FORMATS:+--formats $BENCH_FORMATS} 2> "$OUT/v1/bench.err" | grep -E "b_dense|a_sparse|c_prefill|GPU|saved"
+    echo "bench v1 exit ${PIPESTATUS[0]}"
+    if [ -n "${PROFILE:-}" ] && command -v ncu >/dev/null; then
+        step "ncu: dense decode h=16 64K batch 32, v2, nvfp4 and bf16"
+        timeout 120 ncu --clock-control none -k regex:MlaAttention --launch-count 2 --section SpeedOfLight --section Occupancy \
+            --section WarpStateStats --section MemoryWorkloadAnalysis --section LaunchStats \
+            python3 -m mla_eval_kernels.profile_dense --formats nvfp4,bf16 > "$OUT/ncu.txt" 2>&1
+        echo "ncu exit $?"
+        grep -E "^  [a-zA-Z_]|Duration|Throughput|Occupancy|Registers|Stall|Warp Cycles|Issued|Eligible|launched|==PROF==|==ERR" "$OUT/ncu.txt" | head -60
+    fi
     what=tests
 fi
 if [ "$what" = all ] || [ "$what" = tests ]; then

@@ -13,11 +13,17 @@ Kernel (FlashAttention-2 style, bf16 `mma.sync.m16n8k16` with fp32 accumulation,
 - CTA = (KV split, head tile of M heads, query); M = 16 / 32 / 64 rows (heads padded with zero
   rows); 8 warps form an R x C grid (R = M / 16 rows of 16, C = 8 / R column groups): h <= 16
   -> 1 x 8, h <= 32 -> 2 x 4, more heads -> 4 x 2 per 64-head tile (`tile_config`).
-- Key tiles of BN slots: slot ids computed two tiles ahead into shared memory; the raw records of
-  the next tile are copied with 16-byte `cp.async` (zero-filled for invalid slots) while the
-  current tile is decoded in shared memory into bf16 K [BN, 576] (E2M1 x E4M3 block scale x s_t x
-  s_l, E4M3 x fp32 group scale, E8M0, bf16 copy). For the bf16 format the records are the K rows
-  and are copied straight into a double-buffered K tile.
+- Key tiles of BN slots: slot ids computed P + 1 tiles ahead into shared memory; the raw records
+  of the next P tiles (`Tuning.prefetch`, a ring of P + 1 stages) are copied with 16-byte
+  `cp.async` (zero-filled for invalid slots) while the current tile is decoded in shared memory
+  into bf16 K [BN, 576] (E2M1 x E4M3 block scale x s_t x s_l, E4M3 x fp32 group scale, E8M0, bf16
+  copy). For the bf16 format the records are the K rows and are copied straight into a
+  double-buffered K tile (P = 1).
+- Kernel generations (`attention_tuning`): v1 (P = 1, Q re-read from shared memory per tile, one
+  S chain, E2M1 decoded per value in fp32) stays selectable; v2 adds the deeper ring, Q held in
+  registers at h <= 16, two S chains, and E2M1 x E4M3 decoded a byte at a time into exact bf16x2
+  (`e2m1_bits`) with 2^9 * s_l applied to the latent part of each score and to the output.
+- Launch grid: x = queries x KV splits, y = head tiles (`launch_grid`; any number of queries).
 - S = Q K^T: warp (r, c) computes rows 16r.. and a 1/C share of the BN keys; row maxima are
   combined across the C warps of a row through shared memory; P (bf16) goes through shared
   memory so that each warp multiplies the whole P row block by its 512/C columns of V = K[:, :512].
@@ -37,7 +43,7 @@ from cutlass import BFloat16, Float32, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import warp
 
 from mla_eval_kernels import e2m1_bits, ptx
-from mla_eval_kernels.attention_tuning import Tuning, default_tuning, fast_e2m1_eligible
+from mla_eval_kernels.attention_tuning import Tuning, default_tuning, fast_e2m1_eligible, is_bf16_plan, smem_bytes
 from mla_eval_kernels.compile_cache import arch_tag, compiled
 from mla_eval_kernels.device_limits import smem_per_block, smem_per_sm
 from mla_eval_kernels.launch_grid import attention_grid
@@ -63,24 +69,6 @@ def tile_config(plan: RecordPlan, num_heads: int, smem_limit: int) -> tuple[int,
         if smem_bytes(plan, m, bn, wn) <= smem_limit:
             return m, wm, wn, bn
     raise ValueError(f"no tile fits {smem_limit} bytes of shared memory per CTA for {plan.name}")
-
-
-def is_bf16_plan(plan: RecordPlan) -> bool:
-    """Records that are exactly the bf16 K row (latent then rope, unscaled): copied, not decoded."""
-    return (
-        plan.latent.elem == "bf16"
-        and plan.rope.elem == "bf16"
-        and plan.latent.data_offset == 0
-        and plan.rope.data_offset == 2 * D_V
-        and plan.record_bytes == 2 * D_QK
-        and not plan.outer_allowed
-    )
-
-
-def smem_bytes(plan: RecordPlan, m: int, bn: int, wn: int) -> int:
-    k_stages = 2 if is_bf16_plan(plan) else 1
-    raw = 0 if is_bf16_plan(plan) else 2 * bn * plan.record_bytes
-    return 2 * m * D_QK + 2 * k_stages * bn * D_QK + 2 * m * bn + raw + 4 * 3 * bn + 4 * wn * m + 4 * 1024
 
 
 def _swizzle_atom(cols: int):
@@ -156,6 +144,10 @@ class MlaAttention:
         self.num_threads = 32 * self.wm * self.wn
         self.copy_k = is_bf16_plan(plan)
         self.k_stages = 2 if self.copy_k else 1
+        # tiles of records in flight ahead of the one being decoded (the bf16 path copies into K: 1)
+        self.prefetch = 1 if self.copy_k else tuning.prefetch
+        self.raw_stages = self.prefetch + 1
+        self.slot_bufs = self.prefetch + 2
         assert (self.bn * 64) % self.num_threads == 0 and (self.bn * 8) % self.num_threads == 0
         assert self.bn % ((16 if self.bn % (16 * self.wn) == 0 else 8) * self.wn) == 0
 
@@ -185,7 +177,7 @@ class MlaAttention:
         sQ_layout = cute.tile_to_shape(atom, (m, D_QK), (0, 1))
         sK_layout = cute.tile_to_shape(atom, (bn, D_QK, self.k_stages), (0, 1, 2))
         sP_layout = cute.tile_to_shape(_swizzle_atom(bn), (m, bn), (0, 1))
-        raw_bytes = 16 if self.copy_k else 2 * bn * self.plan.record_bytes
+        raw_bytes = 16 if self.copy_k else self.raw_stages * bn * self.plan.record_bytes
 
         @cute.struct
         class SharedStorage:
@@ -193,7 +185,7 @@ class MlaAttention:
             sK: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sK_layout)], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sP_layout)], 1024]
             raw: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, raw_bytes], 128]
-            slots: cute.struct.Align[cute.struct.MemRange[Int32, 3 * bn], 16]
+            slots: cute.struct.Align[cute.struct.MemRange[Int32, self.slot_bufs * bn], 16]
             red: cute.struct.Align[cute.struct.MemRange[Float32, self.wn * m], 16]
 
         tiled_mma = cute.make_tiled_mma(
@@ -250,7 +242,7 @@ class MlaAttention:
         sQ = storage.sQ.get_tensor(sQ_layout)
         sK = storage.sK.get_tensor(sK_layout)
         sP = storage.sP.get_tensor(sP_layout)
-        sSlot = storage.slots.get_tensor(cute.make_layout((bn, 3), stride=(1, bn)))
+        sSlot = storage.slots.get_tensor(cute.make_layout((bn, self.slot_bufs), stride=(1, bn)))
         sRed = storage.red.get_tensor(cute.make_layout((m, self.wn), stride=(1, m)))
         sQ_addr = storage.sQ.data_ptr().toint()
         sK_addr = storage.sK.data_ptr().toint()
@@ -268,16 +260,18 @@ class MlaAttention:
         # this query's row of the slot lists (64-bit offset: N x stride may pass 2^31 entries)
         m_idx = cute.make_tensor(idx_ptr + Int64(qi) * Int64(idx_stride), cute.make_layout(idx_stride))
 
-        # ---- prologue: Q, slot ids of the first two tiles, records of the first ----
+        # ---- prologue: Q, slot ids of the first P + 1 tiles, records of the first P (one group each) ----
+        pf = self.prefetch
         self.load_q(q_ptr, sQ_addr, qi, h0, num_heads, tidx)
         cute.arch.cp_async_commit_group()
         if tidx < bn:
-            for t in cutlass.range_constexpr(2):
+            for t in cutlass.range_constexpr(pf + 1):
                 sSlot[tidx, t] = self.slot_of(m_idx, (t_begin + t) * bn + tidx, num_keys, num_slots, block_size, t < n_local)
         cute.arch.barrier()
-        if n_local > 0:
-            self.load_tile(sSlot, 0, 0, raw_addr, sK_addr, cache_addr, tidx)
-        cute.arch.cp_async_commit_group()
+        for t in cutlass.range_constexpr(pf):
+            if t < n_local:
+                self.load_tile(sSlot, t, t, raw_addr, sK_addr, cache_addr, tidx)
+            cute.arch.cp_async_commit_group()
 
         # ---- MMA partitions ----
         thr_mma = tiled_mma.get_slice(tidx)
@@ -330,30 +324,34 @@ class MlaAttention:
         if cutlass.const_expr(self.has_outer):
             fold = fold * s_l
         if cutlass.const_expr(self.tuning.q_regs):
-            cute.arch.cp_async_wait_group(1)  # the Q group (tile 0's records may still be in flight)
+            cute.arch.cp_async_wait_group(pf)  # the Q group (the first tiles' records may still be in flight)
             cute.arch.barrier()
             for k in cutlass.range_constexpr(n_k):
                 cute.copy(copy_Q, tSsQ[None, None, k], tSrQ_v[None, None, k])
 
         # ---- main loop over this CTA's key tiles ----
+        # P = prefetch tiles of records in flight: tile `it` arrives in raw stage it % (P + 1) while
+        # tiles it + 1 .. it + P load; its slot ids sit in buffer it % (P + 2), written one tile earlier
         for it in range(n_local):
-            stage2 = it % 2
-            cute.arch.cp_async_wait_group(0)
+            stage = it % self.raw_stages
+            cute.arch.cp_async_wait_group(pf - 1)  # tile it's group is complete (one group per tile)
             cute.arch.barrier()
-            # records of the next tile in flight while this one is decoded and multiplied
-            if it + 1 < n_local:
-                self.load_tile(sSlot, (it + 1) % 3, (it + 1) % 2, raw_addr, sK_addr, cache_addr, tidx)
+            # the stage refilled here was decoded in the previous iteration, before its barrier
+            if it + pf < n_local:
+                self.load_tile(
+                    sSlot, (it + pf) % self.slot_bufs, (it + pf) % self.raw_stages, raw_addr, sK_addr, cache_addr, tidx
+                )
             cute.arch.cp_async_commit_group()
             if tidx < bn:
-                sSlot[tidx, (it + 2) % 3] = self.slot_of(
-                    m_idx, (t_begin + it + 2) * bn + tidx, num_keys, num_slots, block_size, it + 2 < n_local
+                sSlot[tidx, (it + pf + 1) % self.slot_bufs] = self.slot_of(
+                    m_idx, (t_begin + it + pf + 1) * bn + tidx, num_keys, num_slots, block_size, it + pf + 1 < n_local
                 )
             k_stage = 0
             if cutlass.const_expr(self.copy_k):
-                k_stage = stage2
+                k_stage = stage
             else:
                 if cutlass.const_expr(not self.tuning.skip_decode):
-                    self.decode_tile(raw_addr + stage2 * (bn * rec), sK_addr, s_l, tidx)
+                    self.decode_tile(raw_addr + stage * (bn * rec), sK_addr, s_l, tidx)
                 cute.arch.barrier()
 
             # S = Q K^T, k-step k into chain k % chains (independent MMA chains, summed below)
@@ -379,7 +377,7 @@ class MlaAttention:
 
             # online softmax; the running max is shared by the C warps of a row
             acc_S_mn = self.mn_view(acc_S)
-            slot_col = it % 3
+            slot_col = it % self.slot_bufs
             for r in cutlass.range_constexpr(n_rows):
                 mx = Float32(-ptx.FLT_MAX)
                 for c in cutlass.range_constexpr(n_cols):
@@ -690,7 +688,7 @@ def mla_attention(
     if tile is None:
         tile = tile_config(plan, h, smem_per_block(dev))
     if tuning is None:
-        tuning = default_tuning(plan, tile)
+        tuning = default_tuning(plan, tile, smem_limit=smem_per_block(dev))
     m, bn = tile[0], tile[3]
     if sparse:
         idx, seqlen, stride = indices, indices, indices.shape[1]
@@ -702,7 +700,7 @@ def mla_attention(
     head_tiles = -(-h // m)
     if num_splits is None:
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        per_sm = max(1, smem_per_sm(dev) // smem_bytes(plan, tile[0], tile[3], tile[2]))
+        per_sm = max(1, smem_per_sm(dev) // smem_bytes(plan, tile[0], tile[3], tile[2], tuning.prefetch))
         num_splits, per = choose_splits(n * head_tiles, max_tiles, sms * per_sm)
     else:
         per = max(1, -(-max_tiles // max(1, num_splits)))

@@ -111,9 +111,13 @@ def test_kernel_version_from_the_environment(monkeypatch):
     plan = plan_for(get_format("nvfp4"))
     monkeypatch.delenv(attention_tuning.ENV, raising=False)
     v2 = attention_tuning.default_tuning(plan, (16, 1, 8, 64))
-    assert v2 == attention_tuning.Tuning(q_regs=True, s_chains=4, fast_e2m1=True)
-    # the 64-row tile keeps Q in shared memory (its O accumulator already takes 128 registers)
-    assert attention_tuning.default_tuning(plan, (64, 4, 2, 64)) == attention_tuning.Tuning(fast_e2m1=True)
+    assert v2 == attention_tuning.Tuning(q_regs=True, s_chains=2, fast_e2m1=True, prefetch=3)
+    # the 64-row tile keeps Q in shared memory (its O accumulator already takes 128 registers), and
+    # its 74 KB K tile leaves room for one tile of records in flight in 227 KB
+    assert attention_tuning.default_tuning(plan, (64, 4, 2, 64)) == attention_tuning.Tuning(fast_e2m1=True, prefetch=1)
+    # bf16 records are copied into K's two stages: no raw ring whatever the room
+    bf16 = plan_for(get_format("bf16"))
+    assert attention_tuning.default_tuning(bf16, (16, 1, 8, 64)).prefetch == 1
     monkeypatch.setenv(attention_tuning.ENV, "v1")
     assert attention_tuning.default_tuning(plan, (16, 1, 8, 64)) == attention_tuning.V1
     monkeypatch.setenv(attention_tuning.ENV, "v3")
@@ -121,3 +125,22 @@ def test_kernel_version_from_the_environment(monkeypatch):
         attention_tuning.default_tuning(plan, (16, 1, 8, 64))
     with pytest.raises(ValueError, match="s_chains"):
         attention_tuning.Tuning(s_chains=5)
+    with pytest.raises(ValueError, match="prefetch"):
+        attention_tuning.Tuning(prefetch=0)
+
+
+def test_prefetch_is_the_deepest_ring_that_fits_the_shared_memory():
+    from mla_eval_kernels.device_limits import HOPPER_SMEM_PER_BLOCK
+
+    for name in ("nvfp4", "fp8_ds_mla", "nvfp4_fp8_ds_mla", "mxfp4", "fp8_e4m3"):
+        plan = plan_for(get_format(name))
+        for tile in ((16, 1, 8, 64), (32, 2, 4, 64), (64, 4, 2, 32)):
+            m, _, wn, bn = tile
+            p = attention_tuning.default_tuning(plan, tile, "v2").prefetch
+            assert attention_tuning.smem_bytes(plan, m, bn, wn, p) <= HOPPER_SMEM_PER_BLOCK, (name, tile)
+            if p < attention_tuning.MAX_PREFETCH:
+                assert attention_tuning.smem_bytes(plan, m, bn, wn, p + 1) > HOPPER_SMEM_PER_BLOCK, (name, tile)
+    # each tile of prefetch costs one more tile of records and of slot ids
+    plan = plan_for(get_format("nvfp4"))
+    grow = attention_tuning.smem_bytes(plan, 16, 64, 8, 2) - attention_tuning.smem_bytes(plan, 16, 64, 8, 1)
+    assert grow == 64 * plan.record_bytes + 4 * 64
