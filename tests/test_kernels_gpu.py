@@ -14,6 +14,7 @@ u_k = u if any K element is not bf16-exact, else 0 (delta = 0 then). The tests u
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import zlib
 
@@ -189,7 +190,7 @@ def _check(out, lse, ref_out, ref_lse, bound, label):
     print(f"{label}: cos={cos:.7f} max_abs={err:.3e} bound={bound:.3e} lse_err={lerr:.2e}")
 
 
-def _run(spec, q, cache, scale, *, sink=None, outer_scale=None, num_splits=None, tile=None, **lists):
+def _run(spec, q, cache, scale, *, sink=None, outer_scale=None, num_splits=None, tile=None, tuning=None, **lists):
     from mla_eval_kernels import mla_attention as kernel
 
     n, h = q.shape[:2]
@@ -199,6 +200,7 @@ def _run(spec, q, cache, scale, *, sink=None, outer_scale=None, num_splits=None,
         plan_for(spec), q, cache, softmax_scale=scale, sink=sink, outer_scale=outer_scale,
         block_table=lists.get("block_table"), seq_lens=lists.get("seq_lens"), indices=lists.get("indices"),
         num_splits=num_splits, out=out, lse=lse, workspace_fill=float("nan"), tile=tile,
+        tuning=tuning,
     )
     torch.cuda.synchronize()
     return out, lse
@@ -225,7 +227,8 @@ def _sparse_lists(gen, n, topk, num_slots):
 # every format at h=16; every head count (8..128) on nvfp4; the other M=64 tiles (bf16 copies its
 # records straight into a double-buffered K tile, fp8_ds_mla uses 32-slot tiles there)
 CASES = [(f, 16) for f in FORMATS] + [("nvfp4", h) for h in (8, 32, 64, 128)] + [("bf16", 128), ("fp8_ds_mla", 128)]
-# both kernel generations on every case; v2 also on the narrow h <= 16 tile (BN 32, 4 warps: two CTAs per SM)
+# both kernel generations on every case; v2 also on the narrow h <= 16 tile (BN 32, 4 warps) with two
+# tiles of records in flight (two CTAs fit one SM)
 NARROW_TILE = (16, 1, 4, 32)
 VERSION_CASES = [(f, h, v) for f, h in CASES for v in attention_tuning.VERSIONS] + [(f, 16, "v2-narrow") for f in FORMATS]
 
@@ -235,7 +238,10 @@ VERSION_CASES = [(f, h, v) for f, h in CASES for v in attention_tuning.VERSIONS]
 @pytest.mark.parametrize("fmt,heads,version", VERSION_CASES)
 def test_attention_matches_reference(fmt, heads, mode, version, monkeypatch):
     monkeypatch.setenv(attention_tuning.ENV, version.split("-")[0])  # v1: the fallback kernel, v2: issue 14's
-    tile = NARROW_TILE if version.endswith("narrow") else None
+    tile = tuning = None
+    if version.endswith("narrow"):
+        tile = NARROW_TILE
+        tuning = dataclasses.replace(attention_tuning.default_tuning(plan_for(get_format(fmt)), tile, "v2"), prefetch=2)
     spec = get_format(fmt)
     gen = torch.Generator().manual_seed(zlib.crc32(f'{fmt}/{heads}/{mode}'.encode()))
     blocks = 24
@@ -255,7 +261,7 @@ def test_attention_matches_reference(fmt, heads, mode, version, monkeypatch):
     bound = _bound(spec, q.cpu(), cache.cpu(), slots, scale, s_l)
     # the split-KV heuristic (partials + combine); nvfp4 also with one CTA per query
     for splits in ((1, None) if fmt == "nvfp4" else (None,)):
-        out, lse = _run(spec, q, cache, scale, sink=sink, outer_scale=s_l, num_splits=splits, tile=tile, **lists)
+        out, lse = _run(spec, q, cache, scale, sink=sink, outer_scale=s_l, num_splits=splits, tile=tile, tuning=tuning, **lists)
         _check(out, lse, ref_out, ref_lse, bound, f"{fmt} h={heads} {mode} splits={splits} {version}")
 
 
