@@ -4,11 +4,13 @@ Two generations share one kernel body (`mla_attention.MlaAttention`), selected b
 that is part of the compile key:
 - v1, the first kernel (issue 4): Q re-read from shared memory for every key tile, one
   accumulator chain for S, E2M1 decoded value by value in float32.
-- v2 (issue 14, the default): up to 3 key tiles of records in flight instead of 1 (a ring of raw
-  stages in shared memory; one tile in flight bounded v1 by the memory latency, not the bandwidth);
-  for the 16-row tile (h <= 16) Q stays in registers for the whole key loop and S = Q K^T runs as
-  two independent accumulator chains; E2M1 latents with E4M3 block scales are decoded a byte at a
-  time straight into bf16x2 (`e2m1_bits`), with 2^9 * s_l folded into the scores and the output.
+- v2 (issue 14, the default): for the 16-row tile (h <= 16) Q stays in registers for the whole key
+  loop and S = Q K^T runs as two independent accumulator chains; E2M1 latents with E4M3 block
+  scales are decoded a byte at a time straight into bf16x2 (`e2m1_bits`), with 2^9 * s_l folded
+  into the scores and the output; a ring of raw record stages keeps `prefetch` key tiles in
+  flight; at h <= 16 a narrow tile (4 warps, 32 keys, 2 tiles in flight) replaces the 8-warp one
+  where two CTAs fit an SM (`launch_choice`), so one CTA's decode overlaps the other's MMAs.
+  What each change is worth was measured, not assumed (kernels/NOTES.md, 2026-12-03, issue 14).
 
 `MLA_EVAL_ATTENTION_KERNEL=v1` selects the first kernel (the fallback); unset or `v2`, the second.
 """
@@ -19,12 +21,17 @@ import dataclasses
 import os
 
 from mla_eval.formats.spec import LATENT_DIM, ROPE_DIM
-from mla_eval_kernels.device_limits import HOPPER_SMEM_PER_BLOCK
+from mla_eval_kernels.device_limits import HOPPER_SMEM_PER_BLOCK, HOPPER_SMEM_PER_SM
 
 ENV = "MLA_EVAL_ATTENTION_KERNEL"
 VERSIONS = ("v1", "v2")
 D_QK = LATENT_DIM + ROPE_DIM
 MAX_PREFETCH = 3
+# v2 at h <= 16: 4 warps, 32-key tiles, 2 tiles of records in flight, so that two CTAs share an SM
+# (the H200 run of 2026-12-03 measured it fastest for every format whose two CTAs fit; see NOTES.md)
+NARROW_TILE = (16, 1, 4, 32)
+NARROW_PREFETCH = 2
+DRIVER_SMEM_PER_CTA = 1024  # shared memory the driver reserves for each resident CTA (sm_90)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,3 +100,24 @@ def default_tuning(plan, tile: tuple, version: str | None = None, smem_limit: in
     fits = [p for p in range(1, MAX_PREFETCH + 1) if smem_bytes(plan, m, bn, wn, p) <= smem_limit]
     prefetch = 1 if is_bf16_plan(plan) else max(fits, default=1)  # bf16 records go straight into K's 2 stages
     return Tuning(q_regs=small, s_chains=2 if small else 1, fast_e2m1=fast_e2m1_eligible(plan), prefetch=prefetch)
+
+
+def narrow_fits_twice(plan, smem_per_sm: int = HOPPER_SMEM_PER_SM) -> bool:
+    """Two narrow v2 CTAs (and the driver's reserve for each) fit one SM's shared memory."""
+    m, _, wn, bn = NARROW_TILE
+    return 2 * (smem_bytes(plan, m, bn, wn, NARROW_PREFETCH) + DRIVER_SMEM_PER_CTA) <= smem_per_sm
+
+
+def launch_choice(
+    plan, wide_tile: tuple, version: str | None = None, smem_per_block: int = HOPPER_SMEM_PER_BLOCK,
+    smem_per_sm: int = HOPPER_SMEM_PER_SM,
+) -> tuple[tuple, Tuning]:
+    """(tile, tuning) the kernel runs with by default, given `tile_config`'s tile for the head count.
+
+    v2 replaces the 16-row, 8-warp tile by the narrow one when two of its CTAs fit an SM (the
+    decode of one CTA then overlaps the MMAs of the other); elsewhere the tile stays as it is."""
+    version = version or kernel_version()
+    if version == "v2" and wide_tile[0] == 16 and narrow_fits_twice(plan, smem_per_sm):
+        tuning = dataclasses.replace(default_tuning(plan, NARROW_TILE, "v2", smem_per_block), prefetch=NARROW_PREFETCH)
+        return NARROW_TILE, tuning
+    return tuple(wide_tile), default_tuning(plan, wide_tile, version, smem_per_block)

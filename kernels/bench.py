@@ -41,29 +41,29 @@ LOCK = Path(os.environ.get("TMPDIR", "/tmp")) / "mla_eval_bench.lock"
 
 
 def probe_variants(plan) -> list[tuple[str, tuple | None, object]]:
-    """(name, tile or None for the default, Tuning) of the h=16 variants timed at shape (b): v1, v2,
-    and v2 with one change undone or varied (what each change is worth, measured in one run)."""
+    """(name, tile or None for tile_config's, Tuning) of the h=16 variants timed at shape (b): v1,
+    v2 as dispatched (`launch_choice`), and v2 with one change undone or varied (what each change is
+    worth, measured in one run). The 2026-12-03 JSON predates `launch_choice`: its "v2" is today's
+    "v2-wide" and its "v2-narrow-pf2" today's "v2" where two narrow CTAs fit an SM."""
     import dataclasses
 
-    from mla_eval_kernels.attention_tuning import V1, Tuning, default_tuning, fast_e2m1_eligible, is_bf16_plan
+    from mla_eval_kernels.attention_tuning import V1, Tuning, default_tuning, fast_e2m1_eligible, is_bf16_plan, launch_choice
 
-    v2 = default_tuning(plan, (16, 1, 8, 64), "v2")
-    narrow = default_tuning(plan, (16, 1, 4, 32), "v2")
+    wide_tile = (16, 1, 8, 64)
+    tile, v2 = launch_choice(plan, wide_tile, "v2")
+    wide = default_tuning(plan, wide_tile, "v2")
     out = [
         ("v1", None, V1),
-        ("v2", None, v2),
-        ("v2-q_smem", None, dataclasses.replace(v2, q_regs=False)),
-        ("v2-chains4", None, dataclasses.replace(v2, s_chains=4)),
-        ("v2-narrow", (16, 1, 4, 32), narrow),
+        ("v2", tile, v2),
+        ("v2-wide", wide_tile, wide),
+        ("v2-wide-q_smem", wide_tile, dataclasses.replace(wide, q_regs=False)),
+        ("v2-wide-chains4", wide_tile, dataclasses.replace(wide, s_chains=4)),
     ]
     if not is_bf16_plan(plan):
-        out += [("v2-prefetch1", None, dataclasses.replace(v2, prefetch=1))]
-        out += [("v2-prefetch2", None, dataclasses.replace(v2, prefetch=2))] if v2.prefetch > 2 else []
-        # two 4-warp CTAs per SM (the ring of 3 tiles would leave room for one)
-        out += [("v2-narrow-pf2", (16, 1, 4, 32), dataclasses.replace(narrow, prefetch=2))]
-        out += [("v2+skip_decode", None, dataclasses.replace(v2, skip_decode=True))]
+        out += [("v2-wide-prefetch1", wide_tile, dataclasses.replace(wide, prefetch=1))]
+        out += [("v2+skip_decode", tile, dataclasses.replace(v2, skip_decode=True))]
     if fast_e2m1_eligible(plan):
-        out += [("v2-slow_e2m1", None, dataclasses.replace(v2, fast_e2m1=False))]
+        out += [("v2-slow_e2m1", tile, dataclasses.replace(v2, fast_e2m1=False))]
         out += [("v1+fast_e2m1", None, Tuning(fast_e2m1=True))]
     return out
 
@@ -247,6 +247,22 @@ def run_format(name: str, quick: bool, variants: bool = False) -> list[dict]:
 
     keys = n * (n + 1) / 2
     todo.append(("c_prefill_as_decode", dict(queries=n, heads=8, slots=n), fc, keys * spec.record_bytes, flops(1, 8, keys), None))
+    if variants:  # v1 and the 8-warp v2 tile at (c) too: launch_choice was measured at (b) only
+        plan = plan_for(spec)
+        for vname, vtile, tuning in probe_variants(plan)[:3]:
+
+            def fcv(i, vtile=vtile, tuning=tuning):
+                return kernel.mla_attention(
+                    plan, qc, ccache, softmax_scale=0.0417, block_table=table, seq_lens=lens, indices=None, sink=None,
+                    outer_scale=s_l, max_seq_len=n, tuning=tuning, tile=vtile,
+                )
+
+            todo.append(
+                (
+                    "c_prefill_as_decode", dict(queries=n, heads=8, slots=n, kernel=vname), fcv, keys * spec.record_bytes,
+                    flops(1, 8, keys), None,
+                )
+            )
 
     for _, _, fn, _, _, _ in todo:  # compile + warm up outside the lock
         fn(0)

@@ -23,7 +23,7 @@ from cutlass import Float32, Int32  # noqa: E402
 from cutlass.cute.runtime import make_ptr  # noqa: E402
 
 from mla_eval.formats import all_formats, get_format  # noqa: E402
-from mla_eval_kernels.attention_tuning import VERSIONS, default_tuning  # noqa: E402
+from mla_eval_kernels.attention_tuning import VERSIONS, default_tuning, launch_choice  # noqa: E402
 from mla_eval_kernels.cache_writer import CacheWriter  # noqa: E402
 from mla_eval_kernels.device_limits import HOPPER_SMEM_PER_BLOCK  # noqa: E402
 from mla_eval_kernels.mla_attention import MlaAttention, tile_config  # noqa: E402
@@ -73,7 +73,10 @@ def main(argv=None) -> int:
             print(f"writer    {name:18} outer={outer!s:5} {time.time() - t:5.1f}s", flush=True)
         for heads in (int(h) for h in args.heads.split(",")):
             tile0 = tile_config(plan, heads, HOPPER_SMEM_PER_BLOCK)  # compiled for sm_90a, no device at hand
-            variants = [(v, tile0, default_tuning(plan, tile0, v)) for v in args.versions.split(",")]
+            # what dispatch runs for each version, and v2's own tile where launch_choice swaps it
+            variants = [(v, *launch_choice(plan, tile0, v)) for v in args.versions.split(",")]
+            if "v2" in args.versions.split(",") and launch_choice(plan, tile0, "v2")[0] != tile0:
+                variants.append(("v2-wide", tile0, default_tuning(plan, tile0, "v2")))
             if args.probes and heads <= 16:
                 from mla_eval_kernels.bench import probe_variants
 

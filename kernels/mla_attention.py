@@ -43,7 +43,14 @@ from cutlass import BFloat16, Float32, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import warp
 
 from mla_eval_kernels import e2m1_bits, ptx
-from mla_eval_kernels.attention_tuning import Tuning, default_tuning, fast_e2m1_eligible, is_bf16_plan, smem_bytes
+from mla_eval_kernels.attention_tuning import (
+    Tuning,
+    default_tuning,
+    fast_e2m1_eligible,
+    is_bf16_plan,
+    launch_choice,
+    smem_bytes,
+)
 from mla_eval_kernels.compile_cache import arch_tag, compiled
 from mla_eval_kernels.device_limits import smem_per_block, smem_per_sm
 from mla_eval_kernels.launch_grid import attention_grid
@@ -673,8 +680,8 @@ def mla_attention(
 
     `out` / `lse` may be given (contiguous fp32); `workspace_fill` fills the split partials
     first (tests poison them with NaN to prove every element is written). `tuning` and `tile`
-    override the defaults (`attention_tuning.default_tuning`, `tile_config`; the benchmark and
-    tests compare variants with them).
+    override the defaults (`attention_tuning.launch_choice` over `tile_config`'s tile; the
+    benchmark and tests compare variants with them).
     """
     n, h = q.shape[0], q.shape[1]
     dev = q.device
@@ -685,6 +692,9 @@ def mla_attention(
     if n == 0:
         return out, lse
     sparse = indices is not None
+    if tile is None and tuning is None:
+        wide = tile_config(plan, h, smem_per_block(dev))
+        tile, tuning = launch_choice(plan, wide, smem_per_block=smem_per_block(dev), smem_per_sm=smem_per_sm(dev))
     if tile is None:
         tile = tile_config(plan, h, smem_per_block(dev))
     if tuning is None:

@@ -144,3 +144,39 @@ def test_prefetch_is_the_deepest_ring_that_fits_the_shared_memory():
     plan = plan_for(get_format("nvfp4"))
     grow = attention_tuning.smem_bytes(plan, 16, 64, 8, 2) - attention_tuning.smem_bytes(plan, 16, 64, 8, 1)
     assert grow == 64 * plan.record_bytes + 4 * 64
+
+
+def test_v2_at_h16_takes_the_narrow_tile_where_two_ctas_fit_an_sm(monkeypatch):
+    """The H200 run measured the narrow tile (two CTAs per SM) fastest where two fit; fp8_ds_mla's
+    656-byte records leave room for one, and there the 8-warp tile stays (narrow was 1.5x slower)."""
+    monkeypatch.delenv(attention_tuning.ENV, raising=False)
+    wide = (16, 1, 8, 64)
+    two_fit = {"bf16", "nvfp4", "nvfp4_fp8rope", "nvfp4_fp8rope_st", "nvfp4_fp8_ds_mla", "mxfp4"}
+    for name in two_fit | {"fp8_ds_mla", "fp8_ds_mla_pow2", "fp8_e4m3"}:
+        plan = plan_for(get_format(name))
+        tile, tuning = attention_tuning.launch_choice(plan, wide)
+        if name in two_fit:
+            assert tile == attention_tuning.NARROW_TILE and tuning.prefetch == attention_tuning.NARROW_PREFETCH, name
+            assert tuning.q_regs and tuning.s_chains == 2, name
+            m, _, wn, bn = tile
+            assert 2 * (attention_tuning.smem_bytes(plan, m, bn, wn, tuning.prefetch) + 1024) <= 228 * 1024, name
+        else:
+            assert tile == wide and tuning == attention_tuning.default_tuning(plan, wide, "v2"), name
+        # v1 and the larger head tiles keep their tile
+        assert attention_tuning.launch_choice(plan, wide, "v1") == (wide, attention_tuning.V1)
+        assert attention_tuning.launch_choice(plan, (64, 4, 2, 32))[0] == (64, 4, 2, 32)
+    # a smaller SM (one narrow CTA) keeps the wide tile
+    nvfp4 = plan_for(get_format("nvfp4"))
+    assert attention_tuning.launch_choice(nvfp4, wide, smem_per_sm=150 * 1024)[0] == wide
+
+
+def test_benchmark_probe_variants_are_named_once_and_v2_is_what_dispatch_runs():
+    from mla_eval_kernels.bench import probe_variants
+
+    for name in ("bf16", "fp8_ds_mla", "nvfp4", "nvfp4_fp8rope_st"):
+        plan = plan_for(get_format(name))
+        variants = probe_variants(plan)
+        names = [v[0] for v in variants]
+        assert len(names) == len(set(names)) and names[:3] == ["v1", "v2", "v2-wide"]
+        assert (variants[1][1], variants[1][2]) == attention_tuning.launch_choice(plan, (16, 1, 8, 64), "v2")
+        assert ("v2+skip_decode" in names) == (name != "bf16")  # the probe only where there is a decode

@@ -227,10 +227,14 @@ def _sparse_lists(gen, n, topk, num_slots):
 # every format at h=16; every head count (8..128) on nvfp4; the other M=64 tiles (bf16 copies its
 # records straight into a double-buffered K tile, fp8_ds_mla uses 32-slot tiles there)
 CASES = [(f, 16) for f in FORMATS] + [("nvfp4", h) for h in (8, 32, 64, 128)] + [("bf16", 128), ("fp8_ds_mla", 128)]
-# both kernel generations on every case; v2 also on the narrow h <= 16 tile (BN 32, 4 warps) with two
-# tiles of records in flight (two CTAs fit one SM)
-NARROW_TILE = (16, 1, 4, 32)
-VERSION_CASES = [(f, h, v) for f, h in CASES for v in attention_tuning.VERSIONS] + [(f, 16, "v2-narrow") for f in FORMATS]
+# both kernel generations on every case (v2 at h <= 16: the narrow tile where two CTAs fit an SM,
+# `attention_tuning.launch_choice`); v2 also on the 8-warp h <= 16 tile, and on the narrow tile with
+# two tiles in flight for every format (whether or not it is the default there)
+VERSION_CASES = (
+    [(f, h, v) for f, h in CASES for v in attention_tuning.VERSIONS]
+    + [(f, 16, "v2-wide") for f in FORMATS]
+    + [(f, 16, "v2-narrow") for f in FORMATS]
+)
 
 
 @needs_cuda
@@ -239,9 +243,14 @@ VERSION_CASES = [(f, h, v) for f, h in CASES for v in attention_tuning.VERSIONS]
 def test_attention_matches_reference(fmt, heads, mode, version, monkeypatch):
     monkeypatch.setenv(attention_tuning.ENV, version.split("-")[0])  # v1: the fallback kernel, v2: issue 14's
     tile = tuning = None
-    if version.endswith("narrow"):
-        tile = NARROW_TILE
-        tuning = dataclasses.replace(attention_tuning.default_tuning(plan_for(get_format(fmt)), tile, "v2"), prefetch=2)
+    if version == "v2-narrow":
+        tile = attention_tuning.NARROW_TILE
+        tuning = dataclasses.replace(
+            attention_tuning.default_tuning(plan_for(get_format(fmt)), tile, "v2"), prefetch=attention_tuning.NARROW_PREFETCH
+        )
+    elif version == "v2-wide":
+        tile = (16, 1, 8, 64)
+        tuning = attention_tuning.default_tuning(plan_for(get_format(fmt)), tile, "v2")
     spec = get_format(fmt)
     gen = torch.Generator().manual_seed(zlib.crc32(f'{fmt}/{heads}/{mode}'.encode()))
     blocks = 24
