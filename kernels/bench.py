@@ -1,6 +1,6 @@
 """Benchmark of the cache writer and MLA attention kernels, with ceilings measured in the same run.
 
-    python -m mla_eval_kernels.bench [--formats nvfp4,bf16] [--out results/kernels] [--quick]
+    python -m mla_eval_kernels.bench [--formats nvfp4,bf16] [--out results/kernels] [--quick] [--variants]
 
 Shapes (issue 4):
   (a) sparse decode, DeepSeek-V3.2: h=128, top-k 2048, batch 64 and 128 (compute-bound)
@@ -11,6 +11,11 @@ Reported: median time over timed runs (CUDA events; rotating cache copies so the
 cache GB/s (record bytes read), TFLOP/s (2 * (576 + 512) per query, head, key), ratios to the
 ceilings (device-to-device copy, bytes read + written; bf16 8192^3 matmul) and, for nvfp4 at
 (a) and (b), the speed-up over the torch reference.
+
+Every row names the attention kernel that ran (`kernel`: v1 = the first generation, v2 = issue 14's,
+chosen by MLA_EVAL_ATTENTION_KERNEL). `--variants` adds, at shape (b), the v1 and v2 kernels side by
+side plus probes that switch one v2 change on or off (`probe_variants`), so a gain is attributed by
+measurement; `skip_decode` leaves the decode out (wrong output) to show what the decode costs.
 
 Compiling every kernel takes seconds each, so one worker process per format compiles and warms
 up in parallel; the timed part runs under an exclusive file lock, one worker at a time.
@@ -33,6 +38,34 @@ from mla_eval.formats import all_formats, get_format
 
 SLOTS_A = 1 << 18
 LOCK = Path(os.environ.get("TMPDIR", "/tmp")) / "mla_eval_bench.lock"
+
+
+def probe_variants(plan) -> list[tuple[str, tuple | None, object]]:
+    """(name, tile or None for tile_config's, Tuning) of the h=16 variants timed at shape (b): v1,
+    v2 as dispatched (`launch_choice`), and v2 with one change undone or varied (what each change is
+    worth, measured in one run). The 2026-12-03 JSON predates `launch_choice`: its "v2" is today's
+    "v2-wide" and its "v2-narrow-pf2" today's "v2" where two narrow CTAs fit an SM."""
+    import dataclasses
+
+    from mla_eval_kernels.attention_tuning import V1, Tuning, default_tuning, fast_e2m1_eligible, is_bf16_plan, launch_choice
+
+    wide_tile = (16, 1, 8, 64)
+    tile, v2 = launch_choice(plan, wide_tile, "v2")
+    wide = default_tuning(plan, wide_tile, "v2")
+    out = [
+        ("v1", None, V1),
+        ("v2", tile, v2),
+        ("v2-wide", wide_tile, wide),
+        ("v2-wide-q_smem", wide_tile, dataclasses.replace(wide, q_regs=False)),
+        ("v2-wide-chains4", wide_tile, dataclasses.replace(wide, s_chains=4)),
+    ]
+    if not is_bf16_plan(plan):
+        out += [("v2-wide-prefetch1", wide_tile, dataclasses.replace(wide, prefetch=1))]
+        out += [("v2+skip_decode", tile, dataclasses.replace(v2, skip_decode=True))]
+    if fast_e2m1_eligible(plan):
+        out += [("v2-slow_e2m1", tile, dataclasses.replace(v2, fast_e2m1=False))]
+        out += [("v1+fast_e2m1", None, Tuning(fast_e2m1=True))]
+    return out
 
 
 def _median_ms(fn, reps: int, warmup: int = 3) -> float:
@@ -106,10 +139,15 @@ def _random_caches(spec, num_slots: int, copies: int):
     return caches
 
 
-def run_format(name: str, quick: bool) -> list[dict]:
+def run_format(name: str, quick: bool, variants: bool = False) -> list[dict]:
     """All measurements of one format (called in a worker process)."""
     from mla_eval.attention import dispatch
+    from mla_eval_kernels import mla_attention as kernel
+    from mla_eval_kernels.attention_tuning import kernel_version
     from mla_eval_kernels.mla_attention import flops
+    from mla_eval_kernels.record_plan import plan_for
+
+    version = kernel_version()
 
     spec = get_format(name)
     s_l = 0.05 if spec.outer_scale is not None else None
@@ -177,6 +215,22 @@ def run_format(name: str, quick: bool) -> list[dict]:
                 flops(batch, 16, ctx), ref,
             )
         )
+        if variants and (ctx == 65536 or quick):
+            plan = plan_for(spec)
+            for vname, vtile, tuning in probe_variants(plan):
+
+                def fv(i, q=q, table=table, lens=lens, bcache=bcache, ctx=ctx, vtile=vtile, tuning=tuning):
+                    return kernel.mla_attention(
+                        plan, q, bcache, softmax_scale=0.0417, block_table=table, seq_lens=lens, indices=None, sink=None,
+                        outer_scale=s_l, max_seq_len=ctx, tuning=tuning, tile=vtile,
+                    )
+
+                todo.append(
+                    (
+                        "b_dense_decode", dict(batch=batch, heads=16, context=ctx, kernel=vname), fv,
+                        batch * ctx * spec.record_bytes, flops(batch, 16, ctx), None,
+                    )
+                )
 
     # (c) prefill-as-decode: query i sees slots 0..i of one 2048-token sequence
     n = 2048
@@ -193,6 +247,22 @@ def run_format(name: str, quick: bool) -> list[dict]:
 
     keys = n * (n + 1) / 2
     todo.append(("c_prefill_as_decode", dict(queries=n, heads=8, slots=n), fc, keys * spec.record_bytes, flops(1, 8, keys), None))
+    if variants:  # v1 and the 8-warp v2 tile at (c) too: launch_choice was measured at (b) only
+        plan = plan_for(spec)
+        for vname, vtile, tuning in probe_variants(plan)[:3]:
+
+            def fcv(i, vtile=vtile, tuning=tuning):
+                return kernel.mla_attention(
+                    plan, qc, ccache, softmax_scale=0.0417, block_table=table, seq_lens=lens, indices=None, sink=None,
+                    outer_scale=s_l, max_seq_len=n, tuning=tuning, tile=vtile,
+                )
+
+            todo.append(
+                (
+                    "c_prefill_as_decode", dict(queries=n, heads=8, slots=n, kernel=vname), fcv, keys * spec.record_bytes,
+                    flops(1, 8, keys), None,
+                )
+            )
 
     for _, _, fn, _, _, _ in todo:  # compile + warm up outside the lock
         fn(0)
@@ -201,6 +271,7 @@ def run_format(name: str, quick: bool) -> list[dict]:
         fcntl.flock(lock, fcntl.LOCK_EX)
         for shape, params, fn, nbytes, nflop, ref in todo:
             ms, how = _graph_ms(fn, reps)
+            params = {"kernel": version, **params}
             row = dict(format=name, shape=shape, **params, ms=ms, timing=how,
                        cache_gb_s=nbytes / ms / 1e6, tflop_s=nflop / ms / 1e9 if nflop else None)
             if ref is not None:
@@ -235,12 +306,13 @@ def main(argv=None) -> int:
     ap.add_argument("--formats", default=None, help="comma-separated (default: every format the kernels serve)")
     ap.add_argument("--out", default="results/kernels")
     ap.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")
+    ap.add_argument("--variants", action="store_true", help="v1 and v2 kernels and probe variants side by side at (b)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.formats is None:
         args.formats = ",".join(kernel_format_names())
     if args.worker:
-        run_format(args.worker, args.quick)
+        run_format(args.worker, args.quick, args.variants)
         return 0
 
     gpu = torch.cuda.get_device_name()
@@ -252,6 +324,7 @@ def main(argv=None) -> int:
     procs = {}
     for name in args.formats.split(","):
         cmd = [sys.executable, "-m", "mla_eval_kernels.bench", "--worker", name] + (["--quick"] if args.quick else [])
+        cmd += ["--variants"] if args.variants else []
         procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     rows, failed = [], []
     for name, p in procs.items():
@@ -269,14 +342,15 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"bench-{gpu.replace(' ', '_')}.json"
     path.write_text(json.dumps(doc, indent=2) + "\n")
-    print(f"\n{'format':18} {'shape':20} {'params':34} {'ms':>9} {'GB/s':>7} {'%copy':>6} {'TFLOP/s':>8} {'%mm':>5} {'x ref':>6}")
+    print(f"\n{'format':18} {'shape':20} {'kernel':16} {'params':34} "
+          f"{'ms':>9} {'GB/s':>7} {'%copy':>6} {'TFLOP/s':>8} {'%mm':>5} {'x ref':>6}")
     for r in rows:
         params = ",".join(f"{k}={r[k]}" for k in ("batch", "heads", "topk", "context", "queries", "tokens") if k in r)
         tf = f"{r['tflop_s']:8.1f}" if r.get("tflop_s") else " " * 8
         mm = f"{100 * r['matmul_ratio']:5.1f}" if r.get("matmul_ratio") else " " * 5
         sp = f"{r['speedup_vs_reference']:6.1f}" if "speedup_vs_reference" in r else ""
         print(
-            f"{r['format']:18} {r['shape']:20} {params:34} {r['ms']:9.4f} {r['cache_gb_s']:7.0f} "
+            f"{r['format']:18} {r['shape']:20} {r.get('kernel', '?'):16} {params:34} {r['ms']:9.4f} {r['cache_gb_s']:7.0f} "
             f"{100 * r['copy_ratio']:6.1f} {tf} {mm} {sp}"
         )
     print(f"saved {path}; failed formats: {failed or 'none'}")

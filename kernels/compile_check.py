@@ -23,6 +23,7 @@ from cutlass import Float32, Int32  # noqa: E402
 from cutlass.cute.runtime import make_ptr  # noqa: E402
 
 from mla_eval.formats import all_formats, get_format  # noqa: E402
+from mla_eval_kernels.attention_tuning import VERSIONS, default_tuning, launch_choice  # noqa: E402
 from mla_eval_kernels.cache_writer import CacheWriter  # noqa: E402
 from mla_eval_kernels.device_limits import HOPPER_SMEM_PER_BLOCK  # noqa: E402
 from mla_eval_kernels.mla_attention import MlaAttention, tile_config  # noqa: E402
@@ -49,6 +50,8 @@ def main(argv=None) -> int:
     ap.add_argument("--formats", default=",".join(s.name for s in all_formats()))
     ap.add_argument("--heads", default="16,32,128")
     ap.add_argument("--cuobjdump")
+    ap.add_argument("--versions", default=",".join(VERSIONS), help="kernel generations to compile (v1 = the fallback)")
+    ap.add_argument("--probes", action="store_true", help="also the benchmark's h=16 probe variants")
     args = ap.parse_args(argv)
     stream = cuda.CUstream(0)
     dump = tempfile.mkdtemp()
@@ -69,26 +72,35 @@ def main(argv=None) -> int:
             cute.compile(CacheWriter(plan, cutlass.BFloat16, outer), *w)
             print(f"writer    {name:18} outer={outer!s:5} {time.time() - t:5.1f}s", flush=True)
         for heads in (int(h) for h in args.heads.split(",")):
-            tile = tile_config(plan, heads, HOPPER_SMEM_PER_BLOCK)  # compiled for sm_90a, no device at hand
-            for sparse in (False, True):
-                for split in (False, True):
-                    t = time.time()
-                    a = (
-                        _p(cutlass.BFloat16), _p(cutlass.Uint8), _p(Int32, 4), _p(Int32, 4), _p(Float32, 4),
-                        _p(Float32), _p(Float32, 4), Int32(4), Int32(heads), Int32(64), Int32(4096), Int32(64),
-                        Float32(0.1), Float32(1.0), Int32(4), Int32(2), stream,
-                    )
-                    try:
-                        cute.compile(MlaAttention(plan, tile, sparse, sparse, plan.outer_allowed, split), *a, options=opts)
-                        status = "ok " + _usage(args.cuobjdump, dump)
-                    except Exception as exc:  # noqa: BLE001 - report every variant
-                        failures += 1
-                        status = f"FAILED {type(exc).__name__}: {str(exc)[:300]}"
-                    print(
-                        f"attention {name:18} h={heads:<3} tile={tile} sparse={sparse!s:5} split={split!s:5} "
-                        f"{time.time() - t:5.1f}s {status}",
-                        flush=True,
-                    )
+            tile0 = tile_config(plan, heads, HOPPER_SMEM_PER_BLOCK)  # compiled for sm_90a, no device at hand
+            # what dispatch runs for each version, and v2's own tile where launch_choice swaps it
+            variants = [(v, *launch_choice(plan, tile0, v)) for v in args.versions.split(",")]
+            if "v2" in args.versions.split(",") and launch_choice(plan, tile0, "v2")[0] != tile0:
+                variants.append(("v2-wide", tile0, default_tuning(plan, tile0, "v2")))
+            if args.probes and heads <= 16:
+                from mla_eval_kernels.bench import probe_variants
+
+                variants += [(name, t or tile0, tun) for name, t, tun in probe_variants(plan)]
+            cases = [(v, sp, sl) for v in variants for sp in (False, True) for sl in (False, True)]
+            for (version, tile, tuning), sparse, split in cases:
+                t = time.time()
+                a = (
+                    _p(cutlass.BFloat16), _p(cutlass.Uint8), _p(Int32, 4), _p(Int32, 4), _p(Float32, 4),
+                    _p(Float32), _p(Float32, 4), Int32(4), Int32(heads), Int32(64), Int32(4096), Int32(64),
+                    Float32(0.1), Float32(1.0), Int32(4), Int32(2), stream,
+                )
+                try:
+                    kern = MlaAttention(plan, tile, sparse, sparse, plan.outer_allowed, split, tuning)
+                    cute.compile(kern, *a, options=opts)
+                    status = "ok " + _usage(args.cuobjdump, dump)
+                except Exception as exc:  # noqa: BLE001 - report every variant
+                    failures += 1
+                    status = f"FAILED {type(exc).__name__}: {str(exc)[:300]}"
+                print(
+                    f"attention {name:18} {version:12} h={heads:<3} tile={tile} sparse={sparse!s:5} split={split!s:5} "
+                    f"{time.time() - t:5.1f}s {status}",
+                    flush=True,
+                )
     for sink in (False, True):
         c = (_p(Float32), _p(Float32, 4), _p(Float32, 4), _p(Float32), _p(Float32, 4), Int32(8), Int32(4), Int32(2), stream)
         cute.compile(MlaCombine(sink), *c)

@@ -6,7 +6,8 @@
 # then device call 1 with carry [".devwheels/a"]:
 #     mkdir -p /tmp/cutedsl-half && cp .devwheels/a/part.aa /tmp/cutedsl-half/
 # and at once device call 2 with carry [".devwheels/b"]:
-#     bash kernels/device_check.sh [tests|bench|all] [pytest -k expression]
+#     bash kernels/device_check.sh [tests|bench|all|kern] [pytest -k expression]
+# (kern: register use of the h=16 attention kernels, the benchmark with --variants, then the tests)
 # When the working tree is too large to carry a 47 MB half, the wheel travels in six 16 MB parts
 # (.devwheels/c1..c6), made here after prepare-cutedsl.sh with
 #     for i in 1 2 3 4 5 6; do mkdir -p .devwheels/c$i; done
@@ -47,9 +48,36 @@ print("torch", torch.__version__, "cutlass-dsl", getattr(cutlass, "__version__",
 EOF
 
 rc=0
+if [ "$what" = kern ]; then  # issue 14 round: resources, then the benchmark with variants, then the tests
+    step "tools and resources"
+    which ncu nsys cuobjdump 2>&1 | head -3
+    cuobj=$(command -v cuobjdump || python3 -c 'import triton, pathlib; print(next(pathlib.Path(triton.__file__).parent.rglob("cuobjdump")))' 2>/dev/null)
+    echo "cuobjdump: ${cuobj:-none}"
+    timeout 90 python3 -m mla_eval_kernels.compile_check --formats nvfp4,bf16,fp8_ds_mla --heads 16 --versions v1,v2 ${cuobj:+--cuobjdump $cuobj} \
+        2>&1 | grep -E "attention .*split=False" | sed 's/  */ /g'
+    step "benchmark v2 (variants at (b))"
+    timeout ${BENCH_TIMEOUT:-180} python3 -m mla_eval_kernels.bench --out "$OUT" --variants ${BENCH_FORMATS:+--formats $BENCH_FORMATS} \
+        2> "$OUT/bench.err" | grep -E "b_dense|a_sparse|c_prefill|GPU|saved"
+    echo "bench exit ${PIPESTATUS[0]}"
+    tail -3 "$OUT/bench.err"
+    step "benchmark v1 (the fallback kernel, every shape)"
+    mkdir -p "$OUT/v1"
+    MLA_EVAL_ATTENTION_KERNEL=v1 timeout ${BENCH_TIMEOUT:-180} python3 -m mla_eval_kernels.bench --out "$OUT/v1" \
+        ${BENCH_FORMATS:+--formats $BENCH_FORMATS} 2> "$OUT/v1/bench.err" | grep -E "b_dense|a_sparse|c_prefill|GPU|saved"
+    echo "bench v1 exit ${PIPESTATUS[0]}"
+    if [ -n "${PROFILE:-}" ] && command -v ncu >/dev/null; then
+        step "ncu: dense decode h=16 64K batch 32, v2, nvfp4 and bf16"
+        timeout 120 ncu --clock-control none -k regex:MlaAttention --launch-count 2 --section SpeedOfLight --section Occupancy \
+            --section WarpStateStats --section MemoryWorkloadAnalysis --section LaunchStats \
+            python3 -m mla_eval_kernels.profile_dense --formats nvfp4,bf16 > "$OUT/ncu.txt" 2>&1
+        echo "ncu exit $?"
+        grep -E "^  [a-zA-Z_]|Duration|Throughput|Occupancy|Registers|Stall|Warp Cycles|Issued|Eligible|launched|==PROF==|==ERR" "$OUT/ncu.txt" | head -60
+    fi
+    what=tests
+fi
 if [ "$what" = all ] || [ "$what" = tests ]; then
     step "GPU tests"
-    timeout 330 python3 -m pytest tests/test_kernels_gpu.py tests/test_decode_steps_gpu.py tests/test_dispatch_backends.py tests/test_random_models_gpu.py -q -n 8 -rfEP -p no:cacheprovider ${kexpr:+-k "$kexpr"} \
+    timeout ${TEST_TIMEOUT:-330} python3 -m pytest tests/test_kernels_gpu.py tests/test_decode_steps_gpu.py tests/test_dispatch_backends.py tests/test_random_models_gpu.py -q -n 8 -rfEP -p no:cacheprovider ${kexpr:+-k "$kexpr"} \
         > "$OUT/pytest.log" 2>&1
     rc=$?
     grep -E "cos=|FAILED|ERROR|Error|error:|passed|failed" "$OUT/pytest.log" | grep -v "^E  " | sort | uniq | tail -80

@@ -13,11 +13,17 @@ Kernel (FlashAttention-2 style, bf16 `mma.sync.m16n8k16` with fp32 accumulation,
 - CTA = (KV split, head tile of M heads, query); M = 16 / 32 / 64 rows (heads padded with zero
   rows); 8 warps form an R x C grid (R = M / 16 rows of 16, C = 8 / R column groups): h <= 16
   -> 1 x 8, h <= 32 -> 2 x 4, more heads -> 4 x 2 per 64-head tile (`tile_config`).
-- Key tiles of BN slots: slot ids computed two tiles ahead into shared memory; the raw records of
-  the next tile are copied with 16-byte `cp.async` (zero-filled for invalid slots) while the
-  current tile is decoded in shared memory into bf16 K [BN, 576] (E2M1 x E4M3 block scale x s_t x
-  s_l, E4M3 x fp32 group scale, E8M0, bf16 copy). For the bf16 format the records are the K rows
-  and are copied straight into a double-buffered K tile.
+- Key tiles of BN slots: slot ids computed P + 1 tiles ahead into shared memory; the raw records
+  of the next P tiles (`Tuning.prefetch`, a ring of P + 1 stages) are copied with 16-byte
+  `cp.async` (zero-filled for invalid slots) while the current tile is decoded in shared memory
+  into bf16 K [BN, 576] (E2M1 x E4M3 block scale x s_t x s_l, E4M3 x fp32 group scale, E8M0, bf16
+  copy). For the bf16 format the records are the K rows and are copied straight into a
+  double-buffered K tile (P = 1).
+- Kernel generations (`attention_tuning`): v1 (P = 1, Q re-read from shared memory per tile, one
+  S chain, E2M1 decoded per value in fp32) stays selectable; v2 adds the deeper ring, Q held in
+  registers at h <= 16, two S chains, and E2M1 x E4M3 decoded a byte at a time into exact bf16x2
+  (`e2m1_bits`) with 2^9 * s_l applied to the latent part of each score and to the output.
+- Launch grid: x = queries x KV splits, y = head tiles (`launch_grid`; any number of queries).
 - S = Q K^T: warp (r, c) computes rows 16r.. and a 1/C share of the BN keys; row maxima are
   combined across the C warps of a row through shared memory; P (bf16) goes through shared
   memory so that each warp multiplies the whole P row block by its 512/C columns of V = K[:, :512].
@@ -36,9 +42,18 @@ import torch
 from cutlass import BFloat16, Float32, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import warp
 
-from mla_eval_kernels import ptx
+from mla_eval_kernels import e2m1_bits, ptx
+from mla_eval_kernels.attention_tuning import (
+    Tuning,
+    default_tuning,
+    fast_e2m1_eligible,
+    is_bf16_plan,
+    launch_choice,
+    smem_bytes,
+)
 from mla_eval_kernels.compile_cache import arch_tag, compiled
 from mla_eval_kernels.device_limits import smem_per_block, smem_per_sm
+from mla_eval_kernels.launch_grid import attention_grid
 from mla_eval_kernels.mla_combine import MlaCombine
 from mla_eval_kernels.record_plan import ORDER_8X4, RecordPlan
 
@@ -61,24 +76,6 @@ def tile_config(plan: RecordPlan, num_heads: int, smem_limit: int) -> tuple[int,
         if smem_bytes(plan, m, bn, wn) <= smem_limit:
             return m, wm, wn, bn
     raise ValueError(f"no tile fits {smem_limit} bytes of shared memory per CTA for {plan.name}")
-
-
-def is_bf16_plan(plan: RecordPlan) -> bool:
-    """Records that are exactly the bf16 K row (latent then rope, unscaled): copied, not decoded."""
-    return (
-        plan.latent.elem == "bf16"
-        and plan.rope.elem == "bf16"
-        and plan.latent.data_offset == 0
-        and plan.rope.data_offset == 2 * D_V
-        and plan.record_bytes == 2 * D_QK
-        and not plan.outer_allowed
-    )
-
-
-def smem_bytes(plan: RecordPlan, m: int, bn: int, wn: int) -> int:
-    k_stages = 2 if is_bf16_plan(plan) else 1
-    raw = 0 if is_bf16_plan(plan) else 2 * bn * plan.record_bytes
-    return 2 * m * D_QK + 2 * k_stages * bn * D_QK + 2 * m * bn + raw + 4 * 3 * bn + 4 * wn * m + 4 * 1024
 
 
 def _swizzle_atom(cols: int):
@@ -138,9 +135,14 @@ class MlaAttention:
     """
 
     def __init__(
-        self, plan: RecordPlan, tile: tuple[int, int, int, int], sparse: bool, has_sink: bool, has_outer: bool, split: bool
+        self, plan: RecordPlan, tile: tuple[int, int, int, int], sparse: bool, has_sink: bool, has_outer: bool, split: bool,
+        tuning: Tuning = Tuning(),
     ):
         self.plan = plan
+        self.tuning = tuning
+        # E2M1 latent with E4M3 block scales, no per-token scale, s_l not on the rope: the latent is
+        # decoded exactly into bf16 up to 2^-9 (e2m1_bits) and 2^9 * s_l is folded into scores and output
+        self.fold = bool(tuning.fast_e2m1 and fast_e2m1_eligible(plan))
         self.sparse = sparse
         self.has_sink = has_sink
         self.has_outer = has_outer
@@ -149,6 +151,10 @@ class MlaAttention:
         self.num_threads = 32 * self.wm * self.wn
         self.copy_k = is_bf16_plan(plan)
         self.k_stages = 2 if self.copy_k else 1
+        # tiles of records in flight ahead of the one being decoded (the bf16 path copies into K: 1)
+        self.prefetch = 1 if self.copy_k else tuning.prefetch
+        self.raw_stages = self.prefetch + 1
+        self.slot_bufs = self.prefetch + 2
         assert (self.bn * 64) % self.num_threads == 0 and (self.bn * 8) % self.num_threads == 0
         assert self.bn % ((16 if self.bn % (16 * self.wn) == 0 else 8) * self.wn) == 0
 
@@ -178,7 +184,7 @@ class MlaAttention:
         sQ_layout = cute.tile_to_shape(atom, (m, D_QK), (0, 1))
         sK_layout = cute.tile_to_shape(atom, (bn, D_QK, self.k_stages), (0, 1, 2))
         sP_layout = cute.tile_to_shape(_swizzle_atom(bn), (m, bn), (0, 1))
-        raw_bytes = 16 if self.copy_k else 2 * bn * self.plan.record_bytes
+        raw_bytes = 16 if self.copy_k else self.raw_stages * bn * self.plan.record_bytes
 
         @cute.struct
         class SharedStorage:
@@ -186,7 +192,7 @@ class MlaAttention:
             sK: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sK_layout)], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sP_layout)], 1024]
             raw: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, raw_bytes], 128]
-            slots: cute.struct.Align[cute.struct.MemRange[Int32, 3 * bn], 16]
+            slots: cute.struct.Align[cute.struct.MemRange[Int32, self.slot_bufs * bn], 16]
             red: cute.struct.Align[cute.struct.MemRange[Float32, self.wn * m], 16]
 
         tiled_mma = cute.make_tiled_mma(
@@ -194,11 +200,12 @@ class MlaAttention:
             (self.wm, self.wn, 1),
             permutation_mnk=(16 * self.wm, (16 if self.bn % (16 * self.wn) == 0 else 8) * self.wn, 16),
         )
-        grid = (num_splits, (num_heads + m - 1) // m, num_queries)
+        # queries and splits share grid x (launch_grid.attention_grid; y and z stop at 65535)
+        grid = (num_queries * num_splits, (num_heads + m - 1) // m, 1)
         self.kernel(
             q_ptr, cache_ptr, idx_ptr, seqlen_ptr, sink_ptr, out_ptr, lse_ptr,
             num_queries, num_heads, idx_stride, num_slots, block_size,
-            softmax_scale, s_l, tiles_per_split,
+            softmax_scale, s_l, tiles_per_split, num_splits,
             sQ_layout, sK_layout, sP_layout, tiled_mma, SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
@@ -220,6 +227,7 @@ class MlaAttention:
         softmax_scale: Float32,
         s_l: Float32,
         tiles_per_split: Int32,
+        num_splits: Int32,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sP_layout: cute.ComposedLayout,
@@ -229,7 +237,9 @@ class MlaAttention:
         m, bn = self.m, self.bn
         rec = self.plan.record_bytes
         tidx, _, _ = cute.arch.thread_idx()
-        split_idx, head_tile, qi = cute.arch.block_idx()
+        block_x, head_tile, _ = cute.arch.block_idx()
+        split_idx = block_x % num_splits  # launch_grid.cta_coords
+        qi = block_x // num_splits
         warp_n = (tidx // 32) // self.wm
         lane = tidx % 32
         h0 = head_tile * m
@@ -239,7 +249,7 @@ class MlaAttention:
         sQ = storage.sQ.get_tensor(sQ_layout)
         sK = storage.sK.get_tensor(sK_layout)
         sP = storage.sP.get_tensor(sP_layout)
-        sSlot = storage.slots.get_tensor(cute.make_layout((bn, 3), stride=(1, bn)))
+        sSlot = storage.slots.get_tensor(cute.make_layout((bn, self.slot_bufs), stride=(1, bn)))
         sRed = storage.red.get_tensor(cute.make_layout((m, self.wn), stride=(1, m)))
         sQ_addr = storage.sQ.data_ptr().toint()
         sK_addr = storage.sK.data_ptr().toint()
@@ -254,17 +264,21 @@ class MlaAttention:
         t_begin = split_idx * tiles_per_split
         t_end = cutlass.min(t_begin + tiles_per_split, num_tiles)
         n_local = cutlass.max(t_end - t_begin, 0)
-        m_idx = cute.make_tensor(idx_ptr, cute.make_layout((num_queries, idx_stride), stride=(idx_stride, 1)))
+        # this query's row of the slot lists (64-bit offset: N x stride may pass 2^31 entries)
+        m_idx = cute.make_tensor(idx_ptr + Int64(qi) * Int64(idx_stride), cute.make_layout(idx_stride))
 
-        # ---- prologue: Q, slot ids of the first two tiles, records of the first ----
+        # ---- prologue: Q, slot ids of the first P + 1 tiles, records of the first P (one group each) ----
+        pf = self.prefetch
         self.load_q(q_ptr, sQ_addr, qi, h0, num_heads, tidx)
-        if tidx < bn:
-            for t in cutlass.range_constexpr(2):
-                sSlot[tidx, t] = self.slot_of(m_idx, qi, (t_begin + t) * bn + tidx, num_keys, num_slots, block_size, t < n_local)
-        cute.arch.barrier()
-        if n_local > 0:
-            self.load_tile(sSlot, 0, 0, raw_addr, sK_addr, cache_addr, tidx)
         cute.arch.cp_async_commit_group()
+        if tidx < bn:
+            for t in cutlass.range_constexpr(pf + 1):
+                sSlot[tidx, t] = self.slot_of(m_idx, (t_begin + t) * bn + tidx, num_keys, num_slots, block_size, t < n_local)
+        cute.arch.barrier()
+        for t in cutlass.range_constexpr(pf):
+            if t < n_local:
+                self.load_tile(sSlot, t, t, raw_addr, sK_addr, cache_addr, tidx)
+            cute.arch.cp_async_commit_group()
 
         # ---- MMA partitions ----
         thr_mma = tiled_mma.get_slice(tidx)
@@ -309,38 +323,68 @@ class MlaAttention:
         row_max.fill(-ptx.FLT_MAX)
         row_sum.fill(0.0)
         scale_log2 = softmax_scale * Float32(LOG2_E)
+        n_k = cute.size(tSsQ.shape[2])
+        n_k_latent = n_k * D_V // D_QK  # k-steps over the latent dims; the rest cover the rope
+        chains = self.tuning.s_chains
+        # factor of the latent part of each score and of the output (see e2m1_bits)
+        fold = Float32(2.0**e2m1_bits.FOLD_LOG2)
+        if cutlass.const_expr(self.has_outer):
+            fold = fold * s_l
+        if cutlass.const_expr(self.tuning.q_regs):
+            cute.arch.cp_async_wait_group(pf)  # the Q group (the first tiles' records may still be in flight)
+            cute.arch.barrier()
+            for k in cutlass.range_constexpr(n_k):
+                cute.copy(copy_Q, tSsQ[None, None, k], tSrQ_v[None, None, k])
 
         # ---- main loop over this CTA's key tiles ----
+        # P = prefetch tiles of records in flight: tile `it` arrives in raw stage it % (P + 1) while
+        # tiles it + 1 .. it + P load; its slot ids sit in buffer it % (P + 2), written one tile earlier
         for it in range(n_local):
-            stage2 = it % 2
-            cute.arch.cp_async_wait_group(0)
+            stage = it % self.raw_stages
+            cute.arch.cp_async_wait_group(pf - 1)  # tile it's group is complete (one group per tile)
             cute.arch.barrier()
-            # records of the next tile in flight while this one is decoded and multiplied
-            if it + 1 < n_local:
-                self.load_tile(sSlot, (it + 1) % 3, (it + 1) % 2, raw_addr, sK_addr, cache_addr, tidx)
+            # the stage refilled here was decoded in the previous iteration, before its barrier
+            if it + pf < n_local:
+                self.load_tile(
+                    sSlot, (it + pf) % self.slot_bufs, (it + pf) % self.raw_stages, raw_addr, sK_addr, cache_addr, tidx
+                )
             cute.arch.cp_async_commit_group()
             if tidx < bn:
-                sSlot[tidx, (it + 2) % 3] = self.slot_of(
-                    m_idx, qi, (t_begin + it + 2) * bn + tidx, num_keys, num_slots, block_size, it + 2 < n_local
+                sSlot[tidx, (it + pf + 1) % self.slot_bufs] = self.slot_of(
+                    m_idx, (t_begin + it + pf + 1) * bn + tidx, num_keys, num_slots, block_size, it + pf + 1 < n_local
                 )
             k_stage = 0
             if cutlass.const_expr(self.copy_k):
-                k_stage = stage2
+                k_stage = stage
             else:
-                self.decode_tile(raw_addr + stage2 * (bn * rec), sK_addr, s_l, tidx)
+                if cutlass.const_expr(not self.tuning.skip_decode):
+                    self.decode_tile(raw_addr + stage * (bn * rec), sK_addr, s_l, tidx)
                 cute.arch.barrier()
 
-            # S = Q K^T
-            acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((m, bn)), Float32)
-            acc_S.fill(0.0)
-            for k in cutlass.range_constexpr(cute.size(tSsQ.shape[2])):
-                cute.copy(copy_Q, tSsQ[None, None, k], tSrQ_v[None, None, k])
+            # S = Q K^T, k-step k into chain k % chains (independent MMA chains, summed below)
+            accs = []
+            for c in cutlass.range_constexpr(chains):
+                accs.append(cute.make_rmem_tensor(thr_mma.partition_shape_C((m, bn)), Float32))
+                accs[c].fill(0.0)
+            for k in cutlass.range_constexpr(n_k):
+                if cutlass.const_expr(not self.tuning.q_regs):
+                    cute.copy(copy_Q, tSsQ[None, None, k], tSrQ_v[None, None, k])
                 cute.copy(copy_K, tSsK[None, None, k, k_stage], tSrK_v[None, None, k])
-                cute.gemm(tiled_mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k], acc_S)
+                acc = accs[k % chains]
+                cute.gemm(tiled_mma, acc, tSrQ[None, None, k], tSrK[None, None, k], acc)
+                if cutlass.const_expr(self.fold and k == n_k_latent - 1):
+                    # the latent part of the score times 2^9 * s_l, before the rope part is added
+                    for c in cutlass.range_constexpr(1, chains):
+                        accs[0].store(accs[0].load() + accs[c].load())
+                        accs[c].fill(0.0)
+                    accs[0].store(accs[0].load() * fold)
+            acc_S = accs[0]
+            for c in cutlass.range_constexpr(1, chains):
+                acc_S.store(acc_S.load() + accs[c].load())
 
             # online softmax; the running max is shared by the C warps of a row
             acc_S_mn = self.mn_view(acc_S)
-            slot_col = it % 3
+            slot_col = it % self.slot_bufs
             for r in cutlass.range_constexpr(n_rows):
                 mx = Float32(-ptx.FLT_MAX)
                 for c in cutlass.range_constexpr(n_cols):
@@ -408,6 +452,8 @@ class MlaAttention:
             inv = Float32(0.0)
             if l_sum > Float32(0.0):
                 inv = Float32(1.0) / denom
+                if cutlass.const_expr(self.fold):
+                    inv = inv * fold  # V = K[:, :512] was decoded up to 2^9 * s_l
             lse = -Float32.inf
             if l_sum > Float32(0.0):
                 lse = row_max[r] * softmax_scale + cute.math.log2(l_sum, fastmath=False) * Float32(LN_2)
@@ -419,18 +465,17 @@ class MlaAttention:
 
     # ------------------------------------------------------------------ helpers (inlined)
     @cute.jit
-    def slot_of(
-        self, m_idx: cute.Tensor, qi: Int32, j: Int32, num_keys: Int32, num_slots: Int32, block_size: Int32, live
-    ) -> Int32:
-        """Global slot id of key j of query qi, or -1 (past the end, invalid index, tile not used)."""
+    def slot_of(self, m_idx: cute.Tensor, j: Int32, num_keys: Int32, num_slots: Int32, block_size: Int32, live) -> Int32:
+        """Global slot id of key j of this CTA's query (`m_idx`: its row), or -1 (past the end,
+        invalid index, tile not used)."""
         slot = Int32(-1)
         if live and j < num_keys:
             if cutlass.const_expr(self.sparse):
-                s = m_idx[qi, j]
+                s = m_idx[j]
                 if s >= 0 and s < num_slots:
                     slot = s
             else:
-                slot = m_idx[qi, j // block_size] * block_size + j % block_size
+                slot = m_idx[j // block_size] * block_size + j % block_size
         return slot
 
     @cute.jit
@@ -476,7 +521,10 @@ class MlaAttention:
             i = u * self.num_threads + tidx
             key = i // 64
             d0 = (i % 64) * 8
-            w0, w1, w2, w3 = self.decode8(plan.latent, raw + key * rec, d0, s_l, self.has_outer, True)
+            if cutlass.const_expr(self.fold):
+                w0, w1, w2, w3 = self.decode8_e2m1_folded(plan.latent, raw + key * rec, d0)
+            else:
+                w0, w1, w2, w3 = self.decode8(plan.latent, raw + key * rec, d0, s_l, self.has_outer, True)
             _st_shared_v4(sK_addr + 2 * swizzled_offset(key, d0, self.bn), w0, w1, w2, w3)
         for u in cutlass.range_constexpr(self.bn * 8 // self.num_threads):
             i = u * self.num_threads + tidx
@@ -486,6 +534,16 @@ class MlaAttention:
                 plan.rope, raw + key * rec, d0, s_l, self.has_outer and plan.outer_on_rope, False
             )
             _st_shared_v4(sK_addr + 2 * swizzled_offset(key, D_V + d0, self.bn), w0, w1, w2, w3)
+
+    @cute.jit
+    def decode8_e2m1_folded(self, coding: cutlass.Constexpr, rec: Int32, d0: Int32):
+        """Latent values d0..d0+8 as E2M1 * E4M3 block scale * 2^-9, exact bf16 (e2m1_bits)."""
+        word = _ld_shared_u32(rec + coding.data_offset + d0 // 2)
+        entry = d0 // coding.group
+        if cutlass.const_expr(coding.scale_order == ORDER_8X4):
+            entry = 8 * (entry & 3) + (entry >> 2)
+        f = ptx.e4m3_to_f32(_ld_shared_u8(rec + coding.scale_offset + entry)) * Float32(2.0**e2m1_bits.SCALE_BIAS_LOG2)
+        return ptx.e2m1x8_scaled_bf16x2(word, ptx.bf16x2(f, f))
 
     @cute.jit
     def decode8(
@@ -564,12 +622,14 @@ def flops(num_queries: int, num_heads: int, keys_per_query: float) -> float:
     return 2.0 * (D_QK + D_V) * num_queries * num_heads * keys_per_query
 
 
-def compile_key(plan: RecordPlan, tile: tuple, sparse: bool, has_sink: bool, has_outer: bool, split: bool, device) -> tuple:
+def compile_key(
+    plan: RecordPlan, tile: tuple, sparse: bool, has_sink: bool, has_outer: bool, split: bool, device, tuning: Tuning = Tuning()
+) -> tuple:
     """Every specialisation of a compiled attention kernel. The head count enters through the
     tile it selects; s_l, the softmax scale, lengths and the head count are run-time arguments."""
     return (
-        "mla_attention", 1, plan, tuple(tile), bool(sparse),
-        bool(has_sink), bool(has_outer), bool(split), "q=bf16", "acc=f32", arch_tag(device),
+        "mla_attention", 2, plan, tuple(tile), bool(sparse),
+        bool(has_sink), bool(has_outer), bool(split), "q=bf16", "acc=f32", tuning, arch_tag(device),
     )
 
 
@@ -612,12 +672,16 @@ def mla_attention(
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     workspace_fill: float | None = None,
+    tuning: Tuning | None = None,
+    tile: tuple[int, int, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch on CUDA tensors (validated by mla_eval.attention.dispatch): q bf16 [N, H, 576]
     contiguous, cache uint8 [blocks, block_size, R], int32 slot lists, sink fp32 [H].
 
     `out` / `lse` may be given (contiguous fp32); `workspace_fill` fills the split partials
-    first (tests poison them with NaN to prove every element is written).
+    first (tests poison them with NaN to prove every element is written). `tuning` and `tile`
+    override the defaults (`attention_tuning.launch_choice` over `tile_config`'s tile; the
+    benchmark and tests compare variants with them).
     """
     n, h = q.shape[0], q.shape[1]
     dev = q.device
@@ -628,7 +692,13 @@ def mla_attention(
     if n == 0:
         return out, lse
     sparse = indices is not None
-    tile = tile_config(plan, h, smem_per_block(dev))
+    if tile is None and tuning is None:
+        wide = tile_config(plan, h, smem_per_block(dev))
+        tile, tuning = launch_choice(plan, wide, smem_per_block=smem_per_block(dev), smem_per_sm=smem_per_sm(dev))
+    if tile is None:
+        tile = tile_config(plan, h, smem_per_block(dev))
+    if tuning is None:
+        tuning = default_tuning(plan, tile, smem_limit=smem_per_block(dev))
     m, bn = tile[0], tile[3]
     if sparse:
         idx, seqlen, stride = indices, indices, indices.shape[1]
@@ -640,12 +710,13 @@ def mla_attention(
     head_tiles = -(-h // m)
     if num_splits is None:
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        per_sm = max(1, smem_per_sm(dev) // smem_bytes(plan, tile[0], tile[3], tile[2]))
+        per_sm = max(1, smem_per_sm(dev) // smem_bytes(plan, tile[0], tile[3], tile[2], tuning.prefetch))
         num_splits, per = choose_splits(n * head_tiles, max_tiles, sms * per_sm)
     else:
         per = max(1, -(-max_tiles // max(1, num_splits)))
         num_splits = max(1, -(-max_tiles // per)) if max_tiles else 1
     split = num_splits > 1
+    attention_grid(n, head_tiles, num_splits)  # refuses a grid past CUDA's limits before the launch
     has_sink, has_outer = sink is not None, outer_scale is not None
     if split:
         part_out = torch.empty(num_splits, n, h, D_V, dtype=torch.float32, device=dev)
@@ -675,8 +746,8 @@ def mla_attention(
         Int32(num_splits),
         stream,
     )
-    key = compile_key(plan, tile, sparse, has_sink, has_outer, split, dev)
-    fn = compiled(key, lambda: cute.compile(MlaAttention(plan, tile, sparse, has_sink, has_outer, split), *args))
+    key = compile_key(plan, tile, sparse, has_sink, has_outer, split, dev, tuning)
+    fn = compiled(key, lambda: cute.compile(MlaAttention(plan, tile, sparse, has_sink, has_outer, split, tuning), *args))
     fn(*args)
     if split:
         cargs = (

@@ -14,6 +14,8 @@ from __future__ import annotations
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32
 
+from mla_eval_kernels import e2m1_bits
+
 FLT_MIN_BITS = 0x00800000  # 2^-126, the all-zero-group guard
 FLT_MAX = 3.4028234663852886e38
 
@@ -157,3 +159,24 @@ def e2m1_nibble_to_f32(word, i: int) -> Float32:
     sign = word << Uint32(28 - 4 * i)
     bits = (mag & Uint32(0x01C00000)) | (sign & Uint32(0x80000000))
     return mul_rn(bits_f32(bits), Float32(2.0**126))
+
+
+def e2m1x8_scaled_bf16x2(word, scale2):
+    """Eight E2M1 codes (nibble i = element i) -> four bf16x2 words of E2M1 * block scale * 2^-9, exact.
+
+    `scale2` holds the block scale times 2^117 in both bf16 halves. The bit placement and its
+    constants are in `e2m1_bits` (with a Python model the CPU tests check); here 4 prmt, shifts,
+    masks and one `mul.rn.bf16x2` per pair, instead of a float32 multiply and a conversion per value.
+    """
+    sel = e2m1_bits.PRMT_SELECTORS
+    mag, sgn = e2m1_bits.MAG_MASK, e2m1_bits.SIGN_MASK
+    body = " ".join(
+        f"prmt.b32 y, {{$r0}}, w4, {sel[i]:#x}; shl.b32 a, y, 6; shl.b32 b, y, 12; and.b32 a, a, {mag:#x};"
+        f" and.b32 b, b, {sgn:#x}; or.b32 a, a, b; mul.rn.bf16x2 {{$w{i}}}, a, {{$r1}};"
+        for i in range(4)
+    )
+    return cute.arch.inline_ptx(
+        "{ .reg .b32 w4, y, a, b; shr.b32 w4, {$r0}, 4; " + body + " }",
+        write_only_types=[Uint32, Uint32, Uint32, Uint32],
+        read_only_args=[Uint32(word), Uint32(scale2)],
+    )

@@ -14,6 +14,7 @@ u_k = u if any K element is not bf16-exact, else 0 (delta = 0 then). The tests u
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import zlib
 
@@ -24,7 +25,7 @@ cutlass = pytest.importorskip("cutlass")
 
 from mla_eval.attention import reference  # noqa: E402
 from mla_eval.formats import all_formats, decode, encode, get_format  # noqa: E402
-from mla_eval_kernels import compile_cache  # noqa: E402
+from mla_eval_kernels import attention_tuning, compile_cache  # noqa: E402
 from mla_eval_kernels.record_plan import UnsupportedFormat, plan_for  # noqa: E402
 
 
@@ -189,7 +190,7 @@ def _check(out, lse, ref_out, ref_lse, bound, label):
     print(f"{label}: cos={cos:.7f} max_abs={err:.3e} bound={bound:.3e} lse_err={lerr:.2e}")
 
 
-def _run(spec, q, cache, scale, *, sink=None, outer_scale=None, num_splits=None, **lists):
+def _run(spec, q, cache, scale, *, sink=None, outer_scale=None, num_splits=None, tile=None, tuning=None, **lists):
     from mla_eval_kernels import mla_attention as kernel
 
     n, h = q.shape[:2]
@@ -198,7 +199,8 @@ def _run(spec, q, cache, scale, *, sink=None, outer_scale=None, num_splits=None,
     kernel.mla_attention(
         plan_for(spec), q, cache, softmax_scale=scale, sink=sink, outer_scale=outer_scale,
         block_table=lists.get("block_table"), seq_lens=lists.get("seq_lens"), indices=lists.get("indices"),
-        num_splits=num_splits, out=out, lse=lse, workspace_fill=float("nan"),
+        num_splits=num_splits, out=out, lse=lse, workspace_fill=float("nan"), tile=tile,
+        tuning=tuning,
     )
     torch.cuda.synchronize()
     return out, lse
@@ -225,12 +227,30 @@ def _sparse_lists(gen, n, topk, num_slots):
 # every format at h=16; every head count (8..128) on nvfp4; the other M=64 tiles (bf16 copies its
 # records straight into a double-buffered K tile, fp8_ds_mla uses 32-slot tiles there)
 CASES = [(f, 16) for f in FORMATS] + [("nvfp4", h) for h in (8, 32, 64, 128)] + [("bf16", 128), ("fp8_ds_mla", 128)]
+# both kernel generations on every case (v2 at h <= 16: the narrow tile where two CTAs fit an SM,
+# `attention_tuning.launch_choice`); v2 also on the 8-warp h <= 16 tile, and on the narrow tile with
+# two tiles in flight for every format (whether or not it is the default there)
+VERSION_CASES = (
+    [(f, h, v) for f, h in CASES for v in attention_tuning.VERSIONS]
+    + [(f, 16, "v2-wide") for f in FORMATS]
+    + [(f, 16, "v2-narrow") for f in FORMATS]
+)
 
 
 @needs_cuda
 @pytest.mark.parametrize("mode", ["dense", "sparse"])
-@pytest.mark.parametrize("fmt,heads", CASES)
-def test_attention_matches_reference(fmt, heads, mode):
+@pytest.mark.parametrize("fmt,heads,version", VERSION_CASES)
+def test_attention_matches_reference(fmt, heads, mode, version, monkeypatch):
+    monkeypatch.setenv(attention_tuning.ENV, version.split("-")[0])  # v1: the fallback kernel, v2: issue 14's
+    tile = tuning = None
+    if version == "v2-narrow":
+        tile = attention_tuning.NARROW_TILE
+        tuning = dataclasses.replace(
+            attention_tuning.default_tuning(plan_for(get_format(fmt)), tile, "v2"), prefetch=attention_tuning.NARROW_PREFETCH
+        )
+    elif version == "v2-wide":
+        tile = (16, 1, 8, 64)
+        tuning = attention_tuning.default_tuning(plan_for(get_format(fmt)), tile, "v2")
     spec = get_format(fmt)
     gen = torch.Generator().manual_seed(zlib.crc32(f'{fmt}/{heads}/{mode}'.encode()))
     blocks = 24
@@ -250,8 +270,8 @@ def test_attention_matches_reference(fmt, heads, mode):
     bound = _bound(spec, q.cpu(), cache.cpu(), slots, scale, s_l)
     # the split-KV heuristic (partials + combine); nvfp4 also with one CTA per query
     for splits in ((1, None) if fmt == "nvfp4" else (None,)):
-        out, lse = _run(spec, q, cache, scale, sink=sink, outer_scale=s_l, num_splits=splits, **lists)
-        _check(out, lse, ref_out, ref_lse, bound, f"{fmt} h={heads} {mode} splits={splits}")
+        out, lse = _run(spec, q, cache, scale, sink=sink, outer_scale=s_l, num_splits=splits, tile=tile, tuning=tuning, **lists)
+        _check(out, lse, ref_out, ref_lse, bound, f"{fmt} h={heads} {mode} splits={splits} {version}")
 
 
 @needs_cuda
@@ -313,3 +333,49 @@ def test_scale_mode_or_s_l_change_never_reuses_a_kernel():
         _check(out, lse, ref_out, ref_lse, 1e9, f"nvfp4 s_l={s_l}")
         rel = float((out - ref_out).abs().max() / ref_out.abs().max())
         assert rel < 0.02, f"s_l={s_l}: relative error {rel} (stale specialisation?)"
+
+
+# ---------------------------------------------------------------------------------- long launches
+@needs_cuda
+@pytest.mark.parametrize("version", attention_tuning.VERSIONS)
+def test_more_queries_than_a_grid_dimension_of_65535(version, monkeypatch):
+    """131,077 queries (prefill-as-decode, 2 heads): the first kernel put queries in grid z (limit
+    65535) and a 64K kld window failed to launch (issue 17). Every row is written (NaN poison), rows
+    on both sides of 65535 / 65536 / 131072 match the reference, with and without KV splits."""
+    monkeypatch.setenv(attention_tuning.ENV, version)
+    spec = get_format("nvfp4")
+    gen = torch.Generator().manual_seed(17)
+    blocks = 4
+    cache = _random_cache(spec, blocks, gen)
+    n, h = 131072 + 5, 2
+    lengths = torch.arange(n, dtype=torch.int32) % (blocks * BLOCK) + 1  # 1..256 keys, wrapping
+    table = torch.randperm(blocks, generator=gen).to(torch.int32).repeat(n, 1)
+    q = torch.randn(n, h, 576, generator=gen).to(torch.bfloat16).cuda()
+    picks = torch.tensor([0, 1, 255, 256, 65534, 65535, 65536, 65537, 131071, 131072, n - 1])
+    picks = torch.cat([picks, torch.randint(0, n, (21,), generator=gen)])
+    ref_out, ref_lse = reference.mla_attention(
+        spec, q[picks.cuda()], cache, softmax_scale=0.07, block_table=table[picks].cuda(), seq_lens=lengths[picks].cuda()
+    )
+    slots = reference.dense_slots(table[picks], lengths[picks], BLOCK)
+    bound = _bound(spec, q[picks.cuda()].cpu(), cache.cpu(), slots, 0.07, None)
+    for splits in (1, 2):
+        out, lse = _run(spec, q, cache, 0.07, num_splits=splits, block_table=table.cuda(), seq_lens=lengths.cuda())
+        assert not torch.isnan(out).any() and not torch.isnan(lse).any(), f"splits={splits}: unwritten rows"
+        _check(out[picks.cuda()], lse[picks.cuda()], ref_out, ref_lse, bound, f"n={n} splits={splits} {version}")
+
+
+@needs_cuda
+def test_writer_past_a_grid_dimension_of_65535():
+    """262,147 tokens (65,537 CTAs of 4 warps): sampled records are the codec's bytes."""
+    from mla_eval.attention import dispatch
+
+    spec = get_format("nvfp4")
+    gen = torch.Generator().manual_seed(18)
+    t = 4 * 65536 + 3
+    lat, rope = _inputs("random", t, gen)
+    cache = torch.zeros(-(-t // BLOCK), BLOCK, spec.record_bytes, dtype=torch.uint8, device="cuda")
+    slots = torch.randperm(t, generator=gen)
+    dispatch.write_cache(spec, lat.cuda(), rope.cuda(), slots.cuda(), cache, backend="kernel")
+    picks = torch.cat([torch.tensor([0, 1, 65535 * 4, 65536 * 4, t - 1]), torch.randint(0, t, (59,), generator=gen)])
+    got = cache.view(-1, spec.record_bytes)[slots[picks].cuda()].cpu()
+    assert torch.equal(got, encode(spec, lat[picks], rope[picks]))

@@ -1,0 +1,123 @@
+"""Which variant of the attention kernel runs (pure Python: the dispatcher and CPU tests import it).
+
+Two generations share one kernel body (`mla_attention.MlaAttention`), selected by a `Tuning`
+that is part of the compile key:
+- v1, the first kernel (issue 4): Q re-read from shared memory for every key tile, one
+  accumulator chain for S, E2M1 decoded value by value in float32.
+- v2 (issue 14, the default): for the 16-row tile (h <= 16) Q stays in registers for the whole key
+  loop and S = Q K^T runs as two independent accumulator chains; E2M1 latents with E4M3 block
+  scales are decoded a byte at a time straight into bf16x2 (`e2m1_bits`), with 2^9 * s_l folded
+  into the scores and the output; a ring of raw record stages keeps `prefetch` key tiles in
+  flight; at h <= 16 a narrow tile (4 warps, 32 keys, 2 tiles in flight) replaces the 8-warp one
+  where two CTAs fit an SM (`launch_choice`), so one CTA's decode overlaps the other's MMAs.
+  What each change is worth was measured, not assumed (kernels/NOTES.md, 2026-12-03, issue 14).
+
+`MLA_EVAL_ATTENTION_KERNEL=v1` selects the first kernel (the fallback); unset or `v2`, the second.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from mla_eval.formats.spec import LATENT_DIM, ROPE_DIM
+from mla_eval_kernels.device_limits import HOPPER_SMEM_PER_BLOCK, HOPPER_SMEM_PER_SM
+
+ENV = "MLA_EVAL_ATTENTION_KERNEL"
+VERSIONS = ("v1", "v2")
+D_QK = LATENT_DIM + ROPE_DIM
+MAX_PREFETCH = 3
+# v2 at h <= 16: 4 warps, 32-key tiles, 2 tiles of records in flight, so that two CTAs share an SM
+# (the H200 run of 2026-12-03 measured it fastest for every format whose two CTAs fit; see NOTES.md)
+NARROW_TILE = (16, 1, 4, 32)
+NARROW_PREFETCH = 2
+DRIVER_SMEM_PER_CTA = 1024  # shared memory the driver reserves for each resident CTA (sm_90)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    q_regs: bool = False  # Q fragments loaded once into registers (16-row tile only: 144 registers)
+    s_chains: int = 1  # independent accumulators for S = Q K^T, summed after the k loop
+    fast_e2m1: bool = False  # byte -> bf16x2 E2M1 decode with the scale folded into S and out
+    skip_decode: bool = False  # timing probe for the benchmark only: K is left undecoded (wrong output)
+    prefetch: int = 1  # key tiles of records in flight ahead of the one decoded (raw ring of prefetch + 1)
+
+    def __post_init__(self):
+        if self.s_chains not in (1, 2, 3, 4):
+            raise ValueError(f"s_chains must be 1..4, not {self.s_chains}")
+        if not 1 <= self.prefetch <= MAX_PREFETCH:
+            raise ValueError(f"prefetch must be 1..{MAX_PREFETCH}, not {self.prefetch}")
+
+
+V1 = Tuning()
+
+
+def is_bf16_plan(plan) -> bool:
+    """Records that are exactly the bf16 K row (latent then rope, unscaled): copied, not decoded."""
+    return (
+        plan.latent.elem == "bf16"
+        and plan.rope.elem == "bf16"
+        and plan.latent.data_offset == 0
+        and plan.rope.data_offset == 2 * LATENT_DIM
+        and plan.record_bytes == 2 * D_QK
+        and not plan.outer_allowed
+    )
+
+
+def smem_bytes(plan, m: int, bn: int, wn: int, prefetch: int = 1) -> int:
+    """Shared memory of one CTA: Q, K (two stages for the bf16 copy), P, the raw record ring
+    (prefetch + 1 tiles; none for bf16), slot ids (prefetch + 2 tiles), row reductions, 4 KB slack."""
+    bf16 = is_bf16_plan(plan)
+    k_stages = 2 if bf16 else 1
+    raw = 0 if bf16 else (prefetch + 1) * bn * plan.record_bytes
+    slots = 4 * ((1 if bf16 else prefetch) + 2) * bn
+    return 2 * m * D_QK + 2 * k_stages * bn * D_QK + 2 * m * bn + raw + slots + 4 * wn * m + 4 * 1024
+
+
+def fast_e2m1_eligible(plan) -> bool:
+    """Formats whose latent decodes exactly into bf16 up to a per-layer factor: E2M1 values with
+    E4M3 block scales (E2M1 x E4M3 has at most 6 significant bits), no per-token scale (it would
+    need a per-key factor) and an outer scale, if any, on the latent only."""
+    lat = plan.latent
+    return lat.elem == "e2m1" and lat.scale_dtype == "e4m3" and plan.token_scale_offset < 0 and not plan.outer_on_rope
+
+
+def kernel_version() -> str:
+    v = os.environ.get(ENV, "v2").strip().lower() or "v2"
+    if v not in VERSIONS:
+        raise ValueError(f"{ENV}={v!r}: expected one of {', '.join(VERSIONS)}")
+    return v
+
+
+def default_tuning(plan, tile: tuple, version: str | None = None, smem_limit: int = HOPPER_SMEM_PER_BLOCK) -> Tuning:
+    """The tuning of `version` (default: the environment's) for a format and tile (M, wm, wn, BN):
+    v2 keeps as many tiles of records in flight as fit `smem_limit` bytes per CTA (at most 3)."""
+    version = version or kernel_version()
+    if version == "v1":
+        return V1
+    m, _, wn, bn = tile
+    small = m == 16  # one row of 16 heads: Q (144 registers) fits beside the 32-register O accumulator
+    fits = [p for p in range(1, MAX_PREFETCH + 1) if smem_bytes(plan, m, bn, wn, p) <= smem_limit]
+    prefetch = 1 if is_bf16_plan(plan) else max(fits, default=1)  # bf16 records go straight into K's 2 stages
+    return Tuning(q_regs=small, s_chains=2 if small else 1, fast_e2m1=fast_e2m1_eligible(plan), prefetch=prefetch)
+
+
+def narrow_fits_twice(plan, smem_per_sm: int = HOPPER_SMEM_PER_SM) -> bool:
+    """Two narrow v2 CTAs (and the driver's reserve for each) fit one SM's shared memory."""
+    m, _, wn, bn = NARROW_TILE
+    return 2 * (smem_bytes(plan, m, bn, wn, NARROW_PREFETCH) + DRIVER_SMEM_PER_CTA) <= smem_per_sm
+
+
+def launch_choice(
+    plan, wide_tile: tuple, version: str | None = None, smem_per_block: int = HOPPER_SMEM_PER_BLOCK,
+    smem_per_sm: int = HOPPER_SMEM_PER_SM,
+) -> tuple[tuple, Tuning]:
+    """(tile, tuning) the kernel runs with by default, given `tile_config`'s tile for the head count.
+
+    v2 replaces the 16-row, 8-warp tile by the narrow one when two of its CTAs fit an SM (the
+    decode of one CTA then overlaps the MMAs of the other); elsewhere the tile stays as it is."""
+    version = version or kernel_version()
+    if version == "v2" and wide_tile[0] == 16 and narrow_fits_twice(plan, smem_per_sm):
+        tuning = dataclasses.replace(default_tuning(plan, NARROW_TILE, "v2", smem_per_block), prefetch=NARROW_PREFETCH)
+        return NARROW_TILE, tuning
+    return tuple(wide_tile), default_tuning(plan, wide_tile, version, smem_per_block)

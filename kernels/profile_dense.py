@@ -1,0 +1,62 @@
+"""One dense-decode attention launch per format at shape (b) of the benchmark, for a profiler.
+
+    ncu --clock-control none -k regex:MlaAttention --section SpeedOfLight --section Occupancy \
+        --section WarpStateStats --section MemoryWorkloadAnalysis \
+        python -m mla_eval_kernels.profile_dense --formats nvfp4,bf16 [--context 65536]
+
+h=16, batch 32, every query sees the whole context through a random block table (as in bench.py);
+the kernel generation is the environment's (MLA_EVAL_ATTENTION_KERNEL). One attention launch per
+format (so `--launch-count` = number of formats); `--time` adds a second launch and prints its time.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from mla_eval.attention import dispatch
+from mla_eval.formats import get_format
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--formats", default="nvfp4,bf16")
+    ap.add_argument("--context", type=int, default=65536)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--time", action="store_true")
+    args = ap.parse_args(argv)
+    from mla_eval_kernels.attention_tuning import kernel_version
+    from mla_eval_kernels.bench import _random_caches
+
+    for name in args.formats.split(","):
+        spec = get_format(name)
+        s_l = 0.05 if spec.outer_scale is not None else None
+        blocks = args.batch * args.context // 64
+        cache = _random_caches(spec, blocks * 64, 1)[0]
+        table = torch.randperm(blocks, device="cuda").view(args.batch, -1).to(torch.int32)
+        lens = torch.full((args.batch,), args.context, dtype=torch.int32, device="cuda")
+        q = torch.randn(args.batch, 16, 576, device="cuda", dtype=torch.bfloat16)
+
+        def run():
+            return dispatch.mla_attention_dense(
+                spec, q, cache, block_table=table, seq_lens=lens, softmax_scale=0.0417, outer_scale=s_l,
+                max_seq_len=args.context, backend="kernel",
+            )
+
+        run()  # compiles; the profiled launch
+        torch.cuda.synchronize()
+        if not args.time:
+            print(f"{name} {kernel_version()} context={args.context}: launched")
+            continue
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        print(f"{name} {kernel_version()} context={args.context}: {a.elapsed_time(b):.3f} ms (unprofiled second launch)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

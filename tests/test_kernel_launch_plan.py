@@ -1,0 +1,182 @@
+"""CPU checks of the attention kernel's launch grid, its E2M1 bit placement and its variant choice.
+
+Pure Python (the modules under test import neither cutlass nor a GPU); the GPU tests run the same
+code paths for real (tests/test_kernels_gpu.py).
+"""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import torch
+
+from mla_eval.formats import get_format
+from mla_eval.formats.numerics import e2m1_decode
+from mla_eval_kernels import attention_tuning, e2m1_bits
+from mla_eval_kernels.launch_grid import MAX_GRID_X, MAX_GRID_YZ, attention_grid, cta_coords
+from mla_eval_kernels.record_plan import plan_for
+
+
+# ---------------------------------------------------------------------------------- launch grid
+@pytest.mark.parametrize(
+    "queries,head_tiles,splits",
+    [(1, 1, 1), (3, 2, 5), (65535, 1, 1), (65536, 1, 1), (65537, 1, 3), (131072 + 5, 1, 1), (200_000, 8, 4)],
+)
+def test_attention_grid_fits_cuda_limits_and_covers_every_cta_once(queries, head_tiles, splits):
+    x, y, z = attention_grid(queries, head_tiles, splits)
+    assert x <= MAX_GRID_X and y <= MAX_GRID_YZ and z == 1 <= MAX_GRID_YZ
+    assert x * y * z == queries * head_tiles * splits
+    # every (split, query) exactly once: check the decoding at the edges and on a stride through x
+    edges = {0, 1, splits - 1, splits, x // 2, x - splits, x - 1} | set(range(0, x, max(1, x // 997)))
+    probe = sorted(b for b in edges if 0 <= b < x)
+    seen = set()
+    for bx in probe:
+        s, h, q = cta_coords(bx, y - 1, splits)
+        assert 0 <= s < splits and 0 <= q < queries and h == y - 1
+        assert q * splits + s == bx
+        seen.add((s, q))
+    assert len(seen) == len(probe)
+    assert cta_coords(x - 1, 0, splits) == (splits - 1, 0, queries - 1)
+
+
+def test_query_count_past_the_old_z_limit_is_not_in_y_or_z():
+    """The first kernel put queries in grid z (limit 65535): a 65,536-token kld window failed."""
+    _, y, z = attention_grid(65536, 1, 1)
+    assert (y, z) == (1, 1)
+
+
+def test_attention_grid_refuses_what_cuda_cannot_launch():
+    with pytest.raises(ValueError, match="exceed"):
+        attention_grid(2**30, 1, 4)
+    with pytest.raises(ValueError, match="y limit"):
+        attention_grid(4, MAX_GRID_YZ + 1, 1)
+    with pytest.raises(ValueError, match="empty grid"):
+        attention_grid(0, 1, 1)
+
+
+# ---------------------------------------------------------------------------------- E2M1 -> bf16x2
+def _bf16_bits_to_float(bits: int) -> float:
+    return struct.unpack("<f", struct.pack("<I", (bits & 0xFFFF) << 16))[0]
+
+
+def test_prmt_model_selects_bytes():
+    a, b = 0x33221100, 0x77665544
+    assert e2m1_bits.prmt(a, b, 0x3210) == a
+    assert e2m1_bits.prmt(a, b, 0x7654) == b
+    assert e2m1_bits.prmt(a, b, 0x4400) == 0x44440000 | 0x00000000  # bytes 0, 0, 4, 4
+
+
+def test_every_e2m1_byte_becomes_its_two_values_times_2_pow_minus_126():
+    codes = torch.arange(256)
+    lo = e2m1_decode(codes & 0xF)
+    hi = e2m1_decode(codes >> 4)
+    for byte in range(256):
+        bits = e2m1_bits.e2m1_byte_to_bf16x2_bits(byte)
+        got_lo = _bf16_bits_to_float(bits) * 2.0**126
+        got_hi = _bf16_bits_to_float(bits >> 16) * 2.0**126
+        # exact, signed zeros included (code 8 is -0)
+        assert (got_lo, str(got_lo)) == (float(lo[byte]), str(float(lo[byte]))), byte
+        assert (got_hi, str(got_hi)) == (float(hi[byte]), str(float(hi[byte]))), byte
+
+
+def test_every_pair_of_a_word_is_decoded_from_its_own_byte():
+    word = 0xF7A3_1C80  # bytes 0x80, 0x1C, 0xA3, 0xF7
+    for pair in range(4):
+        byte = (word >> (8 * pair)) & 0xFF
+        assert e2m1_bits.e2m1_word_to_bf16x2_bits(word, pair) == e2m1_bits.e2m1_byte_to_bf16x2_bits(byte)
+
+
+def test_scaled_products_are_exact_normal_bf16_numbers():
+    """E2M1 * 2^-126 * (E4M3 scale * 2^117) = E2M1 * scale * 2^-9: finite and exact in bf16 for every
+    E2M1 magnitude and every finite E4M3 scale, so one bf16 multiply loses nothing."""
+    e4m3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    scales = e4m3[torch.isfinite(e4m3) & (e4m3 > 0)]
+    assert float(scales.max()) * 2.0**e2m1_bits.SCALE_BIAS_LOG2 < 2.0**127  # the bf16 multiplier is finite
+    vals = torch.tensor([0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    prod = (vals[:, None] * scales[None, :]).double() * 2.0**-e2m1_bits.FOLD_LOG2
+    assert torch.equal(prod.to(torch.bfloat16).double(), prod)
+    assert float(prod.min()) >= 2.0**-126  # normal: no subnormal rounding in the product
+    assert e2m1_bits.FOLD_LOG2 + e2m1_bits.SCALE_BIAS_LOG2 == 126
+
+
+# ---------------------------------------------------------------------------------- variant choice
+def test_fast_decode_only_where_it_is_exact():
+    eligible = {n for n in ("nvfp4", "nvfp4_fp8rope", "nvfp4_fp8_ds_mla")}
+    for name in ("nvfp4", "nvfp4_fp8rope", "nvfp4_fp8_ds_mla", "nvfp4_fp8rope_st", "mxfp4", "fp8_ds_mla", "bf16"):
+        assert attention_tuning.fast_e2m1_eligible(plan_for(get_format(name))) == (name in eligible), name
+
+
+def test_kernel_version_from_the_environment(monkeypatch):
+    plan = plan_for(get_format("nvfp4"))
+    monkeypatch.delenv(attention_tuning.ENV, raising=False)
+    v2 = attention_tuning.default_tuning(plan, (16, 1, 8, 64))
+    assert v2 == attention_tuning.Tuning(q_regs=True, s_chains=2, fast_e2m1=True, prefetch=3)
+    # the 64-row tile keeps Q in shared memory (its O accumulator already takes 128 registers), and
+    # its 74 KB K tile leaves room for one tile of records in flight in 227 KB
+    assert attention_tuning.default_tuning(plan, (64, 4, 2, 64)) == attention_tuning.Tuning(fast_e2m1=True, prefetch=1)
+    # bf16 records are copied into K's two stages: no raw ring whatever the room
+    bf16 = plan_for(get_format("bf16"))
+    assert attention_tuning.default_tuning(bf16, (16, 1, 8, 64)).prefetch == 1
+    monkeypatch.setenv(attention_tuning.ENV, "v1")
+    assert attention_tuning.default_tuning(plan, (16, 1, 8, 64)) == attention_tuning.V1
+    monkeypatch.setenv(attention_tuning.ENV, "v3")
+    with pytest.raises(ValueError, match="expected one of v1, v2"):
+        attention_tuning.default_tuning(plan, (16, 1, 8, 64))
+    with pytest.raises(ValueError, match="s_chains"):
+        attention_tuning.Tuning(s_chains=5)
+    with pytest.raises(ValueError, match="prefetch"):
+        attention_tuning.Tuning(prefetch=0)
+
+
+def test_prefetch_is_the_deepest_ring_that_fits_the_shared_memory():
+    from mla_eval_kernels.device_limits import HOPPER_SMEM_PER_BLOCK
+
+    for name in ("nvfp4", "fp8_ds_mla", "nvfp4_fp8_ds_mla", "mxfp4", "fp8_e4m3"):
+        plan = plan_for(get_format(name))
+        for tile in ((16, 1, 8, 64), (32, 2, 4, 64), (64, 4, 2, 32)):
+            m, _, wn, bn = tile
+            p = attention_tuning.default_tuning(plan, tile, "v2").prefetch
+            assert attention_tuning.smem_bytes(plan, m, bn, wn, p) <= HOPPER_SMEM_PER_BLOCK, (name, tile)
+            if p < attention_tuning.MAX_PREFETCH:
+                assert attention_tuning.smem_bytes(plan, m, bn, wn, p + 1) > HOPPER_SMEM_PER_BLOCK, (name, tile)
+    # each tile of prefetch costs one more tile of records and of slot ids
+    plan = plan_for(get_format("nvfp4"))
+    grow = attention_tuning.smem_bytes(plan, 16, 64, 8, 2) - attention_tuning.smem_bytes(plan, 16, 64, 8, 1)
+    assert grow == 64 * plan.record_bytes + 4 * 64
+
+
+def test_v2_at_h16_takes_the_narrow_tile_where_two_ctas_fit_an_sm(monkeypatch):
+    """The H200 run measured the narrow tile (two CTAs per SM) fastest where two fit; fp8_ds_mla's
+    656-byte records leave room for one, and there the 8-warp tile stays (narrow was 1.5x slower)."""
+    monkeypatch.delenv(attention_tuning.ENV, raising=False)
+    wide = (16, 1, 8, 64)
+    two_fit = {"bf16", "nvfp4", "nvfp4_fp8rope", "nvfp4_fp8rope_st", "nvfp4_fp8_ds_mla", "mxfp4"}
+    for name in two_fit | {"fp8_ds_mla", "fp8_ds_mla_pow2", "fp8_e4m3"}:
+        plan = plan_for(get_format(name))
+        tile, tuning = attention_tuning.launch_choice(plan, wide)
+        if name in two_fit:
+            assert tile == attention_tuning.NARROW_TILE and tuning.prefetch == attention_tuning.NARROW_PREFETCH, name
+            assert tuning.q_regs and tuning.s_chains == 2, name
+            m, _, wn, bn = tile
+            assert 2 * (attention_tuning.smem_bytes(plan, m, bn, wn, tuning.prefetch) + 1024) <= 228 * 1024, name
+        else:
+            assert tile == wide and tuning == attention_tuning.default_tuning(plan, wide, "v2"), name
+        # v1 and the larger head tiles keep their tile
+        assert attention_tuning.launch_choice(plan, wide, "v1") == (wide, attention_tuning.V1)
+        assert attention_tuning.launch_choice(plan, (64, 4, 2, 32))[0] == (64, 4, 2, 32)
+    # a smaller SM (one narrow CTA) keeps the wide tile
+    nvfp4 = plan_for(get_format("nvfp4"))
+    assert attention_tuning.launch_choice(nvfp4, wide, smem_per_sm=150 * 1024)[0] == wide
+
+
+def test_benchmark_probe_variants_are_named_once_and_v2_is_what_dispatch_runs():
+    from mla_eval_kernels.bench import probe_variants
+
+    for name in ("bf16", "fp8_ds_mla", "nvfp4", "nvfp4_fp8rope_st"):
+        plan = plan_for(get_format(name))
+        variants = probe_variants(plan)
+        names = [v[0] for v in variants]
+        assert len(names) == len(set(names)) and names[:3] == ["v1", "v2", "v2-wide"]
+        assert (variants[1][1], variants[1][2]) == attention_tuning.launch_choice(plan, (16, 1, 8, 64), "v2")
+        assert ("v2+skip_decode" in names) == (name != "bf16")  # the probe only where there is a decode
