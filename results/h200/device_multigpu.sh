@@ -137,5 +137,6 @@ fail)
 esac
 done
 cat "$OUT/runs/timing.tsv" 2>/dev/null
-tar -C "$OUT" -czf "$OUT/runs.tgz" runs && rm -rf "${OUT:?}/runs"
+# one archive per script run: two scripts in one device call must not overwrite each other's results
+tar -C "$OUT" -czf "$OUT/runs-$(basename "$0" .sh)-$(date +%s).tgz" runs && rm -rf "${OUT:?}/runs"
 step "done"
