@@ -170,7 +170,7 @@ def _print_table(result: CapacityResult, doc: dict, plot: Path | None) -> None:
     for note in doc["notes"]:
         console.print(f"note: {escape(note)}")
     if plot is not None:
-        console.print(f"wrote {escape(str(plot))}")
+        console.print(f"wrote {escape(str(plot))}", soft_wrap=True)  # a path is never wrapped: users copy it
 
 
 def _layers_lines(model: dict) -> list[str]:

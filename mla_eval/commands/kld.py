@@ -107,7 +107,7 @@ def kld(
     with progress_bars(console, disable=os.environ.get("RANK", "0") != "0", on_first=print_estimate) as progress:
         result = evaluate_kld(settings, progress)
     if save_ref is not None and result.rank == 0:
-        console.print(f"wrote reference log-probs to {save_ref}")
+        console.print(f"wrote reference log-probs to {save_ref}", soft_wrap=True)  # a path is never wrapped: users copy it
     if result.rank != 0:
         return
     if result.model.get("random"):  # never let a random-weights figure pass for a quality number
@@ -118,7 +118,7 @@ def kld(
     if result.explain is not None:
         print_explain(result.explain, Console())
     path = write_result(out or default_result_path("kld", result.model["name"]), result.to_document(), force=force)
-    console.print(f"wrote {path}")
+    console.print(f"wrote {path}", soft_wrap=True)  # a path is never wrapped: users copy it
     if plot:
         write_kld_plots(result, plot)
 
@@ -128,7 +128,7 @@ def write_kld_plots(result, folder: Path) -> list[Path]:
 
     paths = kld_plots({"stats": result.run.stats}, result.formats, folder)
     for p in paths:
-        console.print(f"wrote {p}")
+        console.print(f"wrote {p}", soft_wrap=True)  # a path is never wrapped: users copy it
     return paths
 
 
@@ -257,7 +257,7 @@ def calibrate_cmd(
     for i, (a, s) in enumerate(zip(result.scales.provenance["max_abs_c_kv"], result.scales.scales)):
         table.add_row(str(i), f"{a:.4g}", f"{s:.6g}")
     Console().print(table)
-    console.print(f"wrote {out}")
+    console.print(f"wrote {out}", soft_wrap=True)  # a path is never wrapped: users copy it
 
 
 def register(app: typer.Typer) -> None:

@@ -108,7 +108,7 @@ def needle(
         result = evaluate_needle(settings, progress)
     print_needle(result, Console())
     path = write_result(out or default_result_path("needle", result.model["name"]), result.to_document(), force=force)
-    console.print(f"wrote {path}")
+    console.print(f"wrote {path}", soft_wrap=True)  # a path is never wrapped: users copy it
     if plot:
         write_needle_plots(result, plot)
 
@@ -122,7 +122,7 @@ def write_needle_plots(result, folder: Path) -> list[Path]:
             sub = Path(folder) / label.replace(":", "_")
             paths += needle_heatmaps(per_format, result.settings["lengths"], result.settings["depths"], sub)
     for p in paths:
-        console.print(f"wrote {p}")
+        console.print(f"wrote {p}", soft_wrap=True)  # a path is never wrapped: users copy it
     return paths
 
 
