@@ -320,6 +320,10 @@ def _glm52_indexer_types(layers: int = 78) -> list[str]:
     return ["full" if max(i - 3 + 1, 0) % 4 == 0 else "shared" for i in range(layers)]
 
 
+# YaRN's shape parameters in DeepSeek-V3's config.json (deepseek-ai/DeepSeek-V3); Kimi-K2 publishes the same
+# values, and `--rope-scaling yarn:F` (mla_eval.model.rope_scaling) uses them with its own factor.
+DSV3_YARN_SHAPE = {"beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+
 # DeepSeek-V3's attention geometry, shared by V3.2 (its config.json repeats these values)
 _DSV3_ATTENTION = {
     "hidden_size": 7168,
@@ -328,8 +332,7 @@ _DSV3_ATTENTION = {
     "qk_nope_head_dim": 128,
     "v_head_dim": 128,
     "rope_theta": 10000,
-    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
-                     "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, **DSV3_YARN_SHAPE},
 }
 
 
@@ -418,8 +421,7 @@ MODEL_PRESETS: tuple[ModelPreset, ...] = (
             "qk_nope_head_dim": 128,
             "v_head_dim": 128,
             "rope_theta": 50000.0,
-            "rope_scaling": {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
-                             "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+            "rope_scaling": {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096, **DSV3_YARN_SHAPE},
         },
         param_count=1_000_000_000_000,
         weights_dtype="fp8",

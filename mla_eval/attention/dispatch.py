@@ -40,13 +40,13 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from mla_eval.attention import reference
+from mla_eval.attention.reference import LATENT_DIM, QK_DIM
 from mla_eval.attention.semantics import AttentionMath, get_math, quantize_q
 from mla_eval.errors import UserError
 from mla_eval.formats import get_format
 from mla_eval.formats.codec import check_finite as require_finite
 from mla_eval.formats.codec import outer_scale_tensor
 
-QK_DIM = 576
 _WRITER_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 BACKENDS = ("auto", "kernel", "reference")
@@ -302,9 +302,7 @@ def mla_attention(
         raise UserError(f"cache must be uint8 [num_blocks, block_size, {spec.record_bytes}]")
     if sink is not None and sink.shape != (q.shape[1],):
         raise UserError(f"sink must be [H] = [{q.shape[1]}], got {tuple(sink.shape)}")
-    if math.q_fp8:
-        q, q_scale = quantize_q(q, math)
-        softmax_scale = float(softmax_scale) * q_scale
+    q, softmax_scale = _q_for_math(q, softmax_scale, math)
     if not _use_kernel(spec, cache.device, backend, blocker=math.kernel_blocker):
         return reference.mla_attention(
             spec, q, cache, softmax_scale=softmax_scale, block_table=block_table, seq_lens=seq_lens,
@@ -373,9 +371,7 @@ def mla_attention_chunk(
     b, t = chunk_keys.shape[:2]
     if q.dim() != 3 or q.shape[2] != QK_DIM or q.shape[0] != b * t:
         raise UserError(f"q must be [B * T = {b * t}, H, {QK_DIM}], got {tuple(q.shape)}")
-    if math.q_fp8:
-        q, q_scale = quantize_q(q, math)
-        softmax_scale = float(softmax_scale) * q_scale
+    q, softmax_scale = _q_for_math(q, softmax_scale, math)
     if not _use_kernel(spec, cache.device, backend, blocker=math.kernel_blocker):
         return reference.mla_attention_chunk(
             spec, q, cache, softmax_scale=softmax_scale, block_table=block_table, prefix_len=prefix_len,
@@ -390,7 +386,7 @@ def mla_attention_chunk(
     pos = torch.arange(t, device=dev)
     slots = (table[:, pos // block].long() * block + pos % block).reshape(-1)
     keys = chunk_keys.reshape(b * t, QK_DIM)
-    write_cache(bf16, keys[:, :512], keys[:, 512:], slots, scratch, backend="kernel")
+    write_cache(bf16, keys[:, :LATENT_DIM], keys[:, LATENT_DIM:], slots, scratch, backend="kernel")
     out, lse = mla_attention(
         bf16, q, scratch, softmax_scale=softmax_scale, block_table=table.repeat_interleave(t, 0),
         seq_lens=(pos + 1).repeat(b).to(torch.int32), max_seq_len=t, backend="kernel",
@@ -403,6 +399,15 @@ def mla_attention_chunk(
         max_seq_len=prefix_len, backend="kernel",
     )
     return merge_states(out_p, lse_p, out, lse)
+
+
+def _q_for_math(q: torch.Tensor, softmax_scale: float, math: AttentionMath) -> tuple[torch.Tensor, float]:
+    """The query and softmax scale an attention math feeds both paths: with fp8 Q, the E4M3 codes (exact in
+    bf16) and the Q scale folded into the softmax scale, so the kernel's bf16 MMA computes the fp8 products."""
+    if not math.q_fp8:
+        return q, softmax_scale
+    q, q_scale = quantize_q(q, math)
+    return q, float(softmax_scale) * q_scale
 
 
 def merge_states(out_a, lse_a, out_b, lse_b) -> tuple[torch.Tensor, torch.Tensor]:

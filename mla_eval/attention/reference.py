@@ -28,9 +28,9 @@ import torch
 
 from mla_eval.attention.semantics import quantize_p
 from mla_eval.formats import decode, encode, get_format
+from mla_eval.formats.spec import LATENT_DIM, ROPE_DIM
 
-LATENT_DIM = 512
-QK_DIM = 576
+QK_DIM = LATENT_DIM + ROPE_DIM  # the absorbed query / key: latent + rope
 _ELEMS_PER_CHUNK = 1 << 22  # score elements (query x key) held at once: bounds the memory used
 
 

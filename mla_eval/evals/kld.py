@@ -195,28 +195,30 @@ def run_kld(
             for sem in st.semantics:
                 # the reference runs each semantics' forward schedule in bf16 math: with a bf16
                 # cache every semantics reads the same keys, so only the schedule's rounding remains
-                if ref_file is not None:
-                    stored = ref_file.lookup(order)
-                else:
-                    ref_h = _forward_hidden(lm, st.ref, ids, sf, st, None, sem)
-                    if save_ref is not None and sem == st.semantics[0]:
-                        for c in chunks:
-                            save_ref.add(_logp(lm, ref_h[c]), targets[c], order[c])
-                for s2, v, am, key in keys:
-                    if s2 != sem:
-                        continue
-                    obs = layers[key].observers(v.spec) if layers else ()
-                    fmt_h = _forward_hidden(lm, v, ids, sf, st, obs, sem, am)
-                    parts = []
-                    for c in chunks:
+                stored = ref_file.lookup(order) if ref_file is not None else None
+                ref_h = None if ref_file is not None else _forward_hidden(lm, st.ref, ids, sf, st, None, sem)
+                # every row's final hidden states first (small: [n, hidden]), then the loss chunk by chunk,
+                # so each chunk's reference log-probs are made once for all rows, not once per row
+                rows_h = [
+                    (key, _forward_hidden(lm, v, ids, sf, st, layers[key].observers(v.spec) if layers else (), sem, am))
+                    for s2, v, am, key in keys
+                    if s2 == sem
+                ]
+                parts: dict[str, list[dict]] = {key: [] for key, _ in rows_h}
+                for c in chunks:
+                    ref_logp = None if ref_h is None else _logp(lm, ref_h[c])
+                    if save_ref is not None and ref_logp is not None and sem == st.semantics[0]:
+                        save_ref.add(ref_logp, targets[c], order[c])
+                    for key, fmt_h in rows_h:
                         logp = _logp(lm, fmt_h[c])
-                        if ref_file is not None:
-                            parts.append(metrics_from_store({k: x[c] for k, x in stored.items()}, logp, targets[c]))
+                        if stored is not None:
+                            parts[key].append(metrics_from_store({k: x[c] for k, x in stored.items()}, logp, targets[c]))
                         else:
-                            parts.append(token_metrics(_logp(lm, ref_h[c]), logp, targets[c]))
+                            parts[key].append(token_metrics(ref_logp, logp, targets[c]))
                         del logp
-                    m = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
-                    stats[key].add(m, depth, order)
+                    del ref_logp
+                for key, ps in parts.items():
+                    stats[key].add({k: torch.cat([p[k] for p in ps]) for k in ps[0]}, depth, order)
             done += len(ws) * (ws[0].length - 1 - sf)
             progress("score", done, total_scored)
     info = {k: {"format": v.name, "semantics": sem.label, "math": m.name, "chunk": sem.chunk} for sem, v, m, k in keys}

@@ -16,13 +16,14 @@ from __future__ import annotations
 import math
 
 from mla_eval.errors import UserError
+from mla_eval.model_presets import DSV3_YARN_SHAPE
 
 ROPE_SCALING_HELP = (
     "Extend the model's context with YaRN rope scaling: 'yarn:FACTOR' (FACTOR >= 1; e.g. yarn:2 takes the default "
     "model from 65,536 to 131,072 positions), other YaRN parameters as DeepSeek-V3's config (beta_fast 32, beta_slow 1, "
     "mscale = mscale_all_dim = 1). 'none' (default): the checkpoint's own rope. Recorded in the result's model.rope_scaling."
 )
-YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+YARN_DEFAULTS = DSV3_YARN_SHAPE  # one definition, beside the presets that publish it
 
 
 def parse_rope_scaling(text: str | None) -> float | None:
