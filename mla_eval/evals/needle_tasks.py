@@ -43,6 +43,36 @@ KEYS = ("alpha", "cobalt", "juniper", "quartz", "nimbus", "tundra", "ivory", "ze
 VAR_LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 
+# The sentence templates of the tasks, defined once: the prompts here and the default model's training
+# documents (mla_eval/train/data.py NeedleMaker.task_plan) both read them.
+def magic_sentence(kind: str, key: str, value: str) -> str:
+    return f" The special magic {kind} for {key} is: {value}."
+
+
+def magic_question(kind: str, key: str) -> str:
+    return f"\nWhat is the special magic {kind} for {key}? The special magic {kind} for {key} is:"
+
+
+def multivalue_sentence(kind: str, key: str, value: str) -> str:
+    return f" One of the special magic {kind}s for {key} is: {value}."
+
+
+def multivalue_question(kind: str, key: str) -> str:
+    return f"\nWhat are all the special magic {kind}s for {key}? The special magic {kind}s for {key} are:"
+
+
+def vt_sentences(names: list[str], value: str) -> list[str]:
+    """The chain: the first variable gets the value, each next one the previous variable."""
+    return [f" VAR {names[0]} = {value}."] + [f" VAR {b} = VAR {a}." for a, b in zip(names, names[1:])]
+
+
+def vt_question(value: str) -> str:
+    return (
+        f"\nQuestion: which variables are assigned the value {value}, directly or through other variables? "
+        f"Answer: the variables assigned {value} are:"
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class TaskSpec:
     """One task of a grid: its name, value kind and needle count (see the module docstring)."""
@@ -137,22 +167,14 @@ class PromptBuilder:
             return [f" The pass key is {v}. Remember it. {v} is the pass key."], "\nWhat is the pass key? The pass key is", [v]
         if task == "single":
             k, v = r.choice(KEYS), self._value(kind, r)
-            return (
-                [f" The special magic {kind} for {k} is: {v}."],
-                f"\nWhat is the special magic {kind} for {k}? The special magic {kind} for {k} is:",
-                [v],
-            )
+            return [magic_sentence(kind, k, v)], magic_question(kind, k), [v]
         if task == "multikey":
             keys = r.sample(KEYS, n)
             vals = [self._value(kind, r) for _ in keys]
             ask = r.randrange(n)
-            sentences = [f" The special magic {kind} for {k} is: {v}." for k, v in zip(keys, vals)]
+            sentences = [magic_sentence(kind, k, v) for k, v in zip(keys, vals)]
             sentences.insert(0, sentences.pop(ask))  # the asked needle goes at the requested depth
-            return (
-                sentences,
-                f"\nWhat is the special magic {kind} for {keys[ask]}? The special magic {kind} for {keys[ask]} is:",
-                [vals[ask]],
-            )
+            return sentences, magic_question(kind, keys[ask]), [vals[ask]]
         if task == "multivalue":
             k = r.choice(KEYS)
             vals = []
@@ -160,8 +182,7 @@ class PromptBuilder:
                 v = self._value(kind, r)
                 if v not in vals:
                     vals.append(v)
-            sentences = [f" One of the special magic {kind}s for {k} is: {v}." for v in vals]
-            return sentences, f"\nWhat are all the special magic {kind}s for {k}? The special magic {kind}s for {k} are:", vals
+            return [multivalue_sentence(kind, k, v) for v in vals], multivalue_question(kind, k), vals
         if task == "vt":
             v = str(r.randint(10000, 99999))
             names: list[str] = []
@@ -169,12 +190,7 @@ class PromptBuilder:
                 name = "".join(r.choice(VAR_LETTERS) for _ in range(5))
                 if name not in names:
                     names.append(name)
-            sentences = [f" VAR {names[0]} = {v}."] + [f" VAR {b} = VAR {a}." for a, b in zip(names, names[1:])]
-            question = (
-                f"\nQuestion: which variables are assigned the value {v}, directly or through other variables? "
-                f"Answer: the variables assigned {v} are:"
-            )
-            return sentences, question, names
+            return vt_sentences(names, v), vt_question(v), names
         raise UserError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
 
     def build(self, task: str, kind: str, length: int, depth: float, trial: int, seed: int, needles: int = 0) -> Prompt:

@@ -76,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     pt.add_argument("--budget-s", type=float, required=True, help="wall-clock seconds for this process")
     pt.add_argument("--export", required=True, help="folder for the bf16 export (config, weights, state)")
     pt.add_argument("--log", required=True, help="JSON-lines training log (appended)")
+    pt.add_argument("--init-state", default=None, help="trainer_state.json for --init (default: the one in --init)")
+    pt.add_argument("--restart-curriculum", action="store_true",
+                    help="with --init: run the recipe's phases from the first (a continuation recipe)")
     pt.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny model, short phases")
     pt.add_argument("--probe", action="store_true", help="first time one step of every micro-batch shape")
     pt.set_defaults(fn=_train)

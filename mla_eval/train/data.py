@@ -24,6 +24,15 @@ from pathlib import Path
 
 import numpy as np
 
+from mla_eval.evals.needle_tasks import (
+    magic_question,
+    magic_sentence,
+    multivalue_question,
+    multivalue_sentence,
+    vt_question,
+    vt_sentences,
+)
+
 DOC_SEP = "\x00"
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
@@ -289,6 +298,52 @@ class NeedleMaker:
                 out.append(Needle(f" Note that the {kind} of {k} is {v}.", f"\nThe {kind} of {k} is", f" {v}"))
         return out
 
+    # -- the RULER-style tasks of `mla-eval needle` (mla_eval/evals/needle_tasks.py) -----------
+    # The same sentence templates as the evaluation's multikey, multivalue and vt tasks (so that the
+    # model learns those tasks, the point of the issue-17 curriculum), with keys from the training word
+    # pool, other value draws and training haystacks; the evaluation's prompts are never generated here.
+    TASK_STYLES = ("multikey", "multivalue", "vt")
+
+    def task_plan(self, style: str) -> tuple[list[str], list[list[str]], list[tuple[str, str]], bool]:
+        """(needle sentences, per needle the strings masked from the LM loss, [(question, answer)],
+        ordered): `ordered` means the sentences must appear in list order (multivalue's answer lists the
+        values in document order; vt's chain is defined in order)."""
+        r = self.rng
+        if style == "multikey":
+            n = r.choice([2, 3, 4, 4, 5, 6, 8])
+            keys: list[str] = []
+            while len(keys) < n:
+                k = self._key()
+                if k not in keys:
+                    keys.append(k)
+            kind = r.choice(["number", "number", "word", "uuid"])
+            vals = [self._value(kind) for _ in keys]
+            ask = r.randrange(n)
+            texts = [magic_sentence(kind, k, v) for k, v in zip(keys, vals)]
+            return texts, [[v] for v in vals], [(magic_question(kind, keys[ask]), f" {vals[ask]}")], False
+        if style == "multivalue":
+            n = r.choice([2, 3, 3, 4])
+            k = self._key()
+            kind = r.choice(["number", "number", "word", "uuid"])
+            vals: list[str] = []
+            while len(vals) < n:
+                v = self._value(kind)
+                if v not in vals:
+                    vals.append(v)
+            texts = [multivalue_sentence(kind, k, v) for v in vals]
+            return texts, [[v] for v in vals], [(multivalue_question(kind, k), " " + ", ".join(vals) + ".")], True
+        if style == "vt":
+            n = r.choice([3, 4, 5, 5, 6])
+            v = str(r.randint(10000, 99999))
+            names: list[str] = []
+            while len(names) < n:
+                name = "".join(r.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5))
+                if name not in names:
+                    names.append(name)
+            masks = [[v, names[0]]] + [[b] for b in names[1:]]
+            return vt_sentences(names, v), masks, [(vt_question(v), " " + ", ".join(names) + ".")], True
+        raise ValueError(f"unknown needle style {style!r}")
+
     # -- documents -----------------------------------------------------------------------------
     def document(
         self,
@@ -299,31 +354,43 @@ class NeedleMaker:
         filler: bool | None = None,
         intro: bool | None = None,
         haystack: np.ndarray | None = None,
+        styles: list[str] | None = None,
     ) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int]]]:
         """Returns (ids [length+1] int64, lm_weight [length+1] float32, answer spans [(start, end)]).
 
         lm_weight is 0 on the needles' value tokens (random, unpredictable) and on answers (they
         get their own loss term); spans index into ids (an answer's tokens are ids[start:end]).
+        `styles`: the styles to draw from when `style` is None (default: the original mix).
         """
         r = self.rng
-        style = style or r.choice(["passkey", "magic", "magic", "note"])
-        if n_needles is None:
-            n_needles = 1 if style == "passkey" else r.choice([1, 1, 2, 3, 4, 6])
-        needles = self.needles(style, n_needles)
-        queried = list(range(len(needles)))
-        r.shuffle(queried)
-        queried = queried[: r.choice([1, 2, 3]) if len(needles) > 1 else 1]
+        style = style or r.choice(styles or ["passkey", "magic", "magic", "note"])
+        if style in self.TASK_STYLES:
+            texts, masks, qa_text, ordered = self.task_plan(style)
+            intro = False if intro is None else intro
+            filler = False if filler is None else filler
+        else:
+            if n_needles is None:
+                n_needles = 1 if style == "passkey" else r.choice([1, 1, 2, 3, 4, 6])
+            needles = self.needles(style, n_needles)
+            queried = list(range(len(needles)))
+            r.shuffle(queried)
+            queried = queried[: r.choice([1, 2, 3]) if len(needles) > 1 else 1]
+            texts = [n.text for n in needles]
+            masks = [[n.answer.strip()] for n in needles]
+            qa_text = [(needles[i].question, needles[i].answer) for i in queried]
+            ordered = False
+            if depths is None:  # drawn here, before intro/filler: the original styles' random sequence
+                depths = [r.random() for _ in texts]
+            intro = (style == "passkey" and r.random() < 0.5) if intro is None else intro
+            filler = (style == "passkey" and r.random() < 0.15) if filler is None else filler
         if depths is None:
-            depths = [r.random() for _ in needles]
-        intro = (style == "passkey" and r.random() < 0.5) if intro is None else intro
-        filler = (style == "passkey" and r.random() < 0.15) if filler is None else filler
+            depths = [r.random() for _ in texts]
+            if ordered:
+                depths.sort()
 
         head = [self.eos] + (self.ids(PASSKEY_INTRO) if intro else [])
-        needle_ids = [self.ids(n.text) for n in needles]
-        qa = []
-        for i in queried:
-            q, a = self.ids(needles[i].question), self.ids(needles[i].answer)
-            qa.append((q, a))
+        needle_ids = [self.ids(t) for t in texts]
+        qa = [(self.ids(q), self.ids(a)) for q, a in qa_text]
         fixed = len(head) + sum(map(len, needle_ids)) + sum(len(q) + len(a) for q, a in qa)
         hay_len = length + 1 - fixed
         if hay_len < 16:
@@ -335,13 +402,14 @@ class NeedleMaker:
         ids: list[int] = list(head)
         w: list[float] = [1.0] * len(head)
         prev = 0
-        values = [self.ids(" " + n.answer.strip()) for n in needles]
         for j in order:
             c = cuts[j]
             ids += hay[prev:c].tolist()
             w += [1.0] * (c - prev)
             nid = needle_ids[j]
-            nw = _mask_value(nid, values[j])
+            nw = [1.0] * len(nid)
+            for value in masks[j]:
+                nw = [min(a, b) for a, b in zip(nw, _mask_value(nid, self.ids(" " + value)))]
             ids += nid
             w += nw
             prev = c
@@ -381,15 +449,15 @@ class NeedleMaker:
             cuts.append(int(ends[k]) if k < len(ends) else len(hay))
         return cuts
 
-    def batch(self, batch: int, seq_len: int) -> Batch:
-        """A micro-batch of `batch` needle documents of seq_len tokens each."""
+    def batch(self, batch: int, seq_len: int, styles: list[str] | None = None) -> Batch:
+        """A micro-batch of `batch` needle documents of seq_len tokens each (styles: see `document`)."""
         inp = np.empty((batch, seq_len), dtype=np.int64)
         tgt = np.empty((batch, seq_len), dtype=np.int64)
         lw = np.empty((batch, seq_len), dtype=np.float32)
         aid = np.zeros((batch, seq_len), dtype=np.int32)
         k = 0
         for b in range(batch):
-            ids, w, spans = self.document(seq_len)
+            ids, w, spans = self.document(seq_len, styles=styles)
             inp[b], tgt[b], lw[b] = ids[:-1], ids[1:], w[1:]
             for s, e in spans:
                 k += 1

@@ -215,7 +215,7 @@ def probe(model, maker, stream, phases, device, rng, answer_w) -> None:
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
                 t0 = time.time()
-                b = lm_batch(stream, key[2], key[1], rng) if key[0] == "lm" else maker.batch(key[2], key[1])
+                b = lm_batch(stream, key[2], key[1], rng) if key[0] == "lm" else maker.batch(key[2], key[1], m.get("styles"))
                 t1 = time.time()
                 micro_step(model, b, device, answer_w, 1.0)
                 if device.type == "cuda":
@@ -270,9 +270,14 @@ def train(args) -> None:
         missing = [k for k in missing if k != "lm_head.weight"]  # tied to embed_tokens
         if missing or unexpected:
             raise SystemExit(f"init weights mismatch: missing {missing} unexpected {unexpected}")
-        state = json.loads((Path(args.init) / "trainer_state.json").read_text())
+        init_state = Path(args.init_state or Path(args.init) / "trainer_state.json")
+        state = json.loads(init_state.read_text())
+        if args.restart_curriculum:
+            # a continuation recipe (e.g. recipes/train-default-model-tasks.toml): its own phases from the
+            # first, on top of the shipped weights; the step count goes on (seeds and logs stay distinct)
+            state.update(phase=0, phase_s=0.0)
         state["resume_step"], state["fresh_optimizer"] = state["step"], True
-        _log(f"resumed bf16 weights {args.init} at step {state['step']} with a fresh optimizer state")
+        _log(f"resumed bf16 weights {args.init} at step {state['step']} (phase {state['phase']}) with a fresh optimizer state")
     model.train()
 
     seed = int(o["seed"]) + 1000 * state["step"]
@@ -314,9 +319,9 @@ def train(args) -> None:
             if m["kind"] == "lm":
                 b = lm_batch(stream, int(m["batch"]), int(m["seq_len"]), rng)
             else:
-                b = maker.batch(int(m["batch"]), int(m["seq_len"]))
+                b = maker.batch(int(m["batch"]), int(m["seq_len"]), m.get("styles"))
             st = micro_step(model, b, device, float(o["answer_loss_weight"]), 1.0 / len(micros))
-            tag = f"{m['kind']}{m['seq_len']}"
+            tag = m.get("tag", f"{m['kind']}{m['seq_len']}")
             for k, v in st.items():
                 rec[f"{tag}_{k}"] = v
             ntok += b.input_ids.size
