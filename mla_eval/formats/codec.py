@@ -94,7 +94,10 @@ def _group_scale(coding: VectorCoding, g: torch.Tensor) -> tuple[torch.Tensor, t
         s = nx.e4m3_decode(bits)
         return s, _recip(s), bits
     if rule is ScaleRule.AMAX_E4M3_RCP6:
-        bits = nx.e4m3_encode(amax * torch.full_like(amax, approx.rcp_approx_of(nx.E2M1_MAX)))
+        sf = amax * torch.full_like(amax, approx.rcp_approx_of(nx.E2M1_MAX))
+        if coding.global_scale is not None:  # SFScaleVal * (vecMax * rcp6): the inner product rounds first
+            sf = sf * torch.full_like(sf, coding.global_scale.quant)
+        bits = nx.e4m3_encode(sf)
         s = nx.e4m3_decode(bits)
         return s, _recip(s), bits
     if rule is ScaleRule.AMAX_FP32_MUL:
@@ -164,13 +167,21 @@ def _encode_vector(coding: VectorCoding, x: torch.Tensor, out: torch.Tensor) -> 
         g = x.reshape(*x.shape[:-1], coding.dim // coding.group, coding.group)
         s, r, stored = _group_scale(coding, g)
         if coding.apply is ScaleApply.MUL_RCP_APPROX and coding.scale.dtype == "e4m3":
-            r = _rcp_approx_lut(g.device)[stored.long()]  # exact H200 results; 0 for a zero scale
+            if coding.global_scale is None:
+                r = _rcp_approx_lut(g.device)[stored.long()]  # exact H200 results; 0 for a zero scale
+            else:  # rcp.approx(s * rcp.approx(S)) of arbitrary fp32 values: rcp.rn stands in (spec.py, step 4)
+                r = _recip(s * _recip(torch.full_like(s, coding.global_scale.quant)))
+        original = g
         if coding.apply is ScaleApply.DIV:
             g = g / s.unsqueeze(-1).expand_as(g)
         else:
             g = g * r.unsqueeze(-1)
         if coding.zero_scale_clears:
             g = torch.where((s == 0).unsqueeze(-1), torch.zeros_like(g), g)
+        if coding.zero_scale_saturates:  # factor +inf: +-inf saturates to +-6, 0 * inf = NaN becomes +6
+            six = torch.full_like(g, nx.E2M1_MAX)
+            hit = ((s == 0) & (original.abs().amax(dim=-1) > 0)).unsqueeze(-1)
+            g = torch.where(hit, torch.where(original == 0, six, torch.copysign(six, original)), g)
         x = g.reshape(x.shape)
         stored = stored.reshape(*x.shape[:-1], -1)
         if coding.scale_order is not ScaleOrder.LINEAR:  # stored[..., s] goes to entry positions[s]
@@ -194,6 +205,8 @@ def _decode_vector(coding: VectorCoding, records: torch.Tensor) -> torch.Tensor:
         s = nx.e4m3_decode(raw)
     else:  # e8m0
         s = torch.ldexp(torch.ones(raw.shape, dtype=torch.float32, device=raw.device), raw.to(torch.int32) - 127)
+    if coding.global_scale is not None:  # the engine's reader: q * (s * D), its fp32 dequant scale first
+        s = s * torch.full_like(s, coding.global_scale.dequant)
     g = q.reshape(*q.shape[:-1], coding.dim // coding.group, coding.group)
     return (g * s.unsqueeze(-1)).reshape(q.shape)
 
@@ -253,6 +266,8 @@ def decode(
         )
     latent = _decode_vector(spec.latent, records)
     rope = _decode_vector(spec.rope, records)
+    if spec.reader_e4m3:  # what the engine's attention reads: an E4M3 copy (no s_t / s_l with this flag)
+        latent, rope = (nx.e4m3_decode(nx.e4m3_encode(v)) for v in (latent, rope))
     if spec.token_scale is not None:
         latent = latent * nx.f32_from_bytes(records[..., spec.token_scale.offset : spec.token_scale.end])
     s_l = outer_scale_tensor(spec, outer_scale, records.device)
