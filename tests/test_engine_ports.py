@@ -513,3 +513,15 @@ def test_flashmla_log2_ceil_equals_the_exact_power_of_two_for_every_bf16_amax():
 def test_specs_name_the_engines_ported_here():
     assert get_format("fp8_ds_mla").engine.commit == "37cb21c1695d11baba8e369b071d2f44c1561c8f"
     assert get_format("fp8_ds_mla_pow2").engine.commit == "520fec6a7fd98028705ccad373b7f0e3e2ae75fb"
+
+
+def test_trtllm_residual_script_with_rcp_rn_reproduces_the_codec():
+    """kernels/measure_trtllm_nvfp4_residual.py ports the writer with the GPU's rcp.approx; given rcp.rn in its
+    place it must give the codec's bytes, so any mismatch it reports on the GPU is the instruction's alone."""
+    from mla_eval_kernels.measure_trtllm_nvfp4_residual import engine_records
+
+    x = torch.cat([_inputs(k).bfloat16().float() for k in ("normal", "heavy_tailed", "tiny", "mixed")])
+    x[0, 3] = 0.0
+    gs = get_format("trtllm_nvfp4_dsa").latent.global_scale
+    got = engine_records(x, gs.quant, lambda t: torch.ones_like(t) / t)
+    assert torch.equal(got, torch.from_numpy(_ours("trtllm_nvfp4_dsa", x)))

@@ -47,6 +47,10 @@ def format_row(spec: FormatSpec) -> dict:
         "arithmetic": {"latent_apply": spec.latent.apply.value, "latent_scale_floor": spec.latent.scale_floor},
         "aliases": list(spec.aliases),
         "buffers": [{"name": n, "start": a, "end": b} for n, a, b in spec.buffers],
+        # An engine's per-tensor NVFP4 scale (not stored per token) and whether its attention reads an E4M3 copy.
+        "global_scale": None if (gs := spec.latent.global_scale) is None
+        else {"amax": gs.amax, "quant": gs.quant, "dequant": gs.dequant, "source": gs.source},
+        "reader_e4m3": spec.reader_e4m3,
     }
 
 
@@ -83,6 +87,10 @@ def formats(
             extra.append("s_l opt.")
         if spec.buffers:
             extra.append(f"{len(spec.buffers)} buffers")
+        if spec.latent.global_scale is not None:
+            extra.append(f"global S={spec.latent.global_scale.quant:.4g}")
+        if spec.reader_e4m3:
+            extra.append("read as e4m3")
         table.add_row(
             spec.name,
             str(spec.record_bytes),
@@ -118,7 +126,8 @@ def formats(
         console.print(f"'{name}' alone is ambiguous (an engine name for {' and '.join(fmts)}): use our name or its alias.")
     console.print(
         "bits = stored bits per cached value; x bf16 / x fp8 = tokens that fit in the same memory as "
-        "with bf16 / fp8_ds_mla; s_l = per-layer outer scale (not stored per token)."
+        "with bf16 / fp8_ds_mla; s_l = per-layer outer scale (not stored per token); global S = an engine's "
+        "per-tensor NVFP4 scale (not stored per token); read as e4m3 = the engine's attention reads an E4M3 copy."
     )
 
 
