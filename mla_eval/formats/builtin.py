@@ -9,7 +9,10 @@ issues and pages corpora, GitHub snapshots of sgl-project/sglang and NVIDIA/Tens
   PR text gives a 416 B record (256 B E2M1 latent, 32 B block-16 E4M3 scales, 128 B bf16 rope) with a
   per-layer fp32 global K scale. Its source (the writer's arithmetic) is not in any stored copy: the PR
   branch is not on sglang main, the author's fork is not indexed, and sglang's snapshot (1.2 GB) is over
-  the fetch limit. Without the writer there is no engine port, so no spec.
+  the fetch limit. Without the writer there is no engine port, so no spec. Searched again 2026-12-04: the
+  issues corpus holds the PR description only (no review thread with code); of the author's (Njuapp)
+  indexed repositories none is an sglang fork; the code corpus and exact-string search find no 416 B
+  NVFP4 writer (tried: the PR title, "416-byte", global K scale / flashmla_kv / NSA pool queries).
 - TensorRT-LLM's NVFP4 DSA cache is built in as `trtllm_nvfp4_dsa` (below). Its residual variant, where
   the cache manager's `mla_kv_cache_residual_dim` is 64 (the rope stored twice: E2M1 of the rope plus
   E2M1 of its residual, 320 B data + 40 B scales = 360 B, `quantizeAndWriteMlaFp4Residual` in the same
@@ -154,25 +157,27 @@ def _sglang_fp4(dim: int, data_offset: int, scale_offset: int, name: str) -> Vec
     )
 
 
-# TensorRT-LLM's NVFP4 KV cache for DSA models (DeepSeek-V3.2 / GLM-5 sparse MLA). Writer, read at
-# NVIDIA/TensorRT-LLM@727f68b662aad70d1cbe8e9d4292499824183dfc cpp/tensorrt_llm/kernels/mlaKernels.cu:
-# `applyMLARopeAppendPagedKVAssignQKernel` (context and generation appends) rotates the rope in bf16 and
-# hands each 8-value vector v of the 576 (latent vecs 0..63, rope 64..71) to `quantizeAndWriteMlaFp4`; with
-# a 288 B data / 36 B scale pool stride (no residual) that is `cvt_warp_fp16_to_fp4<T, 16, false>(values,
-# quant_scale_kv, scaleOut)`: 4 bytes of E2M1 at data byte 4v of the token (even element in the low
-# nibble), and for even v one E4M3 byte at scale byte v/2 (a linear layout, no swizzle). The recipe, read in
-# cpp/tensorrt_llm/kernels/quantization.cuh at NVIDIA/TensorRT-LLM@2a0ce833a998456f870104c1923815b03c5f87c9
-# (the stored copy nearest the writer): vecMax = max |x| over 16 bf16 values; SFValue = SFScaleVal * (vecMax *
-# rcp.approx.ftz(6)); E4M3 by __nv_fp8_e4m3 (RN, satfinite); outputScale = vecMax != 0 ? rcp.approx.ftz(
-# SFValue_decoded * rcp.approx.ftz(SFScaleVal)) : 0 (vecMax, not SFValue as in vLLM's copy); codes
-# cvt.rn.satfinite.e2m1x2.f32(x * outputScale). The global scale, read at
-# NVIDIA/TensorRT-LLM@29c0516aff38c6a2bfd1429d847db2b746e808be tensorrt_llm/_torch/attention/backends/sparse/
-# dsa/backend.py `DSATrtllmAttention.__init__`: amax = float(env TRTLLM_NVFP4_MLA_KV_CACHE_AMAX, default 100.0),
-# dequant = amax / (448 * 6), quant = 1 / dequant, both torch.full_like float32 tensors, the same for every
-# layer (no calibration); quant is the writer's SFScaleVal (`mla_rope_append_paged_kv_assign_q`), dequant
-# goes to the reader. The reader (cpp/tensorrt_llm/kernels/nvfp4MlaKvCacheGather.cu `dequantizeRow` at the
-# writer's commit) gathers the selected tokens as e4m3(q * (float(scale) * dequant)) into an fp8 scratch
-# that the sparse FMHA reads.
+# TensorRT-LLM's NVFP4 KV cache for DSA models (DeepSeek-V3.2 / GLM-5 sparse MLA).
+# Writer, read at NVIDIA/TensorRT-LLM@727f68b662aad70d1cbe8e9d4292499824183dfc cpp/tensorrt_llm/kernels/mlaKernels.cu:
+# `applyMLARopeAppendPagedKVAssignQKernel` (the DSA context and generation appends both use it) rotates the
+# rope in bf16 and hands each 8-value vector v of the 576 (latent vecs 0..63, rope 64..71) to
+# `quantizeAndWriteMlaFp4`; with a 288 B data / 36 B scale pool stride (no residual) that is
+# `cvt_warp_fp16_to_fp4<T, 16, false>(values, quant_scale_kv, scaleOut)`: 4 bytes of E2M1 at data byte 4v of
+# the token (even element in the low nibble), and for even v one E4M3 byte at scale byte v/2 (linear, no
+# swizzle).
+# Recipe, read in cpp/tensorrt_llm/kernels/quantization.cuh at NVIDIA/TensorRT-LLM@2a0ce833a998456f870104c1923815b03c5f87c9
+# (the file is not stored at the writer's commit; the other TensorRT-LLM NVFP4 writers read, cvt_warp_fp16_to_fp4_impl_opt
+# in fp4QuantizeAdaptive and PR 17985's MiniMax-M3 kernel, test amax != 0 alike): vecMax = max |x| over 16 bf16
+# values; SFValue = SFScaleVal * (vecMax * rcp.approx.ftz(6)); E4M3 by __nv_fp8_e4m3 (RN, satfinite);
+# outputScale = vecMax != 0 ? rcp.approx.ftz(SFValue_decoded * rcp.approx.ftz(SFScaleVal)) : 0 (vecMax, not
+# SFValue as in vLLM's copy); codes cvt.rn.satfinite.e2m1x2.f32(x * outputScale).
+# Global scale, read at NVIDIA/TensorRT-LLM@29c0516aff38c6a2bfd1429d847db2b746e808be
+# tensorrt_llm/_torch/attention/backends/sparse/dsa/backend.py `DSATrtllmAttention.__init__`: amax =
+# float(env TRTLLM_NVFP4_MLA_KV_CACHE_AMAX, default 100.0), dequant = amax / (448 * 6), quant = 1 / dequant,
+# both torch.full_like of the float32 kv_cache_scaling_factor, the same for every layer (no calibration);
+# quant is the writer's SFScaleVal (`mla_rope_append_paged_kv_assign_q`), dequant goes to the reader.
+# Reader (cpp/tensorrt_llm/kernels/nvfp4MlaKvCacheGather.cu `dequantizeRow`, at the writer's commit): the
+# selected tokens gathered as e4m3(q * (float(scale) * dequant)) into an fp8 scratch that the sparse FMHA reads.
 TRTLLM_NVFP4_DSA = Engine(
     name="TensorRT-LLM",
     repository="NVIDIA/TensorRT-LLM",
