@@ -14,8 +14,8 @@ Kernel constraints checked here (a spec outside them is served by the torch refe
   (the writer stores 32-bit words; the attention kernel copies records with 16-byte loads);
 - latent groups hold a multiple of 16 values (one writer lane owns 16 consecutive values);
 - the rope has one scale for all 64 values, or none;
-- no engine global scale, no saturating zero scales, no E4M3 reader copy (TensorRT-LLM's NVFP4 DSA
-  arithmetic, `trtllm_nvfp4_dsa`): refused by name, so that a kernel never ignores them silently.
+- no engine global scale, no saturating zero scales, no residual coding, no E4M3 reader copy (TensorRT-LLM's
+  NVFP4 DSA arithmetic, `trtllm_nvfp4_dsa*`): refused by name, so that a kernel never ignores them silently.
 """
 
 from __future__ import annotations
@@ -98,8 +98,8 @@ def _coding(c) -> CodingPlan:
         raise UnsupportedFormat(f"scale rule {rule!r} has no kernel")
     if c.elem not in ("bf16", "e4m3", "e2m1"):
         raise UnsupportedFormat(f"element type {c.elem!r} has no kernel")
-    if c.global_scale is not None or c.zero_scale_saturates:
-        raise UnsupportedFormat("an engine global scale (SFScaleVal) and saturating zero scales have no kernel")
+    if c.global_scale is not None or c.zero_scale_saturates or c.residual:
+        raise UnsupportedFormat("an engine global scale (SFScaleVal), saturating zero scales and residual codings have no kernel")
     scale = c.scale
     return CodingPlan(
         dim=c.dim,

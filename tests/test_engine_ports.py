@@ -48,6 +48,12 @@ Sources (the spec of each format names the same engine, `FormatSpec.engine`):
   (kernels/measure_trtllm_nvfp4_residual.py measures the rest on the GPU). The reader,
   cpp/tensorrt_llm/kernels/nvfp4MlaKvCacheGather.cu `dequantizeRow` (@ 727f68b662aa): e4m3(code * (float(scale)
   * dequant)), dequant = f32(amax / 2688).
+- trtllm_nvfp4_dsa_r64: the same writer with 320 B / 40 B pool strides: latent as above; each rope group g of 16
+  through `quantizeAndWriteMlaFp4Residual` (mlaKernels.cu @ 727f68b662aa): input = float(x) * SFScaleVal, main
+  scale e4m3(fmaxf(max|input| * rcp.approx.ftz(6), 0.001953125)), codes e2m1(input * rcp.approx.ftz(decoded)),
+  residual = input - code * decoded, then the same on the residual; data [256 + 16g, +8) main, [+8, +16) residual
+  codes; scales at 352 + 2g (main), 353 + 2g (residual). Its reader adds residual * (scale * dequant) to
+  code * (scale * dequant), one fused multiply-add, before the E4M3 conversion.
 - fp8_ds_mla_pow2: deepseek-ai/FlashMLA @ 520fec6a7fd98028705ccad373b7f0e3e2ae75fb, tests/quant.py
   `quantize_k_cache` (V32_FP8Sparse) and `_cast_scale_inv_to_ue8m0`: scale_inv = 2 ** ceil(log2(
   clamp_min(amax.float() / 448.0, 1e-4))) in float32 torch, codes (x.float() / scale_inv).to(float8_e4m3fn).
@@ -291,6 +297,61 @@ def trtllm_gather_fp8(records: np.ndarray, dequant: np.float32 = TRTLLM_DEQUANT)
     return np_e4m3_satfinite_rn(vals)
 
 
+def _signed_e2m1(codes: np.ndarray) -> np.ndarray:
+    return np.where(codes & 0x8, -1.0, 1.0) * E2M1_VALUES[codes & 0x7]
+
+
+def _trtllm_residual_pass(v: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One pass of quantizeAndWriteMlaFp4Residual on [n, 16] float32: (scale bits, decoded scale, codes)."""
+    r6 = rcp_approx_ftz(np.array([6.0], np.float32))[0]
+    scale = np.maximum((np.abs(v).max(axis=1) * r6).astype(np.float32), np.float32(0.001953125))
+    bits = np_e4m3_satfinite_rn(scale)
+    dec = E4M3_VALUES[bits].astype(np.float32)
+    return bits, dec, np_e2m1_satfinite_rn((v * rcp_approx_ftz(dec)[:, None]).astype(np.float32))
+
+
+def trtllm_residual_group(vals: np.ndarray, sf_scale: np.float32) -> tuple[np.ndarray, ...]:
+    """quantizeAndWriteMlaFp4Residual for [n, 16] values -> (main scale, residual scale, main packed, residual packed)."""
+    inp = (vals * sf_scale).astype(np.float32)
+    b1, dec1, q1 = _trtllm_residual_pass(inp)
+    residual = (inp - (_signed_e2m1(q1) * dec1[:, None]).astype(np.float32)).astype(np.float32)  # exact product
+    b2, _, q2 = _trtllm_residual_pass(residual)
+    pack = lambda q: q[:, 0::2] | (q[:, 1::2] << 4)  # noqa: E731
+    return b1, b2, pack(q1), pack(q2)
+
+
+def trtllm_append_paged_kv_nvfp4_residual(kv: np.ndarray, sf_scale: np.float32 = TRTLLM_QUANT) -> np.ndarray:
+    """[n, 320 data | 40 scales]: latent groups as cvt_warp_fp16_to_fp4, rope groups with a residual pass."""
+    n = kv.shape[0]
+    data, scales = np.zeros((n, 320), np.uint8), np.zeros((n, 40), np.uint8)
+    for g in range(32):
+        scales[:, g], data[:, 8 * g : 8 * (g + 1)] = trtllm_cvt_warp_fp16_to_fp4(kv[:, 16 * g : 16 * (g + 1)], sf_scale)
+    for g in range(4):
+        b1, b2, p1, p2 = trtllm_residual_group(kv[:, 512 + 16 * g : 512 + 16 * (g + 1)], sf_scale)
+        data[:, 256 + 16 * g : 264 + 16 * g], data[:, 264 + 16 * g : 272 + 16 * g] = p1, p2
+        scales[:, 32 + 2 * g], scales[:, 33 + 2 * g] = b1, b2
+    return np.concatenate([data, scales], axis=1)
+
+
+def trtllm_gather_fp8_residual(records: np.ndarray, dequant: np.float32 = TRTLLM_DEQUANT) -> np.ndarray:
+    """dequantizeRow<false> with residual_dim 64: [n, 576] E4M3 bytes. The reader's `values += residual *
+    residualScale` is one fused multiply-add (nvcc's default contraction); float64 holds it exactly here (the
+    addend is a float32, the product has at most 2 + 24 significant bits and sits within 2^27 of it, or below
+    half its ulp)."""
+    n = records.shape[0]
+    unpack = lambda b: np.stack([b & 0xF, b >> 4], axis=-1).reshape(b.shape[0], -1)  # noqa: E731
+    scale = lambda i: (E4M3_VALUES[records[:, 320 + i]].astype(np.float32) * dequant).astype(np.float32)  # noqa: E731
+    latent = _signed_e2m1(unpack(records[:, :256])).astype(np.float32).reshape(n, 32, 16)
+    lat = (latent * np.stack([scale(g) for g in range(32)], axis=1)[..., None]).astype(np.float32).reshape(n, 512)
+    rope = []
+    for g in range(4):
+        main = _signed_e2m1(unpack(records[:, 256 + 16 * g : 264 + 16 * g])).astype(np.float32)
+        res = _signed_e2m1(unpack(records[:, 264 + 16 * g : 272 + 16 * g]))
+        part = (main * scale(32 + 2 * g)[:, None]).astype(np.float32).astype(np.float64)
+        rope.append((part + res * scale(33 + 2 * g).astype(np.float64)[:, None]).astype(np.float32))
+    return np_e4m3_satfinite_rn(np.concatenate([lat, *rope], axis=1))
+
+
 # ---------------------------------------------------------------- inputs
 def _inputs(kind: str, seed: int = 0) -> torch.Tensor:
     """[N_TOKENS, 576] float32 inputs of one kind (latent then rope)."""
@@ -428,6 +489,35 @@ def test_trtllm_global_scale_and_vecmax_test_are_what_the_comparison_detects():
     zero_in_tiny = tiny.clone()
     zero_in_tiny[0, 1] = 0.0  # 0 * inf = NaN in the engine -> +6 (0x7) in the high nibble of byte 0
     assert _ours("trtllm_nvfp4_dsa", zero_in_tiny)[0, 0] >> 4 == 0x7
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_trtllm_nvfp4_dsa_r64_bytes_equal_tensorrt_llm(kind):
+    x = _inputs(kind).bfloat16().float()
+    engine = trtllm_append_paged_kv_nvfp4_residual(x.numpy())
+    assert np.count_nonzero(engine != _ours("trtllm_nvfp4_dsa_r64", x)) == 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_trtllm_nvfp4_dsa_r64_decode_is_what_the_engine_gathers(kind):
+    x = _inputs(kind).bfloat16().float()
+    rec = torch.from_numpy(_ours("trtllm_nvfp4_dsa_r64", x))
+    lat, rope = decode("trtllm_nvfp4_dsa_r64", rec)
+    ours = torch.cat([lat, rope], dim=-1).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+    assert np.count_nonzero(trtllm_gather_fp8_residual(rec.numpy()) != ours) == 0
+
+
+def test_trtllm_residual_floor_and_second_pass_are_exercised():
+    """Zero or tiny rope groups get the 2^-9 floor (scale byte 0x01), never 0; on ordinary data the residual pass
+    stores nonzero codes and halves the rope's error against the single pass of the 324 B record."""
+    for kind in ("zero", "tiny"):
+        assert np.all(_ours("trtllm_nvfp4_dsa_r64", _inputs(kind).bfloat16().float())[:, 352:] == 0x01)
+    x = _inputs("normal", seed=2).bfloat16().float()
+    rec = _ours("trtllm_nvfp4_dsa_r64", x)
+    assert np.count_nonzero(rec[:, 264:272]) > 0
+    err = {f: (decode(f, torch.from_numpy(_ours(f, x)))[1] - x[:, 512:]).norm().item()
+           for f in ("trtllm_nvfp4_dsa", "trtllm_nvfp4_dsa_r64")}
+    assert err["trtllm_nvfp4_dsa_r64"] < 0.5 * err["trtllm_nvfp4_dsa"]
 
 
 def test_trtllm_global_scale_is_the_engine_default():

@@ -108,5 +108,5 @@ def test_trtllm_engine_arithmetic_is_refused_by_name_not_ignored():
     rp.plan_for(dataclasses.replace(base, name="plain", latent=lat))  # the layout alone is in scope
     for changed in (dict(global_scale=gs), dict(zero_scale_saturates=True)):
         spec = dataclasses.replace(base, name="engine_rule", latent=dataclasses.replace(lat, **changed))
-        with pytest.raises(rp.UnsupportedFormat, match="global scale .* saturating zero scales have no kernel"):
+        with pytest.raises(rp.UnsupportedFormat, match="global scale .* saturating zero scales and residual codings"):
             rp.plan_for(spec)

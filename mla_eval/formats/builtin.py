@@ -13,10 +13,12 @@ issues and pages corpora, GitHub snapshots of sgl-project/sglang and NVIDIA/Tens
   issues corpus holds the PR description only (no review thread with code); of the author's (Njuapp)
   indexed repositories none is an sglang fork; the code corpus and exact-string search find no 416 B
   NVFP4 writer (tried: the PR title, "416-byte", global K scale / flashmla_kv / NSA pool queries).
-- TensorRT-LLM's NVFP4 DSA cache is built in as `trtllm_nvfp4_dsa` (below). Its residual variant, where
-  the cache manager's `mla_kv_cache_residual_dim` is 64 (the rope stored twice: E2M1 of the rope plus
-  E2M1 of its residual, 320 B data + 40 B scales = 360 B, `quantizeAndWriteMlaFp4Residual` in the same
-  mlaKernels.cu), is not built yet.
+- TensorRT-LLM's NVFP4 DSA cache is built in twice (below): `trtllm_nvfp4_dsa` (324 B, residual dim 0: the
+  DSACacheManager V1 sizing read at 0bbb76d22e61) and `trtllm_nvfp4_dsa_r64` (360 B, residual dim 64: the rope
+  stored as E2M1 plus an E2M1 residual, what GLM-5.2 gets under DSACacheManagerV2). Which one a deployment
+  writes depends on the manager and its residual setting (PR 19305 ties DeepSeek-V4's to
+  TRTLLM_NVFP4_MLA_RESIDUAL_QUANTIZATION, default on); where the DSA managers set it was not found in a
+  stored copy, so the residual dim is named in the format rather than assumed.
 """
 
 from __future__ import annotations
@@ -212,6 +214,32 @@ def _trtllm_nvfp4(dim: int, data_offset: int, scale_offset: int, name: str) -> V
     )
 
 
+# The residual layout (the cache manager's mla_kv_cache_residual_dim = 64: data 320 B, scales 40 B per token), read in
+# mlaKernels.cu `quantizeAndWriteMlaFp4` / `quantizeAndWriteMlaFp4Residual` at the writer's commit: latent vecs as
+# above; each 16-value rope group g: input = float(x) * SFScaleVal, main scale e4m3(fmaxf(max|input| * rcp.approx(6),
+# 2^-9)), codes e2m1(input * rcp.approx(decoded)), residual = input - code * decoded, its scale and codes the same way;
+# data bytes [256 + 16g, +8) main and [+8, +16) residual codes, scale bytes 320 + 32 + 2g (main) and + 1 (residual).
+# GLM-5.2 under DSACacheManagerV2 gets this layout: NVIDIA/TensorRT-LLM's unit test test_glm52_nvfp4_page_table_geometry
+# (GLM-5.2 NVFP4 KV-transfer coverage; read by content, its path and commit not resolved in the index) asserts
+# mla_kv_cache_residual_dim == qk_rope_head_dim and key / key_block_scale regions of (576 + 64) / 2 and / 16 B per token.
+TRTLLM_RESIDUAL_FLOOR = 2.0**-9  # quantizeAndWriteMlaFp4Residual's kMinFp4Scale = 0.001953125F
+
+
+def _trtllm_residual_rope(data_offset: int, scale_offset: int) -> VectorCoding:
+    return VectorCoding(
+        ROPE_DIM,
+        "e2m1",
+        Field("rope", data_offset, "e2m1", 2 * ROPE_DIM),  # main and residual codes, interleaved per group
+        ScaleRule.AMAX_E4M3_RCP6,
+        16,
+        Field("rope_scale", scale_offset, "e4m3", 2 * ROPE_DIM // 16),
+        apply=ScaleApply.MUL_RCP_APPROX,
+        scale_floor=TRTLLM_RESIDUAL_FLOOR,
+        global_scale=TRTLLM_NVFP4_GLOBAL,
+        residual=True,
+    )
+
+
 FLASHMLA_POW2_FLOOR = 1e-4  # FlashMLA tests/quant.py _cast_scale_inv_to_ue8m0: clamp_min(scale_inv, 1e-4)
 
 
@@ -396,7 +424,7 @@ BUILTIN_FORMATS: tuple[FormatSpec, ...] = (
         name="trtllm_nvfp4_dsa",
         title="nvfp4 DSA (TensorRT-LLM, 324 B)",
         description="All 576 values E2M1, E4M3 scale e4m3(S*amax*rcp(6)) per 16 with global scale S = 2688/amax_env "
-        "(default 26.88); data and scales in two pools; read back as E4M3.",
+        "(default 26.88); residual dim 0; data and scales in two pools; read back as E4M3.",
         source="TensorRT-LLM NVFP4 KV cache for DSA (DSACacheManager, DataType.NVFP4): mlaKernels.cu + quantization.cuh",
         record_bytes=324,
         latent=_trtllm_nvfp4(LATENT_DIM, 0, 288, "latent"),
@@ -405,6 +433,21 @@ BUILTIN_FORMATS: tuple[FormatSpec, ...] = (
         engine=TRTLLM_NVFP4_DSA,
         aliases=("trtllm:nvfp4",),
         buffers=(("kv_pool", 0, 288), ("block_scale_pool", 288, 324)),
+        reader_e4m3=True,
+    ),
+    FormatSpec(
+        name="trtllm_nvfp4_dsa_r64",
+        title="nvfp4 DSA + residual rope (TensorRT-LLM, 360 B)",
+        description="trtllm_nvfp4_dsa's latent; the rope as E2M1 plus an E2M1 residual pass, E4M3 scales floored at "
+        "2^-9 (values pre-scaled by S); two pools; read back as E4M3.",
+        source="TensorRT-LLM NVFP4 KV cache for DSA with mla_kv_cache_residual_dim = 64 (GLM-5.2 under DSACacheManagerV2)",
+        record_bytes=360,
+        latent=_trtllm_nvfp4(LATENT_DIM, 0, 320, "latent"),
+        rope=_trtllm_residual_rope(256, 352),
+        align=4,
+        engine=TRTLLM_NVFP4_DSA,
+        aliases=("trtllm:nvfp4:residual_dim=64",),
+        buffers=(("kv_pool", 0, 320), ("block_scale_pool", 320, 360)),
         reader_e4m3=True,
     ),
     # Our choice: OCP MX v1.0 MXFP4 (E2M1, one E8M0 scale per 32 values). 256 B of codes, 16 B of

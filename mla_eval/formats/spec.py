@@ -47,6 +47,13 @@ all in float32, IEEE round-to-nearest-even.
    - DIV:     q = cvt.rn.satfinite(v / s) (`div.rn.f32`; the engine divides, e.g. vLLM's
      `scaled_convert`), s is never 0 under these rules (floored).
    Scales are stored in group order, or permuted (`ScaleOrder`): see `scale_positions`.
+5. Residual E2M1 (`VectorCoding.residual`, TensorRT-LLM's residual MLA quantisation of the rope): per group
+   of 16, v = x * S (S = the global scale, on the values here, 1 without one); main scale s1 =
+   e4m3_rn_satfinite(max(amax(v) * rcp.approx.ftz(6), floor)), codes q1 = cvt(v * rcp.approx.ftz(s1))
+   (E4M3 s1: the measured table); residual r = v - q1 * s1 (the product is exact, one rounding); s2, q2 the
+   same on r. The group's 16 bytes of data are [q1 codes | q2 codes], its two scale bytes [s1, s2]. The
+   decoder returns fma(q2, s2 * D, q1 * (s1 * D)) (float64 arithmetic reproduces the fused multiply-add
+   exactly here), D = `GlobalScale.dequant` (1 without a global scale).
    The decoder returns q * s (then * s_t, then * s_l), all exact products of the stored values; with a
    global scale it returns q * (s * D), D = `GlobalScale.dequant` (the engine's reader multiplies its
    fp32 dequant scale into the block scale first). Where `FormatSpec.reader_e4m3` the engine's attention
@@ -188,10 +195,11 @@ class VectorCoding:
     elem_rounding: Literal["rne", "ties_away"] = "rne"  # E2M1 code choice: cvt's RNE, or SGLang's `>= bound`
     global_scale: GlobalScale | None = None  # the recipe's SFScaleVal (AMAX_E4M3_RCP6 only); None = 1
     zero_scale_saturates: bool = False  # s = 0 < amax: factor +inf, codes +-6 and +6 for zeros (TensorRT-LLM)
+    residual: bool = False  # a second E2M1 pass over each group's residual (step 5); data and scales doubled
 
     @property
     def scale_count(self) -> int:
-        return self.dim // self.group
+        return self.dim // self.group * (2 if self.residual else 1)
 
     @property
     def scale_positions(self) -> tuple[int, ...]:
@@ -287,13 +295,19 @@ def _validate(spec: FormatSpec) -> None:
     for c in (spec.latent, spec.rope):
         if c.dim % c.group:
             raise ValueError(f"{spec.name}: group {c.group} does not divide dim {c.dim}")
-        if c.data.count != c.dim:
-            raise ValueError(f"{spec.name}: data field {c.data.name} holds {c.data.count} values, not {c.dim}")
+        per_value = 2 if c.residual else 1  # a residual coding stores two codes per value
+        if c.data.count != c.dim * per_value:
+            raise ValueError(f"{spec.name}: data field {c.data.name} holds {c.data.count} codes, not {c.dim * per_value}")
         needs_scale = c.scale_rule not in (ScaleRule.NONE, ScaleRule.TENSOR)
         if needs_scale != (c.scale is not None):
             raise ValueError(f"{spec.name}: scale field presence does not match rule {c.scale_rule.value}")
-        if c.scale is not None and c.scale.count != c.dim // c.group:
+        if c.scale is not None and c.scale.count != c.scale_count:
             raise ValueError(f"{spec.name}: {c.scale.count} scales for {c.dim // c.group} groups")
+        if c.residual and not (c.elem == "e2m1" and c.group == 16 and c.scale is not None and c.scale.dtype == "e4m3"
+                               and c.scale_rule is ScaleRule.AMAX_E4M3_RCP6 and c.apply is ScaleApply.MUL_RCP_APPROX
+                               and not c.zero_scale_saturates
+                               and c.scale_order is ScaleOrder.LINEAR):
+            raise ValueError(f"{spec.name}: residual coding is defined for e2m1 groups of 16 with linear E4M3 RCP6 scales")
         divisible = (ScaleRule.AMAX_FP32, ScaleRule.AMAX_FP32_POW2, ScaleRule.E8M0_CEIL)
         if c.apply is ScaleApply.DIV and c.scale_rule not in divisible:
             raise ValueError(f"{spec.name}: division by the scale needs a floored fp32 scale rule (never divides by 0)")

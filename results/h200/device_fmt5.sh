@@ -6,12 +6,12 @@
 #               the instruction's results for the default global scale's 127 inputs
 #     tests     GPU tests that cover the format: reference fallback on CUDA (bytes = CPU codec), dispatch, codec
 #     kld       mla-eval kld on the embedded model, wikitext-2 test, 32K tokens: the 324 B records side by side
-#               (trtllm_nvfp4_dsa, sglang_fp4_e2m1) beside nvfp4 / nvfp4_fp8_ds_mla / fp8_ds_mla
+#               (trtllm_nvfp4_dsa, sglang_fp4_e2m1), the 360 B residual record, beside nvfp4 / nvfp4_fp8_ds_mla / fp8_ds_mla
 #     needle    mla-eval needle at 4K/16K, the same formats
 # The format runs on the torch reference path (the kernels refuse it by name). Needs .devdata/wiki.test.raw
 # carried (never committed). Logs and JSON under $OUT, packed into one archive per run.
 . "$(dirname "$0")/device_setup.sh"  # log, step timer, CuTe DSL + jsonschema
-FMTS=trtllm_nvfp4_dsa,sglang_fp4_e2m1,nvfp4,nvfp4_fp8_ds_mla,fp8_ds_mla
+FMTS=trtllm_nvfp4_dsa,trtllm_nvfp4_dsa_r64,sglang_fp4_e2m1,nvfp4,nvfp4_fp8_ds_mla,fp8_ds_mla
 mkdir -p "$OUT/runs"
 for w in "${@:-residual tests kld}"; do
 for what in $w; do
