@@ -187,7 +187,8 @@ TRTLLM_NVFP4_DSA = Engine(
     symbol="applyMLARopeAppendPagedKVAssignQKernel -> quantizeAndWriteMlaFp4 -> cvt_warp_fp16_to_fp4",
     commit="727f68b662aad70d1cbe8e9d4292499824183dfc",
     flag="kv_cache_config dtype nvfp4 (DataType.NVFP4, DSACacheManager)",
-    note="two pools per token (data 288 B, block scales 36 B); global scale from TRTLLM_NVFP4_MLA_KV_CACHE_AMAX "
+    note="two pools per token (data + block scales: 288 + 36 B, or 320 + 40 B at residual dim 64, whose rope needs only "
+    "tabulated reciprocals); global scale from TRTLLM_NVFP4_MLA_KV_CACHE_AMAX "
     "(default 100: quant = 26.88, dequant = 100/2688) for every layer; its rcp.approx of the arbitrary fp32 values "
     "SFScaleVal and SFValue * rcp(SFScaleVal) are taken with rcp.rn here (residual: kernels/"
     "measure_trtllm_nvfp4_residual.py on the GPU); the attention reads an E4M3 copy of the decoded values",
