@@ -53,7 +53,9 @@ all in float32, IEEE round-to-nearest-even.
    (E4M3 s1: the measured table); residual r = v - q1 * s1 (the product is exact, one rounding); s2, q2 the
    same on r. The group's 16 bytes of data are [q1 codes | q2 codes], its two scale bytes [s1, s2]. The
    decoder returns fma(q2, s2 * D, q1 * (s1 * D)) (float64 arithmetic reproduces the fused multiply-add
-   exactly here), D = `GlobalScale.dequant` (1 without a global scale).
+   exactly here), D = `GlobalScale.dequant` (1 without a global scale). The fma is nvcc's default contraction
+   of the reader's `values += residual * scale`, assumed, not inspected in SASS; the other contraction or none
+   differs only where a float32 ulp moves the later E4M3 rounding.
    The decoder returns q * s (then * s_t, then * s_l), all exact products of the stored values; with a
    global scale it returns q * (s * D), D = `GlobalScale.dequant` (the engine's reader multiplies its
    fp32 dequant scale into the block scale first). Where `FormatSpec.reader_e4m3` the engine's attention
