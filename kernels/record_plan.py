@@ -13,7 +13,9 @@ Kernel constraints checked here (a spec outside them is served by the torch refe
 - the record is a whole number of 16-byte chunks and every field starts on a 4-byte boundary
   (the writer stores 32-bit words; the attention kernel copies records with 16-byte loads);
 - latent groups hold a multiple of 16 values (one writer lane owns 16 consecutive values);
-- the rope has one scale for all 64 values, or none.
+- the rope has one scale for all 64 values, or none;
+- no engine global scale, no saturating zero scales, no residual coding, no E4M3 reader copy (TensorRT-LLM's
+  NVFP4 DSA arithmetic, `trtllm_nvfp4_dsa*`): refused by name, so that a kernel never ignores them silently.
 """
 
 from __future__ import annotations
@@ -96,6 +98,8 @@ def _coding(c) -> CodingPlan:
         raise UnsupportedFormat(f"scale rule {rule!r} has no kernel")
     if c.elem not in ("bf16", "e4m3", "e2m1"):
         raise UnsupportedFormat(f"element type {c.elem!r} has no kernel")
+    if c.global_scale is not None or c.zero_scale_saturates or c.residual:
+        raise UnsupportedFormat("an engine global scale (SFScaleVal), saturating zero scales and residual codings have no kernel")
     scale = c.scale
     return CodingPlan(
         dim=c.dim,
@@ -115,6 +119,8 @@ def _coding(c) -> CodingPlan:
 
 def plan_for(spec) -> RecordPlan:
     """The kernel plan of a `FormatSpec`; raises `UnsupportedFormat` outside the kernels' scope."""
+    if spec.reader_e4m3:
+        raise UnsupportedFormat("the engine's E4M3 read-back copy has no kernel")
     latent, rope = _coding(spec.latent), _coding(spec.rope)
     outer = spec.outer_scale
     plan = RecordPlan(

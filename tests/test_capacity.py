@@ -66,7 +66,9 @@ def geom(cfg: dict):
 @pytest.mark.parametrize(
     ("fmt", "record"),
     [("bf16", 1152), ("fp8_ds_mla", 656), ("nvfp4", 432), ("nvfp4_fp8rope", 368), ("nvfp4_fp8_ds_mla", 352),
-     ("sglang_fp4_e2m1", 288 + 36)],  # SGLang: a 288 B data buffer and a 36 B scale buffer per token
+     ("sglang_fp4_e2m1", 288 + 36),  # SGLang: a 288 B data buffer and a 36 B scale buffer per token
+     ("trtllm_nvfp4_dsa", 288 + 36),  # TensorRT-LLM: a 288 B data pool and a 36 B block-scale pool per token
+     ("trtllm_nvfp4_dsa_r64", 320 + 40)],  # with the residual rope: 320 B data, 40 B block scales
 )
 def test_record_bytes_and_whole_model_bytes_without_indexer(fmt, record):
     spec = get_format(fmt)

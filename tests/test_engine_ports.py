@@ -35,6 +35,25 @@ Sources (the spec of each format names the same engine, `FormatSpec.engine`):
   python/sglang/srt/layers/quantization/kvfp4_tensor.py `KVFP4QuantizeUtil.batched_quantize` on the 576
   values of a token (MLATokenToKVPoolFP4): data buffer [288] then scale buffer [36] here. The engine's
   function is @torch.compile'd (float32 compute for bf16 inputs); this port runs it eagerly in float32.
+- trtllm_nvfp4_dsa: NVIDIA/TensorRT-LLM @ 727f68b662aad70d1cbe8e9d4292499824183dfc,
+  cpp/tensorrt_llm/kernels/mlaKernels.cu `applyMLARopeAppendPagedKVAssignQKernel` -> `quantizeAndWriteMlaFp4`
+  (288 B data / 36 B scale pools: no residual) -> `cvt_warp_fp16_to_fp4<T, 16, false>(values, quant_scale_kv,
+  scaleOut)` per 8-value vector v of the 576: data bytes [4v, 4v+4), scale byte v/2 for even v. The recipe
+  (cpp/tensorrt_llm/kernels/quantization.cuh @ 2a0ce833a998456f870104c1923815b03c5f87c9): SFValue =
+  SFScaleVal * (vecMax * rcp.approx.ftz(6)), E4M3 (RN, satfinite), outputScale = vecMax != 0 ?
+  rcp.approx.ftz(SFValue * rcp.approx.ftz(SFScaleVal)) : 0, codes cvt.rn.satfinite.e2m1x2(x * outputScale).
+  SFScaleVal = f32(1 / (amax / 2688)), amax = TRTLLM_NVFP4_MLA_KV_CACHE_AMAX (default 100.0)
+  (tensorrt_llm/_torch/attention/backends/sparse/dsa/backend.py @ 29c0516aff38c6a2bfd1429d847db2b746e808be).
+  The two rcp.approx of arbitrary fp32 values are rcp.rn here, as in the codec
+  (kernels/measure_trtllm_nvfp4_residual.py measures the rest on the GPU). The reader,
+  cpp/tensorrt_llm/kernels/nvfp4MlaKvCacheGather.cu `dequantizeRow` (@ 727f68b662aa): e4m3(code * (float(scale)
+  * dequant)), dequant = f32(amax / 2688).
+- trtllm_nvfp4_dsa_r64: the same writer with 320 B / 40 B pool strides: latent as above; each rope group g of 16
+  through `quantizeAndWriteMlaFp4Residual` (mlaKernels.cu @ 727f68b662aa): input = float(x) * SFScaleVal, main
+  scale e4m3(fmaxf(max|input| * rcp.approx.ftz(6), 0.001953125)), codes e2m1(input * rcp.approx.ftz(decoded)),
+  residual = input - code * decoded, then the same on the residual; data [256 + 16g, +8) main, [+8, +16) residual
+  codes; scales at 352 + 2g (main), 353 + 2g (residual). Its reader adds residual * (scale * dequant) to
+  code * (scale * dequant), one fused multiply-add, before the E4M3 conversion.
 - fp8_ds_mla_pow2: deepseek-ai/FlashMLA @ 520fec6a7fd98028705ccad373b7f0e3e2ae75fb, tests/quant.py
   `quantize_k_cache` (V32_FP8Sparse) and `_cast_scale_inv_to_ue8m0`: scale_inv = 2 ** ceil(log2(
   clamp_min(amax.float() / 448.0, 1e-4))) in float32 torch, codes (x.float() / scale_inv).to(float8_e4m3fn).
@@ -49,7 +68,7 @@ import numpy as np
 import pytest
 import torch
 
-from mla_eval.formats import encode, get_format
+from mla_eval.formats import decode, encode, get_format
 
 N_TOKENS = 64
 
@@ -232,6 +251,107 @@ def flashmla_quantize_k_cache(kv: torch.Tensor) -> np.ndarray:
     return out.numpy()
 
 
+TRTLLM_AMAX = 100.0  # backend.py _NVFP4_MLA_KV_CACHE_DEFAULT_AMAX
+TRTLLM_DEQUANT = np.float32(TRTLLM_AMAX / (448.0 * 6.0))  # torch.full_like(float32 tensor, python double)
+TRTLLM_QUANT = np.float32(1.0 / (TRTLLM_AMAX / (448.0 * 6.0)))
+
+
+def np_cvt_e2m1_satfinite_nan_max(x: np.ndarray) -> np.ndarray:
+    """cvt.rn.satfinite.e2m1x2 including non-finite inputs: +-inf saturate to +-6, NaN gives +6 (E2M1 has no
+    NaN; the PTX ISA's satfinite rule for NaN-less formats as we read it)."""
+    codes = np_e2m1_satfinite_rn(np.where(np.isnan(x), np.float32(0.0), x))
+    return np.where(np.isnan(x), np.uint8(0x7), codes).astype(np.uint8)
+
+
+def trtllm_cvt_warp_fp16_to_fp4(vals: np.ndarray, sf_scale: np.float32) -> tuple[np.ndarray, np.ndarray]:
+    """TensorRT-LLM's cvt_warp_fp16_to_fp4<T, 16, false> for [n, 16] values -> (scale bytes [n], packed [n, 8])."""
+    vec_max = np.abs(vals).max(axis=1)
+    sf_value = (sf_scale * (vec_max * rcp_approx_ftz(np.array([6.0], np.float32))[0]).astype(np.float32)).astype(np.float32)
+    sf_bits = np_e4m3_satfinite_rn(sf_value)
+    sf_dec = E4M3_VALUES[sf_bits].astype(np.float32)
+    inv_sf_scale = np.float32(1.0) / sf_scale  # rcp.approx.ftz(SFScaleVal) on the GPU: rcp.rn here
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out_scale = np.where(vec_max != 0, np.float32(1.0) / (sf_dec * inv_sf_scale).astype(np.float32), np.float32(0))
+        prod = (vals * out_scale.astype(np.float32)[:, None]).astype(np.float32)  # 0 * inf = NaN where the scale is 0
+    codes = np_cvt_e2m1_satfinite_nan_max(prod)
+    return sf_bits, codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
+def trtllm_append_paged_kv_nvfp4(kv: np.ndarray, sf_scale: np.float32 = TRTLLM_QUANT) -> np.ndarray:
+    """One token's two pools, [n, 288 data | 36 scales], from the 576 bf16 values (rope already rotated):
+    vector pair g (values 16g..16g+15) -> data bytes [8g, 8g+8) and scale byte g of the scale pool."""
+    n = kv.shape[0]
+    data, scales = np.zeros((n, 288), np.uint8), np.zeros((n, 36), np.uint8)
+    for g in range(36):
+        scales[:, g], data[:, 8 * g : 8 * (g + 1)] = trtllm_cvt_warp_fp16_to_fp4(kv[:, 16 * g : 16 * (g + 1)], sf_scale)
+    return np.concatenate([data, scales], axis=1)
+
+
+def trtllm_gather_fp8(records: np.ndarray, dequant: np.float32 = TRTLLM_DEQUANT) -> np.ndarray:
+    """nvFp4MlaKvCacheGather's dequantizeRow<false> (dequant != 1): [n, 576] E4M3 bytes the sparse FMHA reads."""
+    lo, hi = records[:, :288] & 0xF, records[:, :288] >> 4
+    codes = np.stack([lo, hi], axis=-1).reshape(-1, 576)
+    q = np.where(codes & 0x8, -1.0, 1.0) * E2M1_VALUES[codes & 0x7]
+    main_scale = (E4M3_VALUES[records[:, 288:] & 0x7F].astype(np.float32) * dequant).astype(np.float32)
+    vals = (q.astype(np.float32) * np.repeat(main_scale, 16, axis=1)).astype(np.float32)
+    return np_e4m3_satfinite_rn(vals)
+
+
+def _signed_e2m1(codes: np.ndarray) -> np.ndarray:
+    return np.where(codes & 0x8, -1.0, 1.0) * E2M1_VALUES[codes & 0x7]
+
+
+def _trtllm_residual_pass(v: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One pass of quantizeAndWriteMlaFp4Residual on [n, 16] float32: (scale bits, decoded scale, codes)."""
+    r6 = rcp_approx_ftz(np.array([6.0], np.float32))[0]
+    scale = np.maximum((np.abs(v).max(axis=1) * r6).astype(np.float32), np.float32(0.001953125))
+    bits = np_e4m3_satfinite_rn(scale)
+    dec = E4M3_VALUES[bits].astype(np.float32)
+    return bits, dec, np_e2m1_satfinite_rn((v * rcp_approx_ftz(dec)[:, None]).astype(np.float32))
+
+
+def trtllm_residual_group(vals: np.ndarray, sf_scale: np.float32) -> tuple[np.ndarray, ...]:
+    """quantizeAndWriteMlaFp4Residual for [n, 16] values -> (main scale, residual scale, main packed, residual packed)."""
+    inp = (vals * sf_scale).astype(np.float32)
+    b1, dec1, q1 = _trtllm_residual_pass(inp)
+    residual = (inp - (_signed_e2m1(q1) * dec1[:, None]).astype(np.float32)).astype(np.float32)  # exact product
+    b2, _, q2 = _trtllm_residual_pass(residual)
+    pack = lambda q: q[:, 0::2] | (q[:, 1::2] << 4)  # noqa: E731
+    return b1, b2, pack(q1), pack(q2)
+
+
+def trtllm_append_paged_kv_nvfp4_residual(kv: np.ndarray, sf_scale: np.float32 = TRTLLM_QUANT) -> np.ndarray:
+    """[n, 320 data | 40 scales]: latent groups as cvt_warp_fp16_to_fp4, rope groups with a residual pass."""
+    n = kv.shape[0]
+    data, scales = np.zeros((n, 320), np.uint8), np.zeros((n, 40), np.uint8)
+    for g in range(32):
+        scales[:, g], data[:, 8 * g : 8 * (g + 1)] = trtllm_cvt_warp_fp16_to_fp4(kv[:, 16 * g : 16 * (g + 1)], sf_scale)
+    for g in range(4):
+        b1, b2, p1, p2 = trtllm_residual_group(kv[:, 512 + 16 * g : 512 + 16 * (g + 1)], sf_scale)
+        data[:, 256 + 16 * g : 264 + 16 * g], data[:, 264 + 16 * g : 272 + 16 * g] = p1, p2
+        scales[:, 32 + 2 * g], scales[:, 33 + 2 * g] = b1, b2
+    return np.concatenate([data, scales], axis=1)
+
+
+def trtllm_gather_fp8_residual(records: np.ndarray, dequant: np.float32 = TRTLLM_DEQUANT) -> np.ndarray:
+    """dequantizeRow<false> with residual_dim 64: [n, 576] E4M3 bytes. The reader's `values += residual *
+    residualScale` is one fused multiply-add (nvcc's default contraction); float64 holds it exactly here (the
+    addend is a float32, the product has at most 2 + 24 significant bits and sits within 2^27 of it, or below
+    half its ulp)."""
+    n = records.shape[0]
+    unpack = lambda b: np.stack([b & 0xF, b >> 4], axis=-1).reshape(b.shape[0], -1)  # noqa: E731
+    scale = lambda i: (E4M3_VALUES[records[:, 320 + i]].astype(np.float32) * dequant).astype(np.float32)  # noqa: E731
+    latent = _signed_e2m1(unpack(records[:, :256])).astype(np.float32).reshape(n, 32, 16)
+    lat = (latent * np.stack([scale(g) for g in range(32)], axis=1)[..., None]).astype(np.float32).reshape(n, 512)
+    rope = []
+    for g in range(4):
+        main = _signed_e2m1(unpack(records[:, 256 + 16 * g : 264 + 16 * g])).astype(np.float32)
+        res = _signed_e2m1(unpack(records[:, 264 + 16 * g : 272 + 16 * g]))
+        part = (main * scale(32 + 2 * g)[:, None]).astype(np.float32).astype(np.float64)
+        rope.append((part + res * scale(33 + 2 * g).astype(np.float64)[:, None]).astype(np.float32))
+    return np_e4m3_satfinite_rn(np.concatenate([lat, *rope], axis=1))
+
+
 # ---------------------------------------------------------------- inputs
 def _inputs(kind: str, seed: int = 0) -> torch.Tensor:
     """[N_TOKENS, 576] float32 inputs of one kind (latent then rope)."""
@@ -336,6 +456,78 @@ def test_sglang_fp4_e2m1_bytes_equal_sglang(kind):
     assert np.count_nonzero(sglang_kvfp4_batched_quantize(x) != _ours("sglang_fp4_e2m1", x)) == 0
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_trtllm_nvfp4_dsa_bytes_equal_tensorrt_llm(kind):
+    """TensorRT-LLM's writer takes bf16 (the model dtype; the rope rotated in bf16), so both get bf16 values."""
+    x = _inputs(kind).bfloat16().float()
+    engine = trtllm_append_paged_kv_nvfp4(x.numpy())
+    assert np.count_nonzero(engine != _ours("trtllm_nvfp4_dsa", x)) == 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_trtllm_nvfp4_dsa_decode_is_what_the_engine_gathers(kind):
+    """decode() returns the E4M3 values TensorRT-LLM's gather stages for its FMHA, to the bit."""
+    x = _inputs(kind).bfloat16().float()
+    rec = torch.from_numpy(_ours("trtllm_nvfp4_dsa", x))
+    lat, rope = decode("trtllm_nvfp4_dsa", rec)
+    ours = torch.cat([lat, rope], dim=-1).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+    assert np.count_nonzero(trtllm_gather_fp8(rec.numpy()) != ours) == 0
+
+
+def test_trtllm_global_scale_and_vecmax_test_are_what_the_comparison_detects():
+    """At SFScaleVal = 1 (the vLLM copy's setting) the scale bytes differ from the engine's on ordinary data;
+    tiny inputs (S * amax / 6 < 2^-10) reach the engine's `vecMax != 0` branch: scale 0, codes saturated to
+    +-6 (0x7 / 0xF), where vLLM's `SFValue != 0` would store +-0."""
+    x = _inputs("bf16", seed=4)
+    unit = trtllm_append_paged_kv_nvfp4(x.numpy(), sf_scale=np.float32(1.0))
+    assert np.count_nonzero(unit[:, 288:] != _ours("trtllm_nvfp4_dsa", x)[:, 288:]) > 0
+    tiny = _inputs("tiny").bfloat16().float()
+    rec = _ours("trtllm_nvfp4_dsa", tiny)
+    assert np.all(rec[:, 288:] == 0)
+    lo, hi = rec[:, :288] & 0xF, rec[:, :288] >> 4
+    assert np.all((lo & 0x7) == 0x7) and np.all((hi & 0x7) == 0x7)
+    zero_in_tiny = tiny.clone()
+    zero_in_tiny[0, 1] = 0.0  # 0 * inf = NaN in the engine -> +6 (0x7) in the high nibble of byte 0
+    assert _ours("trtllm_nvfp4_dsa", zero_in_tiny)[0, 0] >> 4 == 0x7
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_trtllm_nvfp4_dsa_r64_bytes_equal_tensorrt_llm(kind):
+    x = _inputs(kind).bfloat16().float()
+    engine = trtllm_append_paged_kv_nvfp4_residual(x.numpy())
+    assert np.count_nonzero(engine != _ours("trtllm_nvfp4_dsa_r64", x)) == 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_trtllm_nvfp4_dsa_r64_decode_is_what_the_engine_gathers(kind):
+    x = _inputs(kind).bfloat16().float()
+    rec = torch.from_numpy(_ours("trtllm_nvfp4_dsa_r64", x))
+    lat, rope = decode("trtllm_nvfp4_dsa_r64", rec)
+    ours = torch.cat([lat, rope], dim=-1).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+    assert np.count_nonzero(trtllm_gather_fp8_residual(rec.numpy()) != ours) == 0
+
+
+def test_trtllm_residual_floor_and_second_pass_are_exercised():
+    """Zero or tiny rope groups get the 2^-9 floor (scale byte 0x01), never 0; on ordinary data the residual pass
+    stores nonzero codes and halves the rope's error against the single pass of the 324 B record."""
+    for kind in ("zero", "tiny"):
+        assert np.all(_ours("trtllm_nvfp4_dsa_r64", _inputs(kind).bfloat16().float())[:, 352:] == 0x01)
+    x = _inputs("normal", seed=2).bfloat16().float()
+    rec = _ours("trtllm_nvfp4_dsa_r64", x)
+    assert np.count_nonzero(rec[:, 264:272]) > 0
+    err = {f: (decode(f, torch.from_numpy(_ours(f, x)))[1] - x[:, 512:]).norm().item()
+           for f in ("trtllm_nvfp4_dsa", "trtllm_nvfp4_dsa_r64")}
+    assert err["trtllm_nvfp4_dsa_r64"] < 0.5 * err["trtllm_nvfp4_dsa"]
+
+
+def test_trtllm_global_scale_is_the_engine_default():
+    spec = get_format("trtllm:nvfp4")
+    assert spec.name == "trtllm_nvfp4_dsa" and spec.engine.commit == "727f68b662aad70d1cbe8e9d4292499824183dfc"
+    gs = spec.latent.global_scale
+    assert gs is spec.rope.global_scale and gs.amax == TRTLLM_AMAX
+    assert np.float32(gs.quant) == TRTLLM_QUANT and np.float32(gs.dequant) == TRTLLM_DEQUANT
+
+
 def test_sglang_ties_go_away_from_zero_and_negative_zero_is_positive():
     """amax 6 gives scale 2^0: 0.25 (a tie) -> 0.5 (code 1; RNE would give 0), -1.25 (a tie) -> -1.5
     (code 0xB; RNE: 0xA), -0.0 -> +0. The even element sits in the low nibble."""
@@ -411,3 +603,15 @@ def test_flashmla_log2_ceil_equals_the_exact_power_of_two_for_every_bf16_amax():
 def test_specs_name_the_engines_ported_here():
     assert get_format("fp8_ds_mla").engine.commit == "37cb21c1695d11baba8e369b071d2f44c1561c8f"
     assert get_format("fp8_ds_mla_pow2").engine.commit == "520fec6a7fd98028705ccad373b7f0e3e2ae75fb"
+
+
+def test_trtllm_residual_script_with_rcp_rn_reproduces_the_codec():
+    """kernels/measure_trtllm_nvfp4_residual.py ports the writer with the GPU's rcp.approx; given rcp.rn in its
+    place it must give the codec's bytes, so any mismatch it reports on the GPU is the instruction's alone."""
+    from mla_eval_kernels.measure_trtllm_nvfp4_residual import engine_records
+
+    x = torch.cat([_inputs(k).bfloat16().float() for k in ("normal", "heavy_tailed", "tiny", "mixed")])
+    x[0, 3] = 0.0
+    gs = get_format("trtllm_nvfp4_dsa").latent.global_scale
+    got = engine_records(x, gs.quant, lambda t: torch.ones_like(t) / t)
+    assert torch.equal(got, torch.from_numpy(_ours("trtllm_nvfp4_dsa", x)))

@@ -42,3 +42,18 @@ def test_json_and_table_name_the_defining_engine(capsys, monkeypatch):
     assert main(["formats", "--formats", "fp8_ds_mla_pow2", "--no-layout"]) == 0
     out = capsys.readouterr().out
     assert "deepseek-ai/FlashMLA@520fec6a7fd9" in out and "V32_FP8Sparse" in out
+
+
+def test_trtllm_nvfp4_dsa_row_shows_engine_pools_and_global_scale(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "250")
+    assert main(["formats", "--json", "--formats", "trtllm:nvfp4"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["formats"]
+    assert row["name"] == "trtllm_nvfp4_dsa" and row["bytes_per_token_per_layer"] == 324
+    assert row["engine"]["repository"] == "NVIDIA/TensorRT-LLM" and row["aliases"] == ["trtllm:nvfp4"]
+    assert [(b["name"], b["start"], b["end"]) for b in row["buffers"]] == [("kv_pool", 0, 288), ("block_scale_pool", 288, 324)]
+    assert row["global_scale"]["amax"] == 100.0 and row["reader_e4m3"] is True
+    assert [(f["name"], f["offset"]) for f in row["fields"]] == [("latent", 0), ("rope", 256), ("latent_scale", 288),
+                                                                 ("rope_scale", 320)]
+    assert main(["formats", "--formats", "trtllm_nvfp4_dsa,sglang_fp4_e2m1"]) == 0
+    out = capsys.readouterr().out
+    assert "NVIDIA/TensorRT-LLM@727f68b662aa" in out and "global S=26.88" in out and "read as e4m3" in out

@@ -245,3 +245,17 @@ def test_device_map_bad_input(ckpt, text, monkeypatch, capsys):
     _one_line_error(
         *run(["kld", "--model", str(ckpt), "--text", str(text), "--device-map", "auto"], capsys)[::2], "pip install accelerate"
     )
+
+
+def test_kld_with_trtllm_nvfp4_records_our_name_and_refuses_scales(ckpt, text, tmp_path, capsys):
+    """The engine alias selects trtllm_nvfp4_dsa (torch reference on CPU); it takes no per-layer s_l (its global
+    scale is the engine's own), so asking for one is a one-line error."""
+    out = tmp_path / "t.json"
+    code, _, err = run(["kld", "--model", str(ckpt), "--text", str(text), "--ctx", "64", "--stride", "32",
+                        "--formats", "trtllm:nvfp4,sglang_fp4_e2m1", "--out", str(out), "--no-layer-stats"], capsys)
+    assert code == 0, err
+    f = json.loads(out.read_text())["formats"]
+    assert set(f) == {"trtllm_nvfp4_dsa", "sglang_fp4_e2m1"} and f["trtllm_nvfp4_dsa"]["kld_mean"] > 0
+    code, _, err = run(["kld", "--model", str(ckpt), "--text", str(text), "--ctx", "64", "--formats", "trtllm_nvfp4_dsa+s_l",
+                        "--out", str(tmp_path / "u.json")], capsys)
+    assert code == 2 and err.count("\n") == 1, err

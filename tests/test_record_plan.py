@@ -93,3 +93,20 @@ def test_engine_outer_scale_order_reaches_the_plan():
         by_name["nvfp4"], outer_scale=dataclasses.replace(by_name["nvfp4"].outer_scale, bf16_result=False)
     )
     assert rp.plan_for(flipped) != rp.plan_for(by_name["nvfp4"])
+
+
+def test_trtllm_engine_arithmetic_is_refused_by_name_not_ignored():
+    """trtllm_nvfp4_dsa runs on the torch reference; a variant that a kernel could otherwise lay out (a
+    16-aligned record with an e4m3 rope) is still refused for each engine-specific rule."""
+    by_name = {s.name: s for s in all_formats()}
+    with pytest.raises(rp.UnsupportedFormat, match="E4M3 read-back"):
+        rp.plan_for(by_name["trtllm_nvfp4_dsa"])
+    base = by_name["nvfp4_fp8_ds_mla"]
+    gs = by_name["trtllm_nvfp4_dsa"].latent.global_scale
+    lat = dataclasses.replace(base.latent, scale_rule=ScaleRule.AMAX_E4M3_RCP6, apply=spec_mod.ScaleApply.MUL_RCP_APPROX,
+                              scale_order=spec_mod.ScaleOrder.LINEAR)
+    rp.plan_for(dataclasses.replace(base, name="plain", latent=lat))  # the layout alone is in scope
+    for changed in (dict(global_scale=gs), dict(zero_scale_saturates=True)):
+        spec = dataclasses.replace(base, name="engine_rule", latent=dataclasses.replace(lat, **changed))
+        with pytest.raises(rp.UnsupportedFormat, match="global scale .* saturating zero scales and residual codings"):
+            rp.plan_for(spec)

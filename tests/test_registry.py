@@ -21,9 +21,9 @@ from mla_eval.formats import (
 
 
 def test_builtin_names_in_order():
-    assert format_names()[:10] == [
+    assert format_names()[:12] == [
         "bf16", "fp8_ds_mla", "fp8_ds_mla_pow2", "nvfp4", "nvfp4_fp8rope", "nvfp4_fp8rope_st", "nvfp4_fp8_ds_mla",
-        "sglang_fp4_e2m1", "mxfp4", "fp8_e4m3",
+        "sglang_fp4_e2m1", "trtllm_nvfp4_dsa", "trtllm_nvfp4_dsa_r64", "mxfp4", "fp8_e4m3",
     ]
 
 
@@ -184,6 +184,34 @@ def test_record_width_lookup():
     assert "\n" not in str(exc.value)
     with pytest.raises(UserError, match="shared by fp8_ds_mla, fp8_ds_mla_pow2; name the format"):
         format_for_record_bytes(656)
+    with pytest.raises(UserError, match="records of 324 B, shared by sglang_fp4_e2m1, trtllm_nvfp4_dsa; name the"):
+        format_for_record_bytes(324)
+
+
+def test_global_scale_rules_are_validated():
+    """A global scale belongs to the NVIDIA recipe (AMAX_E4M3_RCP6 with rcp.approx); saturation excludes clearing."""
+    import dataclasses
+
+    from mla_eval.formats import GlobalScale, ScaleApply
+    from mla_eval.formats.spec import ScaleOrder
+
+    spec = get_format("trtllm_nvfp4_dsa")
+    with pytest.raises(ValueError, match="global scale is defined for the AMAX_E4M3_RCP6 rule"):
+        dataclasses.replace(spec, name="bad_gs", latent=dataclasses.replace(spec.latent, apply=ScaleApply.MUL_RCP))
+    with pytest.raises(ValueError, match="must be positive and finite"):
+        dataclasses.replace(spec, name="bad_amax", latent=dataclasses.replace(spec.latent, global_scale=GlobalScale(amax=0.0)))
+    with pytest.raises(ValueError, match="zero_scale_saturates is defined"):
+        dataclasses.replace(spec, name="bad_sat", rope=dataclasses.replace(spec.rope, zero_scale_clears=True))
+    r64 = get_format("trtllm_nvfp4_dsa_r64")
+    with pytest.raises(ValueError, match="residual coding is defined for e2m1 groups of 16"):
+        dataclasses.replace(r64, name="bad_res", rope=dataclasses.replace(r64.rope, scale_order=ScaleOrder.TRANSPOSE_8X4))
+    with pytest.raises(ValueError, match="holds 128 codes, not 64"):  # two codes per value only with the residual pass
+        dataclasses.replace(r64, name="bad_res_data", rope=dataclasses.replace(r64.rope, residual=False))
+    other = dataclasses.replace(spec, name="trtllm_amax_448", aliases=(),
+                                latent=dataclasses.replace(spec.latent, global_scale=GlobalScale(amax=448.0)),
+                                rope=dataclasses.replace(spec.rope, global_scale=GlobalScale(amax=448.0)))
+    x = torch.randn(8, 576).bfloat16().float() * 40
+    assert not torch.equal(encode(other, x[:, :512], x[:, 512:]), encode(spec, x[:, :512], x[:, 512:]))
 
 
 def test_model_dims_check_names_deepseek_v4():

@@ -23,8 +23,10 @@ def format_row(spec: FormatSpec) -> dict:
         "bits_per_value": round(spec.bits_per_value, 4),
         "tokens_per_byte_vs_bf16": round(bf16 / spec.record_bytes, 4),
         "tokens_per_byte_vs_fp8_ds_mla": round(fp8 / spec.record_bytes, 4),
-        "latent": {"elem": spec.latent.elem, "group": spec.latent.group, "scale_rule": spec.latent.scale_rule.value},
-        "rope": {"elem": spec.rope.elem, "group": spec.rope.group, "scale_rule": spec.rope.scale_rule.value},
+        "latent": {"elem": spec.latent.elem, "group": spec.latent.group, "scale_rule": spec.latent.scale_rule.value,
+                   "residual": spec.latent.residual},
+        "rope": {"elem": spec.rope.elem, "group": spec.rope.group, "scale_rule": spec.rope.scale_rule.value,
+                 "residual": spec.rope.residual},
         "token_scale": spec.token_scale is not None,
         "outer_scale": None
         if spec.outer_scale is None
@@ -47,6 +49,10 @@ def format_row(spec: FormatSpec) -> dict:
         "arithmetic": {"latent_apply": spec.latent.apply.value, "latent_scale_floor": spec.latent.scale_floor},
         "aliases": list(spec.aliases),
         "buffers": [{"name": n, "start": a, "end": b} for n, a, b in spec.buffers],
+        # An engine's per-tensor NVFP4 scale (not stored per token) and whether its attention reads an E4M3 copy.
+        "global_scale": None if (gs := spec.latent.global_scale) is None
+        else {"amax": gs.amax, "quant": gs.quant, "dequant": gs.dequant, "source": gs.source},
+        "reader_e4m3": spec.reader_e4m3,
     }
 
 
@@ -83,6 +89,12 @@ def formats(
             extra.append("s_l opt.")
         if spec.buffers:
             extra.append(f"{len(spec.buffers)} buffers")
+        if spec.latent.global_scale is not None:
+            extra.append(f"global S={spec.latent.global_scale.quant:.4g}")
+        if spec.reader_e4m3:
+            extra.append("read as e4m3")
+        if spec.rope.residual or spec.latent.residual:
+            extra.append("residual pass")
         table.add_row(
             spec.name,
             str(spec.record_bytes),
@@ -118,15 +130,17 @@ def formats(
         console.print(f"'{name}' alone is ambiguous (an engine name for {' and '.join(fmts)}): use our name or its alias.")
     console.print(
         "bits = stored bits per cached value; x bf16 / x fp8 = tokens that fit in the same memory as "
-        "with bf16 / fp8_ds_mla; s_l = per-layer outer scale (not stored per token)."
+        "with bf16 / fp8_ds_mla; s_l = per-layer outer scale (not stored per token); global S = an engine's "
+        "per-tensor NVFP4 scale (not stored per token); read as e4m3 = the engine's attention reads an E4M3 copy; "
+        "residual pass = a second E2M1 pass over the first one's error."
     )
 
 
 def _coding_label(coding) -> str:
-    """'e2m1 e4m3/16' = E2M1 values, one E4M3 scale per 16 values; summary of how one vector is stored."""
+    """'e2m1 e4m3/16' = E2M1 values, one E4M3 scale per 16 values ('2x' with a residual pass)."""
     if coding.scale is None:
         return coding.elem if coding.scale_rule.value == "none" else f"{coding.elem} x s_l"
-    return f"{coding.elem} {coding.scale.dtype}/{coding.group}"
+    return f"{'2x ' if coding.residual else ''}{coding.elem} {coding.scale.dtype}/{coding.group}"
 
 
 def register(app: typer.Typer) -> None:

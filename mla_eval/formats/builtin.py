@@ -9,12 +9,16 @@ issues and pages corpora, GitHub snapshots of sgl-project/sglang and NVIDIA/Tens
   PR text gives a 416 B record (256 B E2M1 latent, 32 B block-16 E4M3 scales, 128 B bf16 rope) with a
   per-layer fp32 global K scale. Its source (the writer's arithmetic) is not in any stored copy: the PR
   branch is not on sglang main, the author's fork is not indexed, and sglang's snapshot (1.2 GB) is over
-  the fetch limit. Without the writer there is no engine port, so no spec.
-- TensorRT-LLM: `DSACacheManager` (NVIDIA/TensorRT-LLM@0bbb76d22e61bde633cc5f7733f5194881853501,
-  tensorrt_llm/_torch/attention_backend/sparse/dsa/cache_manager.py) admits DataType.NVFP4 for the DSA
-  latent cache: all 576 values as E2M1 (288 B) plus one E4M3 scale per 16 (36 B) kept in a separate
-  block-scale pool, 324 B per token; PR 18723 extends GLM-5.2 NVFP4 KV coverage. Its writer (the MLA
-  RoPE/quantise kernel with the KV global scale) was not read and ported this session: a follow-up.
+  the fetch limit. Without the writer there is no engine port, so no spec. Searched again 2026-12-04: the
+  issues corpus holds the PR description only (no review thread with code); of the author's (Njuapp)
+  indexed repositories none is an sglang fork; the code corpus and exact-string search find no 416 B
+  NVFP4 writer (tried: the PR title, "416-byte", global K scale / flashmla_kv / NSA pool queries).
+- TensorRT-LLM's NVFP4 DSA cache is built in twice (below): `trtllm_nvfp4_dsa` (324 B, residual dim 0: the
+  DSACacheManager V1 sizing read at 0bbb76d22e61) and `trtllm_nvfp4_dsa_r64` (360 B, residual dim 64: the rope
+  stored as E2M1 plus an E2M1 residual, what GLM-5.2 gets under DSACacheManagerV2). Which one a deployment
+  writes depends on the manager and its residual setting (PR 19305 ties DeepSeek-V4's to
+  TRTLLM_NVFP4_MLA_RESIDUAL_QUANTIZATION, default on); where the DSA managers set it was not found in a
+  stored copy, so the residual dim is named in the format rather than assumed.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from mla_eval.formats.spec import (
     Engine,
     Field,
     FormatSpec,
+    GlobalScale,
     OuterScale,
     ScaleApply,
     ScaleOrder,
@@ -151,6 +156,88 @@ def _sglang_fp4(dim: int, data_offset: int, scale_offset: int, name: str) -> Vec
         apply=ScaleApply.DIV,
         scale_floor=SGLANG_FP4_FLOOR,
         elem_rounding="ties_away",
+    )
+
+
+# TensorRT-LLM's NVFP4 KV cache for DSA models (DeepSeek-V3.2 / GLM-5 sparse MLA).
+# Writer, read at NVIDIA/TensorRT-LLM@727f68b662aad70d1cbe8e9d4292499824183dfc cpp/tensorrt_llm/kernels/mlaKernels.cu:
+# `applyMLARopeAppendPagedKVAssignQKernel` (the DSA context and generation appends both use it) rotates the
+# rope in bf16 and hands each 8-value vector v of the 576 (latent vecs 0..63, rope 64..71) to
+# `quantizeAndWriteMlaFp4`; with a 288 B data / 36 B scale pool stride (no residual) that is
+# `cvt_warp_fp16_to_fp4<T, 16, false>(values, quant_scale_kv, scaleOut)`: 4 bytes of E2M1 at data byte 4v of
+# the token (even element in the low nibble), and for even v one E4M3 byte at scale byte v/2 (linear, no
+# swizzle).
+# Recipe, read in cpp/tensorrt_llm/kernels/quantization.cuh at NVIDIA/TensorRT-LLM@2a0ce833a998456f870104c1923815b03c5f87c9
+# (the file is not stored at the writer's commit; the other TensorRT-LLM NVFP4 writers read, cvt_warp_fp16_to_fp4_impl_opt
+# in fp4QuantizeAdaptive and PR 17985's MiniMax-M3 kernel, test amax != 0 alike): vecMax = max |x| over 16 bf16
+# values; SFValue = SFScaleVal * (vecMax * rcp.approx.ftz(6)); E4M3 by __nv_fp8_e4m3 (RN, satfinite);
+# outputScale = vecMax != 0 ? rcp.approx.ftz(SFValue_decoded * rcp.approx.ftz(SFScaleVal)) : 0 (vecMax, not
+# SFValue as in vLLM's copy); codes cvt.rn.satfinite.e2m1x2.f32(x * outputScale).
+# Global scale, read at NVIDIA/TensorRT-LLM@29c0516aff38c6a2bfd1429d847db2b746e808be
+# tensorrt_llm/_torch/attention/backends/sparse/dsa/backend.py `DSATrtllmAttention.__init__`: amax =
+# float(env TRTLLM_NVFP4_MLA_KV_CACHE_AMAX, default 100.0), dequant = amax / (448 * 6), quant = 1 / dequant,
+# both torch.full_like of the float32 kv_cache_scaling_factor, the same for every layer (no calibration);
+# quant is the writer's SFScaleVal (`mla_rope_append_paged_kv_assign_q`), dequant goes to the reader.
+# Reader (cpp/tensorrt_llm/kernels/nvfp4MlaKvCacheGather.cu `dequantizeRow`, at the writer's commit): the
+# selected tokens gathered as e4m3(q * (float(scale) * dequant)) into an fp8 scratch that the sparse FMHA reads.
+TRTLLM_NVFP4_DSA = Engine(
+    name="TensorRT-LLM",
+    repository="NVIDIA/TensorRT-LLM",
+    path="cpp/tensorrt_llm/kernels/mlaKernels.cu",
+    symbol="applyMLARopeAppendPagedKVAssignQKernel -> quantizeAndWriteMlaFp4 -> cvt_warp_fp16_to_fp4",
+    commit="727f68b662aad70d1cbe8e9d4292499824183dfc",
+    flag="kv_cache_config dtype nvfp4 (DataType.NVFP4, DSACacheManager)",
+    note="two pools per token (data + block scales: 288 + 36 B, or 320 + 40 B at residual dim 64, whose rope needs only "
+    "tabulated reciprocals); global scale from TRTLLM_NVFP4_MLA_KV_CACHE_AMAX "
+    "(default 100: quant = 26.88, dequant = 100/2688) for every layer; its rcp.approx of the arbitrary fp32 values "
+    "SFScaleVal and SFValue * rcp(SFScaleVal) are taken with rcp.rn here (residual: kernels/"
+    "measure_trtllm_nvfp4_residual.py on the GPU); the attention reads an E4M3 copy of the decoded values",
+)
+# The engine's default TRTLLM_NVFP4_MLA_KV_CACHE_AMAX. Another value is another record: register a copy of
+# the spec with GlobalScale(amax=...) (mla_eval.formats.register_format).
+TRTLLM_NVFP4_DEFAULT_AMAX = 100.0
+TRTLLM_NVFP4_GLOBAL = GlobalScale(
+    amax=TRTLLM_NVFP4_DEFAULT_AMAX, source="TRTLLM_NVFP4_MLA_KV_CACHE_AMAX (TensorRT-LLM default 100.0)"
+)
+
+
+def _trtllm_nvfp4(dim: int, data_offset: int, scale_offset: int, name: str) -> VectorCoding:
+    return VectorCoding(
+        dim,
+        "e2m1",
+        Field(name, data_offset, "e2m1", dim),
+        ScaleRule.AMAX_E4M3_RCP6,
+        16,
+        Field(f"{name}_scale", scale_offset, "e4m3", dim // 16),
+        apply=ScaleApply.MUL_RCP_APPROX,
+        global_scale=TRTLLM_NVFP4_GLOBAL,
+        zero_scale_saturates=True,
+    )
+
+
+# The residual layout (the cache manager's mla_kv_cache_residual_dim = 64: data 320 B, scales 40 B per token), read in
+# mlaKernels.cu `quantizeAndWriteMlaFp4` / `quantizeAndWriteMlaFp4Residual` at the writer's commit: latent vecs as
+# above; each 16-value rope group g: input = float(x) * SFScaleVal, main scale e4m3(fmaxf(max|input| * rcp.approx(6),
+# 2^-9)), codes e2m1(input * rcp.approx(decoded)), residual = input - code * decoded, its scale and codes the same way;
+# data bytes [256 + 16g, +8) main and [+8, +16) residual codes, scale bytes 320 + 32 + 2g (main) and + 1 (residual).
+# GLM-5.2 under DSACacheManagerV2 gets this layout: NVIDIA/TensorRT-LLM's unit test test_glm52_nvfp4_page_table_geometry
+# (GLM-5.2 NVFP4 KV-transfer coverage; read by content, its path and commit not resolved in the index) asserts
+# mla_kv_cache_residual_dim == qk_rope_head_dim and key / key_block_scale regions of (576 + 64) / 2 and / 16 B per token.
+TRTLLM_RESIDUAL_FLOOR = 2.0**-9  # quantizeAndWriteMlaFp4Residual's kMinFp4Scale = 0.001953125F
+
+
+def _trtllm_residual_rope(data_offset: int, scale_offset: int) -> VectorCoding:
+    return VectorCoding(
+        ROPE_DIM,
+        "e2m1",
+        Field("rope", data_offset, "e2m1", 2 * ROPE_DIM),  # main and residual codes, interleaved per group
+        ScaleRule.AMAX_E4M3_RCP6,
+        16,
+        Field("rope_scale", scale_offset, "e4m3", 2 * ROPE_DIM // 16),
+        apply=ScaleApply.MUL_RCP_APPROX,
+        scale_floor=TRTLLM_RESIDUAL_FLOOR,
+        global_scale=TRTLLM_NVFP4_GLOBAL,
+        residual=True,
     )
 
 
@@ -333,6 +420,36 @@ BUILTIN_FORMATS: tuple[FormatSpec, ...] = (
         engine=SGLANG_FP4_E2M1,
         aliases=("sglang:fp4_e2m1",),
         buffers=(("kv_buffer", 0, 288), ("kv_scale_buffer", 288, 324)),
+    ),
+    FormatSpec(
+        name="trtllm_nvfp4_dsa",
+        title="nvfp4 DSA (TensorRT-LLM, 324 B)",
+        description="All 576 values E2M1, E4M3 scale e4m3(S*amax*rcp(6)) per 16 with global scale S = 2688/amax_env "
+        "(default 26.88); residual dim 0; data and scales in two pools; read back as E4M3.",
+        source="TensorRT-LLM NVFP4 KV cache for DSA (DSACacheManager, DataType.NVFP4): mlaKernels.cu + quantization.cuh",
+        record_bytes=324,
+        latent=_trtllm_nvfp4(LATENT_DIM, 0, 288, "latent"),
+        rope=_trtllm_nvfp4(ROPE_DIM, 256, 320, "rope"),
+        align=4,
+        engine=TRTLLM_NVFP4_DSA,
+        aliases=("trtllm:nvfp4",),
+        buffers=(("kv_pool", 0, 288), ("block_scale_pool", 288, 324)),
+        reader_e4m3=True,
+    ),
+    FormatSpec(
+        name="trtllm_nvfp4_dsa_r64",
+        title="nvfp4 DSA + residual rope (TensorRT-LLM, 360 B)",
+        description="trtllm_nvfp4_dsa's latent; the rope as E2M1 plus an E2M1 residual pass, E4M3 scales floored at "
+        "2^-9 (values pre-scaled by S); two pools; read back as E4M3.",
+        source="TensorRT-LLM NVFP4 KV cache for DSA with mla_kv_cache_residual_dim = 64 (GLM-5.2 under DSACacheManagerV2)",
+        record_bytes=360,
+        latent=_trtllm_nvfp4(LATENT_DIM, 0, 320, "latent"),
+        rope=_trtllm_residual_rope(256, 352),
+        align=4,
+        engine=TRTLLM_NVFP4_DSA,
+        aliases=("trtllm:nvfp4:residual_dim=64",),
+        buffers=(("kv_pool", 0, 320), ("block_scale_pool", 320, 360)),
+        reader_e4m3=True,
     ),
     # Our choice: OCP MX v1.0 MXFP4 (E2M1, one E8M0 scale per 32 values). 256 B of codes, 16 B of
     # scales, 16 B of zero padding so the bf16 rope starts 16-byte aligned at 288; 416 B in all.

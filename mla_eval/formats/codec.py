@@ -94,7 +94,10 @@ def _group_scale(coding: VectorCoding, g: torch.Tensor) -> tuple[torch.Tensor, t
         s = nx.e4m3_decode(bits)
         return s, _recip(s), bits
     if rule is ScaleRule.AMAX_E4M3_RCP6:
-        bits = nx.e4m3_encode(amax * torch.full_like(amax, approx.rcp_approx_of(nx.E2M1_MAX)))
+        sf = amax * torch.full_like(amax, approx.rcp_approx_of(nx.E2M1_MAX))
+        if coding.global_scale is not None:  # SFScaleVal * (vecMax * rcp6): the inner product rounds first
+            sf = sf * torch.full_like(sf, coding.global_scale.quant)
+        bits = nx.e4m3_encode(sf)
         s = nx.e4m3_decode(bits)
         return s, _recip(s), bits
     if rule is ScaleRule.AMAX_FP32_MUL:
@@ -159,18 +162,66 @@ def _decode_elems(elem: str, raw: torch.Tensor) -> torch.Tensor:
     raise AssertionError(elem)
 
 
+def _e4m3_rcp6_floored(coding: VectorCoding, v: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Residual coding's group scale (spec step 5) of v [..., n, 16]: (bits, decoded s, rcp.approx(s) from the table)."""
+    amax = v.abs().amax(dim=-1)
+    sf = _floor(amax * torch.full_like(amax, approx.rcp_approx_of(nx.E2M1_MAX)), coding.scale_floor)
+    bits = nx.e4m3_encode(sf)
+    return bits, nx.e4m3_decode(bits), _rcp_approx_lut(device)[bits.long()]
+
+
+def _encode_residual(coding: VectorCoding, x: torch.Tensor, out: torch.Tensor) -> None:
+    """Spec step 5: main E2M1 codes and scale, then the same on the residual; [q1 | q2] bytes per group."""
+    v = x.reshape(*x.shape[:-1], coding.dim // coding.group, coding.group)
+    if coding.global_scale is not None:  # the residual writer scales the values, not the block scale
+        v = v * torch.full_like(v, coding.global_scale.quant)
+    bits1, s1, r1 = _e4m3_rcp6_floored(coding, v, x.device)
+    q1 = nx.e2m1_encode(v * r1.unsqueeze(-1))
+    residual = v - nx.e2m1_decode(q1) * s1.unsqueeze(-1)  # q1 * s1 is exact: one rounding, as the engine's fma
+    bits2, _, r2 = _e4m3_rcp6_floored(coding, residual, x.device)
+    q2 = nx.e2m1_encode(residual * r2.unsqueeze(-1))
+    data = torch.stack([nx.e2m1_pack(q1), nx.e2m1_pack(q2)], dim=-2)  # [..., n, 2, 8]: main then residual codes
+    out[..., coding.data.offset : coding.data.end] = data.flatten(-3)
+    out[..., coding.scale.offset : coding.scale.end] = torch.stack([bits1, bits2], dim=-1).flatten(-2)
+
+
+def _decode_residual(coding: VectorCoding, records: torch.Tensor) -> torch.Tensor:
+    """fma(q2, s2 * D, q1 * (s1 * D)) per value; float64 holds q2 * (s2 * D) + f32(q1 * (s1 * D)) exactly."""
+    n = coding.dim // coding.group
+    data = records[..., coding.data.offset : coding.data.end].unflatten(-1, (n, 2, coding.group // 2))
+    scales = nx.e4m3_decode(records[..., coding.scale.offset : coding.scale.end].unflatten(-1, (n, 2)))
+    if coding.global_scale is not None:
+        scales = scales * torch.full_like(scales, coding.global_scale.dequant)
+    q1 = nx.e2m1_decode(nx.e2m1_unpack(data[..., 0, :]))
+    q2 = nx.e2m1_decode(nx.e2m1_unpack(data[..., 1, :]))
+    main = q1 * scales[..., 0:1]
+    fused = main.double() + q2.double() * scales[..., 1:2].double()
+    return fused.float().flatten(-2)
+
+
 def _encode_vector(coding: VectorCoding, x: torch.Tensor, out: torch.Tensor) -> None:
+    if coding.residual:
+        _encode_residual(coding, x, out)
+        return
     if coding.scale is not None:
         g = x.reshape(*x.shape[:-1], coding.dim // coding.group, coding.group)
         s, r, stored = _group_scale(coding, g)
         if coding.apply is ScaleApply.MUL_RCP_APPROX and coding.scale.dtype == "e4m3":
-            r = _rcp_approx_lut(g.device)[stored.long()]  # exact H200 results; 0 for a zero scale
+            if coding.global_scale is None:
+                r = _rcp_approx_lut(g.device)[stored.long()]  # exact H200 results; 0 for a zero scale
+            else:  # rcp.approx(s * rcp.approx(S)) of arbitrary fp32 values: rcp.rn stands in (spec.py, step 4)
+                r = _recip(s * _recip(torch.full_like(s, coding.global_scale.quant)))
+        original = g
         if coding.apply is ScaleApply.DIV:
             g = g / s.unsqueeze(-1).expand_as(g)
         else:
             g = g * r.unsqueeze(-1)
         if coding.zero_scale_clears:
             g = torch.where((s == 0).unsqueeze(-1), torch.zeros_like(g), g)
+        if coding.zero_scale_saturates:  # factor +inf: +-inf saturates to +-6, 0 * inf = NaN becomes +6
+            six = torch.full_like(g, nx.E2M1_MAX)
+            hit = ((s == 0) & (original.abs().amax(dim=-1) > 0)).unsqueeze(-1)
+            g = torch.where(hit, torch.where(original == 0, six, torch.copysign(six, original)), g)
         x = g.reshape(x.shape)
         stored = stored.reshape(*x.shape[:-1], -1)
         if coding.scale_order is not ScaleOrder.LINEAR:  # stored[..., s] goes to entry positions[s]
@@ -181,6 +232,8 @@ def _encode_vector(coding: VectorCoding, x: torch.Tensor, out: torch.Tensor) -> 
 
 
 def _decode_vector(coding: VectorCoding, records: torch.Tensor) -> torch.Tensor:
+    if coding.residual:
+        return _decode_residual(coding, records)
     q = _decode_elems(coding.elem, records[..., coding.data.offset : coding.data.end])
     if coding.scale is None:
         return q
@@ -194,6 +247,8 @@ def _decode_vector(coding: VectorCoding, records: torch.Tensor) -> torch.Tensor:
         s = nx.e4m3_decode(raw)
     else:  # e8m0
         s = torch.ldexp(torch.ones(raw.shape, dtype=torch.float32, device=raw.device), raw.to(torch.int32) - 127)
+    if coding.global_scale is not None:  # the engine's reader: q * (s * D), its fp32 dequant scale first
+        s = s * torch.full_like(s, coding.global_scale.dequant)
     g = q.reshape(*q.shape[:-1], coding.dim // coding.group, coding.group)
     return (g * s.unsqueeze(-1)).reshape(q.shape)
 
@@ -253,6 +308,8 @@ def decode(
         )
     latent = _decode_vector(spec.latent, records)
     rope = _decode_vector(spec.rope, records)
+    if spec.reader_e4m3:  # what the engine's attention reads: an E4M3 copy (no s_t / s_l with this flag)
+        latent, rope = (nx.e4m3_decode(nx.e4m3_encode(v)) for v in (latent, rope))
     if spec.token_scale is not None:
         latent = latent * nx.f32_from_bytes(records[..., spec.token_scale.offset : spec.token_scale.end])
     s_l = outer_scale_tensor(spec, outer_scale, records.device)

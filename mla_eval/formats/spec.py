@@ -21,6 +21,8 @@ all in float32, IEEE round-to-nearest-even.
    - AMAX_E4M3:    s = e4m3_rn_satfinite(amax / 6) stored as E4M3 (NVFP4 block scale); s may be 0.
    - AMAX_E4M3_RCP6: s = e4m3_rn_satfinite(amax * rcp.approx.ftz(6)) (NVIDIA's NVFP4 recipe,
      `cvt_warp_fp16_to_fp4` at global scale 1; the measured rcp.approx(6) equals f32(1/6)); s may be 0.
+     With an engine global scale S (`VectorCoding.global_scale`, the recipe's SFScaleVal):
+     s = e4m3_rn_satfinite(S * (amax * rcp.approx.ftz(6))), the inner product rounded to f32 first.
    - AMAX_FP32_MUL: s = amax * f32(1 / qmax) (a compile-time constant), stored as fp32; s may be 0.
    - AMAX_E4M3_UP: f = max(amax / 6, floor); s = e4m3_rn_satfinite(f), then one E4M3 step up where
      s < f and s < 448 (upstream vLLM nvfp4_fp8_ds_mla: amax / s never exceeds 6); never 0.
@@ -35,16 +37,36 @@ all in float32, IEEE round-to-nearest-even.
    - MUL_RCP_APPROX: q = cvt.rn.satfinite(v * rcp.approx.ftz(s)), 0 where s = 0. For an E4M3 s the
      reciprocal is looked up in the table measured on the GPU (`approx.py`); for an fp32 s (not
      tabulable) the codec uses rcp.rn and the format's engine note gives the measured residual.
+     With a global scale S the factor is rcp.approx.ftz(s * rcp.approx.ftz(S)); S and the product are
+     arbitrary fp32 values, so the codec takes both reciprocals with rcp.rn (residual measured on the
+     GPU by kernels/measure_trtllm_nvfp4_residual.py). Where `zero_scale_saturates` (TensorRT-LLM tests
+     amax != 0, not s != 0), a group with s = 0 but amax > 0 gets the factor +inf: a nonzero v becomes
+     +-inf and saturates to code +-6, v = +-0 becomes NaN, taken here as +6 (E2M1 has no NaN; the PTX
+     ISA's cvt .satfinite rule for NaN-less narrow formats, positive MAX_NORM, as we read it: not checked
+     on hardware, since sm_90 has no cvt to e2m1x2; only reached where S * amax / 6 < 2^-10).
    - DIV:     q = cvt.rn.satfinite(v / s) (`div.rn.f32`; the engine divides, e.g. vLLM's
      `scaled_convert`), s is never 0 under these rules (floored).
    Scales are stored in group order, or permuted (`ScaleOrder`): see `scale_positions`.
-   The decoder returns q * s (then * s_t, then * s_l), all exact products of the stored values.
+5. Residual E2M1 (`VectorCoding.residual`, TensorRT-LLM's residual MLA quantisation of the rope): per group
+   of 16, v = x * S (S = the global scale, on the values here, 1 without one); main scale s1 =
+   e4m3_rn_satfinite(max(amax(v) * rcp.approx.ftz(6), floor)), codes q1 = cvt(v * rcp.approx.ftz(s1))
+   (E4M3 s1: the measured table); residual r = v - q1 * s1 (the product is exact, one rounding); s2, q2 the
+   same on r. The group's 16 bytes of data are [q1 codes | q2 codes], its two scale bytes [s1, s2]. The
+   decoder returns fma(q2, s2 * D, q1 * (s1 * D)) (float64 arithmetic reproduces the fused multiply-add
+   exactly here), D = `GlobalScale.dequant` (1 without a global scale). The fma is nvcc's default contraction
+   of the reader's `values += residual * scale`, assumed, not inspected in SASS; the other contraction or none
+   differs only where a float32 ulp moves the later E4M3 rounding.
+   The decoder returns q * s (then * s_t, then * s_l), all exact products of the stored values; with a
+   global scale it returns q * (s * D), D = `GlobalScale.dequant` (the engine's reader multiplies its
+   fp32 dequant scale into the block scale first). Where `FormatSpec.reader_e4m3` the engine's attention
+   reads an E4M3 copy of those values, so the decoder rounds them to E4M3 (RN, satfinite) last.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import struct
 from typing import Literal
 
 ElemType = Literal["bf16", "e4m3", "e2m1"]
@@ -131,6 +153,33 @@ class Field:
         return self.offset + self.nbytes
 
 
+def _f32(x: float) -> float:
+    """x rounded to float32 (round to nearest even), as a Python float; pure Python (no torch here)."""
+    return struct.unpack("<f", struct.pack("<f", x))[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class GlobalScale:
+    """An engine's per-tensor second-level NVFP4 scale, derived from an assumed max |value| `amax`.
+
+    The engine computes (Python doubles, stored as float32 tensors) dequant = amax / denominator and
+    quant = 1 / dequant; the writer's block scales are quant * amax_group / 6 and its reader multiplies
+    dequant back. Not stored in the record.
+    """
+
+    amax: float
+    denominator: float = TOKEN_SCALE_DENOMINATOR
+    source: str = ""  # where the engine takes `amax` from (environment variable, default)
+
+    @property
+    def dequant(self) -> float:
+        return _f32(self.amax / self.denominator)
+
+    @property
+    def quant(self) -> float:
+        return _f32(1.0 / (self.amax / self.denominator))
+
+
 @dataclasses.dataclass(frozen=True)
 class VectorCoding:
     """How one vector (the 512-d latent or the 64-d rope) is stored."""
@@ -146,10 +195,13 @@ class VectorCoding:
     scale_order: ScaleOrder = ScaleOrder.LINEAR  # where each group's scale sits in the scale field
     zero_scale_clears: bool = False  # a group whose scale is 0 stores code 0 (+0) for every value (b12x)
     elem_rounding: Literal["rne", "ties_away"] = "rne"  # E2M1 code choice: cvt's RNE, or SGLang's `>= bound`
+    global_scale: GlobalScale | None = None  # the recipe's SFScaleVal (AMAX_E4M3_RCP6 only); None = 1
+    zero_scale_saturates: bool = False  # s = 0 < amax: factor +inf, codes +-6 and +6 for zeros (TensorRT-LLM)
+    residual: bool = False  # a second E2M1 pass over each group's residual (step 5); data and scales doubled
 
     @property
     def scale_count(self) -> int:
-        return self.dim // self.group
+        return self.dim // self.group * (2 if self.residual else 1)
 
     @property
     def scale_positions(self) -> tuple[int, ...]:
@@ -197,6 +249,9 @@ class FormatSpec:
     # Other names that select this format: the engine-facing '<engine>:<its name>' (e.g. 'vllm:fp8_ds_mla'),
     # and any older name of ours. Results always record `name`.
     aliases: tuple[str, ...] = ()
+    # The engine's attention reads an E4M3 copy of the decoded cache (TensorRT-LLM's NVFP4 MLA gather into
+    # an fp8 scratch before its FMHA): decode() rounds its output to E4M3 last.
+    reader_e4m3: bool = False
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -242,13 +297,19 @@ def _validate(spec: FormatSpec) -> None:
     for c in (spec.latent, spec.rope):
         if c.dim % c.group:
             raise ValueError(f"{spec.name}: group {c.group} does not divide dim {c.dim}")
-        if c.data.count != c.dim:
-            raise ValueError(f"{spec.name}: data field {c.data.name} holds {c.data.count} values, not {c.dim}")
+        per_value = 2 if c.residual else 1  # a residual coding stores two codes per value
+        if c.data.count != c.dim * per_value:
+            raise ValueError(f"{spec.name}: data field {c.data.name} holds {c.data.count} codes, not {c.dim * per_value}")
         needs_scale = c.scale_rule not in (ScaleRule.NONE, ScaleRule.TENSOR)
         if needs_scale != (c.scale is not None):
             raise ValueError(f"{spec.name}: scale field presence does not match rule {c.scale_rule.value}")
-        if c.scale is not None and c.scale.count != c.dim // c.group:
+        if c.scale is not None and c.scale.count != c.scale_count:
             raise ValueError(f"{spec.name}: {c.scale.count} scales for {c.dim // c.group} groups")
+        if c.residual and not (c.elem == "e2m1" and c.group == 16 and c.scale is not None and c.scale.dtype == "e4m3"
+                               and c.scale_rule is ScaleRule.AMAX_E4M3_RCP6 and c.apply is ScaleApply.MUL_RCP_APPROX
+                               and not c.zero_scale_saturates
+                               and c.scale_order is ScaleOrder.LINEAR):
+            raise ValueError(f"{spec.name}: residual coding is defined for e2m1 groups of 16 with linear E4M3 RCP6 scales")
         divisible = (ScaleRule.AMAX_FP32, ScaleRule.AMAX_FP32_POW2, ScaleRule.E8M0_CEIL)
         if c.apply is ScaleApply.DIV and c.scale_rule not in divisible:
             raise ValueError(f"{spec.name}: division by the scale needs a floored fp32 scale rule (never divides by 0)")
@@ -258,3 +319,13 @@ def _validate(spec: FormatSpec) -> None:
             raise ValueError(f"{spec.name}: scale_floor {c.scale_floor} must lie in (0, 1)")
         if (c.elem == "bf16") != (c.scale_rule is ScaleRule.NONE):
             raise ValueError(f"{spec.name}: bf16 data goes with scale rule NONE and only with it")
+        recipe = c.scale_rule is ScaleRule.AMAX_E4M3_RCP6 and c.apply is ScaleApply.MUL_RCP_APPROX
+        gs = c.global_scale
+        if gs is not None and not recipe:
+            raise ValueError(f"{spec.name}: a global scale is defined for the AMAX_E4M3_RCP6 rule with MUL_RCP_APPROX only")
+        if gs is not None and not (0.0 < gs.amax < float("inf") and gs.denominator > 0):
+            raise ValueError(f"{spec.name}: global scale amax {gs.amax} must be positive and finite")
+        if c.zero_scale_saturates and (c.zero_scale_clears or c.elem != "e2m1" or c.apply is not ScaleApply.MUL_RCP_APPROX):
+            raise ValueError(f"{spec.name}: zero_scale_saturates is defined for e2m1 with MUL_RCP_APPROX, not with clearing")
+    if spec.reader_e4m3 and (spec.token_scale is not None or spec.outer_scale is not None):
+        raise ValueError(f"{spec.name}: reader_e4m3 is defined for formats without s_t or s_l")
