@@ -42,8 +42,21 @@ def load_schema(schema_id: str) -> dict:
     return json.loads(resources.files("mla_eval").joinpath("schemas", name).read_text(encoding="utf-8"))
 
 
+def require_validator() -> None:
+    """One-line UserError when jsonschema (a dependency: every document is validated before it is
+    written) cannot be imported. Commands check it before the work, so a run never ends unwritable."""
+    try:
+        import jsonschema  # noqa: F401
+    except ImportError:
+        raise UserError(
+            "the jsonschema package is missing (mla-eval validates every result before writing it); "
+            "install it: pip install 'jsonschema>=4,<4.27'"
+        ) from None
+
+
 @functools.lru_cache(maxsize=None)
 def _validator(schema_id: str):
+    require_validator()
     from jsonschema import Draft202012Validator
 
     return Draft202012Validator(load_schema(schema_id))
@@ -120,6 +133,7 @@ def validate(doc: Any, where: str, schema: str | None = None) -> None:
         schema = doc["schema"]
     if not isinstance(schema, str) or schema not in SCHEMA_FILES:
         raise UserError(f"{where}: unknown result schema {schema!r}; this mla-eval {__version__} knows {known}")
+    require_validator()
     from jsonschema.exceptions import best_match
 
     error = best_match(_validator(schema).iter_errors(doc))

@@ -25,7 +25,7 @@ from mla_eval import __version__, provenance
 from mla_eval.atomic_io import write_json_atomic
 from mla_eval.errors import UserError
 from mla_eval.formats.spec import OUTER_SCALE_SCHEMA
-from mla_eval.result_schemas import SCHEMA_FILES, validate
+from mla_eval.result_schemas import SCHEMA_FILES, require_validator, validate
 
 
 def environment(attention=None) -> dict[str, Any]:
@@ -217,6 +217,7 @@ def check_output_path(path: Path, force: bool = False, schema: str | None = None
     path = Path(path)
     if path.is_dir():
         raise UserError(f"{path} is a folder; give a file path (e.g. {path / 'result.json'})")
+    require_validator()  # the document is validated when written: a missing validator must not cost the run
     check_replaceable(path, force, schema)
     check_writable_folder(path)
     promise_output(path)

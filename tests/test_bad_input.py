@@ -363,3 +363,37 @@ def _user_file_named(w, name: str):
     folder.mkdir(exist_ok=True)
     (folder / name).write_text(USER_TEXT)
     return folder
+
+
+def test_missing_jsonschema_is_one_line_before_the_work(tmp_path, monkeypatch):
+    """A missing validator is found when --out is checked (before any model loads), in one line."""
+    import builtins
+
+    from mla_eval.errors import UserError
+    from mla_eval.results import check_output_path
+
+    real_import = builtins.__import__
+
+    def no_jsonschema(name, *args, **kwargs):
+        if name == "jsonschema" or name.startswith("jsonschema."):
+            raise ImportError("No module named 'jsonschema'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_jsonschema)
+    with pytest.raises(UserError, match="jsonschema package is missing.*pip install") as exc:
+        check_output_path(tmp_path / "r.json")
+    assert "\n" not in str(exc.value)
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_kernels_package_missing_is_a_stated_fallback(monkeypatch):
+    """Without the mla_eval_kernels package (a source tree that was not installed), kernel_status says
+    why instead of raising ModuleNotFoundError (it crashed `needle` on a GPU before)."""
+    import importlib.util
+
+    from mla_eval.attention import dispatch
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mla_eval_kernels" else real(name, *a))
+    ok, why = dispatch.kernel_status("nvfp4", "cuda:0")
+    assert not ok and "mla_eval_kernels package is not importable" in why

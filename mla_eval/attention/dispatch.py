@@ -139,9 +139,23 @@ def _device_reason(device: torch.device) -> str | None:
     """Why the CuTe kernels cannot run on `device` at all (any format), or None when they can."""
     if device.type != "cuda":
         return f"{device.type} tensors: the kernels need a CUDA GPU"
+    why = _kernels_package_reason()
+    if why is not None:
+        return why
     from mla_eval_kernels.device_limits import untested_arch_reason  # noqa: PLC0415 - torch only
 
     return untested_arch_reason(device) or _cutlass_importable()
+
+
+def _kernels_package_reason() -> str | None:
+    """Why the kernels package is missing, or None. It ships with mla-eval (kernels/ installs as
+    mla_eval_kernels); a source tree run without installing has no such package, and that must be a
+    stated fallback, not a traceback."""
+    import importlib.util  # noqa: PLC0415
+
+    if importlib.util.find_spec("mla_eval_kernels") is None:
+        return "the mla_eval_kernels package is not importable (install mla-eval: pip install -e .)"
+    return None
 
 
 def kernel_status(spec, device: torch.device | str) -> tuple[bool, str]:
@@ -149,6 +163,9 @@ def kernel_status(spec, device: torch.device | str) -> tuple[bool, str]:
     device = torch.device(device)
     if device.type != "cuda":
         return False, _device_reason(device)
+    why = _kernels_package_reason()
+    if why is not None:
+        return False, why
     from mla_eval_kernels.record_plan import UnsupportedFormat, plan_for  # noqa: PLC0415 - pure Python
 
     try:
