@@ -21,7 +21,7 @@ from mla_eval import __version__
 from mla_eval.errors import UserError
 from mla_eval.results import pending_outputs
 
-COMMAND_MODULES = ("formats", "capacity", "kld", "needle", "gate", "run", "report")
+COMMAND_MODULES = ("formats", "capacity", "kld", "needle", "gate", "run", "report", "plot")
 
 app = typer.Typer(
     name="mla-eval",

@@ -114,13 +114,10 @@ def needle(
 
 
 def write_needle_plots(result, folder: Path) -> list[Path]:
-    from mla_eval.report.plots import needle_heatmaps
+    from mla_eval.commands.plot import needle_document_plots
 
-    paths = needle_heatmaps(result.formats, result.settings["lengths"], result.settings["depths"], folder)
-    if len(result.tasks) > 1:  # one set per task as well (the pooled set above averages the tasks)
-        for label, per_format in result.tasks.items():
-            sub = Path(folder) / label.replace(":", "_")
-            paths += needle_heatmaps(per_format, result.settings["lengths"], result.settings["depths"], sub)
+    doc = {"settings": result.settings, "formats": result.formats, "tasks": result.tasks}
+    paths = needle_document_plots(doc, folder)
     for p in paths:
         console.print(f"wrote {p}", soft_wrap=True)  # a path is never wrapped: users copy it
     return paths
