@@ -117,3 +117,16 @@ def test_tasks_recipe_loads():
     assert r["model"] == base["model"] and r["tokenizer"] == base["tokenizer"]  # same model: a continuation
     styles = {s for ph in r["phase"] for m in ph["micro"] for s in m.get("styles", [])}
     assert set(NeedleMaker.TASK_STYLES) <= styles and {"passkey", "magic", "note"} <= styles
+
+
+def test_edge_depths_put_a_needle_right_after_the_head(maker):
+    """edge_depths (1, 0): the first needle sits right after the head (BOS), as the evaluation's depth 0
+    places it; (0, 1): the last needle ends right before the question."""
+    for style in ("multikey", "vt", "magic"):
+        ids, _, spans = maker.document(1024, style=style, edge_depths=(1.0, 0.0), intro=False)
+        text = _decode(maker, ids[1:])
+        assert text.startswith(" The special magic") or text.startswith(" VAR ")
+        ids, _, spans = maker.document(1024, style=style, edge_depths=(0.0, 1.0))
+        before_question = _decode(maker, ids[: spans[0][0]]).rsplit("\n", 1)[0]
+        assert re.search(r"(is: \S+\.|VAR \w+ = (VAR \w+|\d+)\.)$", before_question), before_question[-80:]
+

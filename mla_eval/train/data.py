@@ -355,12 +355,15 @@ class NeedleMaker:
         intro: bool | None = None,
         haystack: np.ndarray | None = None,
         styles: list[str] | None = None,
+        edge_depths: tuple[float, float] = (0.0, 0.0),
     ) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int]]]:
         """Returns (ids [length+1] int64, lm_weight [length+1] float32, answer spans [(start, end)]).
 
         lm_weight is 0 on the needles' value tokens (random, unpredictable) and on answers (they
         get their own loss term); spans index into ids (an answer's tokens are ids[start:end]).
         `styles`: the styles to draw from when `style` is None (default: the original mix).
+        `edge_depths` (p0, p1): with probability p0 the first needle goes at depth 0 exactly (right after
+        the head: the evaluation's depth 0, which uniform depths never produce), with p1 the last at depth 1.
         """
         r = self.rng
         style = style or r.choice(styles or ["passkey", "magic", "magic", "note"])
@@ -387,6 +390,12 @@ class NeedleMaker:
             depths = [r.random() for _ in texts]
             if ordered:
                 depths.sort()
+        if any(edge_depths):  # drawn only when asked: recipes without it keep their random sequence
+            u = r.random()
+            if u < edge_depths[0]:
+                depths[int(np.argmin(depths))] = 0.0
+            elif u < edge_depths[0] + edge_depths[1]:
+                depths[int(np.argmax(depths))] = 1.0
 
         head = [self.eos] + (self.ids(PASSKEY_INTRO) if intro else [])
         needle_ids = [self.ids(t) for t in texts]
@@ -449,7 +458,9 @@ class NeedleMaker:
             cuts.append(int(ends[k]) if k < len(ends) else len(hay))
         return cuts
 
-    def batch(self, batch: int, seq_len: int, styles: list[str] | None = None) -> Batch:
+    def batch(
+        self, batch: int, seq_len: int, styles: list[str] | None = None, edge_depths: tuple[float, float] = (0.0, 0.0)
+    ) -> Batch:
         """A micro-batch of `batch` needle documents of seq_len tokens each (styles: see `document`)."""
         inp = np.empty((batch, seq_len), dtype=np.int64)
         tgt = np.empty((batch, seq_len), dtype=np.int64)
@@ -457,7 +468,7 @@ class NeedleMaker:
         aid = np.zeros((batch, seq_len), dtype=np.int32)
         k = 0
         for b in range(batch):
-            ids, w, spans = self.document(seq_len, styles=styles)
+            ids, w, spans = self.document(seq_len, styles=styles, edge_depths=edge_depths)
             inp[b], tgt[b], lw[b] = ids[:-1], ids[1:], w[1:]
             for s, e in spans:
                 k += 1

@@ -201,6 +201,11 @@ def val_loss(model, stream: np.ndarray, device: torch.device, seq_len: int = 204
     return loss
 
 
+def needle_batch(maker: NeedleMaker, m: dict) -> Batch:
+    """The needle micro-batch a recipe entry asks for (its optional `styles` and `edge_depths`)."""
+    return maker.batch(int(m["batch"]), int(m["seq_len"]), m.get("styles"), tuple(m.get("edge_depths", (0.0, 0.0))))
+
+
 def probe(model, maker, stream, phases, device, rng, answer_w) -> None:
     """Times one forward+backward of every distinct micro-batch shape of the recipe (no update)."""
     seen = set()
@@ -215,7 +220,7 @@ def probe(model, maker, stream, phases, device, rng, answer_w) -> None:
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
                 t0 = time.time()
-                b = lm_batch(stream, key[2], key[1], rng) if key[0] == "lm" else maker.batch(key[2], key[1], m.get("styles"))
+                b = lm_batch(stream, key[2], key[1], rng) if key[0] == "lm" else needle_batch(maker, m)
                 t1 = time.time()
                 micro_step(model, b, device, answer_w, 1.0)
                 if device.type == "cuda":
@@ -319,7 +324,7 @@ def train(args) -> None:
             if m["kind"] == "lm":
                 b = lm_batch(stream, int(m["batch"]), int(m["seq_len"]), rng)
             else:
-                b = maker.batch(int(m["batch"]), int(m["seq_len"]), m.get("styles"))
+                b = needle_batch(maker, m)
             st = micro_step(model, b, device, float(o["answer_loss_weight"]), 1.0 / len(micros))
             tag = m.get("tag", f"{m['kind']}{m['seq_len']}")
             for k, v in st.items():

@@ -6,7 +6,8 @@
 #     copies the shards to /tmp/mla_train/shards and tokenises them into /tmp/mla_train/tok
 #   call 2, model carried, carry [".train_data/eval"] (eval_docs.txt.xz, words.json, wiki.test.raw):
 #       TRAIN_S=480 bash results/h200/device_train_tasks.sh train check
-#     train: `python -m mla_eval.train train` from mla_eval/default_model (fresh AdamW, 30-step
+#     train: `python -m mla_eval.train train` from mla_eval/default_model (or, machine still warm, from the
+#            full checkpoint of the previous call: phases longer than one call resume there; fresh AdamW, 30-step
 #            re-warm-up, the recipe's phases from the first); the bf16 export comes back as
 #            model.safetensors.partNN + meta.tar (config, trainer state), the log as train_log.jsonl
 #     check: the new model's wikitext-2 perplexity (the recipe evaluator, stock SDPA) and a quick bf16
@@ -21,7 +22,7 @@ t0=$(date +%s); step() { echo "=== [$(( $(date +%s) - t0 ))s] $*"; }
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 W=/tmp/mla_train; E=$W/export; mkdir -p "$W"
-RECIPE=recipes/train-default-model-tasks.toml
+RECIPE=${RECIPE:-recipes/train-default-model-tasks.toml}  # tasks2.toml: the planned second attempt
 for w in "$@"; do
 case "$w" in
 tok)
