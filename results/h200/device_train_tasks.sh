@@ -4,7 +4,8 @@
 #   call 1, model file stashed, carry [".train_data/a"] (training shards 00-05, never committed):
 #       bash results/h200/device_train_tasks.sh tok
 #     copies the shards to /tmp/mla_train/shards and tokenises them into /tmp/mla_train/tok
-#   call 2, model carried, carry [".train_data/eval"] (eval_docs.txt.xz, words.json, wiki.test.raw):
+#   call 2, model carried, carry [".train_data/eval", ".devwheels/js"] (eval_docs.txt.xz, words.json,
+#   wiki.test.raw; the jsonschema wheels for `check`):
 #       TRAIN_S=480 bash results/h200/device_train_tasks.sh train check
 #     train: `python -m mla_eval.train train` from mla_eval/default_model (or, machine still warm, from the
 #            full checkpoint of the previous call: phases longer than one call resume there; fresh AdamW, 30-step
@@ -48,6 +49,11 @@ train)
     sha256sum "$E/model.safetensors"
     ;;
 check)
+    # mla-eval validates its result with jsonschema, which the image lacks: the wheels of .devwheels/js
+    if ! python3 -c 'import jsonschema' 2>/dev/null && [ -d .devwheels/js ]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devwheels/js/*.whl 2>&1 | tail -1
+        export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    fi
     step "check: wikitext-2 perplexity + pass key 4K/64K (recipe evaluator)"
     timeout 120 python3 -m mla_eval.train eval --model "$E" --wikitext .train_data/eval/wiki.test.raw \
         --haystack-docs .train_data/eval/eval_docs.txt.xz --words .train_data/eval/words.json --lengths 4096,65536 \
