@@ -40,6 +40,7 @@ V3_BN = 64
 V3_HEADS = 16
 V3_K_STAGES = 2
 V3_RAW_STAGES = 2
+V3_L2_PREFETCH = 2  # key tiles of records prefetched into L2 beyond the one being copied (bench: v3-nopf)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -235,6 +235,20 @@ def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "wr
                     batch * ctx * spec.record_bytes, flops(batch, 16, ctx), None,
                 )
             )
+            if variants and (ctx == 65536 or quick):  # what the L2 prefetch of records is worth
+
+                def fb3n(i, q=q, table=table, lens=lens, bcache=bcache, ctx=ctx):
+                    return mla_attention_v3(
+                        plan_for(spec), q, bcache, softmax_scale=0.0417, block_table=table, seq_lens=lens, sink=None,
+                        outer_scale=s_l, max_seq_len=ctx, l2_prefetch=0,
+                    )
+
+                todo.append(
+                    (
+                        "b_dense_decode", dict(batch=batch, heads=16, context=ctx, kernel="v3-nopf"), fb3n,
+                        batch * ctx * spec.record_bytes, flops(batch, 16, ctx), None,
+                    )
+                )
         if variants and (ctx == 65536 or quick):
             plan = plan_for(spec)
             for vname, vtile, tuning in probe_variants(plan):

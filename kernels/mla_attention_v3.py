@@ -39,13 +39,20 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 import torch
-from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass import BFloat16, Float32, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import warpgroup
 
 from mla_eval_kernels import e2m1_bits, ptx
-from mla_eval_kernels.attention_tuning import V3_BN, V3_HEADS, V3_K_STAGES, V3_RAW_STAGES, fast_e2m1_eligible, is_bf16_plan
+from mla_eval_kernels.attention_tuning import (
+    V3_BN,
+    V3_HEADS,
+    V3_K_STAGES,
+    V3_L2_PREFETCH,
+    V3_RAW_STAGES,
+    fast_e2m1_eligible,
+    is_bf16_plan,
+)
 from mla_eval_kernels.compile_cache import arch_tag, compiled
-from mla_eval_kernels.device_limits import smem_per_block
 from mla_eval_kernels.launch_grid import attention_grid
 from mla_eval_kernels.mla_attention import (
     D_QK,
@@ -54,16 +61,29 @@ from mla_eval_kernels.mla_attention import (
     LOG2_E,
     MlaAttention,
     _cp_async_16,
+    _ld_shared_u8,
     _ptr,
+    _st_shared_v4,
     choose_splits,
     swizzled_offset,
 )
 from mla_eval_kernels.mla_combine import MlaCombine
-from mla_eval_kernels.record_plan import RecordPlan
+from mla_eval_kernels.record_plan import ORDER_8X4, RecordPlan
 
 WG = 128  # threads per warpgroup
 BAR_CONSUMER = 1  # named barrier ids (0 is __syncthreads)
 BAR_PRODUCER = 2
+
+
+def _prefetch_l2(gaddr, nbytes: int):
+    """Bulk prefetch of `nbytes` (a multiple of 16, 16-byte aligned) of global memory into L2."""
+    cute.arch.inline_ptx(f"cp.async.bulk.prefetch.L2.global [{{$r0}}], {nbytes};", read_only_args=[Int64(gaddr)])
+
+
+def _ld_shared_v2(addr):
+    return cute.arch.inline_ptx(
+        "ld.shared.v2.b32 {{$w0}, {$w1}}, [{$r0}];", write_only_types=[Uint32, Uint32], read_only_args=[Int32(addr)]
+    )
 
 
 def _st_shared_bf16(addr, x):
@@ -74,14 +94,15 @@ def _st_shared_bf16(addr, x):
 
 
 class MlaAttentionV3(MlaAttention):
-    """One compiled v3 kernel per (plan, sink, outer scale, split). Dense lists only.
+    """One compiled v3 kernel per (plan, sink, outer scale, split, L2 prefetch distance). Dense lists only.
 
     Inherits v2's record decode (`decode_tile`, `decode8`, `decode8_e2m1_folded`): with `bn` = 64 and
     `num_threads` = 128 (the producer warpgroup) they write the same swizzled bf16 K tile that wgmma reads.
     """
 
-    def __init__(self, plan: RecordPlan, has_sink: bool, has_outer: bool, split: bool):
+    def __init__(self, plan: RecordPlan, has_sink: bool, has_outer: bool, split: bool, l2_prefetch: int = V3_L2_PREFETCH):
         self.plan = plan
+        self.l2_prefetch = l2_prefetch  # key tiles of records prefetched into L2 beyond the next one
         self.sparse = False
         self.has_sink = has_sink
         self.has_outer = has_outer
@@ -234,8 +255,22 @@ class MlaAttentionV3(MlaAttention):
         m_idx = cute.make_tensor(idx_ptr + Int64(qi) * Int64(idx_stride), cute.make_layout(idx_stride))
         acq = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.k_stages)
 
+        # look-ahead, one role per thread: ptid < BN writes the slot id of key ptid of the next tile
+        # into the slot ring; ptid >= BN prefetches key (ptid - BN)'s record into L2, `l2_prefetch`
+        # tiles beyond the next (DRAM reads in flight without shared memory: the cp.async of a tile
+        # then mostly hits L2). Each slot id is loaded one iteration before its use, so the
+        # block_table read never stalls the thread that needs it.
+        pf = self.l2_prefetch
+        la_key = ptid % bn
+        la_ahead = 1 if ptid < bn else 1 + pf
         if ptid < bn:
             sSlot[ptid, 0] = self.slot_of(m_idx, t_begin * bn + ptid, num_keys, 0, block_size, 0 < n_local)
+        elif cutlass.const_expr(pf > 0):
+            for t in cutlass.range_constexpr(1, pf + 1):
+                slot = self.slot_of(m_idx, (t_begin + t) * bn + la_key, num_keys, 0, block_size, t < n_local)
+                if slot >= 0:
+                    _prefetch_l2(cache_addr + Int64(slot) * Int64(rec), rec)
+        nxt = self.slot_of(m_idx, (t_begin + la_ahead) * bn + la_key, num_keys, 0, block_size, la_ahead < n_local)
         cute.arch.barrier(barrier_id=BAR_PRODUCER, number_of_threads=WG)
         if cutlass.const_expr(self.copy_k):
             # bf16: records are the K rows; cp.async straight into the ring, tile it + 1 in flight
@@ -247,10 +282,9 @@ class MlaAttentionV3(MlaAttention):
                 acq.advance()
             cute.arch.cp_async_commit_group()
             for it in range(n_local):
-                if ptid < bn:
-                    sSlot[ptid, (it + 1) % 2] = self.slot_of(
-                        m_idx, (t_begin + it + 1) * bn + ptid, num_keys, 0, block_size, it + 1 < n_local
-                    )
+                nxt = self.look_ahead(
+                    sSlot, m_idx, nxt, it, la_key, la_ahead, t_begin, n_local, num_keys, block_size, cache_addr, ptid
+                )
                 cute.arch.barrier(barrier_id=BAR_PRODUCER, number_of_threads=WG)
                 if it + 1 < n_local:
                     kpipe.producer_acquire(acq)
@@ -267,10 +301,9 @@ class MlaAttentionV3(MlaAttention):
                 self.load_tile(sSlot, 0, 0, raw_addr, sK_addr, cache_addr, ptid)
             cute.arch.cp_async_commit_group()
             for it in range(n_local):
-                if ptid < bn:
-                    sSlot[ptid, (it + 1) % 2] = self.slot_of(
-                        m_idx, (t_begin + it + 1) * bn + ptid, num_keys, 0, block_size, it + 1 < n_local
-                    )
+                nxt = self.look_ahead(
+                    sSlot, m_idx, nxt, it, la_key, la_ahead, t_begin, n_local, num_keys, block_size, cache_addr, ptid
+                )
                 cute.arch.cp_async_wait_group(0)  # this thread's records of tile it have landed
                 # all threads' records landed, the next slot ids are written, and every thread has
                 # finished decoding tile it - 1, whose raw stage is refilled next
@@ -279,10 +312,59 @@ class MlaAttentionV3(MlaAttention):
                     self.load_tile(sSlot, (it + 1) % 2, (it + 1) % 2, raw_addr, sK_addr, cache_addr, ptid)
                 cute.arch.cp_async_commit_group()
                 kpipe.producer_acquire(acq)
-                self.decode_tile(raw_addr + (it % 2) * (bn * rec), sK_addr + 2 * bn * D_QK * acq.index, s_l, ptid)
+                self.decode_tile_v3(raw_addr + (it % 2) * (bn * rec), sK_addr + 2 * bn * D_QK * acq.index, s_l, ptid)
                 cute.arch.fence_view_async_shared()
                 kpipe.producer_commit(acq)
                 acq.advance()
+
+    @cute.jit
+    def look_ahead(
+        self, sSlot: cute.Tensor, m_idx: cute.Tensor, nxt: Int32, it: Int32, la_key: Int32, la_ahead: Int32, t_begin: Int32,
+        n_local: Int32, num_keys: Int32, block_size: Int32, cache_addr: Int64, ptid: Int32,
+    ) -> Int32:
+        """Use the slot id loaded last iteration (slot ring or L2 prefetch), load the next one."""
+        bn = self.bn
+        if ptid < bn:
+            sSlot[ptid, (it + 1) % 2] = nxt
+        elif cutlass.const_expr(self.l2_prefetch > 0):
+            if nxt >= 0:
+                _prefetch_l2(cache_addr + Int64(nxt) * Int64(self.plan.record_bytes), self.plan.record_bytes)
+        t = it + 1 + la_ahead
+        return self.slot_of(m_idx, (t_begin + t) * bn + la_key, num_keys, 0, block_size, t < n_local)
+
+    @cute.jit
+    def decode_tile_v3(self, raw: Int32, kbase: Int32, s_l: Float32, ptid: Int32):
+        """Raw records of one tile -> bf16 K tile at `kbase`. E2M1 x E4M3 latents (the fold formats):
+        a work item is one block of 16 values (one 8-byte load of codes, one scale load, conversion and
+        multiply per 16 values, two 16-byte stores); lane = block, so a warp reads one record's 256 bytes
+        of codes in two wavefronts and writes one swizzled 1 KB row. The rope and the other formats go
+        through v2's path (`decode8`, 8 values per item)."""
+        plan = self.plan
+        lat = plan.latent
+        rec = plan.record_bytes
+        if cutlass.const_expr(self.fold and lat.data_offset % 8 == 0 and rec % 8 == 0):
+            blk = ptid % 32  # block of 16 values: 32 per 512-value latent
+            entry = (16 * blk) // lat.group
+            if cutlass.const_expr(lat.scale_order == ORDER_8X4):
+                entry = 8 * (entry & 3) + (entry >> 2)
+            for u in cutlass.range_constexpr(self.bn * 32 // WG):
+                key = u * (WG // 32) + ptid // 32
+                r = raw + key * rec
+                w0, w1 = _ld_shared_v2(r + lat.data_offset + 8 * blk)
+                f = ptx.e4m3_to_f32(_ld_shared_u8(r + lat.scale_offset + entry)) * Float32(2.0**e2m1_bits.SCALE_BIAS_LOG2)
+                s2 = ptx.bf16x2(f, f)
+                a0, a1, a2, a3 = ptx.e2m1x8_scaled_bf16x2(w0, s2)
+                b0, b1, b2, b3 = ptx.e2m1x8_scaled_bf16x2(w1, s2)
+                _st_shared_v4(kbase + 2 * swizzled_offset(key, 16 * blk, self.bn), a0, a1, a2, a3)
+                _st_shared_v4(kbase + 2 * swizzled_offset(key, 16 * blk + 8, self.bn), b0, b1, b2, b3)
+            for u in cutlass.range_constexpr(self.bn * 8 // WG):
+                i = u * WG + ptid
+                key = i // 8
+                d0 = (i % 8) * 8
+                w0, w1, w2, w3 = self.decode8(plan.rope, raw + key * rec, d0, s_l, self.has_outer and plan.outer_on_rope, False)
+                _st_shared_v4(kbase + 2 * swizzled_offset(key, D_V + d0, self.bn), w0, w1, w2, w3)
+        else:
+            self.decode_tile(raw, kbase, s_l, ptid)
 
     @cute.jit
     def load_tile(
@@ -485,9 +567,14 @@ class MlaAttentionV3(MlaAttention):
                 gO[head, d] = acc_O[i] * inv_h[v % 2 + 2 * (v // 4)]
 
 
-def compile_key(plan: RecordPlan, has_sink: bool, has_outer: bool, split: bool, device) -> tuple:
+def compile_key(
+    plan: RecordPlan, has_sink: bool, has_outer: bool, split: bool, device, l2_prefetch: int = V3_L2_PREFETCH
+) -> tuple:
     """Every specialisation of a compiled v3 kernel (the head count, lengths, scales are run-time)."""
-    return ("mla_attention_v3", 1, plan, bool(has_sink), bool(has_outer), bool(split), "q=bf16", "acc=f32", arch_tag(device))
+    return (
+        "mla_attention_v3", 1, plan, bool(has_sink), bool(has_outer), bool(split), int(l2_prefetch), "q=bf16", "acc=f32",
+        arch_tag(device),
+    )
 
 
 def mla_attention_v3(
@@ -505,9 +592,11 @@ def mla_attention_v3(
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     workspace_fill: float | None = None,
+    l2_prefetch: int = V3_L2_PREFETCH,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense launch of the v3 kernel; arguments as `mla_attention.mla_attention` (which calls this
-    when `attention_tuning.v3_blocker` has no objection)."""
+    when `attention_tuning.v3_blocker` has no objection); `l2_prefetch` (key tiles, 0 = none) is
+    for the benchmark's comparison."""
     n, h = q.shape[0], q.shape[1]
     dev = q.device
     if out is None:
@@ -556,9 +645,8 @@ def mla_attention_v3(
         Int32(num_splits),
         stream,
     )
-    assert smem_per_block(dev) >= 0
-    key = compile_key(plan, has_sink, has_outer, split, dev)
-    fn = compiled(key, lambda: cute.compile(MlaAttentionV3(plan, has_sink, has_outer, split), *args))
+    key = compile_key(plan, has_sink, has_outer, split, dev, l2_prefetch)
+    fn = compiled(key, lambda: cute.compile(MlaAttentionV3(plan, has_sink, has_outer, split, l2_prefetch), *args))
     fn(*args)
     if split:
         cargs = (

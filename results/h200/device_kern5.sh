@@ -6,7 +6,8 @@
 #            (MLA_EVAL_ATTENTION_KERNEL=v3 on every format / head count / mode: v3 where it applies,
 #            v2 for sparse lists and formats whose stages do not fit); a hang is cut by timeout
 #   bench    shape (b) dense decode h=16, 8K/32K/64K, batch 32: the default kernel (v2) and v3 side by
-#            side in one run, with the copy / matmul ceilings; JSON under $OUT/bench
+#            side in one run, with the copy / matmul ceilings; JSON under $OUT/bench (VARIANTS=1: also the
+#            v1/v2 probes and v3 without its L2 prefetch at 64K; adds ~1 min)
 #   profile  ncu of one v3 launch at (b) 64K for nvfp4 and bf16 (if ncu is there; not in the 5 minutes)
 # Needs the wheel-halves setup of device_setup.sh (CuTe DSL install). Logs under $OUT.
 # Budget: tests ~2.5 min, bench ~1.5 min (4 formats compile in parallel workers).
@@ -30,7 +31,7 @@ tests)
     ;;
 bench)
     step "bench (b): v2 (default) and v3 side by side"
-    timeout 150 python3 -m mla_eval_kernels.bench --shapes b --formats bf16,nvfp4,nvfp4_fp8_ds_mla,fp8_ds_mla \
+    timeout 150 python3 -m mla_eval_kernels.bench --shapes b --formats bf16,nvfp4,nvfp4_fp8_ds_mla,fp8_ds_mla ${VARIANTS:+--variants} \
         --out "$OUT/bench" > "$OUT/bench-v3.log" 2>&1
     echo "bench rc=$?"; grep -E "^GPU|b_dense|saved|Error|error" "$OUT/bench-v3.log" | tail -30
     ;;
