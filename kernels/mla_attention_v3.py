@@ -40,7 +40,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 import torch
 from cutlass import BFloat16, Float32, Int32, Int64, Uint32
-from cutlass.cute.nvgpu import warpgroup
+from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 from mla_eval_kernels import e2m1_bits, ptx
 from mla_eval_kernels.attention_tuning import (
@@ -161,10 +161,10 @@ class MlaAttentionV3(MlaAttention):
             red: cute.struct.Align[cute.struct.MemRange[Float32, 2 * 4 * nh], 16]
 
         mma_s = sm90_utils.make_trivial_tiled_mma(
-            BFloat16, BFloat16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32, (1, 1, 1), (bn, nh)
+            BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1), (bn, nh)
         )
         mma_o = sm90_utils.make_trivial_tiled_mma(
-            BFloat16, BFloat16, warpgroup.OperandMajorMode.MN, warpgroup.OperandMajorMode.K, Float32, (1, 1, 1), (bn, nh)
+            BFloat16, BFloat16, OperandMajorMode.MN, OperandMajorMode.K, Float32, (1, 1, 1), (bn, nh)
         )
         grid = (num_queries * num_splits, (num_heads + nh - 1) // nh, 1)
         self.kernel(
