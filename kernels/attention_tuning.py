@@ -41,6 +41,7 @@ V3_HEADS = 16
 V3_K_STAGES = 2
 V3_RAW_STAGES = 2
 V3_L2_PREFETCH = 2  # key tiles of records prefetched into L2 beyond the one being copied (bench: v3-nopf)
+V3_DECODE_PRODUCER_WGS = 2  # producer warpgroups where records are decoded (bench: v3-p1 has one)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +98,13 @@ def smem_bytes_v3(plan) -> int:
     raw = 0 if is_bf16_plan(plan) else V3_RAW_STAGES * V3_BN * plan.record_bytes
     k = V3_K_STAGES * V3_BN * D_QK * 2
     return k + raw + 2 * V3_HEADS * D_QK + 2 * V3_HEADS * V3_BN + 4 * 2 * V3_BN + 4 * 8 * V3_HEADS + 4 * 1024
+
+
+def v3_producer_wgs(plan) -> int:
+    """Producer warpgroups of a v3 CTA: bf16 records are only copied (one warpgroup issues the
+    cp.async); decoded formats split each tile's decode over V3_DECODE_PRODUCER_WGS warpgroups, because
+    the decode, not the consumer's 68 wgmma per tile, is the longer stage (see NOTES.md)."""
+    return 1 if is_bf16_plan(plan) else V3_DECODE_PRODUCER_WGS
 
 
 def v3_blocker(plan, sparse: bool, smem_limit: int = HOPPER_SMEM_PER_BLOCK) -> str | None:

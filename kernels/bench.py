@@ -146,7 +146,7 @@ def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "wr
     """All measurements of one format (called in a worker process); `shapes` picks writer / a / b / c."""
     from mla_eval.attention import dispatch
     from mla_eval_kernels import mla_attention as kernel
-    from mla_eval_kernels.attention_tuning import kernel_version, v3_blocker
+    from mla_eval_kernels.attention_tuning import kernel_version, v3_blocker, v3_producer_wgs
     from mla_eval_kernels.mla_attention import flops
     from mla_eval_kernels.record_plan import plan_for
 
@@ -235,20 +235,23 @@ def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "wr
                     batch * ctx * spec.record_bytes, flops(batch, 16, ctx), None,
                 )
             )
-            if variants and (ctx == 65536 or quick):  # what the L2 prefetch of records is worth
+            if variants and (ctx == 65536 or quick):
+                # what the L2 prefetch of records and the second (or a second) producer warpgroup are worth
+                pwg = v3_producer_wgs(plan_for(spec))
+                for vname, kw in (("v3-nopf", dict(l2_prefetch=0)), (f"v3-p{3 - pwg}", dict(producer_wgs=3 - pwg))):
 
-                def fb3n(i, q=q, table=table, lens=lens, bcache=bcache, ctx=ctx):
-                    return mla_attention_v3(
-                        plan_for(spec), q, bcache, softmax_scale=0.0417, block_table=table, seq_lens=lens, sink=None,
-                        outer_scale=s_l, max_seq_len=ctx, l2_prefetch=0,
-                    )
+                    def fb3v(i, q=q, table=table, lens=lens, bcache=bcache, ctx=ctx, kw=kw):
+                        return mla_attention_v3(
+                            plan_for(spec), q, bcache, softmax_scale=0.0417, block_table=table, seq_lens=lens, sink=None,
+                            outer_scale=s_l, max_seq_len=ctx, **kw,
+                        )
 
-                todo.append(
-                    (
-                        "b_dense_decode", dict(batch=batch, heads=16, context=ctx, kernel="v3-nopf"), fb3n,
-                        batch * ctx * spec.record_bytes, flops(batch, 16, ctx), None,
+                    todo.append(
+                        (
+                            "b_dense_decode", dict(batch=batch, heads=16, context=ctx, kernel=vname), fb3v,
+                            batch * ctx * spec.record_bytes, flops(batch, 16, ctx), None,
+                        )
                     )
-                )
         if variants and (ctx == 65536 or quick):
             plan = plan_for(spec)
             for vname, vtile, tuning in probe_variants(plan):

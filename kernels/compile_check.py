@@ -98,7 +98,7 @@ def check_v3_ptx(ptx: str) -> list[str]:
     if len(re.findall(r"bar(?:rier)?\.sync(?:\.aligned)?\s+0\s*;", ptx)) != 1:
         problems.append("expected one CTA-wide barrier")
     if not re.search(r"bar(?:rier)?\.sync(?:\.aligned)?\s+1,\s*128", ptx) or not re.search(
-        r"bar(?:rier)?\.sync(?:\.aligned)?\s+2,\s*128", ptx
+        r"bar(?:rier)?\.sync(?:\.aligned)?\s+2,\s*(?:128|256)", ptx
     ):
         problems.append("missing a named warpgroup barrier")
     return problems
@@ -106,37 +106,47 @@ def check_v3_ptx(ptx: str) -> list[str]:
 
 def compile_v3(plan, name: str, stream) -> int:
     """Compile every v3 specialisation of one format; returns the number of failures."""
+    from mla_eval_kernels.attention_tuning import V3_L2_PREFETCH, v3_producer_wgs  # noqa: PLC0415
     from mla_eval_kernels.mla_attention_v3 import MlaAttentionV3  # noqa: PLC0415
 
     failures = 0
-    for outer in [False, True] if plan.outer_allowed else [False]:
-        for sink in (False, True):
-            for split in (False, True):
-                t = time.time()
-                dump = tempfile.mkdtemp()
-                a = (
-                    _p(cutlass.BFloat16), _p(cutlass.Uint8), _p(Int32, 4), _p(Int32, 4), _p(Float32, 4),
-                    _p(Float32), _p(Float32, 4), Int32(4), Int32(16), Int32(64), Int32(4096), Int32(64),
-                    Float32(0.1), Float32(1.0), Int32(4), Int32(2), stream,
-                )
-                try:
-                    opts = f"--keep-ptx --keep-cubin --dump-dir={dump}"
-                    cute.compile(MlaAttentionV3(plan, sink, outer, split), *a, options=opts)
-                    use = cubin_usage(max(glob.glob(f"{dump}/*.cubin"), key=os.path.getmtime))
-                    problems = check_v3_ptx(open(max(glob.glob(f"{dump}/*.ptx"), key=os.path.getmtime)).read())
-                    if use.get("frame", 0) or use.get("stack", 0):
-                        problems.append("register spills (stack frame)")
-                    status = "ok " if not problems else "FAILED " + "; ".join(problems) + " "
-                    failures += bool(problems)
-                    status += f"regs={use.get('regs')} frame={use.get('frame', 0)}B stack={use.get('stack', 0)}B"
-                except Exception as exc:  # noqa: BLE001 - report every variant
-                    failures += 1
-                    status = f"FAILED {type(exc).__name__}: {str(exc)[:300]}"
-                print(
-                    f"attention {name:18} v3           dense outer={outer!s:5} sink={sink!s:5} split={split!s:5} "
-                    f"{time.time() - t:5.1f}s {status}",
-                    flush=True,
-                )
+    pwg = v3_producer_wgs(plan)
+    # every (outer, sink, split) with the defaults, then the benchmark's probes (no L2 prefetch; the
+    # other producer warpgroup count) on one of them
+    cases = [
+        (outer, sink, split, V3_L2_PREFETCH, pwg)
+        for outer in ([False, True] if plan.outer_allowed else [False])
+        for sink in (False, True)
+        for split in (False, True)
+    ]
+    cases += [(plan.outer_allowed, False, True, 0, pwg), (plan.outer_allowed, False, True, V3_L2_PREFETCH, 3 - pwg)]
+    for outer, sink, split, l2pf, wgs in cases:
+        t = time.time()
+        dump = tempfile.mkdtemp()
+        a = (
+            _p(cutlass.BFloat16), _p(cutlass.Uint8), _p(Int32, 4), _p(Int32, 4), _p(Float32, 4),
+            _p(Float32), _p(Float32, 4), Int32(4), Int32(16), Int32(64), Int32(4096), Int32(64),
+            Float32(0.1), Float32(1.0), Int32(4), Int32(2), stream,
+        )
+        try:
+            opts = f"--keep-ptx --keep-cubin --dump-dir={dump}"
+            cute.compile(MlaAttentionV3(plan, sink, outer, split, l2pf, wgs), *a, options=opts)
+            use = cubin_usage(max(glob.glob(f"{dump}/*.cubin"), key=os.path.getmtime))
+            problems = check_v3_ptx(open(max(glob.glob(f"{dump}/*.ptx"), key=os.path.getmtime)).read())
+            if use.get("frame", 0) or use.get("stack", 0):
+                problems.append("register spills (stack frame)")
+            status = "ok " if not problems else "FAILED " + "; ".join(problems) + " "
+            failures += bool(problems)
+            status += f"regs={use.get('regs')} frame={use.get('frame', 0)}B stack={use.get('stack', 0)}B"
+        except Exception as exc:  # noqa: BLE001 - report every variant
+            failures += 1
+            status = f"FAILED {type(exc).__name__}: {str(exc)[:300]}"
+        print(
+            f"attention {name:18} v3           dense outer={outer!s:5} sink={sink!s:5} split={split!s:5} "
+            f"l2pf={l2pf} producer_wgs={wgs} "
+            f"{time.time() - t:5.1f}s {status}",
+            flush=True,
+        )
     return failures
 
 

@@ -51,6 +51,7 @@ from mla_eval_kernels.attention_tuning import (
     V3_RAW_STAGES,
     fast_e2m1_eligible,
     is_bf16_plan,
+    v3_producer_wgs,
 )
 from mla_eval_kernels.compile_cache import arch_tag, compiled
 from mla_eval_kernels.launch_grid import attention_grid
@@ -94,13 +95,17 @@ def _st_shared_bf16(addr, x):
 
 
 class MlaAttentionV3(MlaAttention):
-    """One compiled v3 kernel per (plan, sink, outer scale, split, L2 prefetch distance). Dense lists only.
+    """One compiled v3 kernel per (plan, sink, outer scale, split, L2 prefetch distance, producer
+    warpgroups). Dense lists only.
 
     Inherits v2's record decode (`decode_tile`, `decode8`, `decode8_e2m1_folded`): with `bn` = 64 and
     `num_threads` = 128 (the producer warpgroup) they write the same swizzled bf16 K tile that wgmma reads.
     """
 
-    def __init__(self, plan: RecordPlan, has_sink: bool, has_outer: bool, split: bool, l2_prefetch: int = V3_L2_PREFETCH):
+    def __init__(
+        self, plan: RecordPlan, has_sink: bool, has_outer: bool, split: bool, l2_prefetch: int = V3_L2_PREFETCH,
+        producer_wgs: int | None = None,
+    ):
         self.plan = plan
         self.l2_prefetch = l2_prefetch  # key tiles of records prefetched into L2 beyond the next one
         self.sparse = False
@@ -109,9 +114,12 @@ class MlaAttentionV3(MlaAttention):
         self.split = split
         self.fold = fast_e2m1_eligible(plan)
         self.copy_k = is_bf16_plan(plan)
+        # producer warpgroups: the decode is the producer's work (bf16 only copies: one is plenty)
+        self.producer_wgs = producer_wgs or v3_producer_wgs(plan)
+        self.pt = WG * self.producer_wgs  # producer threads
         self.bn = V3_BN
         self.nh = V3_HEADS
-        self.num_threads = WG  # the producer warpgroup decodes (the inherited decode_tile reads this)
+        self.num_threads = self.pt  # the producer threads decode (the inherited decode_tile reads this)
         self.k_stages = V3_K_STAGES
         self.raw_stages = 0 if self.copy_k else V3_RAW_STAGES
 
@@ -172,7 +180,7 @@ class MlaAttentionV3(MlaAttention):
             num_queries, num_heads, idx_stride, num_slots, block_size,
             softmax_scale, s_l, tiles_per_split, num_splits,
             sQ_layout, sK_layout, sVt_outer, vt_one.inner, sP_layout, mma_s, mma_o, SharedStorage,
-        ).launch(grid=grid, block=[2 * WG, 1, 1], stream=stream)
+        ).launch(grid=grid, block=[WG + self.pt, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(
@@ -217,7 +225,7 @@ class MlaAttentionV3(MlaAttention):
         kpipe = pipeline.PipelineAsync.create(
             barrier_storage=storage.mbar.data_ptr(),
             num_stages=self.k_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, WG),
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.pt),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, WG),
         )
 
@@ -268,10 +276,10 @@ class MlaAttentionV3(MlaAttention):
         elif cutlass.const_expr(pf > 0):
             for t in cutlass.range_constexpr(1, pf + 1):
                 slot = self.slot_of(m_idx, (t_begin + t) * bn + la_key, num_keys, 0, block_size, t < n_local)
-                if slot >= 0:
+                if slot >= 0 and ptid < 2 * bn:  # threads past 2 BN (a second producer warpgroup) only decode
                     _prefetch_l2(cache_addr + Int64(slot) * Int64(rec), rec)
         nxt = self.slot_of(m_idx, (t_begin + la_ahead) * bn + la_key, num_keys, 0, block_size, la_ahead < n_local)
-        cute.arch.barrier(barrier_id=BAR_PRODUCER, number_of_threads=WG)
+        cute.arch.barrier(barrier_id=BAR_PRODUCER, number_of_threads=self.pt)
         if cutlass.const_expr(self.copy_k):
             # bf16: records are the K rows; cp.async straight into the ring, tile it + 1 in flight
             # while tile it completes. `com` trails `acq` by one tile.
@@ -285,7 +293,7 @@ class MlaAttentionV3(MlaAttention):
                 nxt = self.look_ahead(
                     sSlot, m_idx, nxt, it, la_key, la_ahead, t_begin, n_local, num_keys, block_size, cache_addr, ptid
                 )
-                cute.arch.barrier(barrier_id=BAR_PRODUCER, number_of_threads=WG)
+                cute.arch.barrier(barrier_id=BAR_PRODUCER, number_of_threads=self.pt)
                 if it + 1 < n_local:
                     kpipe.producer_acquire(acq)
                     self.load_tile(sSlot, (it + 1) % 2, acq.index, raw_addr, sK_addr, cache_addr, ptid)
@@ -307,7 +315,7 @@ class MlaAttentionV3(MlaAttention):
                 cute.arch.cp_async_wait_group(0)  # this thread's records of tile it have landed
                 # all threads' records landed, the next slot ids are written, and every thread has
                 # finished decoding tile it - 1, whose raw stage is refilled next
-                cute.arch.barrier(barrier_id=BAR_PRODUCER, number_of_threads=WG)
+                cute.arch.barrier(barrier_id=BAR_PRODUCER, number_of_threads=self.pt)
                 if it + 1 < n_local:
                     self.load_tile(sSlot, (it + 1) % 2, (it + 1) % 2, raw_addr, sK_addr, cache_addr, ptid)
                 cute.arch.cp_async_commit_group()
@@ -327,7 +335,7 @@ class MlaAttentionV3(MlaAttention):
         if ptid < bn:
             sSlot[ptid, (it + 1) % 2] = nxt
         elif cutlass.const_expr(self.l2_prefetch > 0):
-            if nxt >= 0:
+            if nxt >= 0 and ptid < 2 * bn:
                 _prefetch_l2(cache_addr + Int64(nxt) * Int64(self.plan.record_bytes), self.plan.record_bytes)
         t = it + 1 + la_ahead
         return self.slot_of(m_idx, (t_begin + t) * bn + la_key, num_keys, 0, block_size, t < n_local)
@@ -347,8 +355,8 @@ class MlaAttentionV3(MlaAttention):
             entry = (16 * blk) // lat.group
             if cutlass.const_expr(lat.scale_order == ORDER_8X4):
                 entry = 8 * (entry & 3) + (entry >> 2)
-            for u in cutlass.range_constexpr(self.bn * 32 // WG):
-                key = u * (WG // 32) + ptid // 32
+            for u in cutlass.range_constexpr(self.bn * 32 // self.pt):
+                key = u * (self.pt // 32) + ptid // 32
                 r = raw + key * rec
                 w0, w1 = _ld_shared_v2(r + lat.data_offset + 8 * blk)
                 f = ptx.e4m3_to_f32(_ld_shared_u8(r + lat.scale_offset + entry)) * Float32(2.0**e2m1_bits.SCALE_BIAS_LOG2)
@@ -357,8 +365,8 @@ class MlaAttentionV3(MlaAttention):
                 b0, b1, b2, b3 = ptx.e2m1x8_scaled_bf16x2(w1, s2)
                 _st_shared_v4(kbase + 2 * swizzled_offset(key, 16 * blk, self.bn), a0, a1, a2, a3)
                 _st_shared_v4(kbase + 2 * swizzled_offset(key, 16 * blk + 8, self.bn), b0, b1, b2, b3)
-            for u in cutlass.range_constexpr(self.bn * 8 // WG):
-                i = u * WG + ptid
+            for u in cutlass.range_constexpr(self.bn * 8 // self.pt):
+                i = u * self.pt + ptid
                 key = i // 8
                 d0 = (i % 8) * 8
                 w0, w1, w2, w3 = self.decode8(plan.rope, raw + key * rec, d0, s_l, self.has_outer and plan.outer_on_rope, False)
@@ -376,7 +384,7 @@ class MlaAttentionV3(MlaAttention):
         rec = self.plan.record_bytes
         chunks = rec // 16
         total = self.bn * chunks
-        for i in range(ptid, total, WG):
+        for i in range(ptid, total, self.pt):
             key = i // chunks
             ch = i % chunks
             slot = sSlot[key, slot_buf]
@@ -568,12 +576,13 @@ class MlaAttentionV3(MlaAttention):
 
 
 def compile_key(
-    plan: RecordPlan, has_sink: bool, has_outer: bool, split: bool, device, l2_prefetch: int = V3_L2_PREFETCH
+    plan: RecordPlan, has_sink: bool, has_outer: bool, split: bool, device, l2_prefetch: int = V3_L2_PREFETCH,
+    producer_wgs: int | None = None,
 ) -> tuple:
     """Every specialisation of a compiled v3 kernel (the head count, lengths, scales are run-time)."""
     return (
-        "mla_attention_v3", 1, plan, bool(has_sink), bool(has_outer), bool(split), int(l2_prefetch), "q=bf16", "acc=f32",
-        arch_tag(device),
+        "mla_attention_v3", 1, plan, bool(has_sink), bool(has_outer), bool(split), int(l2_prefetch),
+        int(producer_wgs or v3_producer_wgs(plan)), "q=bf16", "acc=f32", arch_tag(device),
     )
 
 
@@ -593,10 +602,11 @@ def mla_attention_v3(
     lse: torch.Tensor | None = None,
     workspace_fill: float | None = None,
     l2_prefetch: int = V3_L2_PREFETCH,
+    producer_wgs: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense launch of the v3 kernel; arguments as `mla_attention.mla_attention` (which calls this
-    when `attention_tuning.v3_blocker` has no objection); `l2_prefetch` (key tiles, 0 = none) is
-    for the benchmark's comparison."""
+    when `attention_tuning.v3_blocker` has no objection); `l2_prefetch` (key tiles, 0 = none) and
+    `producer_wgs` (default `attention_tuning.v3_producer_wgs`) are for the benchmark's comparison."""
     n, h = q.shape[0], q.shape[1]
     dev = q.device
     if out is None:
@@ -645,8 +655,9 @@ def mla_attention_v3(
         Int32(num_splits),
         stream,
     )
-    key = compile_key(plan, has_sink, has_outer, split, dev, l2_prefetch)
-    fn = compiled(key, lambda: cute.compile(MlaAttentionV3(plan, has_sink, has_outer, split, l2_prefetch), *args))
+    key = compile_key(plan, has_sink, has_outer, split, dev, l2_prefetch, producer_wgs)
+    kern = MlaAttentionV3(plan, has_sink, has_outer, split, l2_prefetch, producer_wgs)
+    fn = compiled(key, lambda: cute.compile(kern, *args))
     fn(*args)
     if split:
         cargs = (

@@ -100,7 +100,7 @@ def test_v3_accumulator_fragments_are_what_the_softmax_assumes():
             assert head == s_vals[i % 8][1] and d == 64 * (i // 8) + s_vals[i % 8][0], (t, i)
 
 
-def _v3(spec, q, cache, scale, *, sink=None, outer_scale=None, num_splits=None, block_table, seq_lens):
+def _v3(spec, q, cache, scale, *, sink=None, outer_scale=None, num_splits=None, block_table, seq_lens, **probe):
     from mla_eval_kernels.mla_attention_v3 import mla_attention_v3
 
     n, h = q.shape[:2]
@@ -108,7 +108,7 @@ def _v3(spec, q, cache, scale, *, sink=None, outer_scale=None, num_splits=None, 
     lse = torch.full((n, h), float("nan"), device="cuda")
     mla_attention_v3(
         plan_for(spec), q, cache, softmax_scale=scale, block_table=block_table, seq_lens=seq_lens, sink=sink,
-        outer_scale=outer_scale, num_splits=num_splits, out=out, lse=lse, workspace_fill=float("nan"),
+        outer_scale=outer_scale, num_splits=num_splits, out=out, lse=lse, workspace_fill=float("nan"), **probe,
     )
     torch.cuda.synchronize()
     return out, lse
@@ -141,6 +141,17 @@ def test_v3_matches_reference(fmt, heads, sink):
         out, lse = _v3(spec, q, cache, scale, sink=sink_t, outer_scale=s_l, num_splits=splits, **lists)
         _check(out, lse, ref_out, ref_lse, bound, f"v3 {fmt} h={heads} sink={sink} splits={splits}")
     assert any(k[0] == "mla_attention_v3" and k[2] == plan_for(spec) for k in compile_cache.keys())
+
+
+@needs_cuda
+@pytest.mark.parametrize("probe", [dict(l2_prefetch=0), dict(producer_wgs=1), dict(producer_wgs=2)])
+@pytest.mark.parametrize("fmt", ["nvfp4", "bf16", "mxfp4"])
+def test_v3_benchmark_probes_match_reference(fmt, probe):
+    """The variants the benchmark times beside v3 (no L2 prefetch, the other producer warpgroup count)."""
+    spec, q, cache, scale, sink_t, s_l, lists, ref_out, ref_lse, bound = _case(fmt, 16, LENGTHS, 4)
+    for splits in (None, 1):
+        out, lse = _v3(spec, q, cache, scale, outer_scale=s_l, num_splits=splits, **lists, **probe)
+        _check(out, lse, ref_out, ref_lse, bound, f"v3 {fmt} {probe} splits={splits}")
 
 
 @needs_cuda
