@@ -195,6 +195,8 @@ def test_v3_covers_dense_launches_of_the_formats_whose_stages_fit():
         plan = plan_for(get_format(name))
         assert attention_tuning.v3_blocker(plan, sparse=False, smem_limit=limit) is None, name
         assert "dense decode path only" in attention_tuning.v3_blocker(plan, sparse=True, smem_limit=limit)
+        # decoded records share the decode over two producer warpgroups; bf16 records are only copied
+        assert attention_tuning.v3_producer_wgs(plan) == (1 if name == "bf16" else 2), name
     for name in ("fp8_ds_mla", "fp8_ds_mla_pow2", "fp8_e4m3"):
         why = attention_tuning.v3_blocker(plan_for(get_format(name)), sparse=False, smem_limit=limit)
         assert why is not None and "shared memory" in why, name

@@ -200,3 +200,32 @@ def test_environment_routes_dense_to_v3_and_the_rest_to_v2(fmt, monkeypatch):
     out, lse = _run(spec, q, cache, scale, outer_scale=s_l, num_splits=1, indices=idx.cuda())
     assert {k[0] for k in compile_cache.keys()} == {"mla_attention"}
     _check(out, lse, ref_out, ref_lse, bound, f"dispatch v3 {fmt} sparse -> v2")
+
+
+def test_compile_check_reads_registers_from_the_cubin_and_checks_the_ptx(tmp_path):
+    """No GPU needed: one v3 specialisation compiled for sm_90a; the cubin reader finds its register
+    count and no stack frame, the PTX check passes it and flags a PTX missing what the design needs."""
+    import os
+
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    import cuda.bindings.driver as cuda
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32
+
+    from mla_eval_kernels import compile_check
+    from mla_eval_kernels.mla_attention_v3 import MlaAttentionV3
+
+    p = compile_check._p
+    a = (
+        p(cutlass.BFloat16), p(cutlass.Uint8), p(Int32, 4), p(Int32, 4), p(Float32, 4), p(Float32), p(Float32, 4),
+        Int32(4), Int32(16), Int32(64), Int32(4096), Int32(64), Float32(0.1), Float32(1.0), Int32(4), Int32(2), cuda.CUstream(0),
+    )
+    plan = plan_for(get_format("nvfp4"))
+    cute.compile(MlaAttentionV3(plan, False, True, True), *a, options=f"--keep-ptx --keep-cubin --dump-dir={tmp_path}")
+    use = compile_check.cubin_usage(str(next(tmp_path.glob("*.cubin"))))
+    assert 64 <= use["regs"] <= 168 and use.get("frame", 0) == 0 and use.get("stack", 0) == 0, use
+    ptx = next(tmp_path.glob("*.ptx")).read_text()
+    assert compile_check.check_v3_ptx(ptx) == []
+    broken = ptx.replace("wgmma.mma_async.sync.aligned.m64n16k16", "wgmma.mma_async.sync.aligned.m64n8k16", 1)
+    assert "67 m64n16k16 wgmma (expected 68)" in compile_check.check_v3_ptx(broken)
+    assert "expected one CTA-wide barrier" in compile_check.check_v3_ptx(ptx + "\n\tbar.sync \t0;\n")
