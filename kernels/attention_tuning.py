@@ -12,7 +12,9 @@ that is part of the compile key:
   where two CTAs fit an SM (`launch_choice`), so one CTA's decode overlaps the other's MMAs.
   What each change is worth was measured, not assumed (kernels/NOTES.md, 2026-12-03, issue 14).
 
-`MLA_EVAL_ATTENTION_KERNEL=v1` selects the first kernel (the fallback); unset or `v2`, the second.
+`MLA_EVAL_ATTENTION_KERNEL=v1` selects the first kernel (the fallback); unset or `v2`, the second;
+`v3` the wgmma kernel of `mla_attention_v3` for the launches it covers (`v3_blocker` names the reason
+for the rest, which run v2): dense lists, formats whose two K stages and two raw stages fit a CTA.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from mla_eval.formats.spec import LATENT_DIM, ROPE_DIM
 from mla_eval_kernels.device_limits import HOPPER_SMEM_PER_BLOCK, HOPPER_SMEM_PER_SM
 
 ENV = "MLA_EVAL_ATTENTION_KERNEL"
-VERSIONS = ("v1", "v2")
+VERSIONS = ("v1", "v2", "v3")
 D_QK = LATENT_DIM + ROPE_DIM
 MAX_PREFETCH = 3
 # v2 at h <= 16: 4 warps, 32-key tiles, 2 tiles of records in flight, so that two CTAs share an SM
@@ -32,6 +34,14 @@ MAX_PREFETCH = 3
 NARROW_TILE = (16, 1, 4, 32)
 NARROW_PREFETCH = 2
 DRIVER_SMEM_PER_CTA = 1024  # shared memory the driver reserves for each resident CTA (sm_90)
+# v3 (mla_attention_v3): key tiles of 64 slots (wgmma's M, keys in M), 16 heads per CTA (wgmma's N),
+# a ring of 2 bf16 K tiles between the producer and consumer warpgroups, 2 raw record tiles
+V3_BN = 64
+V3_HEADS = 16
+V3_K_STAGES = 2
+V3_RAW_STAGES = 2
+V3_L2_PREFETCH = 2  # key tiles of records prefetched into L2 beyond the one being copied (bench: v3-nopf)
+V3_DECODE_PRODUCER_WGS = 2  # producer warpgroups where records are decoded (bench: v3-p1 has one)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +92,31 @@ def fast_e2m1_eligible(plan) -> bool:
     return lat.elem == "e2m1" and lat.scale_dtype == "e4m3" and plan.token_scale_offset < 0 and not plan.outer_on_rope
 
 
+def smem_bytes_v3(plan) -> int:
+    """Shared memory of one v3 CTA: K ring, raw ring (none for bf16), Q, P^T, slot ids, the 4-warp
+    reductions, the mbarriers, and the 1 KB alignment of the wgmma tiles (4 KB of slack in all)."""
+    raw = 0 if is_bf16_plan(plan) else V3_RAW_STAGES * V3_BN * plan.record_bytes
+    k = V3_K_STAGES * V3_BN * D_QK * 2
+    return k + raw + 2 * V3_HEADS * D_QK + 2 * V3_HEADS * V3_BN + 4 * 2 * V3_BN + 4 * 8 * V3_HEADS + 4 * 1024
+
+
+def v3_producer_wgs(plan) -> int:
+    """Producer warpgroups of a v3 CTA: bf16 records are only copied (one warpgroup issues the
+    cp.async); decoded formats split each tile's decode over V3_DECODE_PRODUCER_WGS warpgroups, because
+    the decode, not the consumer's 68 wgmma per tile, is the longer stage (see NOTES.md)."""
+    return 1 if is_bf16_plan(plan) else V3_DECODE_PRODUCER_WGS
+
+
+def v3_blocker(plan, sparse: bool, smem_limit: int = HOPPER_SMEM_PER_BLOCK) -> str | None:
+    """Why a launch cannot run the v3 kernel (it then runs v2), or None when it can."""
+    if sparse:
+        return "v3 covers the dense decode path only (sparse top-k runs v2)"
+    need = smem_bytes_v3(plan)
+    if need > smem_limit:
+        return f"{plan.name}: v3 needs {need} B of shared memory per CTA (2 K + 2 record stages), the device allows {smem_limit}"
+    return None
+
+
 def kernel_version() -> str:
     v = os.environ.get(ENV, "v2").strip().lower() or "v2"
     if v not in VERSIONS:
@@ -95,6 +130,7 @@ def default_tuning(plan, tile: tuple, version: str | None = None, smem_limit: in
     version = version or kernel_version()
     if version == "v1":
         return V1
+    # v3 (and its fallback launches) use v2's tuning wherever the v2 kernel runs
     m, _, wn, bn = tile
     small = m == 16  # one row of 16 heads: Q (144 registers) fits beside the 32-register O accumulator
     fits = [p for p in range(1, MAX_PREFETCH + 1) if smem_bytes(plan, m, bn, wn, p) <= smem_limit]
@@ -117,7 +153,7 @@ def launch_choice(
     v2 replaces the 16-row, 8-warp tile by the narrow one when two of its CTAs fit an SM (the
     decode of one CTA then overlaps the MMAs of the other); elsewhere the tile stays as it is."""
     version = version or kernel_version()
-    if version == "v2" and wide_tile[0] == 16 and narrow_fits_twice(plan, smem_per_sm):
+    if version in ("v2", "v3") and wide_tile[0] == 16 and narrow_fits_twice(plan, smem_per_sm):
         tuning = dataclasses.replace(default_tuning(plan, NARROW_TILE, "v2", smem_per_block), prefetch=NARROW_PREFETCH)
         return NARROW_TILE, tuning
     return tuple(wide_tile), default_tuning(plan, wide_tile, version, smem_per_block)

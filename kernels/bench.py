@@ -1,6 +1,7 @@
 """Benchmark of the cache writer and MLA attention kernels, with ceilings measured in the same run.
 
     python -m mla_eval_kernels.bench [--formats nvfp4,bf16] [--out results/kernels] [--quick] [--variants]
+        [--shapes writer,a,b,c]
 
 Shapes (issue 4):
   (a) sparse decode, DeepSeek-V3.2: h=128, top-k 2048, batch 64 and 128 (compute-bound)
@@ -16,6 +17,8 @@ Every row names the attention kernel that ran (`kernel`: v1 = the first generati
 chosen by MLA_EVAL_ATTENTION_KERNEL). `--variants` adds, at shape (b), the v1 and v2 kernels side by
 side plus probes that switch one v2 change on or off (`probe_variants`), so a gain is attributed by
 measurement; `skip_decode` leaves the decode out (wrong output) to show what the decode costs.
+At (b), every format the v3 kernel covers (`attention_tuning.v3_blocker`) also gets a row
+`kernel=v3` timed beside the default kernel's row, whatever MLA_EVAL_ATTENTION_KERNEL says.
 
 Compiling every kernel takes seconds each, so one worker process per format compiles and warms
 up in parallel; the timed part runs under an exclusive file lock, one worker at a time.
@@ -139,11 +142,11 @@ def _random_caches(spec, num_slots: int, copies: int):
     return caches
 
 
-def run_format(name: str, quick: bool, variants: bool = False) -> list[dict]:
-    """All measurements of one format (called in a worker process)."""
+def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "writer,a,b,c") -> list[dict]:
+    """All measurements of one format (called in a worker process); `shapes` picks writer / a / b / c."""
     from mla_eval.attention import dispatch
     from mla_eval_kernels import mla_attention as kernel
-    from mla_eval_kernels.attention_tuning import kernel_version
+    from mla_eval_kernels.attention_tuning import kernel_version, v3_blocker, v3_producer_wgs
     from mla_eval_kernels.mla_attention import flops
     from mla_eval_kernels.record_plan import plan_for
 
@@ -165,11 +168,13 @@ def run_format(name: str, quick: bool, variants: bool = False) -> list[dict]:
     def writer(i):
         dispatch.write_cache(spec, lat, rope, perm, wcache, outer_scale=s_l, backend="kernel", check_finite=False)
 
-    todo.append(("writer", dict(tokens=t), writer, t * (1152 + spec.record_bytes), 0.0, None))
+    shapes = set(shapes.split(","))
+    if "writer" in shapes:
+        todo.append(("writer", dict(tokens=t), writer, t * (1152 + spec.record_bytes), 0.0, None))
 
     # (a) sparse decode
-    caches = _random_caches(spec, SLOTS_A, 4)
-    for n in (64,) if quick else (64, 128):
+    caches = _random_caches(spec, SLOTS_A, 4) if shapes & {"a", "c"} else None
+    for n in () if "a" not in shapes else (64,) if quick else (64, 128):
         q = torch.randn(n, 128, 576, device="cuda", dtype=torch.bfloat16, generator=gen)
         idx = torch.argsort(torch.rand(n, SLOTS_A, device="cuda", generator=gen), dim=1)[:, :2048].to(torch.int32)
 
@@ -190,7 +195,7 @@ def run_format(name: str, quick: bool, variants: bool = False) -> list[dict]:
 
     # (b) dense decode, memory-bound
     batch = 32
-    for ctx in (8192,) if quick else (8192, 32768, 65536):
+    for ctx in () if "b" not in shapes else (8192,) if quick else (8192, 32768, 65536):
         blocks = batch * ctx // 64
         bcache = _random_caches(spec, blocks * 64, 1)[0]
         table = torch.randperm(blocks, device="cuda").view(batch, -1).to(torch.int32)
@@ -215,6 +220,38 @@ def run_format(name: str, quick: bool, variants: bool = False) -> list[dict]:
                 flops(batch, 16, ctx), ref,
             )
         )
+        if v3_blocker(plan_for(spec), sparse=False) is None:
+            from mla_eval_kernels.mla_attention_v3 import mla_attention_v3
+
+            def fb3(i, q=q, table=table, lens=lens, bcache=bcache, ctx=ctx):
+                return mla_attention_v3(
+                    plan_for(spec), q, bcache, softmax_scale=0.0417, block_table=table, seq_lens=lens, sink=None,
+                    outer_scale=s_l, max_seq_len=ctx,
+                )
+
+            todo.append(
+                (
+                    "b_dense_decode", dict(batch=batch, heads=16, context=ctx, kernel="v3"), fb3,
+                    batch * ctx * spec.record_bytes, flops(batch, 16, ctx), None,
+                )
+            )
+            if variants and (ctx == 65536 or quick):
+                # what the L2 prefetch of records and the second (or a second) producer warpgroup are worth
+                pwg = v3_producer_wgs(plan_for(spec))
+                for vname, kw in (("v3-nopf", dict(l2_prefetch=0)), (f"v3-p{3 - pwg}", dict(producer_wgs=3 - pwg))):
+
+                    def fb3v(i, q=q, table=table, lens=lens, bcache=bcache, ctx=ctx, kw=kw):
+                        return mla_attention_v3(
+                            plan_for(spec), q, bcache, softmax_scale=0.0417, block_table=table, seq_lens=lens, sink=None,
+                            outer_scale=s_l, max_seq_len=ctx, **kw,
+                        )
+
+                    todo.append(
+                        (
+                            "b_dense_decode", dict(batch=batch, heads=16, context=ctx, kernel=vname), fb3v,
+                            batch * ctx * spec.record_bytes, flops(batch, 16, ctx), None,
+                        )
+                    )
         if variants and (ctx == 65536 or quick):
             plan = plan_for(spec)
             for vname, vtile, tuning in probe_variants(plan):
@@ -234,7 +271,7 @@ def run_format(name: str, quick: bool, variants: bool = False) -> list[dict]:
 
     # (c) prefill-as-decode: query i sees slots 0..i of one 2048-token sequence
     n = 2048
-    ccache = caches[0]
+    ccache = caches[0] if caches else None
     table = torch.arange(n // 64, device="cuda", dtype=torch.int32).repeat(n, 1)
     lens = torch.arange(1, n + 1, device="cuda", dtype=torch.int32)
     qc = torch.randn(n, 8, 576, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -246,8 +283,10 @@ def run_format(name: str, quick: bool, variants: bool = False) -> list[dict]:
         )
 
     keys = n * (n + 1) / 2
-    todo.append(("c_prefill_as_decode", dict(queries=n, heads=8, slots=n), fc, keys * spec.record_bytes, flops(1, 8, keys), None))
-    if variants:  # v1 and the 8-warp v2 tile at (c) too: launch_choice was measured at (b) only
+    if "c" in shapes:
+        cparams = dict(queries=n, heads=8, slots=n)
+        todo.append(("c_prefill_as_decode", cparams, fc, keys * spec.record_bytes, flops(1, 8, keys), None))
+    if variants and "c" in shapes:  # v1 and the 8-warp v2 tile at (c) too: launch_choice was measured at (b) only
         plan = plan_for(spec)
         for vname, vtile, tuning in probe_variants(plan)[:3]:
 
@@ -271,7 +310,7 @@ def run_format(name: str, quick: bool, variants: bool = False) -> list[dict]:
         fcntl.flock(lock, fcntl.LOCK_EX)
         for shape, params, fn, nbytes, nflop, ref in todo:
             ms, how = _graph_ms(fn, reps)
-            params = {"kernel": version, **params}
+            params = {"kernel": version, **params}  # an explicit kernel= (variants, v3) overrides
             row = dict(format=name, shape=shape, **params, ms=ms, timing=how,
                        cache_gb_s=nbytes / ms / 1e6, tflop_s=nflop / ms / 1e9 if nflop else None)
             if ref is not None:
@@ -307,12 +346,17 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="results/kernels")
     ap.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")
     ap.add_argument("--variants", action="store_true", help="v1 and v2 kernels and probe variants side by side at (b)")
+    ap.add_argument("--shapes", default="writer,a,b,c", help="comma-separated subset of writer,a,b,c")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.formats is None:
         args.formats = ",".join(kernel_format_names())
+    bad = set(args.shapes.split(",")) - {"writer", "a", "b", "c"}
+    if bad:
+        print(f"error: --shapes: unknown {','.join(sorted(bad))} (expected writer,a,b,c)", file=sys.stderr)
+        return 2
     if args.worker:
-        run_format(args.worker, args.quick, args.variants)
+        run_format(args.worker, args.quick, args.variants, args.shapes)
         return 0
 
     gpu = torch.cuda.get_device_name()
@@ -325,6 +369,7 @@ def main(argv=None) -> int:
     for name in args.formats.split(","):
         cmd = [sys.executable, "-m", "mla_eval_kernels.bench", "--worker", name] + (["--quick"] if args.quick else [])
         cmd += ["--variants"] if args.variants else []
+        cmd += ["--shapes", args.shapes]
         procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     rows, failed = [], []
     for name, p in procs.items():

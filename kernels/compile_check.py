@@ -1,15 +1,22 @@
 """Compile every kernel variant for sm_90a without a GPU (fake pointers), to catch DSL errors early.
 
     CUTE_DSL_ARCH=sm_90a python -m mla_eval_kernels.compile_check [--formats nvfp4] [--heads 16,128]
-        [--cuobjdump PATH]   # also print registers / stack / spills of each attention kernel
+        [--versions v1,v2,v3] [--cuobjdump PATH]   # also print registers / stack / spills of each attention kernel
 
-Nothing is launched; `cute.compile` runs the whole pipeline down to the cubin.
+Nothing is launched; `cute.compile` runs the whole pipeline down to the cubin. The v3 kernels
+(`mla_attention_v3`, dense only, head count a run-time argument) are compiled once per format for
+every (sink, outer scale, split) combination; their registers and stack frame are read from the
+cubin itself (`cubin_usage`, no CUDA toolkit needed), and the PTX is checked for what the design
+promises (wgmma, mbarriers, no CTA-wide barrier inside the loops).
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import os
+import re
+import struct
 import subprocess
 import tempfile
 import time
@@ -23,7 +30,7 @@ from cutlass import Float32, Int32  # noqa: E402
 from cutlass.cute.runtime import make_ptr  # noqa: E402
 
 from mla_eval.formats import all_formats, get_format  # noqa: E402
-from mla_eval_kernels.attention_tuning import VERSIONS, default_tuning, launch_choice  # noqa: E402
+from mla_eval_kernels.attention_tuning import VERSIONS, default_tuning, launch_choice, v3_blocker  # noqa: E402
 from mla_eval_kernels.cache_writer import CacheWriter  # noqa: E402
 from mla_eval_kernels.device_limits import HOPPER_SMEM_PER_BLOCK  # noqa: E402
 from mla_eval_kernels.mla_attention import MlaAttention, tile_config  # noqa: E402
@@ -43,6 +50,104 @@ def _usage(cuobjdump: str | None, dump_dir: str) -> str:
         return ""
     out = subprocess.run([cuobjdump, "--dump-resource-usage", cubins[-1]], capture_output=True, text=True).stdout
     return " ".join(line.strip() for line in out.splitlines() if "REG:" in line)
+
+
+EIATTR_FRAME_SIZE, EIATTR_MIN_STACK_SIZE, EIATTR_REGCOUNT = 0x11, 0x12, 0x2F
+
+
+def cubin_usage(path: str) -> dict:
+    """Registers and stack frame bytes of the kernel in a cubin, from its ELF `.nv.info` section
+    (attribute records: format byte 4 = sized value, then attribute id, u16 size, u32 symbol, u32 value;
+    the ids are those cuobjdump prints as EIATTR_REGCOUNT / EIATTR_FRAME_SIZE / EIATTR_MIN_STACK_SIZE)."""
+    b = open(path, "rb").read()
+    if b[:4] != b"\x7fELF" or b[4] != 2:
+        raise ValueError(f"{path}: not a 64-bit ELF cubin")
+    (shoff,) = struct.unpack_from("<Q", b, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", b, 0x3A)
+    secs = [struct.unpack_from("<IIQQQQIIQQ", b, shoff + i * shentsize) for i in range(shnum)]
+    names = secs[shstrndx][4]
+    out = {}
+    for sh in secs:
+        start = names + sh[0]
+        if b[start : b.index(b"\0", start)] != b".nv.info":
+            continue
+        data, i = b[sh[4] : sh[4] + sh[5]], 0
+        while i + 4 <= len(data):
+            fmt, attr = data[i], data[i + 1]
+            if fmt != 4:  # 1: no value (2 bytes), 2 / 3: 2-byte value (4 bytes in all)
+                i += 2 if fmt == 1 else 4
+                continue
+            (size,) = struct.unpack_from("<H", data, i + 2)
+            if size >= 8 and attr in (EIATTR_REGCOUNT, EIATTR_FRAME_SIZE, EIATTR_MIN_STACK_SIZE):
+                key = {EIATTR_REGCOUNT: "regs", EIATTR_FRAME_SIZE: "frame", EIATTR_MIN_STACK_SIZE: "stack"}[attr]
+                out[key] = max(out.get(key, 0), struct.unpack_from("<I", data, i + 8)[0])
+            i += 4 + size
+    return out
+
+
+def check_v3_ptx(ptx: str) -> list[str]:
+    """What the v3 design promises, read from its PTX: 36 + 32 wgmma per key tile (S^T over 576
+    dims, O^T over 8 x 4 m64n16k16 steps), mbarrier waits (the K ring), named warpgroup barriers,
+    and exactly one CTA-wide barrier (after the mbarrier init)."""
+    problems = []
+    n_wgmma = len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n16k16\.f32\.bf16\.bf16", ptx))
+    if n_wgmma != 68:
+        problems.append(f"{n_wgmma} m64n16k16 wgmma (expected 68)")
+    if "mbarrier.try_wait" not in ptx and "mbarrier.test_wait" not in ptx:
+        problems.append("no mbarrier wait")
+    if len(re.findall(r"bar(?:rier)?\.sync(?:\.aligned)?\s+0\s*;", ptx)) != 1:
+        problems.append("expected one CTA-wide barrier")
+    if not re.search(r"bar(?:rier)?\.sync(?:\.aligned)?\s+1,\s*128", ptx) or not re.search(
+        r"bar(?:rier)?\.sync(?:\.aligned)?\s+2,\s*(?:128|256)", ptx
+    ):
+        problems.append("missing a named warpgroup barrier")
+    return problems
+
+
+def compile_v3(plan, name: str, stream) -> int:
+    """Compile every v3 specialisation of one format; returns the number of failures."""
+    from mla_eval_kernels.attention_tuning import V3_L2_PREFETCH, v3_producer_wgs  # noqa: PLC0415
+    from mla_eval_kernels.mla_attention_v3 import MlaAttentionV3  # noqa: PLC0415
+
+    failures = 0
+    pwg = v3_producer_wgs(plan)
+    # every (outer, sink, split) with the defaults, then the benchmark's probes (no L2 prefetch; the
+    # other producer warpgroup count) on one of them
+    cases = [
+        (outer, sink, split, V3_L2_PREFETCH, pwg)
+        for outer in ([False, True] if plan.outer_allowed else [False])
+        for sink in (False, True)
+        for split in (False, True)
+    ]
+    cases += [(plan.outer_allowed, False, True, 0, pwg), (plan.outer_allowed, False, True, V3_L2_PREFETCH, 3 - pwg)]
+    for outer, sink, split, l2pf, wgs in cases:
+        t = time.time()
+        dump = tempfile.mkdtemp()
+        a = (
+            _p(cutlass.BFloat16), _p(cutlass.Uint8), _p(Int32, 4), _p(Int32, 4), _p(Float32, 4),
+            _p(Float32), _p(Float32, 4), Int32(4), Int32(16), Int32(64), Int32(4096), Int32(64),
+            Float32(0.1), Float32(1.0), Int32(4), Int32(2), stream,
+        )
+        try:
+            opts = f"--keep-ptx --keep-cubin --dump-dir={dump}"
+            cute.compile(MlaAttentionV3(plan, sink, outer, split, l2pf, wgs), *a, options=opts)
+            use = cubin_usage(max(glob.glob(f"{dump}/*.cubin"), key=os.path.getmtime))
+            problems = check_v3_ptx(open(max(glob.glob(f"{dump}/*.ptx"), key=os.path.getmtime)).read())
+            if use.get("frame", 0) or use.get("stack", 0):
+                problems.append("register spills (stack frame)")
+            status = "ok " if not problems else "FAILED " + "; ".join(problems) + " "
+            failures += bool(problems)
+            status += f"regs={use.get('regs')} frame={use.get('frame', 0)}B stack={use.get('stack', 0)}B"
+        except Exception as exc:  # noqa: BLE001 - report every variant
+            failures += 1
+            status = f"FAILED {type(exc).__name__}: {str(exc)[:300]}"
+        print(
+            f"attention {name:18} v3           dense outer={outer!s:5} sink={sink!s:5} split={split!s:5} "
+            f"l2pf={l2pf} producer_wgs={wgs} "
+            f"{time.time() - t:5.1f}s {status}",
+            flush=True,
+        )
+    return failures
 
 
 def main(argv=None) -> int:
@@ -71,11 +176,19 @@ def main(argv=None) -> int:
             )
             cute.compile(CacheWriter(plan, cutlass.BFloat16, outer), *w)
             print(f"writer    {name:18} outer={outer!s:5} {time.time() - t:5.1f}s", flush=True)
+        versions = args.versions.split(",")
+        if "v3" in versions:
+            why = v3_blocker(plan, sparse=False, smem_limit=HOPPER_SMEM_PER_BLOCK)
+            if why is None:
+                failures += compile_v3(plan, name, stream)
+            else:
+                print(f"attention {name:18} v3           runs v2: {why}", flush=True)
         for heads in (int(h) for h in args.heads.split(",")):
             tile0 = tile_config(plan, heads, HOPPER_SMEM_PER_BLOCK)  # compiled for sm_90a, no device at hand
-            # what dispatch runs for each version, and v2's own tile where launch_choice swaps it
-            variants = [(v, *launch_choice(plan, tile0, v)) for v in args.versions.split(",")]
-            if "v2" in args.versions.split(",") and launch_choice(plan, tile0, "v2")[0] != tile0:
+            # what dispatch runs for each version (v3's sparse / blocked launches are v2's, compiled
+            # under v2), and v2's own tile where launch_choice swaps it
+            variants = [(v, *launch_choice(plan, tile0, v)) for v in versions if v != "v3"]
+            if "v2" in versions and launch_choice(plan, tile0, "v2")[0] != tile0:
                 variants.append(("v2-wide", tile0, default_tuning(plan, tile0, "v2")))
             if args.probes and heads <= 16:
                 from mla_eval_kernels.bench import probe_variants

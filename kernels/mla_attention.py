@@ -48,8 +48,10 @@ from mla_eval_kernels.attention_tuning import (
     default_tuning,
     fast_e2m1_eligible,
     is_bf16_plan,
+    kernel_version,
     launch_choice,
     smem_bytes,
+    v3_blocker,
 )
 from mla_eval_kernels.compile_cache import arch_tag, compiled
 from mla_eval_kernels.device_limits import smem_per_block, smem_per_sm
@@ -679,9 +681,11 @@ def mla_attention(
     contiguous, cache uint8 [blocks, block_size, R], int32 slot lists, sink fp32 [H].
 
     `out` / `lse` may be given (contiguous fp32); `workspace_fill` fills the split partials
-    first (tests poison them with NaN to prove every element is written). `tuning` and `tile`
-    override the defaults (`attention_tuning.launch_choice` over `tile_config`'s tile; the
-    benchmark and tests compare variants with them).
+    first (tests poison them with NaN to prove every element is written). With
+    MLA_EVAL_ATTENTION_KERNEL=v3 and neither `tuning` nor `tile` given, the launches v3 covers
+    (`attention_tuning.v3_blocker`) run `mla_attention_v3`. `tuning` and `tile` override the
+    defaults (`attention_tuning.launch_choice` over `tile_config`'s tile; the benchmark and tests
+    compare variants with them).
     """
     n, h = q.shape[0], q.shape[1]
     dev = q.device
@@ -692,6 +696,14 @@ def mla_attention(
     if n == 0:
         return out, lse
     sparse = indices is not None
+    if tile is None and tuning is None and kernel_version() == "v3" and v3_blocker(plan, sparse, smem_per_block(dev)) is None:
+        from mla_eval_kernels.mla_attention_v3 import mla_attention_v3  # noqa: PLC0415 - imports this module
+
+        return mla_attention_v3(
+            plan, q, cache, softmax_scale=softmax_scale, block_table=block_table, seq_lens=seq_lens, sink=sink,
+            outer_scale=outer_scale, max_seq_len=max_seq_len, num_splits=num_splits, out=out, lse=lse,
+            workspace_fill=workspace_fill,
+        )
     if tile is None and tuning is None:
         wide = tile_config(plan, h, smem_per_block(dev))
         tile, tuning = launch_choice(plan, wide, smem_per_block=smem_per_block(dev), smem_per_sm=smem_per_sm(dev))

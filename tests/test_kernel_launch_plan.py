@@ -120,8 +120,12 @@ def test_kernel_version_from_the_environment(monkeypatch):
     assert attention_tuning.default_tuning(bf16, (16, 1, 8, 64)).prefetch == 1
     monkeypatch.setenv(attention_tuning.ENV, "v1")
     assert attention_tuning.default_tuning(plan, (16, 1, 8, 64)) == attention_tuning.V1
+    # v3's launches that fall back (sparse, formats whose stages do not fit) run v2's tuning
     monkeypatch.setenv(attention_tuning.ENV, "v3")
-    with pytest.raises(ValueError, match="expected one of v1, v2"):
+    assert attention_tuning.default_tuning(plan, (16, 1, 8, 64)) == v2
+    assert attention_tuning.launch_choice(plan, (16, 1, 8, 64)) == attention_tuning.launch_choice(plan, (16, 1, 8, 64), "v2")
+    monkeypatch.setenv(attention_tuning.ENV, "v4")
+    with pytest.raises(ValueError, match="expected one of v1, v2, v3"):
         attention_tuning.default_tuning(plan, (16, 1, 8, 64))
     with pytest.raises(ValueError, match="s_chains"):
         attention_tuning.Tuning(s_chains=5)
@@ -180,3 +184,24 @@ def test_benchmark_probe_variants_are_named_once_and_v2_is_what_dispatch_runs():
         assert len(names) == len(set(names)) and names[:3] == ["v1", "v2", "v2-wide"]
         assert (variants[1][1], variants[1][2]) == attention_tuning.launch_choice(plan, (16, 1, 8, 64), "v2")
         assert ("v2+skip_decode" in names) == (name != "bf16")  # the probe only where there is a decode
+
+
+# ---------------------------------------------------------------------------------- v3 scope
+def test_v3_covers_dense_launches_of_the_formats_whose_stages_fit():
+    """Two bf16 K tiles of 64 x 576 (147 KB) plus two tiles of records must fit the 227 KB a CTA may
+    use: bf16 (no record ring) and the 4-bit formats do; fp8 records (576 / 656 B) do not and run v2."""
+    limit = attention_tuning.HOPPER_SMEM_PER_BLOCK
+    for name in ("bf16", "nvfp4", "nvfp4_fp8rope", "nvfp4_fp8rope_st", "nvfp4_fp8_ds_mla", "mxfp4"):
+        plan = plan_for(get_format(name))
+        assert attention_tuning.v3_blocker(plan, sparse=False, smem_limit=limit) is None, name
+        assert "dense decode path only" in attention_tuning.v3_blocker(plan, sparse=True, smem_limit=limit)
+        # decoded records share the decode over two producer warpgroups; bf16 records are only copied
+        assert attention_tuning.v3_producer_wgs(plan) == (1 if name == "bf16" else 2), name
+    for name in ("fp8_ds_mla", "fp8_ds_mla_pow2", "fp8_e4m3"):
+        why = attention_tuning.v3_blocker(plan_for(get_format(name)), sparse=False, smem_limit=limit)
+        assert why is not None and "shared memory" in why, name
+    # the 432-byte nvfp4 record: 2 x 73728 (K) + 2 x 27648 (records) + Q, P^T, slots, reductions, slack
+    nvfp4 = plan_for(get_format("nvfp4"))
+    want = 2 * 64 * 576 * 2 + 2 * 64 * 432 + 2 * 16 * 576 + 2 * 16 * 64 + 512 + 512 + 4096
+    assert attention_tuning.smem_bytes_v3(nvfp4) == want
+    assert attention_tuning.smem_bytes_v3(nvfp4) <= limit < attention_tuning.smem_bytes_v3(plan_for(get_format("fp8_e4m3")))

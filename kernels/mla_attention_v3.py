@@ -1,0 +1,677 @@
+"""v3 of the dense-decode MLA attention kernel (issue 14): wgmma, warp-specialised, mbarrier pipeline (sm_90a).
+
+Same problem and entry as `mla_attention.mla_attention` (dense lists only; `attention_tuning.v3_blocker`
+says which launches run here). Why this shape, measured against the v2 diagnosis in kernels/NOTES.md
+(255 registers + spills, one 8-warp CTA per SM, load -> decode -> S -> softmax -> PV serial in a CTA):
+
+- Swapped operands ("swap AB"): wgmma's M is 64 rows, and a decode step has h = 16 heads per query.
+  Packing 4 queries into M would need 4 queries that read the same keys; the dense decode queries are
+  different sequences (own block_table rows and lengths), so M must be keys instead: per key tile of
+  64 slots, S^T [64 keys, 16 heads] = K [64, 576] Q^T (A = K tile, B = Q, both K-major in shared
+  memory), and O^T [512, 16] += V^T [512, 64] P^T [64, 16] (A = V^T, an MN-major view of the same
+  bytes as the K tile, B = P^T). Nothing is padded at h = 16 (padding heads to 64 would quadruple
+  the MMA work); N = 16 heads is one "head tile", larger h runs ceil(h / 16) head tiles in grid y.
+  O^T lives in 64 fp32 registers per consumer thread (512 x 16 / 128), S^T in 8 (16 with the fold).
+- Warp specialisation: warpgroup 0 consumes (Q load, wgmma S^T, online softmax over the key rows, P^T
+  to shared memory, wgmma O^T), warpgroup 1 produces (slot ids, 16-byte cp.async of the records,
+  decode into the bf16 K ring). A 2-stage K ring with full / empty mbarriers (`pipeline.PipelineAsync`,
+  128 arrivals each) replaces the CTA-wide barriers of v1/v2; each warpgroup syncs internally with its
+  own named barrier (ids 1 and 2). bf16 records are copied straight into the K ring (cp.async, no
+  decode); the other formats go through a 2-stage raw ring (tile t+1 loads while tile t decodes).
+- Decode: E2M1 x E4M3 latents through `ptx.e2m1x8_scaled_bf16x2` (a byte of two codes -> one bf16x2
+  word, one multiply per 8 values by the block scale); 2^9 * s_l is folded into the latent part of
+  each score (a second S accumulator for the rope k-steps) and into the output, as in v2. Other
+  formats decode with v2's per-element path (`MlaAttention.decode8`, inherited).
+- No `setmaxnreg`: with two warpgroups and one CTA per SM every thread may already hold 255 registers
+  (65536 / 256), so a per-role budget frees nothing; it pays with 3 warpgroups (see NOTES.md).
+- Softmax runs along M (keys), which spans the 4 warps: per head a butterfly over the 8 lanes that
+  hold its rows and a 4-warp exchange through shared memory (double-buffered by tile parity, one
+  named barrier per tile). Masked keys (past the query's length) get p = 0 by a select and never
+  enter the running max, whose start value is the finite -FLT_MAX, exactly as in v2.
+- `split=True`: partial (out / l, lse) per split, merged by `mla_combine` (which applies the sink).
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+import torch
+from cutlass import BFloat16, Float32, Int32, Int64, Uint32
+from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+
+from mla_eval_kernels import e2m1_bits, ptx
+from mla_eval_kernels.attention_tuning import (
+    V3_BN,
+    V3_HEADS,
+    V3_K_STAGES,
+    V3_L2_PREFETCH,
+    V3_RAW_STAGES,
+    fast_e2m1_eligible,
+    is_bf16_plan,
+    v3_producer_wgs,
+)
+from mla_eval_kernels.compile_cache import arch_tag, compiled
+from mla_eval_kernels.launch_grid import attention_grid
+from mla_eval_kernels.mla_attention import (
+    D_QK,
+    D_V,
+    LN_2,
+    LOG2_E,
+    MlaAttention,
+    _cp_async_16,
+    _ld_shared_u8,
+    _ptr,
+    _st_shared_v4,
+    choose_splits,
+    swizzled_offset,
+)
+from mla_eval_kernels.mla_combine import MlaCombine
+from mla_eval_kernels.record_plan import ORDER_8X4, RecordPlan
+
+WG = 128  # threads per warpgroup
+BAR_CONSUMER = 1  # named barrier ids (0 is __syncthreads)
+BAR_PRODUCER = 2
+
+
+def _prefetch_l2(gaddr, nbytes: int):
+    """Bulk prefetch of `nbytes` (a multiple of 16, 16-byte aligned) of global memory into L2."""
+    cute.arch.inline_ptx(f"cp.async.bulk.prefetch.L2.global [{{$r0}}], {nbytes};", read_only_args=[Int64(gaddr)])
+
+
+def _ld_shared_v2(addr):
+    return cute.arch.inline_ptx(
+        "ld.shared.v2.b32 {{$w0}, {$w1}}, [{$r0}];", write_only_types=[Uint32, Uint32], read_only_args=[Int32(addr)]
+    )
+
+
+def _st_shared_bf16(addr, x):
+    cute.arch.inline_ptx(
+        "{ .reg .b16 h; cvt.rn.bf16.f32 h, {$r1}; st.shared.b16 [{$r0}], h; }",
+        read_only_args=[Int32(addr), Float32(x)],
+    )
+
+
+class MlaAttentionV3(MlaAttention):
+    """One compiled v3 kernel per (plan, sink, outer scale, split, L2 prefetch distance, producer
+    warpgroups). Dense lists only.
+
+    Inherits v2's record decode (`decode_tile`, `decode8`, `decode8_e2m1_folded`): with `bn` = 64 and
+    `num_threads` = 128 (the producer warpgroup) they write the same swizzled bf16 K tile that wgmma reads.
+    """
+
+    def __init__(
+        self, plan: RecordPlan, has_sink: bool, has_outer: bool, split: bool, l2_prefetch: int = V3_L2_PREFETCH,
+        producer_wgs: int | None = None,
+    ):
+        self.plan = plan
+        self.l2_prefetch = l2_prefetch  # key tiles of records prefetched into L2 beyond the next one
+        self.sparse = False
+        self.has_sink = has_sink
+        self.has_outer = has_outer
+        self.split = split
+        self.fold = fast_e2m1_eligible(plan)
+        self.copy_k = is_bf16_plan(plan)
+        # producer warpgroups: the decode is the producer's work (bf16 only copies: one is plenty)
+        self.producer_wgs = producer_wgs or v3_producer_wgs(plan)
+        self.pt = WG * self.producer_wgs  # producer threads
+        self.bn = V3_BN
+        self.nh = V3_HEADS
+        self.num_threads = self.pt  # the producer threads decode (the inherited decode_tile reads this)
+        self.k_stages = V3_K_STAGES
+        self.raw_stages = 0 if self.copy_k else V3_RAW_STAGES
+
+    @cute.jit
+    def __call__(
+        self,
+        q_ptr: cute.Pointer,
+        cache_ptr: cute.Pointer,
+        idx_ptr: cute.Pointer,
+        seqlen_ptr: cute.Pointer,
+        sink_ptr: cute.Pointer,
+        out_ptr: cute.Pointer,
+        lse_ptr: cute.Pointer,
+        num_queries: Int32,
+        num_heads: Int32,
+        idx_stride: Int32,
+        num_slots: Int32,
+        block_size: Int32,
+        softmax_scale: Float32,
+        s_l: Float32,
+        tiles_per_split: Int32,
+        num_splits: Int32,
+        stream: cuda.CUstream,
+    ):
+        bn, nh, ks = self.bn, self.nh, self.k_stages
+        k_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
+        mn_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.MN_SW128, BFloat16)
+        # K ring [BN keys, 576, stages]: keys fastest over the 8-row atoms, then 64-column blocks
+        # (the byte layout of `swizzled_offset(key, d, BN)`, which the producer writes by hand)
+        sK_layout = cute.tile_to_shape(k_atom, (bn, D_QK, ks), (0, 1, 2))
+        # V^T [512, BN] over the same bytes: 64 dims contiguous per key row, keys fastest over atoms,
+        # then 64-dim blocks at BN * 64 elements; a stage is BN * 576 elements further on
+        vt_one = cute.tile_to_shape(mn_atom, (D_V, bn), (1, 0))
+        sVt_outer = cute.append(vt_one.outer, cute.make_layout(ks, stride=bn * D_QK))
+        sQ_layout = cute.tile_to_shape(k_atom, (nh, D_QK), (0, 1))
+        sP_layout = cute.tile_to_shape(k_atom, (nh, bn), (0, 1))
+        raw_bytes = max(16, self.raw_stages * bn * self.plan.record_bytes)
+
+        @cute.struct
+        class SharedStorage:
+            mbar: cute.struct.MemRange[cutlass.Int64, 2 * ks]
+            sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sK_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sP_layout)], 1024]
+            raw: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, raw_bytes], 128]
+            slots: cute.struct.Align[cute.struct.MemRange[Int32, 2 * bn], 16]
+            red: cute.struct.Align[cute.struct.MemRange[Float32, 2 * 4 * nh], 16]
+
+        mma_s = sm90_utils.make_trivial_tiled_mma(
+            BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1), (bn, nh)
+        )
+        mma_o = sm90_utils.make_trivial_tiled_mma(
+            BFloat16, BFloat16, OperandMajorMode.MN, OperandMajorMode.K, Float32, (1, 1, 1), (bn, nh)
+        )
+        grid = (num_queries * num_splits, (num_heads + nh - 1) // nh, 1)
+        self.kernel(
+            q_ptr, cache_ptr, idx_ptr, seqlen_ptr, sink_ptr, out_ptr, lse_ptr,
+            num_queries, num_heads, idx_stride, num_slots, block_size,
+            softmax_scale, s_l, tiles_per_split, num_splits,
+            sQ_layout, sK_layout, sVt_outer, vt_one.inner, sP_layout, mma_s, mma_o, SharedStorage,
+        ).launch(grid=grid, block=[WG + self.pt, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(
+        self,
+        q_ptr: cute.Pointer,
+        cache_ptr: cute.Pointer,
+        idx_ptr: cute.Pointer,
+        seqlen_ptr: cute.Pointer,
+        sink_ptr: cute.Pointer,
+        out_ptr: cute.Pointer,
+        lse_ptr: cute.Pointer,
+        num_queries: Int32,
+        num_heads: Int32,
+        idx_stride: Int32,
+        num_slots: Int32,
+        block_size: Int32,
+        softmax_scale: Float32,
+        s_l: Float32,
+        tiles_per_split: Int32,
+        num_splits: Int32,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sVt_outer: cute.Layout,
+        sw: cute.Swizzle,
+        sP_layout: cute.ComposedLayout,
+        mma_s: cute.TiledMma,
+        mma_o: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        bn = self.bn
+        tidx, _, _ = cute.arch.thread_idx()
+        block_x, head_tile, _ = cute.arch.block_idx()
+        split_idx = block_x % num_splits  # launch_grid.cta_coords
+        qi = block_x // num_splits
+        h0 = head_tile * self.nh
+        wg_idx = cute.arch.make_warp_uniform(tidx // WG)
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        # the K ring's full / empty mbarriers: every producer thread arrives on full after its own
+        # copies / decode are visible to the async proxy, every consumer thread on empty after its PV
+        kpipe = pipeline.PipelineAsync.create(
+            barrier_storage=storage.mbar.data_ptr(),
+            num_stages=self.k_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.pt),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, WG),
+        )
+
+        # ---- this CTA's key range (both roles compute the same) ----
+        num_keys = cute.make_tensor(seqlen_ptr, cute.make_layout(num_queries))[qi]
+        num_tiles = (num_keys + bn - 1) // bn
+        t_begin = split_idx * tiles_per_split
+        t_end = cutlass.min(t_begin + tiles_per_split, num_tiles)
+        n_local = cutlass.max(t_end - t_begin, 0)
+
+        if wg_idx == 1:
+            self.producer(
+                storage, kpipe, cache_ptr, idx_ptr, qi, idx_stride, num_keys, block_size, s_l, t_begin, n_local, tidx - WG
+            )
+        else:
+            self.consumer(
+                storage, kpipe, q_ptr, sink_ptr, out_ptr, lse_ptr, num_queries, num_heads, softmax_scale, s_l,
+                num_splits, split_idx, qi, h0, num_keys, t_begin, n_local, tidx,
+                sQ_layout, sK_layout, sVt_outer, sw, sP_layout, mma_s, mma_o,
+            )
+
+    # ------------------------------------------------------------------ producer warpgroup
+    @cute.jit
+    def producer(
+        self, storage, kpipe, cache_ptr: cute.Pointer, idx_ptr: cute.Pointer, qi: Int32, idx_stride: Int32,
+        num_keys: Int32, block_size: Int32, s_l: Float32, t_begin: Int32, n_local: Int32, ptid: Int32,
+    ):
+        bn = self.bn
+        rec = self.plan.record_bytes
+        sSlot = storage.slots.get_tensor(cute.make_layout((bn, 2), stride=(1, bn)))
+        sK_addr = storage.sK.data_ptr().toint()
+        raw_addr = storage.raw.data_ptr().toint()
+        cache_addr = cache_ptr.toint()
+        # this query's block_table row (64-bit offset: N x stride may pass 2^31 entries)
+        m_idx = cute.make_tensor(idx_ptr + Int64(qi) * Int64(idx_stride), cute.make_layout(idx_stride))
+        acq = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.k_stages)
+
+        # look-ahead, one role per thread: ptid < BN writes the slot id of key ptid of the next tile
+        # into the slot ring; ptid >= BN prefetches key (ptid - BN)'s record into L2, `l2_prefetch`
+        # tiles beyond the next (DRAM reads in flight without shared memory: the cp.async of a tile
+        # then mostly hits L2). Each slot id is loaded one iteration before its use, so the
+        # block_table read never stalls the thread that needs it.
+        pf = self.l2_prefetch
+        la_key = ptid % bn
+        la_ahead = 1 if ptid < bn else 1 + pf
+        if ptid < bn:
+            sSlot[ptid, 0] = self.slot_of(m_idx, t_begin * bn + ptid, num_keys, 0, block_size, 0 < n_local)
+        elif cutlass.const_expr(pf > 0):
+            for t in cutlass.range_constexpr(1, pf + 1):
+                slot = self.slot_of(m_idx, (t_begin + t) * bn + la_key, num_keys, 0, block_size, t < n_local)
+                if slot >= 0 and ptid < 2 * bn:  # threads past 2 BN (a second producer warpgroup) only decode
+                    _prefetch_l2(cache_addr + Int64(slot) * Int64(rec), rec)
+        nxt = self.slot_of(m_idx, (t_begin + la_ahead) * bn + la_key, num_keys, 0, block_size, la_ahead < n_local)
+        cute.arch.barrier(barrier_id=BAR_PRODUCER, number_of_threads=self.pt)
+        if cutlass.const_expr(self.copy_k):
+            # bf16: records are the K rows; cp.async straight into the ring, tile it + 1 in flight
+            # while tile it completes. `com` trails `acq` by one tile.
+            com = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.k_stages)
+            if 0 < n_local:
+                kpipe.producer_acquire(acq)
+                self.load_tile(sSlot, 0, acq.index, raw_addr, sK_addr, cache_addr, ptid)
+                acq.advance()
+            cute.arch.cp_async_commit_group()
+            for it in range(n_local):
+                nxt = self.look_ahead(
+                    sSlot, m_idx, nxt, it, la_key, la_ahead, t_begin, n_local, num_keys, block_size, cache_addr, ptid
+                )
+                cute.arch.barrier(barrier_id=BAR_PRODUCER, number_of_threads=self.pt)
+                if it + 1 < n_local:
+                    kpipe.producer_acquire(acq)
+                    self.load_tile(sSlot, (it + 1) % 2, acq.index, raw_addr, sK_addr, cache_addr, ptid)
+                    acq.advance()
+                cute.arch.cp_async_commit_group()
+                cute.arch.cp_async_wait_group(1)  # this thread's copies of tile it have landed
+                cute.arch.fence_view_async_shared()  # ... and are visible to wgmma (async proxy)
+                kpipe.producer_commit(com)
+                com.advance()
+        else:
+            # decoded formats: raw ring of 2 tiles (tile it + 1 loads while tile it decodes)
+            if 0 < n_local:
+                self.load_tile(sSlot, 0, 0, raw_addr, sK_addr, cache_addr, ptid)
+            cute.arch.cp_async_commit_group()
+            for it in range(n_local):
+                nxt = self.look_ahead(
+                    sSlot, m_idx, nxt, it, la_key, la_ahead, t_begin, n_local, num_keys, block_size, cache_addr, ptid
+                )
+                cute.arch.cp_async_wait_group(0)  # this thread's records of tile it have landed
+                # all threads' records landed, the next slot ids are written, and every thread has
+                # finished decoding tile it - 1, whose raw stage is refilled next
+                cute.arch.barrier(barrier_id=BAR_PRODUCER, number_of_threads=self.pt)
+                if it + 1 < n_local:
+                    self.load_tile(sSlot, (it + 1) % 2, (it + 1) % 2, raw_addr, sK_addr, cache_addr, ptid)
+                cute.arch.cp_async_commit_group()
+                kpipe.producer_acquire(acq)
+                self.decode_tile_v3(raw_addr + (it % 2) * (bn * rec), sK_addr + 2 * bn * D_QK * acq.index, s_l, ptid)
+                cute.arch.fence_view_async_shared()
+                kpipe.producer_commit(acq)
+                acq.advance()
+
+    @cute.jit
+    def look_ahead(
+        self, sSlot: cute.Tensor, m_idx: cute.Tensor, nxt: Int32, it: Int32, la_key: Int32, la_ahead: Int32, t_begin: Int32,
+        n_local: Int32, num_keys: Int32, block_size: Int32, cache_addr: Int64, ptid: Int32,
+    ) -> Int32:
+        """Use the slot id loaded last iteration (slot ring or L2 prefetch), load the next one."""
+        bn = self.bn
+        if ptid < bn:
+            sSlot[ptid, (it + 1) % 2] = nxt
+        elif cutlass.const_expr(self.l2_prefetch > 0):
+            if nxt >= 0 and ptid < 2 * bn:
+                _prefetch_l2(cache_addr + Int64(nxt) * Int64(self.plan.record_bytes), self.plan.record_bytes)
+        t = it + 1 + la_ahead
+        return self.slot_of(m_idx, (t_begin + t) * bn + la_key, num_keys, 0, block_size, t < n_local)
+
+    @cute.jit
+    def decode_tile_v3(self, raw: Int32, kbase: Int32, s_l: Float32, ptid: Int32):
+        """Raw records of one tile -> bf16 K tile at `kbase`. E2M1 x E4M3 latents (the fold formats):
+        a work item is one block of 16 values (one 8-byte load of codes, one scale load, conversion and
+        multiply per 16 values, two 16-byte stores); lane = block, so a warp reads one record's 256 bytes
+        of codes in two wavefronts and writes one swizzled 1 KB row. The rope and the other formats go
+        through v2's path (`decode8`, 8 values per item)."""
+        plan = self.plan
+        lat = plan.latent
+        rec = plan.record_bytes
+        if cutlass.const_expr(self.fold and lat.data_offset % 8 == 0 and rec % 8 == 0):
+            blk = ptid % 32  # block of 16 values: 32 per 512-value latent
+            entry = (16 * blk) // lat.group
+            if cutlass.const_expr(lat.scale_order == ORDER_8X4):
+                entry = 8 * (entry & 3) + (entry >> 2)
+            for u in cutlass.range_constexpr(self.bn * 32 // self.pt):
+                key = u * (self.pt // 32) + ptid // 32
+                r = raw + key * rec
+                w0, w1 = _ld_shared_v2(r + lat.data_offset + 8 * blk)
+                f = ptx.e4m3_to_f32(_ld_shared_u8(r + lat.scale_offset + entry)) * Float32(2.0**e2m1_bits.SCALE_BIAS_LOG2)
+                s2 = ptx.bf16x2(f, f)
+                a0, a1, a2, a3 = ptx.e2m1x8_scaled_bf16x2(w0, s2)
+                b0, b1, b2, b3 = ptx.e2m1x8_scaled_bf16x2(w1, s2)
+                _st_shared_v4(kbase + 2 * swizzled_offset(key, 16 * blk, self.bn), a0, a1, a2, a3)
+                _st_shared_v4(kbase + 2 * swizzled_offset(key, 16 * blk + 8, self.bn), b0, b1, b2, b3)
+            for u in cutlass.range_constexpr(self.bn * 8 // self.pt):
+                i = u * self.pt + ptid
+                key = i // 8
+                d0 = (i % 8) * 8
+                w0, w1, w2, w3 = self.decode8(plan.rope, raw + key * rec, d0, s_l, self.has_outer and plan.outer_on_rope, False)
+                _st_shared_v4(kbase + 2 * swizzled_offset(key, D_V + d0, self.bn), w0, w1, w2, w3)
+        else:
+            self.decode_tile(raw, kbase, s_l, ptid)
+
+    @cute.jit
+    def load_tile(
+        self, sSlot: cute.Tensor, slot_buf: Int32, stage: Int32, raw_addr: Int32, sK_addr: Int32, cache_addr: Int64, ptid: Int32
+    ):
+        """cp.async the BN records of a tile (zero-filled past the query's keys): into raw stage
+        `stage`, or straight into K ring stage `stage` (bf16). Consecutive threads take consecutive
+        16-byte chunks of a record, so a warp reads whole records."""
+        rec = self.plan.record_bytes
+        chunks = rec // 16
+        total = self.bn * chunks
+        for i in range(ptid, total, self.pt):
+            key = i // chunks
+            ch = i % chunks
+            slot = sSlot[key, slot_buf]
+            ok = slot >= 0
+            src = cache_addr + Int64(cutlass.max(slot, 0)) * Int64(rec) + Int64(16 * ch)
+            dst = raw_addr + stage * (self.bn * rec) + key * rec + 16 * ch
+            if cutlass.const_expr(self.copy_k):
+                dst = sK_addr + 2 * (stage * (self.bn * D_QK) + swizzled_offset(key, 8 * ch, self.bn))
+            _cp_async_16(dst, src, 16 if ok else 0)
+
+    # ------------------------------------------------------------------ consumer warpgroup
+    @cute.jit
+    def consumer(
+        self, storage, kpipe, q_ptr: cute.Pointer, sink_ptr: cute.Pointer, out_ptr: cute.Pointer, lse_ptr: cute.Pointer,
+        num_queries: Int32, num_heads: Int32, softmax_scale: Float32, s_l: Float32, num_splits: Int32, split_idx: Int32,
+        qi: Int32, h0: Int32, num_keys: Int32, t_begin: Int32, n_local: Int32, tidx: Int32,
+        sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sVt_outer: cute.Layout, sw: cute.Swizzle,
+        sP_layout: cute.ComposedLayout, mma_s: cute.TiledMma, mma_o: cute.TiledMma,
+    ):
+        bn, nh = self.bn, self.nh
+        warp = tidx // 32
+        lane = tidx % 32
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sVt = storage.sK.get_tensor(sVt_outer, swizzle=sw)
+        sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
+        sRed = storage.red.get_tensor(cute.make_layout((nh, 4, 2), stride=(1, nh, 4 * nh)))
+        sQ_addr = storage.sQ.data_ptr().toint()
+        sP_addr = storage.sP.data_ptr().toint()
+
+        # ---- Q [16 heads, 576] into shared memory (rows past the heads are zeros) ----
+        q_addr = q_ptr.toint()
+        chunks = D_QK // 8
+        for u in cutlass.range_constexpr(nh * chunks // WG):
+            i = u * WG + tidx
+            r = i // chunks
+            c = (i % chunks) * 8
+            h = h0 + r
+            src = q_addr + (Int64(qi) * Int64(num_heads) + Int64(cutlass.min(h, num_heads - 1))) * Int64(2 * D_QK) + Int64(2 * c)
+            _cp_async_16(sQ_addr + 2 * swizzled_offset(r, c, nh), src, 16 if h < num_heads else 0)
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=BAR_CONSUMER, number_of_threads=WG)
+
+        # ---- wgmma partitions ----
+        thr_s = mma_s.get_slice(tidx)
+        tSrK = mma_s.make_fragment_A(thr_s.partition_A(sK))  # (MMA, 1, 36, stages) descriptors
+        tSrQ = mma_s.make_fragment_B(thr_s.partition_B(sQ))  # (MMA, 1, 36)
+        thr_o = mma_o.get_slice(tidx)
+        tOrVt = mma_o.make_fragment_A(thr_o.partition_A(sVt))  # (MMA, 8, 4, stages)
+        tOrP = mma_o.make_fragment_B(thr_o.partition_B(sP))  # (MMA, 1, 4)
+        acc_shape_s = thr_s.partition_shape_C((bn, nh))
+        acc_lat = cute.make_rmem_tensor(acc_shape_s, Float32)
+        acc_rope = cute.make_rmem_tensor(acc_shape_s, Float32)
+        acc_O = cute.make_rmem_tensor(thr_o.partition_shape_C((D_V, nh)), Float32)
+        acc_O.fill(0.0)
+        mma_s.set(warpgroup.Field.ACCUMULATE, True)
+        mma_o.set(warpgroup.Field.ACCUMULATE, True)
+        n_s = cute.size(acc_lat)  # 8 values: keys r, r + 8 x heads c, c + 1, c + 8, c + 9
+        n_k = cute.size(tSrK, mode=[2])
+        n_k_latent = n_k * D_V // D_QK
+        n_kv = cute.size(tOrP, mode=[2])
+        # (key, head) of each S^T value; (dim, head) of each O^T value (identity partitions)
+        tScS = thr_s.partition_C(cute.make_identity_tensor((bn, nh)))
+        tOcO = thr_o.partition_C(cute.make_identity_tensor((D_V, nh)))
+
+        # per-thread state for its 4 heads (value v of the 8-value fragment belongs to head slot
+        # v % 2 + 2 * (v // 4): the wgmma D fragment is ((2 columns, 2 row halves, N / 8 blocks), ...))
+        row_max = cute.make_rmem_tensor((4,), Float32)
+        row_sum = cute.make_rmem_tensor((4,), Float32)
+        alpha = cute.make_rmem_tensor((4,), Float32)
+        row_max.fill(-ptx.FLT_MAX)
+        row_sum.fill(0.0)
+        scale_log2 = softmax_scale * Float32(LOG2_E)
+        fold = Float32(2.0**e2m1_bits.FOLD_LOG2)
+        if cutlass.const_expr(self.has_outer):
+            fold = fold * s_l
+
+        cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.k_stages)
+        for it in range(n_local):
+            kpipe.consumer_wait(cons)
+            stage = cons.index
+            # ---- S^T = K Q^T (latent and rope k-steps in separate accumulators when folding) ----
+            acc_lat.fill(0.0)
+            acc_rope.fill(0.0)
+            warpgroup.fence()
+            for k in cutlass.range_constexpr(n_k):
+                if cutlass.const_expr(self.fold and k >= n_k_latent):
+                    cute.gemm(mma_s, acc_rope, tSrK[None, None, k, stage], tSrQ[None, None, k], acc_rope)
+                else:
+                    cute.gemm(mma_s, acc_lat, tSrK[None, None, k, stage], tSrQ[None, None, k], acc_lat)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+
+            # ---- online softmax along the key rows ----
+            key0 = (t_begin + it) * bn
+            buf = it % 2
+            for i in cutlass.range_constexpr(n_s):
+                s = acc_lat[i]
+                if cutlass.const_expr(self.fold):
+                    s = acc_lat[i] * fold + acc_rope[i]
+                valid = key0 + tScS[i][0] < num_keys
+                acc_lat[i] = s if valid else -ptx.FLT_MAX
+            for hs in cutlass.range_constexpr(4):
+                v0 = hs % 2 + 4 * (hs // 2)
+                mx = ptx.max_f32(acc_lat[v0], acc_lat[v0 + 2])
+                mx = ptx.max_f32(mx, cute.arch.shuffle_sync_bfly(mx, offset=4))
+                mx = ptx.max_f32(mx, cute.arch.shuffle_sync_bfly(mx, offset=8))
+                mx = ptx.max_f32(mx, cute.arch.shuffle_sync_bfly(mx, offset=16))
+                if lane < 4:
+                    sRed[tScS[v0][1], warp, buf] = mx
+            cute.arch.barrier(barrier_id=BAR_CONSUMER, number_of_threads=WG)
+            for hs in cutlass.range_constexpr(4):
+                v0 = hs % 2 + 4 * (hs // 2)
+                head = tScS[v0][1]
+                m_new = row_max[hs]
+                for w in cutlass.range_constexpr(4):
+                    m_new = ptx.max_f32(m_new, sRed[head, w, buf])
+                alpha[hs] = cute.math.exp2((row_max[hs] - m_new) * scale_log2, fastmath=True)
+                m_scaled = m_new * scale_log2
+                psum = Float32(0.0)
+                for j in cutlass.range_constexpr(2):
+                    v = v0 + 2 * j
+                    key = tScS[v][0]
+                    p = cute.math.exp2(acc_lat[v] * scale_log2 - m_scaled, fastmath=True)
+                    p = p if key0 + key < num_keys else Float32(0.0)
+                    psum = psum + p
+                    _st_shared_bf16(sP_addr + 2 * swizzled_offset(head, key, nh), p)
+                row_sum[hs] = row_sum[hs] * alpha[hs] + psum
+                row_max[hs] = m_new
+            for i in cutlass.range_constexpr(cute.size(acc_O)):
+                v = i % n_s
+                acc_O[i] = acc_O[i] * alpha[v % 2 + 2 * (v // 4)]
+            cute.arch.fence_view_async_shared()  # P^T stores -> visible to wgmma
+            cute.arch.barrier(barrier_id=BAR_CONSUMER, number_of_threads=WG)
+
+            # ---- O^T += V^T P^T ----
+            warpgroup.fence()
+            for k in cutlass.range_constexpr(n_kv):
+                cute.gemm(mma_o, acc_O, tOrVt[None, None, k, stage], tOrP[None, None, k], acc_O)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)  # K stage and P^T read: the stage may be refilled, P rewritten
+            kpipe.consumer_release(cons)
+            cons.advance()
+
+        # ---- epilogue: row sums over the 8 lanes and 4 warps of each head, normalise, store ----
+        for hs in cutlass.range_constexpr(4):
+            v0 = hs % 2 + 4 * (hs // 2)
+            l_sum = row_sum[hs]
+            l_sum = l_sum + cute.arch.shuffle_sync_bfly(l_sum, offset=4)
+            l_sum = l_sum + cute.arch.shuffle_sync_bfly(l_sum, offset=8)
+            l_sum = l_sum + cute.arch.shuffle_sync_bfly(l_sum, offset=16)
+            if lane < 4:
+                sRed[tScS[v0][1], warp, 0] = l_sum
+        # (the last tile's max exchange used buffer (n_local - 1) % 2; a barrier separates its reads)
+        cute.arch.barrier(barrier_id=BAR_CONSUMER, number_of_threads=WG)
+        base_row = qi * num_heads + h0
+        if cutlass.const_expr(self.split):
+            base_row = (split_idx * num_queries + qi) * num_heads + h0
+        gO = cute.make_tensor(out_ptr + Int64(base_row) * Int64(D_V), cute.make_layout((nh, D_V), stride=(D_V, 1)))
+        m_lse = cute.make_tensor(lse_ptr + Int64(base_row), cute.make_layout(nh))
+        rows_valid = cutlass.min(num_heads - h0, nh)
+        inv_h = cute.make_rmem_tensor((4,), Float32)
+        for hs in cutlass.range_constexpr(4):
+            v0 = hs % 2 + 4 * (hs // 2)
+            head = tScS[v0][1]
+            l_sum = sRed[head, 0, 0] + sRed[head, 1, 0] + sRed[head, 2, 0] + sRed[head, 3, 0]
+            denom = l_sum
+            if cutlass.const_expr(self.has_sink and not self.split):
+                sink = cute.make_tensor(sink_ptr, cute.make_layout(num_heads))[cutlass.min(h0 + head, num_heads - 1)]
+                denom = l_sum + cute.math.exp2(sink * Float32(LOG2_E) - row_max[hs] * scale_log2, fastmath=True)
+            inv = Float32(0.0)
+            if l_sum > Float32(0.0):
+                inv = Float32(1.0) / denom
+                if cutlass.const_expr(self.fold):
+                    inv = inv * fold  # V = K[:, :512] was decoded up to 2^9 * s_l
+            inv_h[hs] = inv
+            lse = -Float32.inf
+            if l_sum > Float32(0.0):
+                lse = row_max[hs] * softmax_scale + cute.math.log2(l_sum, fastmath=False) * Float32(LN_2)
+            if warp == 0 and lane < 4 and head < rows_valid:
+                m_lse[head] = lse
+        for i in cutlass.range_constexpr(cute.size(acc_O)):
+            v = i % n_s
+            d, head = tOcO[i]
+            if head < rows_valid:
+                gO[head, d] = acc_O[i] * inv_h[v % 2 + 2 * (v // 4)]
+
+
+def compile_key(
+    plan: RecordPlan, has_sink: bool, has_outer: bool, split: bool, device, l2_prefetch: int = V3_L2_PREFETCH,
+    producer_wgs: int | None = None,
+) -> tuple:
+    """Every specialisation of a compiled v3 kernel (the head count, lengths, scales are run-time)."""
+    return (
+        "mla_attention_v3", 1, plan, bool(has_sink), bool(has_outer), bool(split), int(l2_prefetch),
+        int(producer_wgs or v3_producer_wgs(plan)), "q=bf16", "acc=f32", arch_tag(device),
+    )
+
+
+def mla_attention_v3(
+    plan: RecordPlan,
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    *,
+    softmax_scale: float,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sink: torch.Tensor | None,
+    outer_scale: float | None,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    workspace_fill: float | None = None,
+    l2_prefetch: int = V3_L2_PREFETCH,
+    producer_wgs: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense launch of the v3 kernel; arguments as `mla_attention.mla_attention` (which calls this
+    when `attention_tuning.v3_blocker` has no objection); `l2_prefetch` (key tiles, 0 = none) and
+    `producer_wgs` (default `attention_tuning.v3_producer_wgs`) are for the benchmark's comparison."""
+    n, h = q.shape[0], q.shape[1]
+    dev = q.device
+    if out is None:
+        out = torch.empty(n, h, D_V, dtype=torch.float32, device=dev)
+    if lse is None:
+        lse = torch.empty(n, h, dtype=torch.float32, device=dev)
+    if n == 0:
+        return out, lse
+    max_keys = int(max_seq_len) if max_seq_len is not None else int(seq_lens.max())
+    max_tiles = -(-max_keys // V3_BN)
+    head_tiles = -(-h // V3_HEADS)
+    if num_splits is None:
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        num_splits, per = choose_splits(n * head_tiles, max_tiles, sms)  # one CTA per SM (shared memory)
+    else:
+        per = max(1, -(-max_tiles // max(1, num_splits)))
+        num_splits = max(1, -(-max_tiles // per)) if max_tiles else 1
+    split = num_splits > 1
+    attention_grid(n, head_tiles, num_splits)
+    has_sink, has_outer = sink is not None, outer_scale is not None
+    if split:
+        part_out = torch.empty(num_splits, n, h, D_V, dtype=torch.float32, device=dev)
+        part_lse = torch.empty(num_splits, n, h, dtype=torch.float32, device=dev)
+        if workspace_fill is not None:
+            part_out.fill_(workspace_fill)
+            part_lse.fill_(workspace_fill)
+    else:
+        part_out, part_lse = out, lse
+    stream = cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream)
+    args = (
+        _ptr(q, BFloat16, 16),
+        _ptr(cache, cutlass.Uint8, 16),
+        _ptr(block_table, Int32, 4),
+        _ptr(seq_lens, Int32, 4),
+        _ptr(sink if has_sink else lse, Float32, 4),
+        _ptr(part_out, Float32, 16),
+        _ptr(part_lse, Float32, 4),
+        Int32(n),
+        Int32(h),
+        Int32(block_table.shape[1]),
+        Int32(cache.shape[0] * cache.shape[1]),
+        Int32(cache.shape[1]),
+        Float32(softmax_scale),
+        Float32(outer_scale if has_outer else 1.0),
+        Int32(per),
+        Int32(num_splits),
+        stream,
+    )
+    key = compile_key(plan, has_sink, has_outer, split, dev, l2_prefetch, producer_wgs)
+    kern = MlaAttentionV3(plan, has_sink, has_outer, split, l2_prefetch, producer_wgs)
+    fn = compiled(key, lambda: cute.compile(kern, *args))
+    fn(*args)
+    if split:
+        cargs = (
+            _ptr(part_out, Float32, 16),
+            _ptr(part_lse, Float32, 4),
+            _ptr(sink if has_sink else lse, Float32, 4),
+            _ptr(out, Float32, 16),
+            _ptr(lse, Float32, 4),
+            Int32(n * h),
+            Int32(h),
+            Int32(num_splits),
+            stream,
+        )
+        ckey = ("mla_combine", 1, bool(has_sink), arch_tag(dev))
+        cfn = compiled(ckey, lambda: cute.compile(MlaCombine(has_sink), *cargs))
+        cfn(*cargs)
+    return out, lse

@@ -1,0 +1,231 @@
+"""GPU tests of the v3 dense-decode kernel (`mla_attention_v3`, issue 14) against the torch reference.
+
+Fresh random caches and queries per case, outputs and split partials poisoned with NaN first (every
+element the kernel owns must be written), error bounds of tests/test_kernels_gpu.py. Lengths cover
+1 key, one short of / exactly / one past the 64-key tile, lengths that are not a multiple of the tile,
+and 64K keys. Also: MLA_EVAL_ATTENTION_KERNEL=v3 routes dense launches to v3 and everything v3 does
+not cover (sparse lists, formats whose stages do not fit) to v2.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+cutlass = pytest.importorskip("cutlass")
+
+from test_kernels_gpu import BLOCK, FORMATS, _bound, _check, _dense_lists, _random_cache, _run, needs_cuda  # noqa: E402
+
+from mla_eval.attention import reference  # noqa: E402
+from mla_eval.formats import get_format  # noqa: E402
+from mla_eval_kernels import attention_tuning, compile_cache  # noqa: E402
+from mla_eval_kernels.device_limits import HOPPER_SMEM_PER_BLOCK  # noqa: E402
+from mla_eval_kernels.record_plan import plan_for  # noqa: E402
+
+V3_FORMATS = [f for f in FORMATS if attention_tuning.v3_blocker(plan_for(get_format(f)), False, HOPPER_SMEM_PER_BLOCK) is None]
+V3_BLOCKED = [f for f in FORMATS if f not in V3_FORMATS]
+LENGTHS = [1, BLOCK - 1, BLOCK, BLOCK + 1, 5 * BLOCK + 17, 1000, 777]
+
+
+def _sw128(off: int) -> int:
+    """Element offset (bf16) after the hardware's 128-byte swizzle: 16-byte chunk ^= 128-byte row % 8."""
+    b = 2 * off
+    return (b ^ (((b >> 7) & 7) << 4)) // 2
+
+
+def test_v3_shared_layouts_are_the_hand_written_offsets():
+    """No GPU needed. The producer writes K (cp.async / decode), the consumer Q and P^T, by hand
+    (`swizzled_offset`); wgmma reads them through the layouts' descriptors. K, its V^T view, Q and P^T
+    must name the same bytes: the layouts' offsets, swizzled as the hardware does, equal the hand ones."""
+    import cutlass.cute as cute
+    from cutlass import BFloat16
+    from cutlass.cute.nvgpu import warpgroup
+
+    from mla_eval_kernels.mla_attention import swizzled_offset
+
+    got = {}
+    coords = [(0, 0, 0), (1, 8, 0), (9, 70, 0), (63, 575, 0), (5, 130, 1), (17, 300, 1), (23, 511, 1), (40, 200, 1), (62, 63, 1)]
+
+    @cute.jit
+    def probe():
+        k_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
+        mn_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.MN_SW128, BFloat16)
+        sk = cute.tile_to_shape(k_atom, (64, 576, 2), (0, 1, 2)).outer
+        vt = cute.append(cute.tile_to_shape(mn_atom, (512, 64), (1, 0)).outer, cute.make_layout(2, stride=64 * 576))
+        sq = cute.tile_to_shape(k_atom, (16, 576), (0, 1)).outer
+        sp = cute.tile_to_shape(k_atom, (16, 64), (0, 1)).outer
+        for key, d, s in coords:
+            got[("k", key, d, s)] = cute.crd2idx((key, d, s), sk)
+            got[("v", key, d % 512, s)] = cute.crd2idx((d % 512, key, s), vt)
+            got[("q", key % 16, d)] = cute.crd2idx((key % 16, d), sq)
+            got[("p", key % 16, d % 64)] = cute.crd2idx((key % 16, d % 64), sp)
+
+    probe()
+    assert len(got) >= 4 * len(coords) - 4
+    for (kind, r, c, *s), idx in got.items():
+        rows = 64 if kind in "kv" else 16
+        want = swizzled_offset(r, c, rows) + (s[0] * 64 * 576 if s else 0)
+        assert _sw128(idx) == want, (kind, r, c, s, idx, want)
+
+
+def test_v3_accumulator_fragments_are_what_the_softmax_assumes():
+    """No GPU needed. The consumer groups S^T values by head as v % 2 + 2 * (v // 4) and reduces a
+    head's keys over lanes xor 4, 8, 16 and the 4 warps: check that against the wgmma partitions."""
+    import cutlass.cute as cute
+    import cutlass.utils.hopper_helpers as sm90_utils
+    from cutlass import BFloat16, Float32
+    from cutlass.cute.nvgpu import OperandMajorMode
+
+    got = {}
+
+    @cute.jit
+    def probe():
+        for major in (OperandMajorMode.K, OperandMajorMode.MN):
+            mma = sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, major, OperandMajorMode.K, Float32, (1, 1, 1), (64, 16))
+            for t in cutlass.range_constexpr(128):
+                c = mma.get_slice(t).partition_C(cute.make_identity_tensor((64, 16)))
+                o = mma.get_slice(t).partition_C(cute.make_identity_tensor((512, 16)))
+                got[(major, t)] = ([c[i] for i in range(cute.size(c))], [o[i] for i in range(cute.size(o))])
+
+    probe()
+    for (major, t), (s_vals, o_vals) in got.items():
+        lane, warp = t % 32, t // 32
+        assert len(s_vals) == 8 and len(o_vals) == 64
+        for v, (key, head) in enumerate(s_vals):
+            assert head == 2 * (lane % 4) + v % 2 + 8 * (v // 4), (t, v)  # head slot v % 2 + 2 * (v // 4)
+            assert key == 16 * warp + lane // 4 + 8 * ((v // 2) % 2), (t, v)  # lane // 4 and the warp pick the key
+        for i, (d, head) in enumerate(o_vals):
+            assert head == s_vals[i % 8][1] and d == 64 * (i // 8) + s_vals[i % 8][0], (t, i)
+
+
+def _v3(spec, q, cache, scale, *, sink=None, outer_scale=None, num_splits=None, block_table, seq_lens, **probe):
+    from mla_eval_kernels.mla_attention_v3 import mla_attention_v3
+
+    n, h = q.shape[:2]
+    out = torch.full((n, h, 512), float("nan"), device="cuda")
+    lse = torch.full((n, h), float("nan"), device="cuda")
+    mla_attention_v3(
+        plan_for(spec), q, cache, softmax_scale=scale, block_table=block_table, seq_lens=seq_lens, sink=sink,
+        outer_scale=outer_scale, num_splits=num_splits, out=out, lse=lse, workspace_fill=float("nan"), **probe,
+    )
+    torch.cuda.synchronize()
+    return out, lse
+
+
+def _case(fmt, heads, lengths, seed, blocks=24, sink=False):
+    spec = get_format(fmt)
+    gen = torch.Generator().manual_seed(zlib.crc32(f"v3/{fmt}/{heads}/{seed}".encode()))
+    s_l = 0.05 if spec.outer_scale is not None else None
+    cache = _random_cache(spec, blocks, gen, outer_scale=s_l)
+    table, seq_lens, slots = _dense_lists(gen, lengths, blocks)
+    q = torch.randn(len(lengths), heads, 576, generator=gen).to(torch.bfloat16).cuda()
+    sink_t = torch.randn(heads, generator=gen).cuda() if sink else None
+    scale = 576**-0.5
+    lists = dict(block_table=table.cuda(), seq_lens=seq_lens.cuda())
+    ref_out, ref_lse = reference.mla_attention(spec, q, cache, softmax_scale=scale, sink=sink_t, outer_scale=s_l, **lists)
+    bound = _bound(spec, q.cpu(), cache.cpu(), slots, scale, s_l)
+    return spec, q, cache, scale, sink_t, s_l, lists, ref_out, ref_lse, bound
+
+
+@needs_cuda
+@pytest.mark.parametrize("sink", [False, True])
+@pytest.mark.parametrize("heads", [16, 8, 2, 32])
+@pytest.mark.parametrize("fmt", V3_FORMATS)
+def test_v3_matches_reference(fmt, heads, sink):
+    if heads != 16 and fmt not in ("nvfp4", "bf16"):
+        pytest.skip("other head counts on nvfp4 and bf16 only (the head tile is format-independent)")
+    spec, q, cache, scale, sink_t, s_l, lists, ref_out, ref_lse, bound = _case(fmt, heads, LENGTHS, 1, sink=sink)
+    for splits in (None, 1, 3):  # the heuristic, one CTA per query (no combine), forced partials + combine
+        out, lse = _v3(spec, q, cache, scale, sink=sink_t, outer_scale=s_l, num_splits=splits, **lists)
+        _check(out, lse, ref_out, ref_lse, bound, f"v3 {fmt} h={heads} sink={sink} splits={splits}")
+    assert any(k[0] == "mla_attention_v3" and k[2] == plan_for(spec) for k in compile_cache.keys())
+
+
+@needs_cuda
+@pytest.mark.parametrize("probe", [dict(l2_prefetch=0), dict(producer_wgs=1), dict(producer_wgs=2)])
+@pytest.mark.parametrize("fmt", ["nvfp4", "bf16", "mxfp4"])
+def test_v3_benchmark_probes_match_reference(fmt, probe):
+    """The variants the benchmark times beside v3 (no L2 prefetch, the other producer warpgroup count)."""
+    spec, q, cache, scale, sink_t, s_l, lists, ref_out, ref_lse, bound = _case(fmt, 16, LENGTHS, 4)
+    for splits in (None, 1):
+        out, lse = _v3(spec, q, cache, scale, outer_scale=s_l, num_splits=splits, **lists, **probe)
+        _check(out, lse, ref_out, ref_lse, bound, f"v3 {fmt} {probe} splits={splits}")
+
+
+@needs_cuda
+@pytest.mark.parametrize("fmt", ["nvfp4", "bf16"])
+def test_v3_at_64k_keys(fmt):
+    """64K keys (1024 tiles; 3 queries: 65536, 65536 - 37 and 1 key), with and without splits."""
+    lengths = [65536, 65536 - 37, 1]
+    spec, q, cache, scale, sink_t, s_l, lists, ref_out, ref_lse, bound = _case(fmt, 16, lengths, 2, blocks=1024 + 8)
+    for splits in (None, 1):
+        out, lse = _v3(spec, q, cache, scale, outer_scale=s_l, num_splits=splits, **lists)
+        _check(out, lse, ref_out, ref_lse, bound, f"v3 {fmt} 64K splits={splits}")
+
+
+@needs_cuda
+def test_v3_zero_keys_and_empty_splits():
+    """A query with 0 keys gets out = 0 and lse = -inf; splits past a short query's tiles write empty partials."""
+    spec = get_format("nvfp4")
+    gen = torch.Generator().manual_seed(5)
+    cache = _random_cache(spec, 8, gen)
+    q = torch.randn(3, 16, 576, generator=gen).to(torch.bfloat16).cuda()
+    table = torch.arange(8, dtype=torch.int32).repeat(3, 1).cuda()
+    seq_lens = torch.tensor([0, 3, 500], dtype=torch.int32).cuda()
+    ref_out, ref_lse = reference.mla_attention(spec, q, cache, softmax_scale=0.1, block_table=table, seq_lens=seq_lens)
+    for splits in (1, 8):
+        out, lse = _v3(spec, q, cache, 0.1, num_splits=splits, block_table=table, seq_lens=seq_lens)
+        assert torch.all(out[0] == 0) and torch.all(torch.isneginf(lse[0]))
+        assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+        assert float((out - ref_out).abs().max()) < 2e-2 and float((lse[1:] - ref_lse[1:]).abs().max()) < 0.05
+
+
+@needs_cuda
+@pytest.mark.parametrize("fmt", ["nvfp4"] + V3_BLOCKED[:1])
+def test_environment_routes_dense_to_v3_and_the_rest_to_v2(fmt, monkeypatch):
+    monkeypatch.setenv(attention_tuning.ENV, "v3")
+    spec, q, cache, scale, sink_t, s_l, lists, ref_out, ref_lse, bound = _case(fmt, 16, [BLOCK + 1, 300], 3)
+    compile_cache.clear()  # so that the keys below are this test's launches
+    out, lse = _run(spec, q, cache, scale, outer_scale=s_l, num_splits=1, **lists)
+    _check(out, lse, ref_out, ref_lse, bound, f"dispatch v3 {fmt}")
+    names = {k[0] for k in compile_cache.keys()}
+    assert names == {"mla_attention_v3" if fmt in V3_FORMATS else "mla_attention"}, names
+    # sparse lists never run v3
+    idx = torch.randint(0, 24 * BLOCK, (2, 100), dtype=torch.int32)
+    ref_out, ref_lse = reference.mla_attention(spec, q, cache, softmax_scale=scale, outer_scale=s_l, indices=idx.cuda())
+    bound = _bound(spec, q.cpu(), cache.cpu(), idx, scale, s_l)
+    compile_cache.clear()
+    out, lse = _run(spec, q, cache, scale, outer_scale=s_l, num_splits=1, indices=idx.cuda())
+    assert {k[0] for k in compile_cache.keys()} == {"mla_attention"}
+    _check(out, lse, ref_out, ref_lse, bound, f"dispatch v3 {fmt} sparse -> v2")
+
+
+def test_compile_check_reads_registers_from_the_cubin_and_checks_the_ptx(tmp_path):
+    """No GPU needed: one v3 specialisation compiled for sm_90a; the cubin reader finds its register
+    count and no stack frame, the PTX check passes it and flags a PTX missing what the design needs."""
+    import os
+
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    import cuda.bindings.driver as cuda
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32
+
+    from mla_eval_kernels import compile_check
+    from mla_eval_kernels.mla_attention_v3 import MlaAttentionV3
+
+    p = compile_check._p
+    a = (
+        p(cutlass.BFloat16), p(cutlass.Uint8), p(Int32, 4), p(Int32, 4), p(Float32, 4), p(Float32), p(Float32, 4),
+        Int32(4), Int32(16), Int32(64), Int32(4096), Int32(64), Float32(0.1), Float32(1.0), Int32(4), Int32(2), cuda.CUstream(0),
+    )
+    plan = plan_for(get_format("nvfp4"))
+    cute.compile(MlaAttentionV3(plan, False, True, True), *a, options=f"--keep-ptx --keep-cubin --dump-dir={tmp_path}")
+    use = compile_check.cubin_usage(str(next(tmp_path.glob("*.cubin"))))
+    assert 64 <= use["regs"] <= 168 and use.get("frame", 0) == 0 and use.get("stack", 0) == 0, use
+    ptx = next(tmp_path.glob("*.ptx")).read_text()
+    assert compile_check.check_v3_ptx(ptx) == []
+    broken = ptx.replace("wgmma.mma_async.sync.aligned.m64n16k16", "wgmma.mma_async.sync.aligned.m64n8k16", 1)
+    assert "67 m64n16k16 wgmma (expected 68)" in compile_check.check_v3_ptx(broken)
+    assert "expected one CTA-wide barrier" in compile_check.check_v3_ptx(ptx + "\n\tbar.sync \t0;\n")
