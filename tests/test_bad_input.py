@@ -178,6 +178,7 @@ CASES = {
     "kld: unknown --math": (lambda w: _kld(w, "--math", "fp4"), {}, "fp4"),
     "kld: --math fp8-qp with --backend kernel": (lambda w: _kld(w, "--math", "bf16,fp8-qp", "--backend", "kernel"), {},
                                                  "torch reference only"),
+    "kld: MLA_EVAL_ATTENTION_KERNEL=v9": (lambda w: _kld(w), {"MLA_EVAL_ATTENTION_KERNEL": "v9"}, "names no kernel generation"),
     "kld: --math fp8-qp with MLA_EVAL_BACKEND=kernel": (lambda w: _kld(w, "--math", "fp8-qp"), {"MLA_EVAL_BACKEND": "kernel"},
                                                         "MLA_EVAL_BACKEND=kernel"),
     "kld: --explain bf16": (lambda w: _kld(w, "--explain", "bf16"), {}, "--explain"),
@@ -397,3 +398,33 @@ def test_kernels_package_missing_is_a_stated_fallback(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mla_eval_kernels" else real(name, *a))
     ok, why = dispatch.kernel_status("nvfp4", "cuda:0")
     assert not ok and "mla_eval_kernels package is not importable" in why
+
+
+def test_unvalidated_kernel_generation_is_said_and_recorded(monkeypatch):
+    """MLA_EVAL_ATTENTION_KERNEL=v3 (compiled, GPU tests not yet passed): a warning before CUDA work, none
+    for a CPU run; results record the generation whenever a kernel served a path."""
+    import warnings
+
+    from mla_eval.attention import dispatch
+
+    monkeypatch.setenv("MLA_EVAL_ATTENTION_KERNEL", "v3")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        dispatch.preflight("reference", ["cuda:0"])
+        dispatch.preflight("reference", ["cpu"])
+    msgs = [str(w.message) for w in seen if issubclass(w.category, dispatch.UnvalidatedKernelWarning)]
+    assert len(msgs) == 1 and "v3" in msgs[0] and "unchecked" in msgs[0]
+    log = dispatch.PathLog("auto")
+    log.record("attend", "nvfp4", torch_device("cuda:0"), "kernel")
+    assert log.as_dict()["kernel_version"] == "v3"
+    cpu_log = dispatch.PathLog("auto")
+    cpu_log.record("attend", "nvfp4", torch_device("cpu"), "reference (cpu tensors)")
+    assert "kernel_version" not in cpu_log.as_dict()
+    monkeypatch.delenv("MLA_EVAL_ATTENTION_KERNEL")
+    assert log.as_dict()["kernel_version"] == "v2"
+
+
+def torch_device(name):
+    import torch
+
+    return torch.device(name)

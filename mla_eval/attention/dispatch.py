@@ -57,6 +57,10 @@ class KernelFallbackWarning(UserWarning):
     """CUDA attention under "auto" ran on the torch reference instead of the CuTe kernels."""
 
 
+class UnvalidatedKernelWarning(UserWarning):
+    """MLA_EVAL_ATTENTION_KERNEL selects a kernel generation whose GPU tests have not passed yet."""
+
+
 @dataclasses.dataclass
 class PathLog:
     """Which attention path served each (operation, format, device) inside one `use_backend` scope.
@@ -81,8 +85,10 @@ class PathLog:
 
     def as_dict(self) -> dict:
         """The log as result documents record it (environment.attention)."""
+        generation = kernel_generation() if any(p == "kernel" for p in self.paths.values()) else None
         return {
             "backend": self.backend, "backend_from": self.source,
+            **({"kernel_version": generation} if generation else {}),
             "paths": dict(self.paths), "fallbacks": list(self.fallbacks),
         }
 
@@ -181,10 +187,33 @@ def _kernel_error(source: str, why: str) -> UserError:
     return UserError(f"{asked}, but the CuTe kernels cannot run here: {why}; use auto or reference")
 
 
+def kernel_generation() -> str | None:
+    """The CuTe attention kernel generation MLA_EVAL_ATTENTION_KERNEL selects (v2 when unset), or None
+    where the kernels package is missing; a value that names no generation is a one-line UserError."""
+    if _kernels_package_reason() is not None:
+        return None
+    from mla_eval_kernels.attention_tuning import ENV, VERSIONS, kernel_version  # noqa: PLC0415 - pure Python
+
+    try:
+        return kernel_version()
+    except ValueError:
+        raise UserError(f"{ENV}={os.environ.get(ENV)!r} names no kernel generation; use one of {', '.join(VERSIONS)} "
+                        "or unset it (v2)") from None
+
+
 def preflight(backend: str | None, devices: Iterable[torch.device | str]) -> str:
     """Before any work: the backend a run will use (None: `default_backend()`), validated; with
     "kernel", a one-line UserError when a device cannot run the kernels (a CPU, an untested GPU
-    architecture, no CuTe DSL). Formats are checked per call (`kernel_status`)."""
+    architecture, no CuTe DSL). Formats are checked per call (`kernel_status`). A kernel generation
+    chosen by MLA_EVAL_ATTENTION_KERNEL is validated here, and one whose GPU tests have not passed is
+    said in a warning line (results record the generation: environment.attention.kernel_version)."""
+    generation = kernel_generation()
+    if generation is not None:
+        from mla_eval_kernels.attention_tuning import ENV, UNVALIDATED  # noqa: PLC0415 - pure Python
+
+        if generation in UNVALIDATED and any(torch.device(d).type == "cuda" for d in devices):
+            warnings.warn(f"{ENV}={generation}: {UNVALIDATED[generation]}; its numbers are unchecked",
+                          UnvalidatedKernelWarning, stacklevel=2)
     backend, source = _resolve(backend)
     if backend == "kernel":
         for device in devices:
