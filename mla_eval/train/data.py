@@ -265,6 +265,14 @@ class NeedleMaker:
         r = self.rng
         return r.choice(self.words) if r.random() < 0.6 else f"{r.choice(self.words)}-{r.choice(self.words)}"
 
+    def _distinct_keys(self, n: int) -> list[str]:
+        keys: list[str] = []
+        while len(keys) < n:
+            k = self._key()
+            if k not in keys:
+                keys.append(k)
+        return keys
+
     def needles(self, style: str, n: int) -> list[Needle]:
         """n needles of one style with distinct keys."""
         r = self.rng
@@ -277,23 +285,13 @@ class NeedleMaker:
                     f" {v}",
                 )
             ]
-        keys: list[str] = []
-        while len(keys) < n:
-            k = self._key()
-            if k not in keys:
-                keys.append(k)
+        keys = self._distinct_keys(n)
         kind = r.choice(["number", "number", "word", "uuid"])
         out = []
         for k in keys:
             v = self._value(kind)
             if style == "magic":
-                out.append(
-                    Needle(
-                        f" The special magic {kind} for {k} is: {v}.",
-                        f"\nWhat is the special magic {kind} for {k}? The special magic {kind} for {k} is:",
-                        f" {v}",
-                    )
-                )
+                out.append(Needle(magic_sentence(kind, k, v), magic_question(kind, k), f" {v}"))
             else:  # "note": plainer key-value phrasing
                 out.append(Needle(f" Note that the {kind} of {k} is {v}.", f"\nThe {kind} of {k} is", f" {v}"))
         return out
@@ -311,11 +309,7 @@ class NeedleMaker:
         r = self.rng
         if style == "multikey":
             n = r.choice([2, 3, 4, 4, 5, 6, 8])
-            keys: list[str] = []
-            while len(keys) < n:
-                k = self._key()
-                if k not in keys:
-                    keys.append(k)
+            keys = self._distinct_keys(n)
             kind = r.choice(["number", "number", "word", "uuid"])
             vals = [self._value(kind) for _ in keys]
             ask = r.randrange(n)
