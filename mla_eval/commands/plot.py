@@ -34,8 +34,10 @@ def plot(
     result: Path = typer.Argument(..., help="A needle result JSON written by `mla-eval needle` or `mla-eval run`."),
     out: Path = typer.Option(..., "--out", "-o", help="Folder for the PNG files (created if missing)."),
 ) -> None:
-    """Heatmaps of a saved needle result: accuracy by length x depth per format, the difference to bf16,
-    and one set per task."""
+    """Heatmaps of a saved needle result (accuracy by length x depth, per format, per task, minus bf16).
+
+    Draws what `needle --plot` would have, from the JSON alone (a GPU run's lost plots, an old result).
+    """
     if not result.is_file():
         raise UserError(f"{result}: no such file; give a needle result JSON")
     first = load_json(result)
