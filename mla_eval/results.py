@@ -51,6 +51,8 @@ def environment(attention=None) -> dict[str, Any]:
     used = [d for d in attention.devices() if d.startswith("cuda")] if attention is not None else []
     env["gpus"] = provenance.gpus(used or None)
     env.update(provenance.code_identity())
+    if used:  # since the run's backend scope reset the peaks (dispatch.use_backend)
+        env["gpu_peak_memory_gib"] = {d: round(torch.cuda.max_memory_allocated(d) / 2**30, 3) for d in used}
     if attention is not None:
         env["attention"] = attention.as_dict()
     return env

@@ -226,3 +226,26 @@ def test_environment_schema_rejects_a_malformed_capability():
     env["gpus"] = [{"device": "cuda:0", "name": "H200", "capability": "9.0"}]
     with pytest.raises(Exception, match="capability"):
         validate(env, "environment", ENVIRONMENT_SCHEMA)
+
+
+def test_peak_gpu_memory_is_recorded_per_used_device_and_printed(monkeypatch):
+    """environment() reports torch's peak allocation for each CUDA device the attention ran on (a CPU
+    run has none), and the commands print it in one line."""
+    import torch
+
+    from mla_eval.attention import dispatch
+    from mla_eval.commands.progress import peak_memory_line
+    from mla_eval.results import environment
+
+    log = dispatch.PathLog("auto")
+    log.record("attend", "nvfp4", torch.device("cpu"), "reference (cpu tensors)")
+    env = environment(attention=log)
+    assert "gpu_peak_memory_gib" not in env and peak_memory_line(env) is None
+
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: 3 * 2**30 if str(d) == "cuda:1" else 2**29)
+    monkeypatch.setattr("mla_eval.provenance.gpus", lambda used=None: [])
+    log.record("attend", "nvfp4", torch.device("cuda:1"), "kernel")
+    log.record("write", "nvfp4", torch.device("cuda:0"), "kernel")
+    env = environment(attention=log)
+    assert env["gpu_peak_memory_gib"] == {"cuda:0": 0.5, "cuda:1": 3.0}
+    assert peak_memory_line(env) == "peak GPU memory (torch allocated): cuda:0 0.5 GiB, cuda:1 3.0 GiB"

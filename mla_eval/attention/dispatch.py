@@ -123,6 +123,9 @@ def use_backend(name: str | None = None) -> Iterator[PathLog]:
     Yields the PathLog that records which path each call took. Nested scopes restore the outer one.
     """
     log = PathLog(*_resolve(name))
+    if _scope.get() is None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        for i in range(torch.cuda.device_count()):  # an outermost scope is one run: its results report its own peak
+            torch.cuda.reset_peak_memory_stats(i)
     token = _scope.set(log)
     try:
         yield log

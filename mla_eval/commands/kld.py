@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from mla_eval.attention.semantics import MATH_HELP, SEMANTICS_HELP
-from mla_eval.commands.progress import duration, progress_bars
+from mla_eval.commands.progress import duration, peak_memory_line, progress_bars
 from mla_eval.evals.calibrate import CalibrateSettings, evaluate_calibration
 from mla_eval.evals.kld_evaluation import DEFAULT_FORMATS, KldSettings, evaluate_kld
 from mla_eval.evals.settings import DEFAULT_CTX, DEVICES_HELP
@@ -117,6 +117,8 @@ def kld(
         console.print(f"[bold]note:[/] {note}")
     if result.explain is not None:
         print_explain(result.explain, Console())
+    if (line := peak_memory_line(result.environment)) is not None:
+        console.print(line)
     path = write_result(out or default_result_path("kld", result.model["name"]), result.to_document(), force=force)
     console.print(f"wrote {path}", soft_wrap=True)  # a path is never wrapped: users copy it
     if plot:

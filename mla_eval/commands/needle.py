@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from mla_eval.commands.kld import BACKEND_HELP
-from mla_eval.commands.progress import progress_bars
+from mla_eval.commands.progress import peak_memory_line, progress_bars
 from mla_eval.evals.needle_evaluation import DEFAULT_FORMATS, DEFAULT_LENGTHS, NeedleSettings, evaluate_needle
 from mla_eval.evals.needle_tasks import TASKS, VALUE_KINDS
 from mla_eval.evals.settings import DEVICES_HELP
@@ -107,6 +107,8 @@ def needle(
     with progress_bars(console) as progress:
         result = evaluate_needle(settings, progress)
     print_needle(result, Console())
+    if (line := peak_memory_line(result.environment)) is not None:
+        console.print(line)
     path = write_result(out or default_result_path("needle", result.model["name"]), result.to_document(), force=force)
     console.print(f"wrote {path}", soft_wrap=True)  # a path is never wrapped: users copy it
     if plot:

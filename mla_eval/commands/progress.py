@@ -63,3 +63,11 @@ def progress_bars(console: Console, disable: bool = False, on_first: Callable[[s
     finally:
         if tasks:
             bars.stop()
+
+
+def peak_memory_line(environment: dict) -> str | None:
+    """'peak GPU memory: cuda:0 12.3 GiB' from a result's environment, None for a CPU run."""
+    peaks = environment.get("gpu_peak_memory_gib") or {}
+    if not peaks:
+        return None
+    return "peak GPU memory (torch allocated): " + ", ".join(f"{d} {g:.1f} GiB" for d, g in peaks.items())
