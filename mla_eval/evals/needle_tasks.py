@@ -10,7 +10,8 @@ trained on, see mla_eval/train/data.py):
 - multivalue: one key given N distinct values (default 3); all must be returned (RULER niah_multivalue)
 - vt:         variable tracking: a chain of N variables (default 5, i.e. 4 hops), "VAR A = 12345",
               "VAR B = VAR A", ... spread through the haystack in order; the question asks for every
-              variable that holds the value (RULER vt, one chain). Not in the default model's training.
+              variable that holds the value (RULER vt, one chain). Not in the shipped model's training (the
+              task-curriculum recipes, recipes/train-default-model-tasks*.toml, train it).
 Values are numbers, words or UUID-like strings (`--values`). A needle goes in right after a
 sentence end at or after the requested depth, so the tokens are those of the natural text.
 The needle the question is about (multikey: the asked key; multivalue, vt: the first) sits at the
