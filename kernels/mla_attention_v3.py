@@ -236,7 +236,9 @@ class MlaAttentionV3(MlaAttention):
         t_end = cutlass.min(t_begin + tiles_per_split, num_tiles)
         n_local = cutlass.max(t_end - t_begin, 0)
 
-        if wg_idx == 1:
+        # every warpgroup past the first produces: decoded formats run 2 producer warpgroups (ptid 0..255);
+        # `== 1` sent warpgroup 2 into the consumer (wrong tidx, 256 arrivals on a 128-thread named barrier)
+        if wg_idx >= 1:
             self.producer(
                 storage, kpipe, cache_ptr, idx_ptr, qi, idx_stride, num_keys, block_size, s_l, t_begin, n_local, tidx - WG
             )
