@@ -352,7 +352,9 @@ class MlaAttentionV3(MlaAttention):
         plan = self.plan
         lat = plan.latent
         rec = plan.record_bytes
-        if cutlass.const_expr(self.fold and lat.data_offset % 8 == 0 and rec % 8 == 0):
+        # one scale entry per 16 values: groups of 16 or 32 (all fold formats today); a smaller group
+        # would need two entries per item, so it takes v2's path instead of reading the wrong scale
+        if cutlass.const_expr(self.fold and lat.data_offset % 8 == 0 and rec % 8 == 0 and lat.group % 16 == 0):
             blk = ptid % 32  # block of 16 values: 32 per 512-value latent
             entry = (16 * blk) // lat.group
             if cutlass.const_expr(lat.scale_order == ORDER_8X4):
