@@ -13,9 +13,10 @@ says which launches run here). Why this shape, measured against the v2 diagnosis
   the MMA work); N = 16 heads is one "head tile", larger h runs ceil(h / 16) head tiles in grid y.
   O^T lives in 64 fp32 registers per consumer thread (512 x 16 / 128), S^T in 8 (16 with the fold).
 - Warp specialisation: warpgroup 0 consumes (Q load, wgmma S^T, online softmax over the key rows, P^T
-  to shared memory, wgmma O^T), warpgroup 1 produces (slot ids, 16-byte cp.async of the records,
-  decode into the bf16 K ring). A 2-stage K ring with full / empty mbarriers (`pipeline.PipelineAsync`,
-  128 arrivals each) replaces the CTA-wide barriers of v1/v2; each warpgroup syncs internally with its
+  to shared memory, wgmma O^T), warpgroups 1.. produce (slot ids, 16-byte cp.async of the records,
+  decode into the bf16 K ring; `v3_producer_wgs`: 2 for decoded formats, 1 for bf16). A 2-stage K ring
+  with full / empty mbarriers (`pipeline.PipelineAsync`; every producer thread arrives on full, the 128
+  consumers on empty) replaces the CTA-wide barriers of v1/v2; each role syncs internally with its
   own named barrier (ids 1 and 2). bf16 records are copied straight into the K ring (cp.async, no
   decode); the other formats go through a 2-stage raw ring (tile t+1 loads while tile t decodes).
 - Decode: E2M1 x E4M3 latents through `ptx.e2m1x8_scaled_bf16x2` (a byte of two codes -> one bf16x2
@@ -236,7 +237,9 @@ class MlaAttentionV3(MlaAttention):
         t_end = cutlass.min(t_begin + tiles_per_split, num_tiles)
         n_local = cutlass.max(t_end - t_begin, 0)
 
-        if wg_idx == 1:
+        # every warpgroup past the first produces: decoded formats run 2 producer warpgroups (ptid 0..255);
+        # `== 1` sent warpgroup 2 into the consumer (wrong tidx, 256 arrivals on a 128-thread named barrier)
+        if wg_idx >= 1:
             self.producer(
                 storage, kpipe, cache_ptr, idx_ptr, qi, idx_stride, num_keys, block_size, s_l, t_begin, n_local, tidx - WG
             )
@@ -350,7 +353,9 @@ class MlaAttentionV3(MlaAttention):
         plan = self.plan
         lat = plan.latent
         rec = plan.record_bytes
-        if cutlass.const_expr(self.fold and lat.data_offset % 8 == 0 and rec % 8 == 0):
+        # one scale entry per 16 values: groups of 16 or 32 (all fold formats today); a smaller group
+        # would need two entries per item, so it takes v2's path instead of reading the wrong scale
+        if cutlass.const_expr(self.fold and lat.data_offset % 8 == 0 and rec % 8 == 0 and lat.group % 16 == 0):
             blk = ptid % 32  # block of 16 values: 32 per 512-value latent
             entry = (16 * blk) // lat.group
             if cutlass.const_expr(lat.scale_order == ORDER_8X4):
