@@ -56,7 +56,6 @@ def require_validator() -> None:
 
 @functools.lru_cache(maxsize=None)
 def _validator(schema_id: str):
-    require_validator()
     from jsonschema import Draft202012Validator
 
     return Draft202012Validator(load_schema(schema_id))

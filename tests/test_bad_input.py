@@ -396,8 +396,13 @@ def test_kernels_package_missing_is_a_stated_fallback(monkeypatch):
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mla_eval_kernels" else real(name, *a))
-    ok, why = dispatch.kernel_status("nvfp4", "cuda:0")
-    assert not ok and "mla_eval_kernels package is not importable" in why
+    dispatch._kernels_package_reason.cache_clear()  # a process-wide constant, cached: recompute under the patch
+    try:
+        ok, why = dispatch.kernel_status("nvfp4", "cuda:0")
+        assert not ok and "mla_eval_kernels package is not importable" in why
+    finally:
+        monkeypatch.undo()
+        dispatch._kernels_package_reason.cache_clear()
 
 
 def test_unvalidated_kernel_generation_is_said_and_recorded(monkeypatch):

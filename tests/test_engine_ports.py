@@ -456,22 +456,30 @@ def test_sglang_fp4_e2m1_bytes_equal_sglang(kind):
     assert np.count_nonzero(sglang_kvfp4_batched_quantize(x) != _ours("sglang_fp4_e2m1", x)) == 0
 
 
+# (our format, the engine writer's port, the engine gather's port): both TensorRT-LLM records
+TRTLLM_PORTS = [
+    ("trtllm_nvfp4_dsa", trtllm_append_paged_kv_nvfp4, trtllm_gather_fp8),
+    ("trtllm_nvfp4_dsa_r64", trtllm_append_paged_kv_nvfp4_residual, trtllm_gather_fp8_residual),
+]
+
+
+@pytest.mark.parametrize("fmt, writer, gather", TRTLLM_PORTS, ids=[p[0] for p in TRTLLM_PORTS])
 @pytest.mark.parametrize("kind", KINDS)
-def test_trtllm_nvfp4_dsa_bytes_equal_tensorrt_llm(kind):
+def test_trtllm_bytes_equal_tensorrt_llm(kind, fmt, writer, gather):
     """TensorRT-LLM's writer takes bf16 (the model dtype; the rope rotated in bf16), so both get bf16 values."""
     x = _inputs(kind).bfloat16().float()
-    engine = trtllm_append_paged_kv_nvfp4(x.numpy())
-    assert np.count_nonzero(engine != _ours("trtllm_nvfp4_dsa", x)) == 0
+    assert np.count_nonzero(writer(x.numpy()) != _ours(fmt, x)) == 0
 
 
+@pytest.mark.parametrize("fmt, writer, gather", TRTLLM_PORTS, ids=[p[0] for p in TRTLLM_PORTS])
 @pytest.mark.parametrize("kind", KINDS)
-def test_trtllm_nvfp4_dsa_decode_is_what_the_engine_gathers(kind):
+def test_trtllm_decode_is_what_the_engine_gathers(kind, fmt, writer, gather):
     """decode() returns the E4M3 values TensorRT-LLM's gather stages for its FMHA, to the bit."""
     x = _inputs(kind).bfloat16().float()
-    rec = torch.from_numpy(_ours("trtllm_nvfp4_dsa", x))
-    lat, rope = decode("trtllm_nvfp4_dsa", rec)
+    rec = torch.from_numpy(_ours(fmt, x))
+    lat, rope = decode(fmt, rec)
     ours = torch.cat([lat, rope], dim=-1).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
-    assert np.count_nonzero(trtllm_gather_fp8(rec.numpy()) != ours) == 0
+    assert np.count_nonzero(gather(rec.numpy()) != ours) == 0
 
 
 def test_trtllm_global_scale_and_vecmax_test_are_what_the_comparison_detects():
@@ -489,22 +497,6 @@ def test_trtllm_global_scale_and_vecmax_test_are_what_the_comparison_detects():
     zero_in_tiny = tiny.clone()
     zero_in_tiny[0, 1] = 0.0  # 0 * inf = NaN in the engine -> +6 (0x7) in the high nibble of byte 0
     assert _ours("trtllm_nvfp4_dsa", zero_in_tiny)[0, 0] >> 4 == 0x7
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_trtllm_nvfp4_dsa_r64_bytes_equal_tensorrt_llm(kind):
-    x = _inputs(kind).bfloat16().float()
-    engine = trtllm_append_paged_kv_nvfp4_residual(x.numpy())
-    assert np.count_nonzero(engine != _ours("trtllm_nvfp4_dsa_r64", x)) == 0
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_trtllm_nvfp4_dsa_r64_decode_is_what_the_engine_gathers(kind):
-    x = _inputs(kind).bfloat16().float()
-    rec = torch.from_numpy(_ours("trtllm_nvfp4_dsa_r64", x))
-    lat, rope = decode("trtllm_nvfp4_dsa_r64", rec)
-    ours = torch.cat([lat, rope], dim=-1).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
-    assert np.count_nonzero(trtllm_gather_fp8_residual(rec.numpy()) != ours) == 0
 
 
 def test_trtllm_residual_floor_and_second_pass_are_exercised():

@@ -156,6 +156,7 @@ def _device_reason(device: torch.device) -> str | None:
     return untested_arch_reason(device) or _cutlass_importable()
 
 
+@functools.lru_cache(maxsize=None)
 def _kernels_package_reason() -> str | None:
     """Why the kernels package is missing, or None. It ships with mla-eval (kernels/ installs as
     mla_eval_kernels); a source tree run without installing has no such package, and that must be a
@@ -170,11 +171,8 @@ def _kernels_package_reason() -> str | None:
 def kernel_status(spec, device: torch.device | str) -> tuple[bool, str]:
     """(True, 'kernel') if the CuTe kernels serve this format on this device, else (False, why)."""
     device = torch.device(device)
-    if device.type != "cuda":
+    if device.type != "cuda" or _kernels_package_reason() is not None:
         return False, _device_reason(device)
-    why = _kernels_package_reason()
-    if why is not None:
-        return False, why
     from mla_eval_kernels.record_plan import UnsupportedFormat, plan_for  # noqa: PLC0415 - pure Python
 
     try:

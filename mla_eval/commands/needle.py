@@ -116,7 +116,7 @@ def needle(
 
 
 def write_needle_plots(result, folder: Path) -> list[Path]:
-    from mla_eval.commands.plot import needle_document_plots
+    from mla_eval.report.plots import needle_document_plots
 
     doc = {"settings": result.settings, "formats": result.formats, "tasks": result.tasks}
     paths = needle_document_plots(doc, folder)

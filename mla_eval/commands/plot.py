@@ -12,22 +12,9 @@ from pathlib import Path
 import typer
 
 from mla_eval.errors import UserError
+from mla_eval.report.plots import needle_document_plots
 from mla_eval.result_schemas import NEEDLE_SCHEMA
 from mla_eval.results import load_json, read_result
-
-
-def needle_document_plots(doc: dict, folder: Path) -> list[Path]:
-    """Pooled heatmaps per format (and the difference to bf16) in `folder`, and one set per task in
-    `folder/<task>` when the run had several tasks: the same files `needle --plot` writes."""
-    from mla_eval.report.plots import needle_heatmaps
-
-    lengths, depths = doc["settings"]["lengths"], doc["settings"]["depths"]
-    paths = needle_heatmaps(doc["formats"], lengths, depths, folder)
-    tasks = doc.get("tasks") or {}
-    if len(tasks) > 1:
-        for label, per_format in tasks.items():
-            paths += needle_heatmaps(per_format, lengths, depths, Path(folder) / label.replace(":", "_"))
-    return paths
 
 
 def plot(

@@ -44,6 +44,21 @@ KEYS = ("alpha", "cobalt", "juniper", "quartz", "nimbus", "tundra", "ivory", "ze
 VAR_LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 
+def distinct(draw, n: int) -> list:
+    """n distinct values of `draw()`, in draw order (a repeat is drawn again)."""
+    out: list = []
+    while len(out) < n:
+        v = draw()
+        if v not in out:
+            out.append(v)
+    return out
+
+
+def vt_name(r: random.Random) -> str:
+    """A variable-tracking name: 5 random capitals."""
+    return "".join(r.choice(VAR_LETTERS) for _ in range(5))
+
+
 # The sentence templates of the tasks, defined once: the prompts here and the default model's training
 # documents (mla_eval/train/data.py NeedleMaker.task_plan) both read them.
 def magic_sentence(kind: str, key: str, value: str) -> str:
@@ -178,19 +193,11 @@ class PromptBuilder:
             return sentences, magic_question(kind, keys[ask]), [vals[ask]]
         if task == "multivalue":
             k = r.choice(KEYS)
-            vals = []
-            while len(vals) < n:
-                v = self._value(kind, r)
-                if v not in vals:
-                    vals.append(v)
+            vals = distinct(lambda: self._value(kind, r), n)
             return [multivalue_sentence(kind, k, v) for v in vals], multivalue_question(kind, k), vals
         if task == "vt":
             v = str(r.randint(10000, 99999))
-            names: list[str] = []
-            while len(names) < n:
-                name = "".join(r.choice(VAR_LETTERS) for _ in range(5))
-                if name not in names:
-                    names.append(name)
+            names = distinct(lambda: vt_name(r), n)
             return vt_sentences(names, v), vt_question(v), names
         raise UserError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
 

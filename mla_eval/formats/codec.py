@@ -76,6 +76,11 @@ def outer_scale_tensor(spec: FormatSpec, outer_scale: OuterScaleArg, device: tor
     return s.unsqueeze(-1) if s.dim() else s
 
 
+def _amax_rcp6(amax: torch.Tensor) -> torch.Tensor:
+    """amax * rcp.approx.ftz(6): NVIDIA's NVFP4 block-scale step (the measured rcp.approx(6), see approx.py)."""
+    return amax * torch.full_like(amax, approx.rcp_approx_of(nx.E2M1_MAX))
+
+
 def _group_scale(coding: VectorCoding, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Scales for groups g [..., n_groups, group]: (decoded scale, reciprocal, stored bytes)."""
     amax = g.abs().amax(dim=-1)
@@ -94,7 +99,7 @@ def _group_scale(coding: VectorCoding, g: torch.Tensor) -> tuple[torch.Tensor, t
         s = nx.e4m3_decode(bits)
         return s, _recip(s), bits
     if rule is ScaleRule.AMAX_E4M3_RCP6:
-        sf = amax * torch.full_like(amax, approx.rcp_approx_of(nx.E2M1_MAX))
+        sf = _amax_rcp6(amax)
         if coding.global_scale is not None:  # SFScaleVal * (vecMax * rcp6): the inner product rounds first
             sf = sf * torch.full_like(sf, coding.global_scale.quant)
         bits = nx.e4m3_encode(sf)
@@ -165,7 +170,7 @@ def _decode_elems(elem: str, raw: torch.Tensor) -> torch.Tensor:
 def _e4m3_rcp6_floored(coding: VectorCoding, v: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, ...]:
     """Residual coding's group scale (spec step 5) of v [..., n, 16]: (bits, decoded s, rcp.approx(s) from the table)."""
     amax = v.abs().amax(dim=-1)
-    sf = _floor(amax * torch.full_like(amax, approx.rcp_approx_of(nx.E2M1_MAX)), coding.scale_floor)
+    sf = _floor(_amax_rcp6(amax), coding.scale_floor)
     bits = nx.e4m3_encode(sf)
     return bits, nx.e4m3_decode(bits), _rcp_approx_lut(device)[bits.long()]
 

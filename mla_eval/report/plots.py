@@ -174,6 +174,18 @@ def needle_heatmaps(summary: dict, lengths: list[int], depths: list[float], fold
     return paths
 
 
+def needle_document_plots(doc: dict, folder: Path) -> list[Path]:
+    """Pooled heatmaps per format (and the difference to bf16) in `folder`, and one set per task in
+    `folder/<task>` when the run had several tasks: the same files `needle --plot` writes."""
+    lengths, depths = doc["settings"]["lengths"], doc["settings"]["depths"]
+    paths = needle_heatmaps(doc["formats"], lengths, depths, folder)
+    tasks = doc.get("tasks") or {}
+    if len(tasks) > 1:
+        for label, per_format in tasks.items():
+            paths += needle_heatmaps(per_format, lengths, depths, Path(folder) / label.replace(":", "_"))
+    return paths
+
+
 def capacity_plot(doc: dict, path: Path) -> Path:
     """A PNG of a capacity document: pool tokens per format (left), concurrency at max_model_len (right)."""
     plt = _plt()

@@ -25,10 +25,12 @@ from pathlib import Path
 import numpy as np
 
 from mla_eval.evals.needle_tasks import (
+    distinct,
     magic_question,
     magic_sentence,
     multivalue_question,
     multivalue_sentence,
+    vt_name,
     vt_question,
     vt_sentences,
 )
@@ -265,14 +267,6 @@ class NeedleMaker:
         r = self.rng
         return r.choice(self.words) if r.random() < 0.6 else f"{r.choice(self.words)}-{r.choice(self.words)}"
 
-    def _distinct_keys(self, n: int) -> list[str]:
-        keys: list[str] = []
-        while len(keys) < n:
-            k = self._key()
-            if k not in keys:
-                keys.append(k)
-        return keys
-
     def needles(self, style: str, n: int) -> list[Needle]:
         """n needles of one style with distinct keys."""
         r = self.rng
@@ -285,7 +279,7 @@ class NeedleMaker:
                     f" {v}",
                 )
             ]
-        keys = self._distinct_keys(n)
+        keys = distinct(self._key, n)
         kind = r.choice(["number", "number", "word", "uuid"])
         out = []
         for k in keys:
@@ -309,7 +303,7 @@ class NeedleMaker:
         r = self.rng
         if style == "multikey":
             n = r.choice([2, 3, 4, 4, 5, 6, 8])
-            keys = self._distinct_keys(n)
+            keys = distinct(self._key, n)
             kind = r.choice(["number", "number", "word", "uuid"])
             vals = [self._value(kind) for _ in keys]
             ask = r.randrange(n)
@@ -319,21 +313,13 @@ class NeedleMaker:
             n = r.choice([2, 3, 3, 4])
             k = self._key()
             kind = r.choice(["number", "number", "word", "uuid"])
-            vals: list[str] = []
-            while len(vals) < n:
-                v = self._value(kind)
-                if v not in vals:
-                    vals.append(v)
+            vals = distinct(lambda: self._value(kind), n)
             texts = [multivalue_sentence(kind, k, v) for v in vals]
             return texts, [[v] for v in vals], [(multivalue_question(kind, k), " " + ", ".join(vals) + ".")], True
         if style == "vt":
             n = r.choice([3, 4, 5, 5, 6])
             v = str(r.randint(10000, 99999))
-            names: list[str] = []
-            while len(names) < n:
-                name = "".join(r.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5))
-                if name not in names:
-                    names.append(name)
+            names = distinct(lambda: vt_name(r), n)
             masks = [[v, names[0]]] + [[b] for b in names[1:]]
             return vt_sentences(names, v), masks, [(vt_question(v), " " + ", ".join(names) + ".")], True
         raise ValueError(f"unknown needle style {style!r}")

@@ -326,7 +326,7 @@ def train(args) -> None:
             else:
                 b = needle_batch(maker, m)
             st = micro_step(model, b, device, float(o["answer_loss_weight"]), 1.0 / len(micros))
-            tag = m.get("tag", f"{m['kind']}{m['seq_len']}")
+            tag = f"{m['kind']}{m['seq_len']}"
             for k, v in st.items():
                 rec[f"{tag}_{k}"] = v
             ntok += b.input_ids.size
