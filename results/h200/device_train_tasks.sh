@@ -23,7 +23,11 @@ t0=$(date +%s); step() { echo "=== [$(( $(date +%s) - t0 ))s] $*"; }
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 W=/tmp/mla_train; E=$W/export; mkdir -p "$W"
-RECIPE=${RECIPE:-recipes/train-default-model-tasks.toml}  # tasks2.toml: the planned second attempt
+RECIPE=${RECIPE:-recipes/train-default-model-tasks.toml}  # tasks2.toml: the second attempt (continues the first)
+# INIT / INIT_STATE: the weights folder and trainer_state.json to continue from (default: the shipped model).
+# The second attempt: INIT=.train_data/init (the first attempt's export: model.safetensors, config.json and the
+# tokenizer files; carried, never committed), INIT_STATE=results/default_model/tasks-curriculum/trainer_state.json
+INIT=${INIT:-mla_eval/default_model}; INIT_STATE=${INIT_STATE:-results/default_model/trainer_state.json}
 for w in "$@"; do
 case "$w" in
 tok)
@@ -35,11 +39,11 @@ from mla_eval.train.trainer import TokenStore
 TokenStore(['$W/shards'], Path('mla_eval/default_model/tokenizer.json'), Path('$W/tok'))" 2>&1 | tail -8
     ;;
 train)
-    step "train: $RECIPE from the shipped weights, budget ${TRAIN_S:-480} s"
+    step "train: $RECIPE from $INIT, budget ${TRAIN_S:-480} s"
     [ -d "$W/tok" ] || { echo "no tokenised shards in $W/tok: run the 'tok' call first (machine went cold?)"; exit 3; }
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
     python3 -m mla_eval.train train --recipe "$RECIPE" --data "$W/shards" .train_data/eval --words .train_data/eval/words.json \
-        --work "$W" --init mla_eval/default_model --init-state results/default_model/trainer_state.json --restart-curriculum \
+        --work "$W" --init "$INIT" --init-state "$INIT_STATE" --restart-curriculum \
         --budget-s "${TRAIN_S:-480}" --export "$E" --log "$OUT/train_log.jsonl" 2>&1 | grep -v "Writing model shards"
     echo "train rc=$?"
     cp mla_eval/default_model/tokenizer.json mla_eval/default_model/tokenizer_config.json "$E/"
