@@ -22,7 +22,7 @@ exec > >(tee -a "$OUT/log") 2>&1
 t0=$(date +%s); step() { echo "=== [$(( $(date +%s) - t0 ))s] $*"; }
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-W=/tmp/mla_train; E=$W/export; mkdir -p "$W"
+W=/tmp/mla_train; E=${EXPORT:-$W/export}; mkdir -p "$W"  # EXPORT: check a carried export (cold machine)
 RECIPE=${RECIPE:-recipes/train-default-model-tasks.toml}  # tasks2.toml: the second attempt (continues the first)
 # INIT / INIT_STATE: the weights folder and trainer_state.json to continue from (default: the shipped model).
 # The second attempt: INIT=.train_data/init (the first attempt's export: model.safetensors, config.json and the
