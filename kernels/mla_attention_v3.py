@@ -75,6 +75,7 @@ from mla_eval_kernels.mla_combine import MlaCombine
 from mla_eval_kernels.record_plan import ORDER_8X4, RecordPlan
 
 WG = 128  # threads per warpgroup
+TIMING_PROBES = ("", "nodec", "nomma")  # bench v3-nodec / v3-nomma: what the decode / the consumer's MMAs cost
 BAR_CONSUMER = 1  # named barrier ids (0 is __syncthreads)
 BAR_PRODUCER = 2
 
@@ -107,10 +108,15 @@ class MlaAttentionV3(MlaAttention):
 
     def __init__(
         self, plan: RecordPlan, has_sink: bool, has_outer: bool, split: bool, l2_prefetch: int = V3_L2_PREFETCH,
-        producer_wgs: int | None = None, producer_rev: int = V3_PRODUCER_REV,
+        producer_wgs: int | None = None, producer_rev: int = V3_PRODUCER_REV, timing_probe: str = "",
     ):
         if producer_rev not in V3_PRODUCER_REVS:
             raise ValueError(f"producer_rev must be one of {V3_PRODUCER_REVS}, not {producer_rev}")
+        if timing_probe not in TIMING_PROBES:
+            raise ValueError(f"timing_probe must be one of {TIMING_PROBES}, not {timing_probe!r}")
+        # benchmark only, wrong output: "nodec" leaves the K tile undecoded (the producer still copies and
+        # hands over each tile), "nomma" drops the consumer's 68 wgmma per tile (softmax on zeros)
+        self.probe = timing_probe
         self.plan = plan
         self.rev = producer_rev  # 1: the session-6 producer (bench v3-rev1); 2: lean copies, hoisted loads, no conflicts
         self.l2_prefetch = l2_prefetch  # key tiles of records prefetched into L2 beyond the next one
@@ -328,7 +334,8 @@ class MlaAttentionV3(MlaAttention):
                     self.load_raw(sSlot, (it + 1) % 2, raw_addr, sK_addr, cache_addr, ptid)
                 cute.arch.cp_async_commit_group()
                 kpipe.producer_acquire(acq)
-                self.decode_tile_v3(raw_addr + (it % 2) * (bn * rec), sK_addr + 2 * bn * D_QK * acq.index, s_l, ptid)
+                if cutlass.const_expr(self.probe != "nodec"):
+                    self.decode_tile_v3(raw_addr + (it % 2) * (bn * rec), sK_addr + 2 * bn * D_QK * acq.index, s_l, ptid)
                 cute.arch.fence_view_async_shared()
                 kpipe.producer_commit(acq)
                 acq.advance()
@@ -554,7 +561,7 @@ class MlaAttentionV3(MlaAttention):
             acc_lat.fill(0.0)
             acc_rope.fill(0.0)
             warpgroup.fence()
-            for k in cutlass.range_constexpr(n_k):
+            for k in cutlass.range_constexpr(0 if self.probe == "nomma" else n_k):
                 if cutlass.const_expr(self.fold and k >= n_k_latent):
                     cute.gemm(mma_s, acc_rope, tSrK[None, None, k, stage], tSrQ[None, None, k], acc_rope)
                 else:
@@ -606,7 +613,7 @@ class MlaAttentionV3(MlaAttention):
 
             # ---- O^T += V^T P^T ----
             warpgroup.fence()
-            for k in cutlass.range_constexpr(n_kv):
+            for k in cutlass.range_constexpr(0 if self.probe == "nomma" else n_kv):
                 cute.gemm(mma_o, acc_O, tOrVt[None, None, k, stage], tOrP[None, None, k], acc_O)
             warpgroup.commit_group()
             warpgroup.wait_group(0)  # K stage and P^T read: the stage may be refilled, P rewritten
@@ -659,12 +666,13 @@ class MlaAttentionV3(MlaAttention):
 
 def compile_key(
     plan: RecordPlan, has_sink: bool, has_outer: bool, split: bool, device, l2_prefetch: int = V3_L2_PREFETCH,
-    producer_wgs: int | None = None, producer_rev: int = V3_PRODUCER_REV,
+    producer_wgs: int | None = None, producer_rev: int = V3_PRODUCER_REV, timing_probe: str = "",
 ) -> tuple:
     """Every specialisation of a compiled v3 kernel (the head count, lengths, scales are run-time)."""
     return (
         "mla_attention_v3", 1, plan, bool(has_sink), bool(has_outer), bool(split), int(l2_prefetch),
-        int(producer_wgs or v3_producer_wgs(plan)), f"rev={int(producer_rev)}", "q=bf16", "acc=f32", arch_tag(device),
+        int(producer_wgs or v3_producer_wgs(plan)), f"rev={int(producer_rev)}", f"probe={timing_probe}", "q=bf16", "acc=f32",
+        arch_tag(device),
     )
 
 
@@ -686,11 +694,12 @@ def mla_attention_v3(
     l2_prefetch: int = V3_L2_PREFETCH,
     producer_wgs: int | None = None,
     producer_rev: int = V3_PRODUCER_REV,
+    timing_probe: str = "",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense launch of the v3 kernel; arguments as `mla_attention.mla_attention` (which calls this
     when `attention_tuning.v3_blocker` has no objection); `l2_prefetch` (key tiles, 0 = none) and
     `producer_wgs` (default `attention_tuning.v3_producer_wgs`) and `producer_rev` (1: the session-6 producer
-    of the decoded formats) are for the benchmark's comparison."""
+    of the decoded formats) are for the benchmark's comparison, as is `timing_probe` ("nodec", "nomma": wrong output)."""
     n, h = q.shape[0], q.shape[1]
     dev = q.device
     if out is None:
@@ -739,8 +748,8 @@ def mla_attention_v3(
         Int32(num_splits),
         stream,
     )
-    key = compile_key(plan, has_sink, has_outer, split, dev, l2_prefetch, producer_wgs, producer_rev)
-    kern = MlaAttentionV3(plan, has_sink, has_outer, split, l2_prefetch, producer_wgs, producer_rev)
+    key = compile_key(plan, has_sink, has_outer, split, dev, l2_prefetch, producer_wgs, producer_rev, timing_probe)
+    kern = MlaAttentionV3(plan, has_sink, has_outer, split, l2_prefetch, producer_wgs, producer_rev, timing_probe)
     fn = compiled(key, lambda: cute.compile(kern, *args))
     fn(*args)
     if split:

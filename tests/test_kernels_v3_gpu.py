@@ -181,6 +181,19 @@ def test_v3_producer_revisions_write_the_same_k_tiles(fmt, wgs):
 
 
 @needs_cuda
+@pytest.mark.parametrize("probe", ["nodec", "nomma"])
+def test_v3_timing_probes_run_to_the_end(probe):
+    """The benchmark's timing probes (wrong output by design) keep the pipeline's protocol: they finish
+    (no hang), with and without splits, and write every output row (no NaN left from the poison) where
+    the K tile is still multiplied (nomma: p = softmax of zeros, O = 0)."""
+    spec, q, cache, scale, sink_t, s_l, lists, ref_out, ref_lse, bound = _case("nvfp4", 16, LENGTHS, 7)
+    for splits in (1, 3):
+        out, lse = _v3(spec, q, cache, scale, outer_scale=s_l, num_splits=splits, timing_probe=probe, **lists)
+        if probe == "nomma":
+            assert torch.all(out == 0) and not torch.isnan(lse).any()
+
+
+@needs_cuda
 @pytest.mark.parametrize("fmt", ["nvfp4", "bf16"])
 def test_v3_at_64k_keys(fmt):
     """64K keys (1024 tiles; 3 queries: 65536, 65536 - 37 and 1 key), with and without splits."""
@@ -264,6 +277,32 @@ def test_v3_rev2_copies_cover_each_chunk_once_and_stores_are_conflict_free(fmt, 
         for blk in range(32):  # the two stores of a lane are its two chunks
             half = (blk >> 2) & 1
             assert {16 * blk + 8 * half, 16 * blk + 8 - 8 * half} == {16 * blk, 16 * blk + 8}
+
+
+@pytest.mark.parametrize("probe", ["nodec", "nomma"])
+def test_v3_timing_probes_compile(probe, tmp_path):
+    """No GPU needed: the benchmark's timing probes compile for sm_90a without a stack frame."""
+    import os
+
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    import cuda.bindings.driver as cuda
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32
+
+    from mla_eval_kernels import compile_check
+    from mla_eval_kernels.mla_attention_v3 import MlaAttentionV3
+
+    p = compile_check._p
+    a = (
+        p(cutlass.BFloat16), p(cutlass.Uint8), p(Int32, 4), p(Int32, 4), p(Float32, 4), p(Float32), p(Float32, 4),
+        Int32(4), Int32(16), Int32(64), Int32(4096), Int32(64), Float32(0.1), Float32(1.0), Int32(4), Int32(2), cuda.CUstream(0),
+    )
+    kern = MlaAttentionV3(plan_for(get_format("nvfp4")), False, True, True, timing_probe=probe)
+    cute.compile(kern, *a, options=f"--keep-ptx --keep-cubin --dump-dir={tmp_path}")
+    use = compile_check.cubin_usage(str(next(tmp_path.glob("*.cubin"))))
+    assert use.get("frame", 0) == 0 and use.get("stack", 0) == 0, use
+    with pytest.raises(ValueError, match="timing_probe"):
+        MlaAttentionV3(plan_for(get_format("nvfp4")), False, True, True, timing_probe="fast")
 
 
 def test_compile_check_reads_registers_from_the_cubin_and_checks_the_ptx(tmp_path):
