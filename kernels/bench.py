@@ -18,7 +18,10 @@ chosen by MLA_EVAL_ATTENTION_KERNEL). `--variants` adds, at shape (b), the v1 an
 side plus probes that switch one v2 change on or off (`probe_variants`), so a gain is attributed by
 measurement; `skip_decode` leaves the decode out (wrong output) to show what the decode costs.
 At (b), every format the v3 kernel covers (`attention_tuning.v3_blocker`) also gets a row
-`kernel=v3` timed beside the default kernel's row, whatever MLA_EVAL_ATTENTION_KERNEL says.
+`kernel=v3` timed beside the default kernel's row, whatever MLA_EVAL_ATTENTION_KERNEL says; with
+`--variants`, at 64K also v3-nopf (no L2 prefetch), v3-p1 / v3-p2 (producer warpgroups) and, for the
+decoded formats, v3-rev1 (the session-6 producer, against the default `V3_PRODUCER_REV`) and the timing
+probes v3-nodec / v3-nomma (wrong output: no decode / no wgmma), which tell which side bounds v3.
 
 Compiling every kernel takes seconds each, so one worker process per format compiles and warms
 up in parallel; the timed part runs under an exclusive file lock, one worker at a time.
@@ -146,7 +149,7 @@ def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "wr
     """All measurements of one format (called in a worker process); `shapes` picks writer / a / b / c."""
     from mla_eval.attention import dispatch
     from mla_eval_kernels import mla_attention as kernel
-    from mla_eval_kernels.attention_tuning import kernel_version, v3_blocker, v3_producer_wgs
+    from mla_eval_kernels.attention_tuning import is_bf16_plan, kernel_version, v3_blocker, v3_producer_wgs
     from mla_eval_kernels.mla_attention import flops
     from mla_eval_kernels.record_plan import plan_for
 
@@ -236,9 +239,15 @@ def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "wr
                 )
             )
             if variants and (ctx == 65536 or quick):
-                # what the L2 prefetch of records and the second (or a second) producer warpgroup are worth
+                # what the L2 prefetch of records and the second (or a second) producer warpgroup are worth;
+                # decoded formats: the session-6 producer (rev 1) against the default one
                 pwg = v3_producer_wgs(plan_for(spec))
-                for vname, kw in (("v3-nopf", dict(l2_prefetch=0)), (f"v3-p{3 - pwg}", dict(producer_wgs=3 - pwg))):
+                probes = [("v3-nopf", dict(l2_prefetch=0)), (f"v3-p{3 - pwg}", dict(producer_wgs=3 - pwg))]
+                if not is_bf16_plan(plan_for(spec)):
+                    probes.append(("v3-rev1", dict(producer_rev=1)))
+                    # timing probes (wrong output): the producer's decode left out; the consumer's wgmma left out
+                    probes += [("v3-nodec", dict(timing_probe="nodec")), ("v3-nomma", dict(timing_probe="nomma"))]
+                for vname, kw in probes:
 
                     def fb3v(i, q=q, table=table, lens=lens, bcache=bcache, ctx=ctx, kw=kw):
                         return mla_attention_v3(

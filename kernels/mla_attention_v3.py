@@ -22,7 +22,9 @@ says which launches run here). Why this shape, measured against the v2 diagnosis
 - Decode: E2M1 x E4M3 latents through `ptx.e2m1x8_scaled_bf16x2` (a byte of two codes -> one bf16x2
   word, one multiply per 8 values by the block scale); 2^9 * s_l is folded into the latent part of
   each score (a second S accumulator for the rope k-steps) and into the output, as in v2. Other
-  formats decode with v2's per-element path (`MlaAttention.decode8`, inherited).
+  formats decode with v2's per-element path (`MlaAttention.decode8`, inherited). Producer rev 2 (default,
+  `V3_PRODUCER_REV`; rev 1 is session 6's, bench `v3-rev1`): one fixed 16-byte chunk per copying thread,
+  all loads of a thread's E2M1 blocks before its stores, K stores free of bank conflicts (NOTES.md, session 7).
 - No `setmaxnreg`: with two warpgroups and one CTA per SM every thread may already hold 255 registers
   (65536 / 256), so a per-role budget frees nothing; it pays with 3 warpgroups (see NOTES.md).
 - Softmax runs along M (keys), which spans the 4 warps: per head a butterfly over the 8 lanes that
@@ -49,6 +51,8 @@ from mla_eval_kernels.attention_tuning import (
     V3_HEADS,
     V3_K_STAGES,
     V3_L2_PREFETCH,
+    V3_PRODUCER_REV,
+    V3_PRODUCER_REVS,
     V3_RAW_STAGES,
     fast_e2m1_eligible,
     is_bf16_plan,
@@ -73,6 +77,7 @@ from mla_eval_kernels.mla_combine import MlaCombine
 from mla_eval_kernels.record_plan import ORDER_8X4, RecordPlan
 
 WG = 128  # threads per warpgroup
+TIMING_PROBES = ("", "nodec", "nomma")  # bench v3-nodec / v3-nomma: what the decode / the consumer's MMAs cost
 BAR_CONSUMER = 1  # named barrier ids (0 is __syncthreads)
 BAR_PRODUCER = 2
 
@@ -97,7 +102,7 @@ def _st_shared_bf16(addr, x):
 
 class MlaAttentionV3(MlaAttention):
     """One compiled v3 kernel per (plan, sink, outer scale, split, L2 prefetch distance, producer
-    warpgroups). Dense lists only.
+    warpgroups, producer revision). Dense lists only.
 
     Inherits v2's record decode (`decode_tile`, `decode8`, `decode8_e2m1_folded`): with `bn` = 64 and
     `num_threads` = 128 (the producer warpgroup) they write the same swizzled bf16 K tile that wgmma reads.
@@ -105,9 +110,17 @@ class MlaAttentionV3(MlaAttention):
 
     def __init__(
         self, plan: RecordPlan, has_sink: bool, has_outer: bool, split: bool, l2_prefetch: int = V3_L2_PREFETCH,
-        producer_wgs: int | None = None,
+        producer_wgs: int | None = None, producer_rev: int = V3_PRODUCER_REV, timing_probe: str = "",
     ):
+        if producer_rev not in V3_PRODUCER_REVS:
+            raise ValueError(f"producer_rev must be one of {V3_PRODUCER_REVS}, not {producer_rev}")
+        if timing_probe not in TIMING_PROBES:
+            raise ValueError(f"timing_probe must be one of {TIMING_PROBES}, not {timing_probe!r}")
+        # benchmark only, wrong output: "nodec" leaves the K tile undecoded (the producer still copies and
+        # hands over each tile), "nomma" drops the consumer's 68 wgmma per tile (softmax on zeros)
+        self.probe = timing_probe
         self.plan = plan
+        self.rev = producer_rev  # 1: the session-6 producer (bench v3-rev1); 2: lean copies, hoisted loads, no conflicts
         self.l2_prefetch = l2_prefetch  # key tiles of records prefetched into L2 beyond the next one
         self.sparse = False
         self.has_sink = has_sink
@@ -309,7 +322,7 @@ class MlaAttentionV3(MlaAttention):
         else:
             # decoded formats: raw ring of 2 tiles (tile it + 1 loads while tile it decodes)
             if 0 < n_local:
-                self.load_tile(sSlot, 0, 0, raw_addr, sK_addr, cache_addr, ptid)
+                self.load_raw(sSlot, 0, raw_addr, sK_addr, cache_addr, ptid)
             cute.arch.cp_async_commit_group()
             for it in range(n_local):
                 nxt = self.look_ahead(
@@ -320,10 +333,11 @@ class MlaAttentionV3(MlaAttention):
                 # finished decoding tile it - 1, whose raw stage is refilled next
                 cute.arch.barrier(barrier_id=BAR_PRODUCER, number_of_threads=self.pt)
                 if it + 1 < n_local:
-                    self.load_tile(sSlot, (it + 1) % 2, (it + 1) % 2, raw_addr, sK_addr, cache_addr, ptid)
+                    self.load_raw(sSlot, (it + 1) % 2, raw_addr, sK_addr, cache_addr, ptid)
                 cute.arch.cp_async_commit_group()
                 kpipe.producer_acquire(acq)
-                self.decode_tile_v3(raw_addr + (it % 2) * (bn * rec), sK_addr + 2 * bn * D_QK * acq.index, s_l, ptid)
+                if cutlass.const_expr(self.probe != "nodec"):
+                    self.decode_tile_v3(raw_addr + (it % 2) * (bn * rec), sK_addr + 2 * bn * D_QK * acq.index, s_l, ptid)
                 cute.arch.fence_view_async_shared()
                 kpipe.producer_commit(acq)
                 acq.advance()
@@ -360,16 +374,19 @@ class MlaAttentionV3(MlaAttention):
             entry = (16 * blk) // lat.group
             if cutlass.const_expr(lat.scale_order == ORDER_8X4):
                 entry = 8 * (entry & 3) + (entry >> 2)
-            for u in cutlass.range_constexpr(self.bn * 32 // self.pt):
-                key = u * (self.pt // 32) + ptid // 32
-                r = raw + key * rec
-                w0, w1 = _ld_shared_v2(r + lat.data_offset + 8 * blk)
-                f = ptx.e4m3_to_f32(_ld_shared_u8(r + lat.scale_offset + entry)) * Float32(2.0**e2m1_bits.SCALE_BIAS_LOG2)
-                s2 = ptx.bf16x2(f, f)
-                a0, a1, a2, a3 = ptx.e2m1x8_scaled_bf16x2(w0, s2)
-                b0, b1, b2, b3 = ptx.e2m1x8_scaled_bf16x2(w1, s2)
-                _st_shared_v4(kbase + 2 * swizzled_offset(key, 16 * blk, self.bn), a0, a1, a2, a3)
-                _st_shared_v4(kbase + 2 * swizzled_offset(key, 16 * blk + 8, self.bn), b0, b1, b2, b3)
+            if cutlass.const_expr(self.rev >= 2):
+                self.decode_latent_rev2(raw, kbase, ptid, blk, entry)
+            else:
+                for u in cutlass.range_constexpr(self.bn * 32 // self.pt):
+                    key = u * (self.pt // 32) + ptid // 32
+                    r = raw + key * rec
+                    w0, w1 = _ld_shared_v2(r + lat.data_offset + 8 * blk)
+                    f = ptx.e4m3_to_f32(_ld_shared_u8(r + lat.scale_offset + entry)) * Float32(2.0**e2m1_bits.SCALE_BIAS_LOG2)
+                    s2 = ptx.bf16x2(f, f)
+                    a0, a1, a2, a3 = ptx.e2m1x8_scaled_bf16x2(w0, s2)
+                    b0, b1, b2, b3 = ptx.e2m1x8_scaled_bf16x2(w1, s2)
+                    _st_shared_v4(kbase + 2 * swizzled_offset(key, 16 * blk, self.bn), a0, a1, a2, a3)
+                    _st_shared_v4(kbase + 2 * swizzled_offset(key, 16 * blk + 8, self.bn), b0, b1, b2, b3)
             for u in cutlass.range_constexpr(self.bn * 8 // self.pt):
                 i = u * self.pt + ptid
                 key = i // 8
@@ -378,6 +395,75 @@ class MlaAttentionV3(MlaAttention):
                 _st_shared_v4(kbase + 2 * swizzled_offset(key, D_V + d0, self.bn), w0, w1, w2, w3)
         else:
             self.decode_tile(raw, kbase, s_l, ptid)
+
+    @cute.jit
+    def decode_latent_rev2(self, raw: Int32, kbase: Int32, ptid: Int32, blk: Int32, entry: Int32):
+        """The E2M1 x E4M3 latent of one raw tile -> K tile (rev 2; the same words as rev 1's loop).
+
+        Every load of the thread's items first, then the conversions and stores: ptxas cannot tell
+        the raw ring from the K ring, so rev 1's load of item u + 1 waited for the store of item u
+        (one shared-memory latency per item; PTX checked). The two 16-byte stores of a 16-value block
+        go to chunks 2 blk, 2 blk + 1 (mod 8, swizzled by the key row); lanes 0-3 and 4-7 of a quarter
+        warp would hit the same 4 of the 8 bank groups (2 wavefronts per store), so lanes with blk & 4
+        store their upper 8 values first: each store then covers all 8 bank groups."""
+        lat = self.plan.latent
+        rec = self.plan.record_bytes
+        hi_first = (blk & 4) != 0
+        half = (blk >> 2) & 1  # 8 * half: the dims of the first store past 16 blk
+        items = []
+        for u in cutlass.range_constexpr(self.bn * 32 // self.pt):
+            key = u * (self.pt // 32) + ptid // 32
+            r = raw + key * rec
+            w0, w1 = _ld_shared_v2(r + lat.data_offset + 8 * blk)
+            code = _ld_shared_u8(r + lat.scale_offset + entry)
+            items.append((key, w0, w1, code))
+        for u in cutlass.range_constexpr(len(items)):
+            key, w0, w1, code = items[u]
+            f = ptx.e4m3_to_f32(code) * Float32(2.0**e2m1_bits.SCALE_BIAS_LOG2)
+            s2 = ptx.bf16x2(f, f)
+            first = w1 if hi_first else w0
+            second = w0 if hi_first else w1
+            a0, a1, a2, a3 = ptx.e2m1x8_scaled_bf16x2(first, s2)
+            b0, b1, b2, b3 = ptx.e2m1x8_scaled_bf16x2(second, s2)
+            _st_shared_v4(kbase + 2 * swizzled_offset(key, 16 * blk + 8 * half, self.bn), a0, a1, a2, a3)
+            _st_shared_v4(kbase + 2 * swizzled_offset(key, 16 * blk + 8 - 8 * half, self.bn), b0, b1, b2, b3)
+
+    @cute.jit
+    def load_raw(self, sSlot: cute.Tensor, slot_buf: Int32, raw_addr: Int32, sK_addr: Int32, cache_addr: Int64, ptid: Int32):
+        """Records of the next tile into raw stage `slot_buf` (decoded formats; the stage follows the slot buffer)."""
+        if cutlass.const_expr(self.rev >= 2):
+            self.load_raw_rev2(sSlot, slot_buf, raw_addr + slot_buf * (self.bn * self.plan.record_bytes), cache_addr, ptid)
+        else:
+            self.load_tile(sSlot, slot_buf, slot_buf, raw_addr, sK_addr, cache_addr, ptid)
+
+    @cute.jit
+    def load_raw_rev2(self, sSlot: cute.Tensor, slot_buf: Int32, stage_addr: Int32, cache_addr: Int64, ptid: Int32):
+        """cp.async of a tile's records into one raw stage (rev 2): thread ptid copies 16-byte chunk
+        ptid % chunks of keys ptid // chunks + g u (g = keys per pass), so the chunk and the
+        addresses are worked out once, not per copy (rev 1: a division by the chunk count, 64-bit
+        address arithmetic and a slot-id load behind the previous cp.async for each of ~7 copies);
+        all slot ids are read before the first copy. Zero-filled past the query's keys."""
+        bn = self.bn
+        rec = self.plan.record_bytes
+        chunks = rec // 16
+        g = self.pt // chunks  # keys per pass (nvfp4, 256 producer threads: 9 keys, 243 threads)
+        passes = (bn + g - 1) // g
+        kk = ptid // chunks
+        ch = ptid % chunks
+        if ptid < g * chunks:
+            src0 = cache_addr + Int64(16 * ch)
+            dst0 = stage_addr + kk * rec + 16 * ch
+            slots = []
+            for u in cutlass.range_constexpr(passes):
+                slots.append(sSlot[cutlass.min(kk + g * u, bn - 1), slot_buf])
+            for u in cutlass.range_constexpr(passes):
+                slot = slots[u]
+                src = src0 + Int64(cutlass.max(slot, 0)) * Int64(rec)
+                if cutlass.const_expr(g * (u + 1) > bn):  # the last pass: keys past the tile copy nothing
+                    if kk + g * u < bn:
+                        _cp_async_16(dst0 + g * u * rec, src, 16 if slot >= 0 else 0)
+                else:
+                    _cp_async_16(dst0 + g * u * rec, src, 16 if slot >= 0 else 0)
 
     @cute.jit
     def load_tile(
@@ -477,7 +563,7 @@ class MlaAttentionV3(MlaAttention):
             acc_lat.fill(0.0)
             acc_rope.fill(0.0)
             warpgroup.fence()
-            for k in cutlass.range_constexpr(n_k):
+            for k in cutlass.range_constexpr(0 if self.probe == "nomma" else n_k):
                 if cutlass.const_expr(self.fold and k >= n_k_latent):
                     cute.gemm(mma_s, acc_rope, tSrK[None, None, k, stage], tSrQ[None, None, k], acc_rope)
                 else:
@@ -529,7 +615,7 @@ class MlaAttentionV3(MlaAttention):
 
             # ---- O^T += V^T P^T ----
             warpgroup.fence()
-            for k in cutlass.range_constexpr(n_kv):
+            for k in cutlass.range_constexpr(0 if self.probe == "nomma" else n_kv):
                 cute.gemm(mma_o, acc_O, tOrVt[None, None, k, stage], tOrP[None, None, k], acc_O)
             warpgroup.commit_group()
             warpgroup.wait_group(0)  # K stage and P^T read: the stage may be refilled, P rewritten
@@ -582,12 +668,13 @@ class MlaAttentionV3(MlaAttention):
 
 def compile_key(
     plan: RecordPlan, has_sink: bool, has_outer: bool, split: bool, device, l2_prefetch: int = V3_L2_PREFETCH,
-    producer_wgs: int | None = None,
+    producer_wgs: int | None = None, producer_rev: int = V3_PRODUCER_REV, timing_probe: str = "",
 ) -> tuple:
     """Every specialisation of a compiled v3 kernel (the head count, lengths, scales are run-time)."""
     return (
         "mla_attention_v3", 1, plan, bool(has_sink), bool(has_outer), bool(split), int(l2_prefetch),
-        int(producer_wgs or v3_producer_wgs(plan)), "q=bf16", "acc=f32", arch_tag(device),
+        int(producer_wgs or v3_producer_wgs(plan)), f"rev={int(producer_rev)}", f"probe={timing_probe}", "q=bf16", "acc=f32",
+        arch_tag(device),
     )
 
 
@@ -608,10 +695,13 @@ def mla_attention_v3(
     workspace_fill: float | None = None,
     l2_prefetch: int = V3_L2_PREFETCH,
     producer_wgs: int | None = None,
+    producer_rev: int = V3_PRODUCER_REV,
+    timing_probe: str = "",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense launch of the v3 kernel; arguments as `mla_attention.mla_attention` (which calls this
     when `attention_tuning.v3_blocker` has no objection); `l2_prefetch` (key tiles, 0 = none) and
-    `producer_wgs` (default `attention_tuning.v3_producer_wgs`) are for the benchmark's comparison."""
+    `producer_wgs` (default `attention_tuning.v3_producer_wgs`) and `producer_rev` (1: the session-6 producer
+    of the decoded formats) are for the benchmark's comparison, as is `timing_probe` ("nodec", "nomma": wrong output)."""
     n, h = q.shape[0], q.shape[1]
     dev = q.device
     if out is None:
@@ -660,8 +750,8 @@ def mla_attention_v3(
         Int32(num_splits),
         stream,
     )
-    key = compile_key(plan, has_sink, has_outer, split, dev, l2_prefetch, producer_wgs)
-    kern = MlaAttentionV3(plan, has_sink, has_outer, split, l2_prefetch, producer_wgs)
+    key = compile_key(plan, has_sink, has_outer, split, dev, l2_prefetch, producer_wgs, producer_rev, timing_probe)
+    kern = MlaAttentionV3(plan, has_sink, has_outer, split, l2_prefetch, producer_wgs, producer_rev, timing_probe)
     fn = compiled(key, lambda: cute.compile(kern, *args))
     fn(*args)
     if split:

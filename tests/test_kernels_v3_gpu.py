@@ -26,6 +26,7 @@ from mla_eval_kernels.record_plan import plan_for  # noqa: E402
 
 V3_FORMATS = [f for f in FORMATS if attention_tuning.v3_blocker(plan_for(get_format(f)), False, HOPPER_SMEM_PER_BLOCK) is None]
 V3_BLOCKED = [f for f in FORMATS if f not in V3_FORMATS]
+V3_DECODED = [f for f in V3_FORMATS if not attention_tuning.is_bf16_plan(plan_for(get_format(f)))]
 LENGTHS = [1, BLOCK - 1, BLOCK, BLOCK + 1, 5 * BLOCK + 17, 1000, 777]
 
 
@@ -143,15 +144,53 @@ def test_v3_matches_reference(fmt, heads, sink):
     assert any(k[0] == "mla_attention_v3" and k[2] == plan_for(spec) for k in compile_cache.keys())
 
 
+PROBES = [
+    dict(l2_prefetch=0), dict(producer_wgs=1), dict(producer_wgs=2), dict(producer_rev=1), dict(producer_rev=1, producer_wgs=1)
+]
+
+
 @needs_cuda
-@pytest.mark.parametrize("probe", [dict(l2_prefetch=0), dict(producer_wgs=1), dict(producer_wgs=2)])
+@pytest.mark.parametrize("probe", PROBES)
 @pytest.mark.parametrize("fmt", ["nvfp4", "bf16", "mxfp4"])
 def test_v3_benchmark_probes_match_reference(fmt, probe):
-    """The variants the benchmark times beside v3 (no L2 prefetch, the other producer warpgroup count)."""
+    """The variants the benchmark times beside v3 (no L2 prefetch, the other producer warpgroup count,
+    the session-6 producer `v3-rev1`)."""
     spec, q, cache, scale, sink_t, s_l, lists, ref_out, ref_lse, bound = _case(fmt, 16, LENGTHS, 4)
     for splits in (None, 1):
         out, lse = _v3(spec, q, cache, scale, outer_scale=s_l, num_splits=splits, **lists, **probe)
         _check(out, lse, ref_out, ref_lse, bound, f"v3 {fmt} {probe} splits={splits}")
+
+
+@needs_cuda
+@pytest.mark.parametrize("wgs", [1, 2])
+@pytest.mark.parametrize("fmt", V3_DECODED)
+def test_v3_producer_revisions_write_the_same_k_tiles(fmt, wgs):
+    """Producer rev 2 (default: one fixed chunk per copying thread, hoisted loads, half-swapped stores)
+    moves the same bytes into the same K tile as rev 1 (bench v3-rev1), so the outputs are bit-identical;
+    plus the reference check. A query of 0 keys, lengths off the 64-key tile, 1 and 3 splits."""
+    spec, q, cache, scale, sink_t, s_l, lists, ref_out, ref_lse, bound = _case(fmt, 16, [0, *LENGTHS], 6)
+    for splits in (1, 3):
+        got = [
+            _v3(spec, q, cache, scale, outer_scale=s_l, num_splits=splits, producer_wgs=wgs, producer_rev=rev, **lists)
+            for rev in (1, 2)
+        ]
+        (out1, lse1), (out2, lse2) = got
+        assert torch.equal(out1, out2) and torch.equal(lse1, lse2), (fmt, wgs, splits)
+        _check(out2[1:], lse2[1:], ref_out[1:], ref_lse[1:], bound, f"v3 rev 2 {fmt} wgs={wgs} splits={splits}")
+        assert torch.all(out2[0] == 0) and torch.all(torch.isneginf(lse2[0]))
+
+
+@needs_cuda
+@pytest.mark.parametrize("probe", ["nodec", "nomma"])
+def test_v3_timing_probes_run_to_the_end(probe):
+    """The benchmark's timing probes (wrong output by design) keep the pipeline's protocol: they finish
+    (no hang), with and without splits, and write every output row (no NaN left from the poison) where
+    the K tile is still multiplied (nomma: p = softmax of zeros, O = 0)."""
+    spec, q, cache, scale, sink_t, s_l, lists, ref_out, ref_lse, bound = _case("nvfp4", 16, LENGTHS, 7)
+    for splits in (1, 3):
+        out, lse = _v3(spec, q, cache, scale, outer_scale=s_l, num_splits=splits, timing_probe=probe, **lists)
+        if probe == "nomma":
+            assert torch.all(out == 0) and not torch.isnan(lse).any()
 
 
 @needs_cuda
@@ -200,6 +239,70 @@ def test_environment_routes_dense_to_v3_and_the_rest_to_v2(fmt, monkeypatch):
     out, lse = _run(spec, q, cache, scale, outer_scale=s_l, num_splits=1, indices=idx.cuda())
     assert {k[0] for k in compile_cache.keys()} == {"mla_attention"}
     _check(out, lse, ref_out, ref_lse, bound, f"dispatch v3 {fmt} sparse -> v2")
+
+
+@pytest.mark.parametrize("pt", [128, 256])
+@pytest.mark.parametrize("fmt", V3_DECODED)
+def test_v3_rev2_copies_cover_each_chunk_once_and_stores_are_conflict_free(fmt, pt):
+    """No GPU needed; a model of producer rev 2's index arithmetic (`load_raw_rev2`, `decode_latent_rev2`).
+    Copies: thread ptid < g * chunks takes chunk ptid % chunks of keys ptid // chunks + g u; every (key,
+    chunk) of the 64-key tile once, nothing past the stage. Latent stores: per quarter warp (8 lanes x
+    16 bytes, one key row) the 8 chunks land in 8 distinct 16-byte bank groups (rev 1: 4, 2 wavefronts)."""
+    from mla_eval_kernels.mla_attention import swizzled_offset
+
+    rec = plan_for(get_format(fmt)).record_bytes
+    chunks, bn = rec // 16, 64
+    g = pt // chunks
+    seen = []
+    for ptid in range(g * chunks):
+        for u in range(-(-bn // g)):
+            key = ptid // chunks + g * u
+            if key < bn:
+                seen.append((key, ptid % chunks))
+    assert sorted(seen) == [(k, c) for k in range(bn) for c in range(chunks)]
+
+    def groups(key, lanes, rev):
+        out = []
+        for blk in lanes:
+            half = (blk >> 2) & 1 if rev == 2 else 0
+            off = 2 * swizzled_offset(key, 16 * blk + 8 * half, bn)
+            out.append((off % 128) // 16)
+        return out
+
+    for key in range(bn):
+        for q0 in range(0, 32, 8):
+            lanes = range(q0, q0 + 8)
+            assert sorted(groups(key, lanes, 2)) == list(range(8)), (key, q0)
+            assert len(set(groups(key, lanes, 1))) == 4
+        for blk in range(32):  # the two stores of a lane are its two chunks
+            half = (blk >> 2) & 1
+            assert {16 * blk + 8 * half, 16 * blk + 8 - 8 * half} == {16 * blk, 16 * blk + 8}
+
+
+@pytest.mark.parametrize("probe", ["nodec", "nomma"])
+def test_v3_timing_probes_compile(probe, tmp_path):
+    """No GPU needed: the benchmark's timing probes compile for sm_90a without a stack frame."""
+    import os
+
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    import cuda.bindings.driver as cuda
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32
+
+    from mla_eval_kernels import compile_check
+    from mla_eval_kernels.mla_attention_v3 import MlaAttentionV3
+
+    p = compile_check._p
+    a = (
+        p(cutlass.BFloat16), p(cutlass.Uint8), p(Int32, 4), p(Int32, 4), p(Float32, 4), p(Float32), p(Float32, 4),
+        Int32(4), Int32(16), Int32(64), Int32(4096), Int32(64), Float32(0.1), Float32(1.0), Int32(4), Int32(2), cuda.CUstream(0),
+    )
+    kern = MlaAttentionV3(plan_for(get_format("nvfp4")), False, True, True, timing_probe=probe)
+    cute.compile(kern, *a, options=f"--keep-ptx --keep-cubin --dump-dir={tmp_path}")
+    use = compile_check.cubin_usage(str(next(tmp_path.glob("*.cubin"))))
+    assert use.get("frame", 0) == 0 and use.get("stack", 0) == 0, use
+    with pytest.raises(ValueError, match="timing_probe"):
+        MlaAttentionV3(plan_for(get_format("nvfp4")), False, True, True, timing_probe="fast")
 
 
 def test_compile_check_reads_registers_from_the_cubin_and_checks_the_ptx(tmp_path):
