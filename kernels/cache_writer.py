@@ -9,8 +9,9 @@ the flat [num_slots, record_bytes] view); slots < 0 are skipped. The bytes are t
 
 Kernel: one warp per token, 4 warps per CTA. Lane l owns latent values [16 l, 16 l + 16) (one
 32-byte load) and rope values [2 l, 2 l + 2). Group amax: a butterfly max over the group's lanes
-(group / 16 lanes), the token amax (s_t) and the rope amax over all 32. Every field is stored as
-32-bit words; byte-sized scales and fp8 rope bytes are gathered into words with shuffles; zero
+(group / 16 lanes), the token amax (s_t) and the rope amax over all 32 (over 8 lanes for an E2M1
+rope with a scale per 16). Every field is stored as 32-bit words; byte-sized scales, fp8 rope bytes
+and E2M1 rope bytes are gathered into words with shuffles; zero
 padding is written too, so a record is fully defined whatever the cache held before.
 """
 
@@ -136,20 +137,29 @@ class CacheWriter:
                 s_bits, r, s = self._group_scale(lat, amax)
                 r = self._reciprocal(lat, r, s)
                 for i in cutlass.range_constexpr(16):
-                    v[i] = self._apply_scale(lat, v[i], r, s)
+                    v[i] = self._apply_scale(lat, v[i], r, s, amax)
                 self._store_scales(record, lat, s_bits, lane, lanes_per_group)
             self._store_latent(record, lat, v, lane)
 
             # ---- rope ----
             rope = plan.rope
             if cutlass.const_expr(rope.scale_dtype != ""):
-                amax = ptx.warp_max(self._local_amax(w, 2), 32)
+                rope_lanes = rope.group // 2  # lanes per rope group (2 values per lane): 32, or 8 for E4M3 per 16
+                amax = ptx.warp_max(self._local_amax(w, 2), rope_lanes)
                 s_bits, r, s = self._group_scale(rope, amax)
                 r = self._reciprocal(rope, r, s)
                 for i in cutlass.range_constexpr(2):
-                    w[i] = self._apply_scale(rope, w[i], r, s)
-                if lane == 0:
-                    record[rope.scale_offset // 4] = s_bits
+                    w[i] = self._apply_scale(rope, w[i], r, s, amax)
+                if cutlass.const_expr(rope.scale_dtype == "fp32"):
+                    if lane == 0:
+                        record[rope.scale_offset // 4] = s_bits
+                else:
+                    # one byte per group, group g's scale held by lane g * rope_lanes; bytes 4k..4k+3 in word k
+                    word = Uint32(0)
+                    for j in cutlass.range_constexpr(4):
+                        word = word | (ptx.shfl_idx(s_bits, ((lane * 4 + j) * rope_lanes) % 32) << Uint32(8 * j))
+                    if lane < rope.n_groups // 4:
+                        record[rope.scale_offset // 4 + lane] = word
             self._store_rope(record, rope, w, lane)
 
             # ---- zero padding ----
@@ -171,20 +181,35 @@ class CacheWriter:
         uses it (the codec reads the same values from the H200 table), 0 for s = 0. For an fp32 scale
         the codec, and so this writer, keeps rcp.rn (not tabulable; the residual is measured apart)."""
         if cutlass.const_expr(coding.apply == APPLY_MUL_RCP_APPROX and coding.scale_dtype == "e4m3"):
-            r = ptx.rcp_approx_ftz(s)
-            r = Float32(0.0) if s == Float32(0.0) else r
+            if cutlass.const_expr(coding.global_quant is not None):
+                # TensorRT-LLM: rcp.approx.ftz(s * rcp.approx.ftz(SFScaleVal)); the codec takes both with rcp.rn,
+                # which the H200 measurement found equal for the default S and every E4M3 s
+                # (results/h200/formats/trtllm_nvfp4_residual.json: table_differs_from_correctly_rounded = 0)
+                prod = ptx.mul_rn(s, ptx.rcp_approx_ftz(Float32(coding.global_quant)))
+                r = ptx.rcp_approx_ftz(prod)
+                r = Float32(0.0) if prod == Float32(0.0) else r
+            else:
+                r = ptx.rcp_approx_ftz(s)
+                r = Float32(0.0) if s == Float32(0.0) else r
         return r
 
     @cute.jit
-    def _apply_scale(self, coding: cutlass.Constexpr, x: Float32, r: Float32, s: Float32) -> Float32:
+    def _apply_scale(self, coding: cutlass.Constexpr, x: Float32, r: Float32, s: Float32, amax: Float32) -> Float32:
         """Step 4 of spec.py: div.rn(x, s) where the engine divides, else mul.rn(x, r); +0 for a
-        zero scale where the engine clears such a group."""
+        zero scale where the engine clears such a group; +-6 (+6 for a zero) where the engine's factor is
+        rcp.approx(0) = +inf because the scale underflowed although the group amax is not 0."""
         if cutlass.const_expr(coding.apply == APPLY_DIV):
             y = ptx.div_rn(x, s)
         else:
             y = ptx.mul_rn(x, r)
         if cutlass.const_expr(coding.zero_scale_clears):
             y = Float32(0.0) if s == Float32(0.0) else y
+        if cutlass.const_expr(coding.zero_scale_saturates):
+            six = Float32(6.0)
+            if x != Float32(0.0):  # -0.0 == 0: 0 * inf is NaN, which cvt .satfinite takes to +MAX_NORM
+                six = ptx.bits_f32((ptx.f32_bits(x) & Uint32(0x80000000)) | ptx.f32_bits(Float32(6.0)))
+            if s == Float32(0.0) and amax > Float32(0.0):
+                y = six
         return y
 
     @cute.jit
@@ -209,8 +234,12 @@ class CacheWriter:
             r = Float32(0.0) if s == Float32(0.0) else r
             return code, r, s
         if cutlass.const_expr(coding.rule == RULE_AMAX_E4M3_RCP6):
-            # NVIDIA's recipe: amax * rcp.approx.ftz(6), RN satfinite to E4M3
-            code = ptx.e4m3x2(Float32(0.0), ptx.mul_rn(amax, ptx.rcp_approx_ftz(Float32(6.0)))) & Uint32(0xFF)
+            # NVIDIA's recipe: amax * rcp.approx.ftz(6), times the engine's SFScaleVal (rounded after the
+            # inner product), RN satfinite to E4M3
+            sf = ptx.mul_rn(amax, ptx.rcp_approx_ftz(Float32(6.0)))
+            if cutlass.const_expr(coding.global_quant is not None):
+                sf = ptx.mul_rn(sf, Float32(coding.global_quant))
+            code = ptx.e4m3x2(Float32(0.0), sf) & Uint32(0xFF)
             s = ptx.e4m3_to_f32(code)
             return code, ptx.rcp_rn(s), s
         if cutlass.const_expr(coding.rule == RULE_AMAX_FP32_MUL):
@@ -276,6 +305,14 @@ class CacheWriter:
         base = coding.data_offset // 4
         if cutlass.const_expr(coding.elem == "bf16"):
             record[base + lane] = ptx.bf16x2(w[1], w[0])
+        elif cutlass.const_expr(coding.elem == "e2m1"):
+            # lane l's two values are byte l (value 2l in the low nibble); word k = bytes 4k..4k+3
+            byte = ptx.e2m1_code(w[0]) | (ptx.e2m1_code(w[1]) << Uint32(4))
+            word = Uint32(0)
+            for j in cutlass.range_constexpr(4):
+                word = word | (ptx.shfl_idx(byte, (4 * lane + j) % 32) << Uint32(8 * j))
+            if lane < 8:
+                record[base + lane] = word
         else:
             pair = ptx.e4m3x2(w[1], w[0])  # 16 bits: this lane's two bytes
             lo = ptx.shfl_idx(pair, (2 * lane) % 32)
