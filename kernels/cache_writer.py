@@ -143,7 +143,9 @@ class CacheWriter:
 
             # ---- rope ----
             rope = plan.rope
-            if cutlass.const_expr(rope.scale_dtype != ""):
+            if cutlass.const_expr(rope.residual):
+                self._store_rope_residual(record, rope, w, lane)
+            elif cutlass.const_expr(rope.scale_dtype != ""):
                 rope_lanes = rope.group // 2  # lanes per rope group (2 values per lane): 32, or 8 for E4M3 per 16
                 amax = ptx.warp_max(self._local_amax(w, 2), rope_lanes)
                 s_bits, r, s = self._group_scale(rope, amax)
@@ -160,7 +162,8 @@ class CacheWriter:
                         word = word | (ptx.shfl_idx(s_bits, ((lane * 4 + j) * rope_lanes) % 32) << Uint32(8 * j))
                     if lane < rope.n_groups // 4:
                         record[rope.scale_offset // 4 + lane] = word
-            self._store_rope(record, rope, w, lane)
+            if cutlass.const_expr(not rope.residual):
+                self._store_rope(record, rope, w, lane)
 
             # ---- zero padding ----
             for p in cutlass.range_constexpr(len(plan.pads)):
@@ -299,6 +302,56 @@ class CacheWriter:
         else:
             for h in cutlass.range_constexpr(8):
                 record[base + 8 * lane + h] = ptx.bf16x2(v[2 * h + 1], v[2 * h])
+
+    @cute.jit
+    def _residual_scale(self, coding: cutlass.Constexpr, amax: Float32):
+        """Spec step 5's group scale: (E4M3 code, s, rcp.approx.ftz(s)) of max(amax * rcp.approx(6), floor)
+        (the codec reads the same reciprocals from the H200 table; s >= the floor, never 0)."""
+        sf = ptx.max_f32(ptx.mul_rn(amax, ptx.rcp_approx_ftz(Float32(6.0))), Float32(coding.scale_floor))
+        code = ptx.e4m3x2(Float32(0.0), sf) & Uint32(0xFF)
+        s = ptx.e4m3_to_f32(code)
+        return code, s, ptx.rcp_approx_ftz(s)
+
+    @cute.jit
+    def _store_rope_residual(self, record: cute.Tensor, coding: cutlass.Constexpr, w: cute.Tensor, lane: Int32):
+        """TensorRT-LLM's residual rope (spec step 5), 8 lanes per group of 16: v = x * S; main codes q1 of
+        v * rcp(s1); residual v - q1 * s1 (exact product, one rounding); its codes q2 the same way. Group g's
+        16 data bytes are [q1 | q2] (lane 8g + j's two codes in byte j of each half), its scale bytes [s1, s2]."""
+        v = cute.make_rmem_tensor((2,), Float32)
+        for i in cutlass.range_constexpr(2):
+            v[i] = w[i]
+            if cutlass.const_expr(coding.global_quant is not None):
+                v[i] = ptx.mul_rn(w[i], Float32(coding.global_quant))
+        lanes = coding.group // 2
+        code1, s1, r1 = self._residual_scale(coding, ptx.warp_max(self._local_amax(v, 2), lanes))
+        a0 = ptx.e2m1_code(ptx.mul_rn(v[0], r1))
+        a1 = ptx.e2m1_code(ptx.mul_rn(v[1], r1))
+        res = cute.make_rmem_tensor((2,), Float32)
+        res[0] = ptx.sub_rn(v[0], ptx.mul_rn(ptx.e2m1_nibble_to_f32(a0, 0), s1))
+        res[1] = ptx.sub_rn(v[1], ptx.mul_rn(ptx.e2m1_nibble_to_f32(a1, 0), s1))
+        code2, _, r2 = self._residual_scale(coding, ptx.warp_max(self._local_amax(res, 2), lanes))
+        b1 = a0 | (a1 << Uint32(4))
+        b2 = ptx.e2m1_code(ptx.mul_rn(res[0], r2)) | (ptx.e2m1_code(ptx.mul_rn(res[1], r2)) << Uint32(4))
+        # data word k (16 of them): group k // 4; k % 4 = 0, 1: q1 bytes of lanes 8g + 4 (k % 2) + 0..3; 2, 3: q2
+        word = Uint32(0)
+        for j in cutlass.range_constexpr(4):
+            src = (8 * (lane // 4) + 4 * (lane % 2) + j) % 32
+            x1 = ptx.shfl_idx(b1, src)
+            x2 = ptx.shfl_idx(b2, src)
+            x = x1 if lane % 4 < 2 else x2
+            word = word | (x << Uint32(8 * j))
+        if lane < coding.dim // 4:
+            record[coding.data_offset // 4 + lane] = word
+        # scale word k (2 of them): bytes [s1, s2] of groups 2k and 2k + 1, held by lanes 8 (2k) and 8 (2k + 1)
+        sw = Uint32(0)
+        for j in cutlass.range_constexpr(4):
+            src = (lanes * (2 * lane + j // 2)) % 32
+            if cutlass.const_expr(j % 2 == 0):
+                sw = sw | (ptx.shfl_idx(code1, src) << Uint32(8 * j))
+            else:
+                sw = sw | (ptx.shfl_idx(code2, src) << Uint32(8 * j))
+        if lane < 2 * coding.n_groups // 4:
+            record[coding.scale_offset // 4 + lane] = sw
 
     @cute.jit
     def _store_rope(self, record: cute.Tensor, coding: cutlass.Constexpr, w: cute.Tensor, lane: Int32):

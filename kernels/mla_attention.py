@@ -17,7 +17,8 @@ Kernel (FlashAttention-2 style, bf16 `mma.sync.m16n8k16` with fp32 accumulation,
   of the next P tiles (`Tuning.prefetch`, a ring of P + 1 stages) are copied with 16-byte
   `cp.async` (zero-filled for invalid slots) while the current tile is decoded in shared memory
   into bf16 K [BN, 576] (E2M1 x E4M3 block scale x s_t x s_l, E4M3 x fp32 group scale, E8M0, bf16
-  copy; TensorRT-LLM's E2M1 x (E4M3 x dequant) rounded to E4M3, as its reader's fp8 copy). Records
+  copy; TensorRT-LLM's E2M1 x (E4M3 x dequant), or its residual rope fma(q2, s2 D, q1 s1 D), rounded
+  to E4M3, as its reader's fp8 copy). Records
   that are not a multiple of 16 B (324 B) are copied in 8- or 4-byte chunks (`record_chunk`). For
   the bf16 format the records are the K rows and are copied straight into a double-buffered K tile
   (P = 1).
@@ -572,7 +573,9 @@ class MlaAttention:
             return a, b, c, d
         else:
             v = cute.make_rmem_tensor((8,), Float32)
-            if cutlass.const_expr(coding.elem == "e2m1"):
+            if cutlass.const_expr(coding.residual):
+                self.residual8(coding, rec, d0, v)
+            elif cutlass.const_expr(coding.elem == "e2m1"):
                 word = _ld_shared_u32(rec + coding.data_offset + d0 // 2)
                 for i in cutlass.range_constexpr(8):
                     v[i] = ptx.e2m1_nibble_to_f32(word, i)
@@ -592,13 +595,15 @@ class MlaAttention:
             entry = d0 // coding.group  # the scale entry of this group (its position, when permuted)
             if cutlass.const_expr(coding.scale_order == ORDER_8X4):
                 entry = 8 * (entry & 3) + (entry >> 2)
-            if cutlass.const_expr(coding.scale_dtype == "fp32"):
+            if cutlass.const_expr(coding.residual):
+                pass  # both scales (and the global dequant) are applied in residual8
+            elif cutlass.const_expr(coding.scale_dtype == "fp32"):
                 f = ptx.bits_f32(_ld_shared_u32(rec + coding.scale_offset + 4 * entry))
             elif cutlass.const_expr(coding.scale_dtype == "e4m3"):
                 f = ptx.e4m3_to_f32(_ld_shared_u8(rec + coding.scale_offset + entry))
             elif cutlass.const_expr(coding.scale_dtype == "e8m0"):
                 f = ptx.pow2(Int32(_ld_shared_u8(rec + coding.scale_offset + entry)) - Int32(127))
-            if cutlass.const_expr(coding.global_dequant is not None):
+            if cutlass.const_expr(coding.global_dequant is not None and not coding.residual):
                 f = ptx.mul_rn(f, Float32(coding.global_dequant))  # the engine's reader: q * (s * dequant)
             if cutlass.const_expr(is_latent and self.plan.token_scale_offset >= 0):
                 f = f * ptx.bits_f32(_ld_shared_u32(rec + self.plan.token_scale_offset))
@@ -622,6 +627,23 @@ class MlaAttention:
                 ptx.bf16x2(v[5] * f, v[4] * f),
                 ptx.bf16x2(v[7] * f, v[6] * f),
             )
+
+    @cute.jit
+    def residual8(self, coding: cutlass.Constexpr, rec: Int32, d0: Int32, v: cute.Tensor):
+        """Residual E2M1 values d0..d0+8 (spec step 5, the engine's reader): fma(q2, s2 * D, q1 * (s1 * D)),
+        group g = d0 / 16 with [q1 | q2] code bytes at 16 g and scale bytes [s1, s2] at 2 g; D = the dequant."""
+        g = d0 // coding.group
+        base = rec + coding.data_offset + g * coding.group + (d0 % coding.group) // 2
+        w1 = _ld_shared_u32(base)
+        w2 = _ld_shared_u32(base + coding.group // 2)
+        f1 = ptx.e4m3_to_f32(_ld_shared_u8(rec + coding.scale_offset + 2 * g))
+        f2 = ptx.e4m3_to_f32(_ld_shared_u8(rec + coding.scale_offset + 2 * g + 1))
+        if cutlass.const_expr(coding.global_dequant is not None):
+            f1 = ptx.mul_rn(f1, Float32(coding.global_dequant))
+            f2 = ptx.mul_rn(f2, Float32(coding.global_dequant))
+        for i in cutlass.range_constexpr(8):
+            main = ptx.mul_rn(ptx.e2m1_nibble_to_f32(w1, i), f1)
+            v[i] = ptx.fma_rn(ptx.e2m1_nibble_to_f32(w2, i), f2, main)
 
     @cute.jit
     def scale_row(self, acc_O: cute.Tensor, r: cutlass.Constexpr, alpha: Float32):

@@ -18,8 +18,8 @@ Kernel constraints checked here (a spec outside them is served by the torch refe
 - E2M1 codes rounded to nearest even (SGLang's ties-away rounding and E8M0_CEIL rule have no kernel);
 - TensorRT-LLM's NVFP4 DSA arithmetic (`trtllm_nvfp4_dsa`): the engine global scale (`global_quant` for the
   writer, `global_dequant` for the reader), saturating zero scales and the reader's E4M3 copy (`reader_e4m3`)
-  are plan fields (so part of every compile key); a residual coding (`trtllm_nvfp4_dsa_r64`'s rope) is refused
-  by name, so that a kernel never ignores it silently.
+  are plan fields (so part of every compile key), and so is the residual E2M1 rope (`residual`,
+  `trtllm_nvfp4_dsa_r64`); a residual latent is refused by name, so that a kernel never ignores it silently.
 """
 
 from __future__ import annotations
@@ -109,8 +109,6 @@ def _coding(c) -> CodingPlan:
         raise UnsupportedFormat(f"scale rule {rule!r} has no kernel")
     if c.elem not in ("bf16", "e4m3", "e2m1"):
         raise UnsupportedFormat(f"element type {c.elem!r} has no kernel")
-    if c.residual:
-        raise UnsupportedFormat("a residual E2M1 coding (TensorRT-LLM's residual rope) has no kernel")
     if c.elem_rounding != "rne":
         raise UnsupportedFormat(f"E2M1 rounding {c.elem_rounding!r} has no kernel")
     if rule == ScaleRule.E8M0_CEIL.value:
@@ -174,6 +172,8 @@ def _check_kernel_scope(p: RecordPlan) -> None:
     if any(o >= 0 and o % 4 for o in offsets) or any(n % 4 for _, n in p.pads):
         raise UnsupportedFormat("every field must start on a 4-byte boundary")
     lat = p.latent
+    if lat.residual:
+        raise UnsupportedFormat("a residual E2M1 latent has no kernel (the residual coding is implemented for the rope)")
     if lat.group % 16 or lat.group > LATENT_DIM:
         raise UnsupportedFormat(f"latent group {lat.group} is not a multiple of 16")
     if lat.scale_dtype in ("e4m3", "e8m0") and lat.n_groups % 4:

@@ -20,7 +20,7 @@ def _check_coding(plan: rp.CodingPlan, coding: VectorCoding) -> None:
         assert (plan.scale_dtype, plan.scale_offset) == ("", -1)
     else:
         assert (plan.scale_dtype, plan.scale_offset) == (coding.scale.dtype, coding.scale.offset)
-        assert plan.n_groups == coding.scale.count
+        assert plan.n_groups * (2 if plan.residual else 1) == coding.scale.count  # residual: [s1, s2] per group
 
 @pytest.mark.parametrize("spec", all_formats(), ids=lambda s: s.name)
 def test_plan_agrees_with_spec_or_is_refused_with_a_reason(spec):
@@ -100,10 +100,10 @@ def test_engine_outer_scale_order_reaches_the_plan():
     assert rp.plan_for(flipped) != rp.plan_for(by_name["nvfp4"])
 
 
-def test_trtllm_engine_arithmetic_reaches_the_plan_and_the_residual_rope_is_refused_by_name():
-    """trtllm_nvfp4_dsa's engine arithmetic (global scale, saturating zero scales, E4M3 read-back) is in the
-    plan, read from the spec, so each of them changes the compile key; the residual rope (r64) has no kernel
-    and is refused by name, as SGLang's ties-away E2M1 is, rather than ignored."""
+def test_trtllm_engine_arithmetic_reaches_the_plan():
+    """trtllm_nvfp4_dsa's engine arithmetic (global scale, saturating zero scales, E4M3 read-back) and r64's
+    residual rope are in the plan, read from the spec, so each of them changes the compile key; a residual
+    latent has no kernel and is refused by name, as SGLang's ties-away E2M1 is, rather than ignored."""
     by_name = {s.name: s for s in all_formats()}
     spec = by_name["trtllm_nvfp4_dsa"]
     plan = rp.plan_for(spec)
@@ -124,7 +124,19 @@ def test_trtllm_engine_arithmetic_reaches_the_plan_and_the_residual_rope_is_refu
     base = dataclasses.replace(plan, name="v")
     keys = {base} | {rp.plan_for(v) for v in variants}
     assert len(keys) == 4  # every engine rule is its own compiled kernel
-    with pytest.raises(rp.UnsupportedFormat, match="residual E2M1"):
-        rp.plan_for(by_name["trtllm_nvfp4_dsa_r64"])
+    r64_spec = by_name["trtllm_nvfp4_dsa_r64"]
+    r64 = rp.plan_for(r64_spec)
+    assert r64.rope.residual and not r64.latent.residual and r64.reader_e4m3 and r64.record_bytes == 360
+    assert (r64.rope.data_offset, r64.rope.scale_offset, r64.latent.scale_offset) == (256, 352, 320)
+    assert r64.rope.scale_floor == r64_spec.rope.scale_floor == 2.0**-9 and r64.rope.global_quant == gs.quant
+    assert not r64.rope.zero_scale_saturates and r64.latent.zero_scale_saturates
+    assert dataclasses.replace(r64, name="") != dataclasses.replace(plan, name="")
+    residual_latent = dataclasses.replace(
+        r64_spec, name="v", latent=dataclasses.replace(r64_spec.rope, dim=512, data=Field("latent", 0, "e2m1", 1024),
+                                                       scale=Field("latent_scale", 512, "e4m3", 64)),
+        rope=dataclasses.replace(r64_spec.rope, data=Field("rope", 576, "e2m1", 128), scale=Field("rope_scale", 640, "e4m3", 8)),
+        record_bytes=648, buffers=())
+    with pytest.raises(rp.UnsupportedFormat, match="residual E2M1 latent"):
+        rp.plan_for(residual_latent)
     with pytest.raises(rp.UnsupportedFormat, match="ties_away"):
         rp.plan_for(by_name["sglang_fp4_e2m1"])
