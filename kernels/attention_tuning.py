@@ -98,7 +98,8 @@ def fast_e2m1_eligible(plan) -> bool:
     E4M3 block scales (E2M1 x E4M3 has at most 6 significant bits), no per-token scale (it would
     need a per-key factor) and an outer scale, if any, on the latent only."""
     lat = plan.latent
-    return lat.elem == "e2m1" and lat.scale_dtype == "e4m3" and plan.token_scale_offset < 0 and not plan.outer_on_rope
+    return (lat.elem == "e2m1" and lat.scale_dtype == "e4m3" and plan.token_scale_offset < 0 and not plan.outer_on_rope
+            and not plan.reader_e4m3)  # TensorRT-LLM's E4M3 read-back rounds each decoded value: decoded per value
 
 
 def smem_bytes_v3(plan) -> int:
@@ -120,6 +121,8 @@ def v3_blocker(plan, sparse: bool, smem_limit: int = HOPPER_SMEM_PER_BLOCK) -> s
     """Why a launch cannot run the v3 kernel (it then runs v2), or None when it can."""
     if sparse:
         return "v3 covers the dense decode path only (sparse top-k runs v2)"
+    if plan.reader_e4m3 or plan.record_bytes % 16:  # v3 copies 16-byte chunks; its decode has no E4M3 read-back
+        return f"{plan.name}: v3 has no E4M3 read-back decode and copies 16-byte chunks only (TensorRT-LLM formats run v2)"
     need = smem_bytes_v3(plan)
     if need > smem_limit:
         return f"{plan.name}: v3 needs {need} B of shared memory per CTA (2 K + 2 record stages), the device allows {smem_limit}"

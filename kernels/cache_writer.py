@@ -9,8 +9,9 @@ the flat [num_slots, record_bytes] view); slots < 0 are skipped. The bytes are t
 
 Kernel: one warp per token, 4 warps per CTA. Lane l owns latent values [16 l, 16 l + 16) (one
 32-byte load) and rope values [2 l, 2 l + 2). Group amax: a butterfly max over the group's lanes
-(group / 16 lanes), the token amax (s_t) and the rope amax over all 32. Every field is stored as
-32-bit words; byte-sized scales and fp8 rope bytes are gathered into words with shuffles; zero
+(group / 16 lanes), the token amax (s_t) and the rope amax over all 32 (over 8 lanes for an E2M1
+rope with a scale per 16). Every field is stored as 32-bit words; byte-sized scales, fp8 rope bytes
+and E2M1 rope bytes are gathered into words with shuffles; zero
 padding is written too, so a record is fully defined whatever the cache held before.
 """
 
@@ -136,21 +137,33 @@ class CacheWriter:
                 s_bits, r, s = self._group_scale(lat, amax)
                 r = self._reciprocal(lat, r, s)
                 for i in cutlass.range_constexpr(16):
-                    v[i] = self._apply_scale(lat, v[i], r, s)
+                    v[i] = self._apply_scale(lat, v[i], r, s, amax)
                 self._store_scales(record, lat, s_bits, lane, lanes_per_group)
             self._store_latent(record, lat, v, lane)
 
             # ---- rope ----
             rope = plan.rope
-            if cutlass.const_expr(rope.scale_dtype != ""):
-                amax = ptx.warp_max(self._local_amax(w, 2), 32)
+            if cutlass.const_expr(rope.residual):
+                self._store_rope_residual(record, rope, w, lane)
+            elif cutlass.const_expr(rope.scale_dtype != ""):
+                rope_lanes = rope.group // 2  # lanes per rope group (2 values per lane): 32, or 8 for E4M3 per 16
+                amax = ptx.warp_max(self._local_amax(w, 2), rope_lanes)
                 s_bits, r, s = self._group_scale(rope, amax)
                 r = self._reciprocal(rope, r, s)
                 for i in cutlass.range_constexpr(2):
-                    w[i] = self._apply_scale(rope, w[i], r, s)
-                if lane == 0:
-                    record[rope.scale_offset // 4] = s_bits
-            self._store_rope(record, rope, w, lane)
+                    w[i] = self._apply_scale(rope, w[i], r, s, amax)
+                if cutlass.const_expr(rope.scale_dtype == "fp32"):
+                    if lane == 0:
+                        record[rope.scale_offset // 4] = s_bits
+                else:
+                    # one byte per group, group g's scale held by lane g * rope_lanes; bytes 4k..4k+3 in word k
+                    word = Uint32(0)
+                    for j in cutlass.range_constexpr(4):
+                        word = word | (ptx.shfl_idx(s_bits, ((lane * 4 + j) * rope_lanes) % 32) << Uint32(8 * j))
+                    if lane < rope.n_groups // 4:
+                        record[rope.scale_offset // 4 + lane] = word
+            if cutlass.const_expr(not rope.residual):
+                self._store_rope(record, rope, w, lane)
 
             # ---- zero padding ----
             for p in cutlass.range_constexpr(len(plan.pads)):
@@ -171,20 +184,35 @@ class CacheWriter:
         uses it (the codec reads the same values from the H200 table), 0 for s = 0. For an fp32 scale
         the codec, and so this writer, keeps rcp.rn (not tabulable; the residual is measured apart)."""
         if cutlass.const_expr(coding.apply == APPLY_MUL_RCP_APPROX and coding.scale_dtype == "e4m3"):
-            r = ptx.rcp_approx_ftz(s)
-            r = Float32(0.0) if s == Float32(0.0) else r
+            if cutlass.const_expr(coding.global_quant is not None):
+                # TensorRT-LLM: rcp.approx.ftz(s * rcp.approx.ftz(SFScaleVal)); the codec takes both with rcp.rn,
+                # which the H200 measurement found equal for the default S and every E4M3 s
+                # (results/h200/formats/trtllm_nvfp4_residual.json: table_differs_from_correctly_rounded = 0)
+                prod = ptx.mul_rn(s, ptx.rcp_approx_ftz(Float32(coding.global_quant)))
+                r = ptx.rcp_approx_ftz(prod)
+                r = Float32(0.0) if prod == Float32(0.0) else r
+            else:
+                r = ptx.rcp_approx_ftz(s)
+                r = Float32(0.0) if s == Float32(0.0) else r
         return r
 
     @cute.jit
-    def _apply_scale(self, coding: cutlass.Constexpr, x: Float32, r: Float32, s: Float32) -> Float32:
+    def _apply_scale(self, coding: cutlass.Constexpr, x: Float32, r: Float32, s: Float32, amax: Float32) -> Float32:
         """Step 4 of spec.py: div.rn(x, s) where the engine divides, else mul.rn(x, r); +0 for a
-        zero scale where the engine clears such a group."""
+        zero scale where the engine clears such a group; +-6 (+6 for a zero) where the engine's factor is
+        rcp.approx(0) = +inf because the scale underflowed although the group amax is not 0."""
         if cutlass.const_expr(coding.apply == APPLY_DIV):
             y = ptx.div_rn(x, s)
         else:
             y = ptx.mul_rn(x, r)
         if cutlass.const_expr(coding.zero_scale_clears):
             y = Float32(0.0) if s == Float32(0.0) else y
+        if cutlass.const_expr(coding.zero_scale_saturates):
+            six = Float32(6.0)
+            if x != Float32(0.0):  # -0.0 == 0: 0 * inf is NaN, which cvt .satfinite takes to +MAX_NORM
+                six = ptx.bits_f32((ptx.f32_bits(x) & Uint32(0x80000000)) | ptx.f32_bits(Float32(6.0)))
+            if s == Float32(0.0) and amax > Float32(0.0):
+                y = six
         return y
 
     @cute.jit
@@ -209,8 +237,12 @@ class CacheWriter:
             r = Float32(0.0) if s == Float32(0.0) else r
             return code, r, s
         if cutlass.const_expr(coding.rule == RULE_AMAX_E4M3_RCP6):
-            # NVIDIA's recipe: amax * rcp.approx.ftz(6), RN satfinite to E4M3
-            code = ptx.e4m3x2(Float32(0.0), ptx.mul_rn(amax, ptx.rcp_approx_ftz(Float32(6.0)))) & Uint32(0xFF)
+            # NVIDIA's recipe: amax * rcp.approx.ftz(6), times the engine's SFScaleVal (rounded after the
+            # inner product), RN satfinite to E4M3
+            sf = ptx.mul_rn(amax, ptx.rcp_approx_ftz(Float32(6.0)))
+            if cutlass.const_expr(coding.global_quant is not None):
+                sf = ptx.mul_rn(sf, Float32(coding.global_quant))
+            code = ptx.e4m3x2(Float32(0.0), sf) & Uint32(0xFF)
             s = ptx.e4m3_to_f32(code)
             return code, ptx.rcp_rn(s), s
         if cutlass.const_expr(coding.rule == RULE_AMAX_FP32_MUL):
@@ -272,10 +304,68 @@ class CacheWriter:
                 record[base + 8 * lane + h] = ptx.bf16x2(v[2 * h + 1], v[2 * h])
 
     @cute.jit
+    def _residual_scale(self, coding: cutlass.Constexpr, amax: Float32):
+        """Spec step 5's group scale: (E4M3 code, s, rcp.approx.ftz(s)) of max(amax * rcp.approx(6), floor)
+        (the codec reads the same reciprocals from the H200 table; s >= the floor, never 0)."""
+        sf = ptx.max_f32(ptx.mul_rn(amax, ptx.rcp_approx_ftz(Float32(6.0))), Float32(coding.scale_floor))
+        code = ptx.e4m3x2(Float32(0.0), sf) & Uint32(0xFF)
+        s = ptx.e4m3_to_f32(code)
+        return code, s, ptx.rcp_approx_ftz(s)
+
+    @cute.jit
+    def _store_rope_residual(self, record: cute.Tensor, coding: cutlass.Constexpr, w: cute.Tensor, lane: Int32):
+        """TensorRT-LLM's residual rope (spec step 5), 8 lanes per group of 16: v = x * S; main codes q1 of
+        v * rcp(s1); residual v - q1 * s1 (exact product, one rounding); its codes q2 the same way. Group g's
+        16 data bytes are [q1 | q2] (lane 8g + j's two codes in byte j of each half), its scale bytes [s1, s2]."""
+        v = cute.make_rmem_tensor((2,), Float32)
+        for i in cutlass.range_constexpr(2):
+            v[i] = w[i]
+            if cutlass.const_expr(coding.global_quant is not None):
+                v[i] = ptx.mul_rn(w[i], Float32(coding.global_quant))
+        lanes = coding.group // 2
+        code1, s1, r1 = self._residual_scale(coding, ptx.warp_max(self._local_amax(v, 2), lanes))
+        a0 = ptx.e2m1_code(ptx.mul_rn(v[0], r1))
+        a1 = ptx.e2m1_code(ptx.mul_rn(v[1], r1))
+        res = cute.make_rmem_tensor((2,), Float32)
+        res[0] = ptx.sub_rn(v[0], ptx.mul_rn(ptx.e2m1_nibble_to_f32(a0, 0), s1))
+        res[1] = ptx.sub_rn(v[1], ptx.mul_rn(ptx.e2m1_nibble_to_f32(a1, 0), s1))
+        code2, _, r2 = self._residual_scale(coding, ptx.warp_max(self._local_amax(res, 2), lanes))
+        b1 = a0 | (a1 << Uint32(4))
+        b2 = ptx.e2m1_code(ptx.mul_rn(res[0], r2)) | (ptx.e2m1_code(ptx.mul_rn(res[1], r2)) << Uint32(4))
+        # data word k (16 of them): group k // 4; k % 4 = 0, 1: q1 bytes of lanes 8g + 4 (k % 2) + 0..3; 2, 3: q2
+        word = Uint32(0)
+        for j in cutlass.range_constexpr(4):
+            src = (8 * (lane // 4) + 4 * (lane % 2) + j) % 32
+            x1 = ptx.shfl_idx(b1, src)
+            x2 = ptx.shfl_idx(b2, src)
+            x = x1 if lane % 4 < 2 else x2
+            word = word | (x << Uint32(8 * j))
+        if lane < coding.dim // 4:
+            record[coding.data_offset // 4 + lane] = word
+        # scale word k (2 of them): bytes [s1, s2] of groups 2k and 2k + 1, held by lanes 8 (2k) and 8 (2k + 1)
+        sw = Uint32(0)
+        for j in cutlass.range_constexpr(4):
+            src = (lanes * (2 * lane + j // 2)) % 32
+            if cutlass.const_expr(j % 2 == 0):
+                sw = sw | (ptx.shfl_idx(code1, src) << Uint32(8 * j))
+            else:
+                sw = sw | (ptx.shfl_idx(code2, src) << Uint32(8 * j))
+        if lane < 2 * coding.n_groups // 4:
+            record[coding.scale_offset // 4 + lane] = sw
+
+    @cute.jit
     def _store_rope(self, record: cute.Tensor, coding: cutlass.Constexpr, w: cute.Tensor, lane: Int32):
         base = coding.data_offset // 4
         if cutlass.const_expr(coding.elem == "bf16"):
             record[base + lane] = ptx.bf16x2(w[1], w[0])
+        elif cutlass.const_expr(coding.elem == "e2m1"):
+            # lane l's two values are byte l (value 2l in the low nibble); word k = bytes 4k..4k+3
+            byte = ptx.e2m1_code(w[0]) | (ptx.e2m1_code(w[1]) << Uint32(4))
+            word = Uint32(0)
+            for j in cutlass.range_constexpr(4):
+                word = word | (ptx.shfl_idx(byte, (4 * lane + j) % 32) << Uint32(8 * j))
+            if lane < 8:
+                record[base + lane] = word
         else:
             pair = ptx.e4m3x2(w[1], w[0])  # 16 bits: this lane's two bytes
             lo = ptx.shfl_idx(pair, (2 * lane) % 32)

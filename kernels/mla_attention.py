@@ -17,8 +17,11 @@ Kernel (FlashAttention-2 style, bf16 `mma.sync.m16n8k16` with fp32 accumulation,
   of the next P tiles (`Tuning.prefetch`, a ring of P + 1 stages) are copied with 16-byte
   `cp.async` (zero-filled for invalid slots) while the current tile is decoded in shared memory
   into bf16 K [BN, 576] (E2M1 x E4M3 block scale x s_t x s_l, E4M3 x fp32 group scale, E8M0, bf16
-  copy). For the bf16 format the records are the K rows and are copied straight into a
-  double-buffered K tile (P = 1).
+  copy; TensorRT-LLM's E2M1 x (E4M3 x dequant), or its residual rope fma(q2, s2 D, q1 s1 D), rounded
+  to E4M3, as its reader's fp8 copy). Records
+  that are not a multiple of 16 B (324 B) are copied in 8- or 4-byte chunks (`record_chunk`). For
+  the bf16 format the records are the K rows and are copied straight into a double-buffered K tile
+  (P = 1).
 - Kernel generations (`attention_tuning`): v1 (P = 1, Q re-read from shared memory per tile, one
   S chain, E2M1 decoded per value in fp32) stays selectable; v2 adds the deeper ring, Q held in
   registers at h <= 16, two S chains, and E2M1 x E4M3 decoded a byte at a time into exact bf16x2
@@ -57,7 +60,7 @@ from mla_eval_kernels.compile_cache import arch_tag, compiled
 from mla_eval_kernels.device_limits import smem_per_block, smem_per_sm
 from mla_eval_kernels.launch_grid import attention_grid
 from mla_eval_kernels.mla_combine import MlaCombine
-from mla_eval_kernels.record_plan import ORDER_8X4, RecordPlan
+from mla_eval_kernels.record_plan import ORDER_8X4, RecordPlan, record_chunk
 
 D_QK = 576
 D_V = 512
@@ -102,6 +105,14 @@ def swizzled_offset(r, c, rows: int):
 def _cp_async_16(smem_addr, gmem_addr, src_bytes):
     cute.arch.inline_ptx(
         "cp.async.cg.shared.global [{$r0}], [{$r1}], 16, {$r2};",
+        read_only_args=[Int32(smem_addr), Int64(gmem_addr), Int32(src_bytes)],
+    )
+
+
+def _cp_async_small(smem_addr, gmem_addr, nbytes: int, src_bytes):
+    """cp.async of 4 or 8 bytes (records whose size is not a multiple of 16 B: only .ca takes these sizes)."""
+    cute.arch.inline_ptx(
+        f"cp.async.ca.shared.global [{{$r0}}], [{{$r1}}], {nbytes}, {{$r2}};",
         read_only_args=[Int32(smem_addr), Int64(gmem_addr), Int32(src_bytes)],
     )
 
@@ -501,18 +512,22 @@ class MlaAttention:
     ):
         """cp.async the BN records of a tile: into the raw stage, or straight into K (bf16 format)."""
         rec = self.plan.record_bytes
-        chunks = rec // 16
+        size = record_chunk(rec)
+        chunks = rec // size
         total = self.bn * chunks
         for i in range(tidx, total, self.num_threads):
             key = i // chunks
             ch = i % chunks
             slot = sSlot[key, slot_buf]
             ok = slot >= 0
-            src = cache_addr + Int64(cutlass.max(slot, 0)) * Int64(rec) + Int64(16 * ch)
-            dst = raw_addr + stage * (self.bn * rec) + key * rec + 16 * ch
+            src = cache_addr + Int64(cutlass.max(slot, 0)) * Int64(rec) + Int64(size * ch)
+            dst = raw_addr + stage * (self.bn * rec) + key * rec + size * ch
             if cutlass.const_expr(self.copy_k):
                 dst = sK_addr + 2 * (stage * (self.bn * D_QK) + swizzled_offset(key, 8 * ch, self.bn))
-            _cp_async_16(dst, src, 16 if ok else 0)
+            if cutlass.const_expr(size == 16):
+                _cp_async_16(dst, src, 16 if ok else 0)
+            else:
+                _cp_async_small(dst, src, size, size if ok else 0)
 
     @cute.jit
     def decode_tile(self, raw: Int32, sK_addr: Int32, s_l: Float32, tidx: Int32):
@@ -558,7 +573,9 @@ class MlaAttention:
             return a, b, c, d
         else:
             v = cute.make_rmem_tensor((8,), Float32)
-            if cutlass.const_expr(coding.elem == "e2m1"):
+            if cutlass.const_expr(coding.residual):
+                self.residual8(coding, rec, d0, v)
+            elif cutlass.const_expr(coding.elem == "e2m1"):
                 word = _ld_shared_u32(rec + coding.data_offset + d0 // 2)
                 for i in cutlass.range_constexpr(8):
                     v[i] = ptx.e2m1_nibble_to_f32(word, i)
@@ -578,22 +595,55 @@ class MlaAttention:
             entry = d0 // coding.group  # the scale entry of this group (its position, when permuted)
             if cutlass.const_expr(coding.scale_order == ORDER_8X4):
                 entry = 8 * (entry & 3) + (entry >> 2)
-            if cutlass.const_expr(coding.scale_dtype == "fp32"):
+            if cutlass.const_expr(coding.residual):
+                pass  # both scales (and the global dequant) are applied in residual8
+            elif cutlass.const_expr(coding.scale_dtype == "fp32"):
                 f = ptx.bits_f32(_ld_shared_u32(rec + coding.scale_offset + 4 * entry))
             elif cutlass.const_expr(coding.scale_dtype == "e4m3"):
                 f = ptx.e4m3_to_f32(_ld_shared_u8(rec + coding.scale_offset + entry))
             elif cutlass.const_expr(coding.scale_dtype == "e8m0"):
                 f = ptx.pow2(Int32(_ld_shared_u8(rec + coding.scale_offset + entry)) - Int32(127))
+            if cutlass.const_expr(coding.global_dequant is not None and not coding.residual):
+                f = ptx.mul_rn(f, Float32(coding.global_dequant))  # the engine's reader: q * (s * dequant)
             if cutlass.const_expr(is_latent and self.plan.token_scale_offset >= 0):
                 f = f * ptx.bits_f32(_ld_shared_u32(rec + self.plan.token_scale_offset))
             if cutlass.const_expr(outer):
                 f = f * s_l
+            if cutlass.const_expr(self.plan.reader_e4m3):
+                # the engine's attention reads an E4M3 copy (RN, satfinite) of q * (s * dequant); E4M3 values
+                # are bf16 numbers, so K holds exactly the codec's decoded values (no s_t / s_l with this flag)
+                for h in cutlass.range_constexpr(2):
+                    lo = ptx.e4m3x2(ptx.mul_rn(v[4 * h + 1], f), ptx.mul_rn(v[4 * h], f))
+                    hi = ptx.e4m3x2(ptx.mul_rn(v[4 * h + 3], f), ptx.mul_rn(v[4 * h + 2], f))
+                    x0, x1, x2, x3 = ptx.e4m3x4_to_f32x4(lo | (hi << Uint32(16)))
+                    v[4 * h] = x0
+                    v[4 * h + 1] = x1
+                    v[4 * h + 2] = x2
+                    v[4 * h + 3] = x3
+                f = Float32(1.0)
             return (
                 ptx.bf16x2(v[1] * f, v[0] * f),
                 ptx.bf16x2(v[3] * f, v[2] * f),
                 ptx.bf16x2(v[5] * f, v[4] * f),
                 ptx.bf16x2(v[7] * f, v[6] * f),
             )
+
+    @cute.jit
+    def residual8(self, coding: cutlass.Constexpr, rec: Int32, d0: Int32, v: cute.Tensor):
+        """Residual E2M1 values d0..d0+8 (spec step 5, the engine's reader): fma(q2, s2 * D, q1 * (s1 * D)),
+        group g = d0 / 16 with [q1 | q2] code bytes at 16 g and scale bytes [s1, s2] at 2 g; D = the dequant."""
+        g = d0 // coding.group
+        base = rec + coding.data_offset + g * coding.group + (d0 % coding.group) // 2
+        w1 = _ld_shared_u32(base)
+        w2 = _ld_shared_u32(base + coding.group // 2)
+        f1 = ptx.e4m3_to_f32(_ld_shared_u8(rec + coding.scale_offset + 2 * g))
+        f2 = ptx.e4m3_to_f32(_ld_shared_u8(rec + coding.scale_offset + 2 * g + 1))
+        if cutlass.const_expr(coding.global_dequant is not None):
+            f1 = ptx.mul_rn(f1, Float32(coding.global_dequant))
+            f2 = ptx.mul_rn(f2, Float32(coding.global_dequant))
+        for i in cutlass.range_constexpr(8):
+            main = ptx.mul_rn(ptx.e2m1_nibble_to_f32(w1, i), f1)
+            v[i] = ptx.fma_rn(ptx.e2m1_nibble_to_f32(w2, i), f2, main)
 
     @cute.jit
     def scale_row(self, acc_O: cute.Tensor, r: cutlass.Constexpr, alpha: Float32):

@@ -52,6 +52,20 @@ def mul_rn(a, b) -> Float32:
     )
 
 
+def sub_rn(a, b) -> Float32:
+    """a - b rounded once."""
+    return cute.arch.inline_ptx(
+        "sub.rn.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Float32], read_only_args=[Float32(a), Float32(b)]
+    )
+
+
+def fma_rn(a, b, c) -> Float32:
+    """a * b + c rounded once (fused multiply-add)."""
+    return cute.arch.inline_ptx(
+        "fma.rn.f32 {$w0}, {$r0}, {$r1}, {$r2};", write_only_types=[Float32], read_only_args=[Float32(a), Float32(b), Float32(c)]
+    )
+
+
 def max_f32(a, b) -> Float32:
     return cute.arch.inline_ptx(
         "max.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Float32], read_only_args=[Float32(a), Float32(b)]

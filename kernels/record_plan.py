@@ -10,12 +10,16 @@ Pure Python (no `cutlass` import; `mla_eval.formats.spec` only): CPU code paths,
 and the CPU test that plan and spec agree (tests/test_record_plan.py) may import it freely.
 
 Kernel constraints checked here (a spec outside them is served by the torch reference):
-- the record is a whole number of 16-byte chunks and every field starts on a 4-byte boundary
-  (the writer stores 32-bit words; the attention kernel copies records with 16-byte loads);
+- the record is a whole number of 4-byte words and every field starts on a 4-byte boundary (the writer
+  stores 32-bit words; the attention kernel copies records in 16-, 8- or 4-byte cp.async chunks, the
+  largest that divides the record);
 - latent groups hold a multiple of 16 values (one writer lane owns 16 consecutive values);
-- the rope has one scale for all 64 values, or none;
-- no engine global scale, no saturating zero scales, no residual coding, no E4M3 reader copy (TensorRT-LLM's
-  NVFP4 DSA arithmetic, `trtllm_nvfp4_dsa*`): refused by name, so that a kernel never ignores them silently.
+- the rope has one fp32 scale for all 64 values, none, or (E2M1 rope) one E4M3 scale per 16 values;
+- E2M1 codes rounded to nearest even (SGLang's ties-away rounding and E8M0_CEIL rule have no kernel);
+- TensorRT-LLM's NVFP4 DSA arithmetic (`trtllm_nvfp4_dsa`): the engine global scale (`global_quant` for the
+  writer, `global_dequant` for the reader), saturating zero scales and the reader's E4M3 copy (`reader_e4m3`)
+  are plan fields (so part of every compile key), and so is the residual E2M1 rope (`residual`,
+  `trtllm_nvfp4_dsa_r64`); a residual latent is refused by name, so that a kernel never ignores it silently.
 """
 
 from __future__ import annotations
@@ -68,6 +72,12 @@ class CodingPlan:
     scale_floor: float = FLT_MIN  # floor of amax / qmax for the fp32 rules and AMAX_E4M3_UP
     scale_order: str = ORDER_LINEAR  # ScaleOrder value: where group s's scale sits
     zero_scale_clears: bool = False  # a zero scale stores +0 codes for the whole group
+    # TensorRT-LLM's NVFP4 recipe (spec.GlobalScale): the writer's SFScaleVal and the reader's dequant factor,
+    # float32 values read from the spec; None without a global scale
+    global_quant: float | None = None
+    global_dequant: float | None = None
+    zero_scale_saturates: bool = False  # s = 0 < amax: codes +-6, +6 for zeros (spec step 4)
+    residual: bool = False  # a second E2M1 pass over each group's residual (spec step 5)
 
     @property
     def n_groups(self) -> int:
@@ -86,6 +96,7 @@ class RecordPlan:
     outer_required: bool
     outer_on_rope: bool
     outer_bf16: bool = False  # the latent scaled by s_l is rounded to bf16 before quantisation (engine order)
+    reader_e4m3: bool = False  # the decoded values are rounded to E4M3 last (the engine's attention reads that copy)
 
     @property
     def record_words(self) -> int:
@@ -98,9 +109,11 @@ def _coding(c) -> CodingPlan:
         raise UnsupportedFormat(f"scale rule {rule!r} has no kernel")
     if c.elem not in ("bf16", "e4m3", "e2m1"):
         raise UnsupportedFormat(f"element type {c.elem!r} has no kernel")
-    if c.global_scale is not None or c.zero_scale_saturates or c.residual:
-        raise UnsupportedFormat("an engine global scale (SFScaleVal), saturating zero scales and residual codings have no kernel")
-    scale = c.scale
+    if c.elem_rounding != "rne":
+        raise UnsupportedFormat(f"E2M1 rounding {c.elem_rounding!r} has no kernel")
+    if rule == ScaleRule.E8M0_CEIL.value:
+        raise UnsupportedFormat(f"scale rule {rule!r} has no kernel")
+    scale, gs = c.scale, c.global_scale
     return CodingPlan(
         dim=c.dim,
         elem=c.elem,
@@ -114,13 +127,15 @@ def _coding(c) -> CodingPlan:
         scale_floor=float(c.scale_floor),
         scale_order=c.scale_order.value,
         zero_scale_clears=bool(c.zero_scale_clears),
+        global_quant=gs.quant if gs is not None else None,
+        global_dequant=gs.dequant if gs is not None else None,
+        zero_scale_saturates=bool(c.zero_scale_saturates),
+        residual=bool(c.residual),
     )
 
 
 def plan_for(spec) -> RecordPlan:
     """The kernel plan of a `FormatSpec`; raises `UnsupportedFormat` outside the kernels' scope."""
-    if spec.reader_e4m3:
-        raise UnsupportedFormat("the engine's E4M3 read-back copy has no kernel")
     latent, rope = _coding(spec.latent), _coding(spec.rope)
     outer = spec.outer_scale
     plan = RecordPlan(
@@ -134,22 +149,31 @@ def plan_for(spec) -> RecordPlan:
         outer_required=bool(outer is not None and outer.required),
         outer_on_rope=bool(outer is not None and outer.applies_to_rope),
         outer_bf16=bool(outer is not None and outer.bf16_result),
+        reader_e4m3=bool(spec.reader_e4m3),
     )
     _check_kernel_scope(plan)
     return plan
 
 
+def record_chunk(record_bytes: int) -> int:
+    """Bytes per cp.async of a record in the attention kernel: the largest of 16, 8, 4 that divides it (the
+    records of a tile sit back to back, so each starts at a multiple of it in global and shared memory)."""
+    return next(c for c in (16, 8, 4) if record_bytes % c == 0)
+
+
 def _check_kernel_scope(p: RecordPlan) -> None:
     if p.latent.dim != LATENT_DIM or p.rope.dim != ROPE_DIM:
         raise UnsupportedFormat("kernels are built for a 512-d latent and a 64-d rope")
-    if p.record_bytes % 16:
-        raise UnsupportedFormat(f"record of {p.record_bytes} B is not a multiple of 16 B")
+    if p.record_bytes % 4:
+        raise UnsupportedFormat(f"record of {p.record_bytes} B is not a multiple of 4 B")
     offsets = [p.latent.data_offset, p.rope.data_offset, p.token_scale_offset]
     offsets += [c.scale_offset for c in (p.latent, p.rope)]
     offsets += [o for o, _ in p.pads]
     if any(o >= 0 and o % 4 for o in offsets) or any(n % 4 for _, n in p.pads):
         raise UnsupportedFormat("every field must start on a 4-byte boundary")
     lat = p.latent
+    if lat.residual:
+        raise UnsupportedFormat("a residual E2M1 latent has no kernel (the residual coding is implemented for the rope)")
     if lat.group % 16 or lat.group > LATENT_DIM:
         raise UnsupportedFormat(f"latent group {lat.group} is not a multiple of 16")
     if lat.scale_dtype in ("e4m3", "e8m0") and lat.n_groups % 4:
@@ -157,7 +181,10 @@ def _check_kernel_scope(p: RecordPlan) -> None:
     if lat.scale_order == ORDER_8X4 and (lat.group != 16 or lat.scale_dtype == "fp32"):
         raise UnsupportedFormat("the 8x4 scale transpose is implemented for 32 byte-sized scales of 16 values")
     rope = p.rope
-    if rope.elem == "e2m1":
-        raise UnsupportedFormat("e2m1 rope has no kernel")
-    if rope.scale_dtype and (rope.group != ROPE_DIM or rope.scale_dtype != "fp32"):
-        raise UnsupportedFormat("the rope may have one fp32 scale for all 64 values, or none")
+    e2m1_rope = rope.elem == "e2m1" and rope.group == 16 and rope.scale_dtype == "e4m3" and rope.scale_order == ORDER_LINEAR
+    if rope.elem == "e2m1" and not e2m1_rope:
+        raise UnsupportedFormat("an E2M1 rope needs one linear E4M3 scale per 16 values")
+    if rope.scale_dtype and not e2m1_rope and (rope.group != ROPE_DIM or rope.scale_dtype != "fp32"):
+        raise UnsupportedFormat("the rope may have one fp32 scale for all 64 values, none, or E4M3 per 16 (E2M1)")
+    if e2m1_rope and p.outer_on_rope:
+        raise UnsupportedFormat("an outer scale on an E2M1 rope has no kernel")

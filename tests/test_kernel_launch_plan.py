@@ -15,7 +15,7 @@ from mla_eval.formats import get_format
 from mla_eval.formats.numerics import e2m1_decode
 from mla_eval_kernels import attention_tuning, e2m1_bits
 from mla_eval_kernels.launch_grid import MAX_GRID_X, MAX_GRID_YZ, attention_grid, cta_coords
-from mla_eval_kernels.record_plan import plan_for
+from mla_eval_kernels.record_plan import plan_for, record_chunk
 
 
 # ---------------------------------------------------------------------------------- launch grid
@@ -103,7 +103,8 @@ def test_scaled_products_are_exact_normal_bf16_numbers():
 # ---------------------------------------------------------------------------------- variant choice
 def test_fast_decode_only_where_it_is_exact():
     eligible = {n for n in ("nvfp4", "nvfp4_fp8rope", "nvfp4_fp8_ds_mla")}
-    for name in ("nvfp4", "nvfp4_fp8rope", "nvfp4_fp8_ds_mla", "nvfp4_fp8rope_st", "mxfp4", "fp8_ds_mla", "bf16"):
+    names = ("nvfp4", "nvfp4_fp8rope", "nvfp4_fp8_ds_mla", "nvfp4_fp8rope_st", "mxfp4", "fp8_ds_mla", "bf16", "trtllm_nvfp4_dsa")
+    for name in names:  # TensorRT-LLM's E4M3 read-back rounds every decoded value: no folded decode
         assert attention_tuning.fast_e2m1_eligible(plan_for(get_format(name))) == (name in eligible), name
 
 
@@ -205,3 +206,13 @@ def test_v3_covers_dense_launches_of_the_formats_whose_stages_fit():
     want = 2 * 64 * 576 * 2 + 2 * 64 * 432 + 2 * 16 * 576 + 2 * 16 * 64 + 512 + 512 + 4096
     assert attention_tuning.smem_bytes_v3(nvfp4) == want
     assert attention_tuning.smem_bytes_v3(nvfp4) <= limit < attention_tuning.smem_bytes_v3(plan_for(get_format("fp8_e4m3")))
+
+
+def test_trtllm_nvfp4_dsa_runs_v2_with_4_byte_record_chunks():
+    """324 B records start on 4-byte boundaries only: v2 copies them with 4-byte cp.async; v3 (16-byte
+    chunks, no E4M3 read-back decode) refuses the format by reason, so dispatch runs v2."""
+    plan = plan_for(get_format("trtllm_nvfp4_dsa"))
+    assert (record_chunk(plan.record_bytes), record_chunk(432), record_chunk(360), record_chunk(1152)) == (4, 16, 8, 16)
+    why = attention_tuning.v3_blocker(plan, sparse=False, smem_limit=attention_tuning.HOPPER_SMEM_PER_BLOCK)
+    assert why is not None and "E4M3 read-back" in why
+    assert not attention_tuning.default_tuning(plan, (16, 1, 8, 64), "v2").fast_e2m1

@@ -112,6 +112,68 @@ def test_writer_bytes_identical_to_codec(fmt, kind):
             raise AssertionError(f"{fmt} {kind} s_l={s_l}: {len(bad)} bytes differ, first at {bad[0].tolist()}")
 
 
+# TensorRT-LLM's engine formats (global scale, saturating zero scales, E4M3 read-back) that have a kernel
+ENGINE_FORMATS = [f for f in FORMATS if get_format(f).reader_e4m3]
+
+
+def _edge_inputs(kind: str, t: int, gen: torch.Generator):
+    """Inputs at the ends of TensorRT-LLM's NVFP4 arithmetic (bf16): all zero (signed zeros), tiny (block
+    scales that underflow E4M3 at the global scale S while the group amax is not 0: saturated codes, +6 for
+    the zeros beside them), huge (block scales saturating at 448, S * amax overflowing float32 to inf)."""
+    lat = torch.randn(t, 512, generator=gen)
+    rope = torch.randn(t, 64, generator=gen)
+    if kind == "zero":
+        lat, rope = torch.zeros_like(lat), torch.zeros_like(rope)
+        lat[::2, ::3] = -0.0
+        rope[1::2, ::5] = -0.0
+    elif kind == "tiny":
+        lat = lat * torch.pow(10.0, -torch.empty(t, 32, 1).uniform_(2, 9, generator=gen)).expand(t, 32, 16).reshape(t, 512)
+        rope = rope * torch.pow(10.0, -torch.empty(t, 4, 1).uniform_(2, 9, generator=gen)).expand(t, 4, 16).reshape(t, 64)
+        lat[::3, 16:32] = 0.0  # one tiny value among (signed) zeros
+        lat[::3, 20] = 1e-6
+        lat[::3, 21] = -0.0
+        rope[::3, :16] = -0.0
+        rope[::3, 7] = -3e-7
+    elif kind == "huge":
+        lat = lat * torch.pow(10.0, torch.empty(t, 32, 1).uniform_(0, 38, generator=gen)).expand(t, 32, 16).reshape(t, 512)
+        rope = rope * torch.pow(10.0, torch.empty(t, 4, 1).uniform_(0, 38, generator=gen)).expand(t, 4, 16).reshape(t, 64)
+        lat[:, 5] = 3.0e38
+        rope[:, 60] = -3.0e38
+        lat = lat.clamp(-3.3e38, 3.3e38)
+        rope = rope.clamp(-3.3e38, 3.3e38)
+    return lat.to(torch.bfloat16), rope.to(torch.bfloat16)
+
+
+@needs_cuda
+@pytest.mark.parametrize("kind", ["zero", "tiny", "huge"])
+@pytest.mark.parametrize("fmt", ENGINE_FORMATS)
+def test_engine_writer_bytes_identical_to_codec_at_the_edges(fmt, kind):
+    """Writer bytes == codec bytes where TensorRT-LLM's arithmetic branches (random and heavy inputs are in
+    test_writer_bytes_identical_to_codec); the edge must be reached, not only passed through."""
+    from mla_eval.attention import dispatch
+
+    spec = get_format(fmt)
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{fmt}/{kind}".encode()))
+    t, blocks = 300, 6
+    lat, rope = _edge_inputs(kind, t, gen)
+    slots = torch.randperm(blocks * BLOCK, generator=gen)[:t]
+    slots[::7] = -1
+    cache = torch.full((blocks, BLOCK, spec.record_bytes), 0xA5, dtype=torch.uint8, device="cuda")
+    dispatch.write_cache(spec, lat.cuda(), rope.cuda(), slots.cuda(), cache, backend="kernel")
+    want = torch.full((blocks, BLOCK, spec.record_bytes), 0xA5, dtype=torch.uint8)
+    reference.write_cache(spec, lat, rope, slots, want)
+    got = cache.cpu()
+    if not torch.equal(got, want):
+        bad = (got != want).nonzero()
+        raise AssertionError(f"{fmt} {kind}: {len(bad)} bytes differ, first at {bad[0].tolist()}")
+    rec = want.view(-1, spec.record_bytes)[slots[slots >= 0]]
+    scales = torch.cat([rec[:, c.scale.offset : c.scale.end] for c in (spec.latent, spec.rope)], 1)
+    if kind == "tiny":  # zero block scales with nonzero groups: saturated codes (0x7 / 0xF nibbles) are written
+        assert bool((scales == 0).any()) and bool(((rec[:, :288] & 0xF) == 0x7).any())
+    if kind == "huge":
+        assert bool((scales == 0x7E).any())  # 448
+
+
 @needs_cuda
 @pytest.mark.parametrize("fmt", REFERENCE_ONLY)
 def test_formats_outside_the_kernels_fall_back_to_the_reference(fmt):
@@ -227,6 +289,7 @@ def _sparse_lists(gen, n, topk, num_slots):
 # every format at h=16; every head count (8..128) on nvfp4; the other M=64 tiles (bf16 copies its
 # records straight into a double-buffered K tile, fp8_ds_mla uses 32-slot tiles there)
 CASES = [(f, 16) for f in FORMATS] + [("nvfp4", h) for h in (8, 32, 64, 128)] + [("bf16", 128), ("fp8_ds_mla", 128)]
+CASES += [(f, 64) for f in ENGINE_FORMATS]  # the 4 x 2 warp tile over 4-byte record chunks
 # both kernel generations on every case (v2 at h <= 16: the narrow tile where two CTAs fit an SM,
 # `attention_tuning.launch_choice`); v2 also on the 8-warp h <= 16 tile, and on the narrow tile with
 # two tiles in flight for every format (whether or not it is the default there)
@@ -268,8 +331,8 @@ def test_attention_matches_reference(fmt, heads, mode, version, monkeypatch):
     q = torch.randn(len(slots), heads, 576, generator=gen).to(torch.bfloat16).cuda()
     ref_out, ref_lse = reference.mla_attention(spec, q, cache, softmax_scale=scale, sink=sink, outer_scale=s_l, **lists)
     bound = _bound(spec, q.cpu(), cache.cpu(), slots, scale, s_l)
-    # the split-KV heuristic (partials + combine); nvfp4 also with one CTA per query
-    for splits in ((1, None) if fmt == "nvfp4" else (None,)):
+    # the split-KV heuristic (partials + combine); nvfp4 and the engine formats also with one CTA per query
+    for splits in ((1, None) if fmt == "nvfp4" or fmt in ENGINE_FORMATS else (None,)):
         out, lse = _run(spec, q, cache, scale, sink=sink, outer_scale=s_l, num_splits=splits, tile=tile, tuning=tuning, **lists)
         _check(out, lse, ref_out, ref_lse, bound, f"{fmt} h={heads} {mode} splits={splits} {version}")
 
@@ -304,7 +367,7 @@ def test_scale_mode_or_s_l_change_never_reuses_a_kernel():
     results = {}
     for fmt, s_l in [("nvfp4", None), ("nvfp4", 1.0), ("nvfp4", 0.02), ("nvfp4", 3.0),
                      ("fp8_ds_mla", None), ("fp8_ds_mla_pow2", None), ("nvfp4_fp8rope", None), ("nvfp4_fp8rope_st", None),
-                     ("nvfp4_fp8_ds_mla", None)]:
+                     ("nvfp4_fp8_ds_mla", None), ("trtllm_nvfp4_dsa", None)]:
         spec = get_format(fmt)
         cache = torch.zeros(1, BLOCK, spec.record_bytes, dtype=torch.uint8, device="cuda")
         dispatch.write_cache(spec, lat.cuda(), rope.cuda(), slots.cuda(), cache, outer_scale=s_l, backend="kernel")
@@ -315,12 +378,13 @@ def test_scale_mode_or_s_l_change_never_reuses_a_kernel():
     assert not torch.equal(results[("fp8_ds_mla", None)], results[("fp8_ds_mla_pow2", None)])
     dev = torch.device("cuda")
     k = {name: cache_writer.compile_key(plan_for(get_format(name)), torch.bfloat16, o, dev)
-         for name, o in [("nvfp4", False), ("fp8_ds_mla", False), ("fp8_ds_mla_pow2", False), ("nvfp4_fp8_ds_mla", False)]}
-    assert len(set(k.values())) == 4
+         for name, o in [("nvfp4", False), ("fp8_ds_mla", False), ("fp8_ds_mla_pow2", False), ("nvfp4_fp8_ds_mla", False),
+                         ("trtllm_nvfp4_dsa", False)]}
+    assert len(set(k.values())) == 5
     assert cache_writer.compile_key(plan_for(get_format("nvfp4")), torch.bfloat16, True, dev) != k["nvfp4"]
     new = set(compile_cache.keys()) - keys_before
     assert all(key in compile_cache.keys() for key in k.values())
-    assert len(new) <= 7  # one writer per (format, outer on/off) at most, never one per s_l value
+    assert len(new) <= 8  # one writer per (format, outer on/off) at most, never one per s_l value
 
     # attention: outer scale on/off and two s_l values over the same records
     spec = get_format("nvfp4")

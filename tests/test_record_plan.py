@@ -20,7 +20,7 @@ def _check_coding(plan: rp.CodingPlan, coding: VectorCoding) -> None:
         assert (plan.scale_dtype, plan.scale_offset) == ("", -1)
     else:
         assert (plan.scale_dtype, plan.scale_offset) == (coding.scale.dtype, coding.scale.offset)
-        assert plan.n_groups == coding.scale.count
+        assert plan.n_groups * (2 if plan.residual else 1) == coding.scale.count  # residual: [s1, s2] per group
 
 @pytest.mark.parametrize("spec", all_formats(), ids=lambda s: s.name)
 def test_plan_agrees_with_spec_or_is_refused_with_a_reason(spec):
@@ -36,6 +36,11 @@ def test_plan_agrees_with_spec_or_is_refused_with_a_reason(spec):
     assert plan.pads == tuple((f.offset, f.nbytes) for f in spec.pads)
     assert plan.outer_allowed == (spec.outer_scale is not None)
     assert plan.outer_bf16 == bool(spec.outer_scale is not None and spec.outer_scale.bf16_result)
+    assert plan.reader_e4m3 == spec.reader_e4m3
+    for cp, c in ((plan.latent, spec.latent), (plan.rope, spec.rope)):
+        gs = c.global_scale
+        assert (cp.global_quant, cp.global_dequant) == ((gs.quant, gs.dequant) if gs is not None else (None, None))
+        assert cp.zero_scale_saturates == c.zero_scale_saturates and cp.residual == c.residual
 
 def test_rule_names_are_the_spec_rules():
     assert rp.KNOWN_RULES == tuple(r.value for r in ScaleRule)
@@ -95,18 +100,43 @@ def test_engine_outer_scale_order_reaches_the_plan():
     assert rp.plan_for(flipped) != rp.plan_for(by_name["nvfp4"])
 
 
-def test_trtllm_engine_arithmetic_is_refused_by_name_not_ignored():
-    """trtllm_nvfp4_dsa runs on the torch reference; a variant that a kernel could otherwise lay out (a
-    16-aligned record with an e4m3 rope) is still refused for each engine-specific rule."""
+def test_trtllm_engine_arithmetic_reaches_the_plan():
+    """trtllm_nvfp4_dsa's engine arithmetic (global scale, saturating zero scales, E4M3 read-back) and r64's
+    residual rope are in the plan, read from the spec, so each of them changes the compile key; a residual
+    latent has no kernel and is refused by name, as SGLang's ties-away E2M1 is, rather than ignored."""
     by_name = {s.name: s for s in all_formats()}
-    with pytest.raises(rp.UnsupportedFormat, match="E4M3 read-back"):
-        rp.plan_for(by_name["trtllm_nvfp4_dsa"])
-    base = by_name["nvfp4_fp8_ds_mla"]
-    gs = by_name["trtllm_nvfp4_dsa"].latent.global_scale
-    lat = dataclasses.replace(base.latent, scale_rule=ScaleRule.AMAX_E4M3_RCP6, apply=spec_mod.ScaleApply.MUL_RCP_APPROX,
-                              scale_order=spec_mod.ScaleOrder.LINEAR)
-    rp.plan_for(dataclasses.replace(base, name="plain", latent=lat))  # the layout alone is in scope
-    for changed in (dict(global_scale=gs), dict(zero_scale_saturates=True)):
-        spec = dataclasses.replace(base, name="engine_rule", latent=dataclasses.replace(lat, **changed))
-        with pytest.raises(rp.UnsupportedFormat, match="global scale .* saturating zero scales and residual codings"):
-            rp.plan_for(spec)
+    spec = by_name["trtllm_nvfp4_dsa"]
+    plan = rp.plan_for(spec)
+    gs = spec.latent.global_scale
+    for c in (plan.latent, plan.rope):
+        assert (c.global_quant, c.global_dequant) == (gs.quant, gs.dequant) and c.zero_scale_saturates
+        assert (c.elem, c.rule, c.apply, c.group, c.scale_dtype) == (
+            "e2m1", rp.RULE_AMAX_E4M3_RCP6, rp.APPLY_MUL_RCP_APPROX, 16, "e4m3")
+    assert plan.reader_e4m3 and plan.record_bytes == 324
+    assert (plan.rope.data_offset, plan.rope.scale_offset, plan.latent.scale_offset) == (256, 320, 288)
+    other_amax = dataclasses.replace(gs, amax=448.0)
+    variants = [
+        dataclasses.replace(spec, name="v", latent=dataclasses.replace(spec.latent, global_scale=other_amax),
+                            rope=dataclasses.replace(spec.rope, global_scale=other_amax)),
+        dataclasses.replace(spec, name="v", latent=dataclasses.replace(spec.latent, zero_scale_saturates=False)),
+        dataclasses.replace(spec, name="v", reader_e4m3=False),
+    ]
+    base = dataclasses.replace(plan, name="v")
+    keys = {base} | {rp.plan_for(v) for v in variants}
+    assert len(keys) == 4  # every engine rule is its own compiled kernel
+    r64_spec = by_name["trtllm_nvfp4_dsa_r64"]
+    r64 = rp.plan_for(r64_spec)
+    assert r64.rope.residual and not r64.latent.residual and r64.reader_e4m3 and r64.record_bytes == 360
+    assert (r64.rope.data_offset, r64.rope.scale_offset, r64.latent.scale_offset) == (256, 352, 320)
+    assert r64.rope.scale_floor == r64_spec.rope.scale_floor == 2.0**-9 and r64.rope.global_quant == gs.quant
+    assert not r64.rope.zero_scale_saturates and r64.latent.zero_scale_saturates
+    assert dataclasses.replace(r64, name="") != dataclasses.replace(plan, name="")
+    residual_latent = dataclasses.replace(
+        r64_spec, name="v", latent=dataclasses.replace(r64_spec.rope, dim=512, data=Field("latent", 0, "e2m1", 1024),
+                                                       scale=Field("latent_scale", 512, "e4m3", 64)),
+        rope=dataclasses.replace(r64_spec.rope, data=Field("rope", 576, "e2m1", 128), scale=Field("rope_scale", 640, "e4m3", 8)),
+        record_bytes=648, buffers=())
+    with pytest.raises(rp.UnsupportedFormat, match="residual E2M1 latent"):
+        rp.plan_for(residual_latent)
+    with pytest.raises(rp.UnsupportedFormat, match="ties_away"):
+        rp.plan_for(by_name["sglang_fp4_e2m1"])
