@@ -13,20 +13,20 @@
 # Logs and JSON under $OUT (runs/). A rerun may name only the steps that are missing.
 . "$(dirname "$0")/device_setup.sh"  # log, step timer, CuTe DSL + jsonschema
 TEXT=.devdata/wiki.test.raw
-KFORMATS=${KFORMATS:-bf16,nvfp4,nvfp4_fp8rope,nvfp4_fp8_ds_mla,mxfp4,fp8_ds_mla}
+KFORMATS=${KFORMATS:-bf16,nvfp4,nvfp4_fp8_ds_mla,fp8_ds_mla,trtllm_nvfp4_dsa}
 mkdir -p "$OUT/runs"
 quiet() { grep -v -E "scoring|^[│┃┏┡└]" | tail -${1:-30}; }
 for w in "$@"; do
 case "$w" in
 kern)
     step "kernel GPU tests: v2 default, the v3 cases, every format"
-    timeout 300 python3 -m pytest tests/test_kernels_gpu.py tests/test_kernels_v3_gpu.py -q -n 8 -p no:cacheprovider -rfE \
+    timeout 330 python3 -m pytest tests/test_kernels_gpu.py tests/test_kernels_v3_gpu.py tests/test_dispatch_backends.py -q -n 8 -p no:cacheprovider -rfE \
         > "$OUT/runs/pytest-kernels.log" 2>&1
     echo "pytest rc=$? (124 = timeout)"; grep -E "FAILED|ERROR|passed|failed" "$OUT/runs/pytest-kernels.log" | grep -v "^E " | tail -30
     ;;
 bench)
     step "bench (b) with variants: $KFORMATS"
-    timeout 200 python3 -m mla_eval_kernels.bench --shapes b --formats "$KFORMATS" --variants --out "$OUT/runs/bench" \
+    timeout 220 python3 -m mla_eval_kernels.bench --shapes b --formats "$KFORMATS" --variants --out "$OUT/runs/bench" \
         > "$OUT/runs/bench.log" 2>&1
     echo "bench rc=$?"; grep -E "^GPU|b_dense|saved|Error|error" "$OUT/runs/bench.log" | tail -60
     ;;
