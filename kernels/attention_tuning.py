@@ -49,7 +49,7 @@ V3_DECODE_PRODUCER_WGS = 2  # producer warpgroups where records are decoded (ben
 # producer code of the decoded formats (bench: v3-rev1 times the first, session-6 one). 2: each thread copies one fixed
 # 16-byte chunk of a record per pass (no division per copy, the slot ids read before the copies), loads all its E2M1
 # blocks before it decodes any, and half of each quarter warp stores its upper 8 values first (16-byte stores free of
-# the 2-way bank conflict of rev 1). Same bytes, same K tile; see NOTES.md (2026-12-04, session 7)
+# the 2-way bank conflict of rev 1). Same bytes, same K tile; see NOTES.md (2026-12-04, session 6)
 V3_PRODUCER_REV = 2
 V3_PRODUCER_REVS = (1, 2)
 

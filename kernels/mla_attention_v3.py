@@ -24,7 +24,7 @@ says which launches run here). Why this shape, measured against the v2 diagnosis
   each score (a second S accumulator for the rope k-steps) and into the output, as in v2. Other
   formats decode with v2's per-element path (`MlaAttention.decode8`, inherited). Producer rev 2 (default,
   `V3_PRODUCER_REV`; rev 1 is session 6's, bench `v3-rev1`): one fixed 16-byte chunk per copying thread,
-  all loads of a thread's E2M1 blocks before its stores, K stores free of bank conflicts (NOTES.md, session 7).
+  all loads of a thread's E2M1 blocks before its stores, K stores free of bank conflicts (NOTES.md, session 6).
 - No `setmaxnreg`: with two warpgroups and one CTA per SM every thread may already hold 255 registers
   (65536 / 256), so a per-role budget frees nothing; it pays with 3 warpgroups (see NOTES.md).
 - Softmax runs along M (keys), which spans the 4 warps: per head a butterfly over the 8 lanes that

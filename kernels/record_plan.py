@@ -105,13 +105,11 @@ class RecordPlan:
 
 def _coding(c) -> CodingPlan:
     rule = c.scale_rule.value
-    if rule not in KNOWN_RULES:
-        raise UnsupportedFormat(f"scale rule {rule!r} has no kernel")
     if c.elem not in ("bf16", "e4m3", "e2m1"):
         raise UnsupportedFormat(f"element type {c.elem!r} has no kernel")
-    if c.elem_rounding != "rne":
+    if c.elem_rounding != "rne":  # SGLang's ties-away E2M1 rounding
         raise UnsupportedFormat(f"E2M1 rounding {c.elem_rounding!r} has no kernel")
-    if rule == ScaleRule.E8M0_CEIL.value:
+    if rule not in KNOWN_RULES or rule == ScaleRule.E8M0_CEIL.value:  # SGLang's E8M0 ceiling
         raise UnsupportedFormat(f"scale rule {rule!r} has no kernel")
     scale, gs = c.scale, c.global_scale
     return CodingPlan(
