@@ -159,7 +159,17 @@ def gpus(devices=None) -> list[dict[str, Any]]:
 
     if not torch.cuda.is_available():
         return []
-    from mla_eval_kernels.device_limits import arch_name, smem_per_block  # noqa: PLC0415 - torch only
+    try:
+        from mla_eval_kernels.device_limits import arch_name, smem_per_block  # noqa: PLC0415 - torch only
+    except ImportError:
+        # A source checkout run as `python -m mla_eval` without installing has no `mla_eval_kernels`; the
+        # evaluation itself falls back to the torch reference, and its result must not be lost at the last
+        # step for want of two device facts that torch gives directly.
+        def arch_name(i: int) -> str:
+            return "sm_{}{}".format(*torch.cuda.get_device_capability(i))
+
+        def smem_per_block(i: int) -> int:
+            return torch.cuda.get_device_properties(i).shared_memory_per_block_optin
 
     if devices is None:
         devices = range(torch.cuda.device_count())

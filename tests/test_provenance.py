@@ -249,3 +249,24 @@ def test_peak_gpu_memory_is_recorded_per_used_device_and_printed(monkeypatch):
     env = environment(attention=log)
     assert env["gpu_peak_memory_gib"] == {"cuda:0": 0.5, "cuda:1": 3.0}
     assert peak_memory_line(env) == "peak GPU memory (torch allocated): cuda:0 0.5 GiB, cuda:1 3.0 GiB"
+
+
+def test_gpus_are_described_without_the_kernels_package(monkeypatch):
+    """A checkout run without installing cannot import mla_eval_kernels: the device facts still come back
+    (a 64K needle run on the H200 once lost its whole result to this import at the environment step)."""
+    import sys
+    import types
+
+    import torch
+
+    from mla_eval import provenance
+
+    props = types.SimpleNamespace(shared_memory_per_block_optin=232448)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: f"Fake GPU {i}")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
+    monkeypatch.setitem(sys.modules, "mla_eval_kernels.device_limits", None)  # import -> ImportError
+    assert provenance.gpus(["cuda:1"]) == [
+        {"device": "cuda:1", "name": "Fake GPU 1", "capability": "sm_90", "shared_memory_per_block_optin": 232448}
+    ]
