@@ -32,7 +32,7 @@ for w in "$@"; do
 case "$w" in
 tok)
     step "copy and tokenise the training shards"
-    mkdir -p "$W/shards" && cp .train_data/a/train_*.txt.xz "$W/shards/" && ls "$W/shards"
+    mkdir -p "$W/shards" && cp ${SHARDS:-.train_data/a}/train_*.txt.xz "$W/shards/" && ls "$W/shards"
     python3 -c "
 from pathlib import Path
 from mla_eval.train.trainer import TokenStore
