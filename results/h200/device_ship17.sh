@@ -11,7 +11,8 @@
 # Needs (carried, never committed): .devdata/wiki-long.txt (+ .note; results/long/make_wiki_long.py),
 # .devdata/wiki.test.raw, .devwheels/js; CuTe DSL installed by an earlier call of the same warm machine or by
 # device_setup.sh from the wheel halves (see results/h200/README.md). Each piece writes its own JSON under
-# $OUT/runs, so a timeout or a lost machine costs only the piece that was running.
+# $OUT/runs, so a timeout or a lost machine costs only the piece that was running. Needle heatmaps are drawn on the
+# CPU from the JSON (`mla-eval plot R.json --out DIR`): folders nested under $OUT do not come back from the device.
 . "$(dirname "$0")/device_setup.sh"
 TEXT=.devdata/wiki-long.txt
 NOTE=$(cat "$TEXT.note" 2>/dev/null || echo "held-out Wikipedia articles concatenated (results/long/make_wiki_long.py)")
@@ -32,7 +33,7 @@ needle() {  # name, timeout, lengths, formats, extra...
     step "needle $name: $TASKS, $lengths, bf16 + ${formats:-nothing}, $TRIALS trials x depths $DEPTHS $*"
     timeout "$limit" python3 -m mla_eval needle --task "$TASKS" --haystack "$TEXT" --lengths "$lengths" \
         --depths "$DEPTHS" --trials "$TRIALS" --formats "${formats:-bf16}" --scales "$SCALES" "${M[@]}" "$@" \
-        --out "$R/needle-$name.json" --plot "$R/plots/needle-$name" 2>&1 | quiet | tail -30
+        --out "$R/needle-$name.json" 2>&1 | quiet | tail -30
     echo "exit $?"
 }
 for w in ${@:-confirm grid kld64 yarn full}; do
@@ -67,7 +68,7 @@ kld64)
     step "kld --ctx 65536: $KLD_FORMATS"
     timeout 300 python3 -m mla_eval kld --text "$TEXT" --text-note "$NOTE" --max-tokens $((65536 * 3 + 2048)) \
         --ctx 65536 --stride 65024 --min-context 512 --no-layer-stats --formats "$KLD_FORMATS" --scales "$SCALES" "${M[@]}" \
-        --out "$R/kld-ctx65536.json" --plot "$R/plots/kld-ctx65536" 2>&1 | quiet | tail -20
+        --out "$R/kld-ctx65536.json" --plot "$R/plots" 2>&1 | quiet | tail -20
     echo "exit $?"
     python3 results/long/plot_kld_depth.py "$R/plots/kld_by_depth_to_64k.png" "$R/kld-ctx65536.json" 2>&1 | tail -2
     ;;
