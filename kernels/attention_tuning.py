@@ -4,7 +4,7 @@ Two generations share one kernel body (`mla_attention.MlaAttention`), selected b
 that is part of the compile key:
 - v1, the first kernel (issue 4): Q re-read from shared memory for every key tile, one
   accumulator chain for S, E2M1 decoded value by value in float32.
-- v2 (issue 14, the default): for the 16-row tile (h <= 16) Q stays in registers for the whole key
+- v2 (issue 14): for the 16-row tile (h <= 16) Q stays in registers for the whole key
   loop and S = Q K^T runs as two independent accumulator chains; E2M1 latents with E4M3 block
   scales are decoded a byte at a time straight into bf16x2 (`e2m1_bits`), with 2^9 * s_l folded
   into the scores and the output; a ring of raw record stages keeps `prefetch` key tiles in
@@ -12,9 +12,10 @@ that is part of the compile key:
   where two CTAs fit an SM (`launch_choice`), so one CTA's decode overlaps the other's MMAs.
   What each change is worth was measured, not assumed (kernels/NOTES.md, 2026-12-03, issue 14).
 
-`MLA_EVAL_ATTENTION_KERNEL=v1` selects the first kernel (the fallback); unset or `v2`, the second;
-`v3` the wgmma kernel of `mla_attention_v3` for the launches it covers (`v3_blocker` names the reason
-for the rest, which run v2): dense lists, formats whose two K stages and two raw stages fit a CTA.
+Which generation a launch runs is decided in one place, `generation_for`: unset, the measured
+per-format default (v3 for dense one-query-per-sequence decode launches of the formats in
+`V3_DEFAULT_FORMATS`, v2 for everything else); `MLA_EVAL_ATTENTION_KERNEL=v1|v2|v3` forces a
+generation (v3 only for the launches it covers: `v3_blocker` names the reason for the rest, which run v2).
 """
 
 from __future__ import annotations
@@ -44,14 +45,19 @@ V3_BN = 64
 V3_HEADS = 16
 V3_K_STAGES = 2
 V3_RAW_STAGES = 2
-V3_L2_PREFETCH = 2  # key tiles of records prefetched into L2 beyond the one being copied (bench: v3-nopf)
+# key tiles of records prefetched into L2 beyond the one being copied: off. The H200 run of 2026-12-04
+# (results/kernels/bench-NVIDIA_H200-2026-12-04-session6-rev2.json, dense decode h=16, batch 32, 64K) timed
+# prefetch 2 against none: nvfp4 0.675 vs 0.577 ms, nvfp4_fp8_ds_mla 0.714 vs 0.555, bf16 0.783 vs 0.786.
+# V3_L2_PREFETCH_PROBE keeps the prefetch measurable (bench row v3-pf).
+V3_L2_PREFETCH = 0
+V3_L2_PREFETCH_PROBE = 2
 V3_DECODE_PRODUCER_WGS = 2  # producer warpgroups where records are decoded (bench: v3-p1 has one)
-# producer code of the decoded formats (bench: v3-rev1 times the first, session-6 one). 2: each thread copies one fixed
-# 16-byte chunk of a record per pass (no division per copy, the slot ids read before the copies), loads all its E2M1
-# blocks before it decodes any, and half of each quarter warp stores its upper 8 values first (16-byte stores free of
-# the 2-way bank conflict of rev 1). Same bytes, same K tile; see NOTES.md (2026-12-04, session 6)
-V3_PRODUCER_REV = 2
-V3_PRODUCER_REVS = (1, 2)
+# Formats whose dense decode launches run v3 by default: those where an H200 run measured v3 faster than v2
+# (results/kernels/bench-NVIDIA_H200-2026-12-04-session6-rev2.json, h=16, batch 32; v3 without L2 prefetch at 64K):
+# nvfp4 v2 0.905 ms, v3 0.577; nvfp4_fp8_ds_mla v2 0.868, v3 0.555 (v3 faster at 8K and 32K too). bf16 stays on v2
+# (0.741 vs v3 0.783 / 0.786). Other formats v3 covers (nvfp4_fp8rope, nvfp4_fp8rope_st, mxfp4) were not timed
+# under v3: they stay on v2 until a bench run (kernels/bench.py times v3 for every covered format) shows v3 faster.
+V3_DEFAULT_FORMATS = ("nvfp4", "nvfp4_fp8_ds_mla")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,20 +136,49 @@ def v3_blocker(plan, sparse: bool, smem_limit: int = HOPPER_SMEM_PER_BLOCK) -> s
     return None
 
 
-def kernel_version() -> str:
-    v = os.environ.get(ENV, "v2").strip().lower() or "v2"
-    if v not in VERSIONS:
+def forced_generation() -> str | None:
+    """The generation MLA_EVAL_ATTENTION_KERNEL forces, or None when it is unset (the per-launch default)."""
+    v = os.environ.get(ENV, "").strip().lower()
+    if v and v not in VERSIONS:
         raise ValueError(f"{ENV}={v!r}: expected one of {', '.join(VERSIONS)}")
-    return v
+    return v or None
+
+
+def generation_for(
+    plan, *, sparse: bool, heads: int, queries_per_seq: int = 1, smem_limit: int = HOPPER_SMEM_PER_BLOCK,
+) -> tuple[str, str]:
+    """(generation, why) of one attention launch: the one definition of which kernel runs.
+
+    `queries_per_seq`: how many of the launch's queries read the same sequence's keys (1 for decode steps;
+    T for the prefill-as-decode path, whose T queries per sequence each read a prefix of one list).
+    MLA_EVAL_ATTENTION_KERNEL forces v1, v2 or v3 (v3 only where `v3_blocker` has no objection: else v2,
+    and `why` is the blocker). Unset, v3 runs where it was measured faster (`V3_DEFAULT_FORMATS`): dense
+    launches of one head tile (h <= 16: the measured CTA work; more heads re-read the records once per
+    head tile, where v2's 64-row tile reads them once) with one query per sequence; everything else v2."""
+    forced = forced_generation()
+    if forced in ("v1", "v2"):
+        return forced, f"{ENV}={forced}"
+    blocker = v3_blocker(plan, sparse, smem_limit)
+    if forced == "v3":
+        return ("v2", blocker) if blocker else ("v3", f"{ENV}=v3")
+    if plan.name not in V3_DEFAULT_FORMATS:
+        return "v2", f"default: v3 not measured faster for {plan.name}"
+    if blocker:
+        return "v2", blocker
+    if heads > V3_HEADS:
+        return "v2", f"default: v3 measured at one head tile (h <= {V3_HEADS}), not h = {heads}"
+    if queries_per_seq > 1:
+        return "v2", f"default: v3 measured at one query per sequence, not {queries_per_seq}"
+    return "v3", f"default: v3 measured faster for {plan.name} (dense decode, h <= {V3_HEADS})"
 
 
 def default_tuning(plan, tile: tuple, version: str | None = None, smem_limit: int = HOPPER_SMEM_PER_BLOCK) -> Tuning:
-    """The tuning of `version` (default: the environment's) for a format and tile (M, wm, wn, BN):
+    """The tuning of `version` (default: the forced one, else v2) for a format and tile (M, wm, wn, BN):
     v2 keeps as many tiles of records in flight as fit `smem_limit` bytes per CTA (at most 3)."""
-    version = version or kernel_version()
+    version = version or forced_generation() or "v2"
     if version == "v1":
         return V1
-    # v3 (and its fallback launches) use v2's tuning wherever the v2 kernel runs
+    # v3's fallback launches use v2's tuning wherever the v2 kernel runs
     m, _, wn, bn = tile
     small = m == 16  # one row of 16 heads: Q (144 registers) fits beside the 32-register O accumulator
     fits = [p for p in range(1, MAX_PREFETCH + 1) if smem_bytes(plan, m, bn, wn, p) <= smem_limit]
@@ -165,7 +200,7 @@ def launch_choice(
 
     v2 replaces the 16-row, 8-warp tile by the narrow one when two of its CTAs fit an SM (the
     decode of one CTA then overlaps the MMAs of the other); elsewhere the tile stays as it is."""
-    version = version or kernel_version()
+    version = version or forced_generation() or "v2"
     if version in ("v2", "v3") and wide_tile[0] == 16 and narrow_fits_twice(plan, smem_per_sm):
         tuning = dataclasses.replace(default_tuning(plan, NARROW_TILE, "v2", smem_per_block), prefetch=NARROW_PREFETCH)
         return NARROW_TILE, tuning

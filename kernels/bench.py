@@ -13,15 +13,16 @@ cache GB/s (record bytes read), TFLOP/s (2 * (576 + 512) per query, head, key), 
 ceilings (device-to-device copy, bytes read + written; bf16 8192^3 matmul) and, for nvfp4 at
 (a) and (b), the speed-up over the torch reference.
 
-Every row names the attention kernel that ran (`kernel`: v1 = the first generation, v2 = issue 14's,
-chosen by MLA_EVAL_ATTENTION_KERNEL). `--variants` adds, at shape (b), the v1 and v2 kernels side by
-side plus probes that switch one v2 change on or off (`probe_variants`), so a gain is attributed by
-measurement; `skip_decode` leaves the decode out (wrong output) to show what the decode costs.
-At (b), every format the v3 kernel covers (`attention_tuning.v3_blocker`) also gets a row
-`kernel=v3` timed beside the default kernel's row, whatever MLA_EVAL_ATTENTION_KERNEL says; with
-`--variants`, at 64K also v3-nopf (no L2 prefetch), v3-p1 / v3-p2 (producer warpgroups) and, for the
-decoded formats, v3-rev1 (the session-6 producer, against the default `V3_PRODUCER_REV`) and the timing
-probes v3-nodec / v3-nomma (wrong output: no decode / no wgmma), which tell which side bounds v3.
+Every attention row names the kernel generation that ran (`kernel`: v1 = the first, v2 and v3 = issue 14's;
+`attention_tuning.generation_for` picks it per launch, MLA_EVAL_ATTENTION_KERNEL forces one). `--variants`
+adds, at shape (b), the v1 and v2 kernels side by side plus probes that switch one v2 change on or off
+(`probe_variants`), so a gain is attributed by measurement; `skip_decode` leaves the decode out (wrong
+output) to show what the decode costs.
+At (b), every format the v3 kernel covers (`attention_tuning.v3_blocker`) gets both a `kernel=v2` and a
+`kernel=v3` row (one of them is the default launch), whatever MLA_EVAL_ATTENTION_KERNEL says; with
+`--variants`, at 64K also v3-pf (L2 prefetch of records on, `V3_L2_PREFETCH_PROBE` tiles ahead), v3-p1 /
+v3-p2 (producer warpgroups) and, for the decoded formats, the timing probes v3-nodec / v3-nomma (wrong
+output: no decode / no wgmma), which tell which side bounds v3.
 
 Compiling every kernel takes seconds each, so one worker process per format compiles and warms
 up in parallel; the timed part runs under an exclusive file lock, one worker at a time.
@@ -149,11 +150,13 @@ def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "wr
     """All measurements of one format (called in a worker process); `shapes` picks writer / a / b / c."""
     from mla_eval.attention import dispatch
     from mla_eval_kernels import mla_attention as kernel
-    from mla_eval_kernels.attention_tuning import is_bf16_plan, kernel_version, v3_blocker, v3_producer_wgs
+    from mla_eval_kernels.attention_tuning import V3_L2_PREFETCH_PROBE, generation_for, is_bf16_plan, v3_blocker, v3_producer_wgs
     from mla_eval_kernels.mla_attention import flops
     from mla_eval_kernels.record_plan import plan_for
 
-    version = kernel_version()
+    def ran(sparse: bool, heads: int, queries_per_seq: int = 1) -> str:
+        """The generation the default launch of a shape runs (the one policy dispatch follows)."""
+        return generation_for(plan_for(spec), sparse=sparse, heads=heads, queries_per_seq=queries_per_seq)[0]
 
     spec = get_format(name)
     s_l = 0.05 if spec.outer_scale is not None else None
@@ -193,7 +196,10 @@ def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "wr
 
         ref = ref_a if name == "nvfp4" and n == 64 else None
         todo.append(
-            ("a_sparse_decode", dict(batch=n, heads=128, topk=2048), fa, n * 2048 * spec.record_bytes, flops(n, 128, 2048), ref)
+            (
+                "a_sparse_decode", dict(batch=n, heads=128, topk=2048, kernel=ran(True, 128)), fa,
+                n * 2048 * spec.record_bytes, flops(n, 128, 2048), ref,
+            )
         )
 
     # (b) dense decode, memory-bound
@@ -219,32 +225,34 @@ def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "wr
         ref = ref_b if name == "nvfp4" and ctx <= 32768 else None
         todo.append(
             (
-                "b_dense_decode", dict(batch=batch, heads=16, context=ctx), fb, batch * ctx * spec.record_bytes,
-                flops(batch, 16, ctx), ref,
+                "b_dense_decode", dict(batch=batch, heads=16, context=ctx, kernel=ran(False, 16)), fb,
+                batch * ctx * spec.record_bytes, flops(batch, 16, ctx), ref,
             )
         )
         if v3_blocker(plan_for(spec), sparse=False) is None:
             from mla_eval_kernels.mla_attention_v3 import mla_attention_v3
 
-            def fb3(i, q=q, table=table, lens=lens, bcache=bcache, ctx=ctx):
-                return mla_attention_v3(
-                    plan_for(spec), q, bcache, softmax_scale=0.0417, block_table=table, seq_lens=lens, sink=None,
-                    outer_scale=s_l, max_seq_len=ctx,
+            # the generation the default launch does not run, so that v2 and v3 stay side by side
+            other = "v2" if ran(False, 16) == "v3" else "v3"
+
+            def fb3(i, q=q, table=table, lens=lens, bcache=bcache, ctx=ctx, other=other):
+                return kernel.mla_attention(
+                    plan_for(spec), q, bcache, softmax_scale=0.0417, block_table=table, seq_lens=lens, indices=None,
+                    sink=None, outer_scale=s_l, max_seq_len=ctx, generation=other,
                 )
 
             todo.append(
                 (
-                    "b_dense_decode", dict(batch=batch, heads=16, context=ctx, kernel="v3"), fb3,
+                    "b_dense_decode", dict(batch=batch, heads=16, context=ctx, kernel=other), fb3,
                     batch * ctx * spec.record_bytes, flops(batch, 16, ctx), None,
                 )
             )
             if variants and (ctx == 65536 or quick):
-                # what the L2 prefetch of records and the second (or a second) producer warpgroup are worth;
-                # decoded formats: the session-6 producer (rev 1) against the default one
+                # what the L2 prefetch of records (off by default) and the second (or a second) producer
+                # warpgroup are worth
                 pwg = v3_producer_wgs(plan_for(spec))
-                probes = [("v3-nopf", dict(l2_prefetch=0)), (f"v3-p{3 - pwg}", dict(producer_wgs=3 - pwg))]
+                probes = [("v3-pf", dict(l2_prefetch=V3_L2_PREFETCH_PROBE)), (f"v3-p{3 - pwg}", dict(producer_wgs=3 - pwg))]
                 if not is_bf16_plan(plan_for(spec)):
-                    probes.append(("v3-rev1", dict(producer_rev=1)))
                     # timing probes (wrong output): the producer's decode left out; the consumer's wgmma left out
                     probes += [("v3-nodec", dict(timing_probe="nodec")), ("v3-nomma", dict(timing_probe="nomma"))]
                 for vname, kw in probes:
@@ -288,12 +296,12 @@ def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "wr
     def fc(i):
         return dispatch.mla_attention_dense(
             spec, qc, ccache, block_table=table, seq_lens=lens, softmax_scale=0.0417, outer_scale=s_l, max_seq_len=n,
-            backend="kernel",
+            backend="kernel", queries_per_seq=n,
         )
 
     keys = n * (n + 1) / 2
     if "c" in shapes:
-        cparams = dict(queries=n, heads=8, slots=n)
+        cparams = dict(queries=n, heads=8, slots=n, kernel=ran(False, 8, n))
         todo.append(("c_prefill_as_decode", cparams, fc, keys * spec.record_bytes, flops(1, 8, keys), None))
     if variants and "c" in shapes:  # v1 and the 8-warp v2 tile at (c) too: launch_choice was measured at (b) only
         plan = plan_for(spec)
@@ -319,7 +327,6 @@ def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "wr
         fcntl.flock(lock, fcntl.LOCK_EX)
         for shape, params, fn, nbytes, nflop, ref in todo:
             ms, how = _graph_ms(fn, reps)
-            params = {"kernel": version, **params}  # an explicit kernel= (variants, v3) overrides
             row = dict(format=name, shape=shape, **params, ms=ms, timing=how,
                        cache_gb_s=nbytes / ms / 1e6, tflop_s=nflop / ms / 1e9 if nflop else None)
             if ref is not None:

@@ -106,24 +106,22 @@ def check_v3_ptx(ptx: str) -> list[str]:
 
 def compile_v3(plan, name: str, stream) -> int:
     """Compile every v3 specialisation of one format; returns the number of failures."""
-    from mla_eval_kernels.attention_tuning import V3_L2_PREFETCH, V3_PRODUCER_REV, is_bf16_plan, v3_producer_wgs  # noqa: PLC0415
+    from mla_eval_kernels.attention_tuning import V3_L2_PREFETCH, V3_L2_PREFETCH_PROBE, v3_producer_wgs  # noqa: PLC0415
     from mla_eval_kernels.mla_attention_v3 import MlaAttentionV3  # noqa: PLC0415
 
     failures = 0
     pwg = v3_producer_wgs(plan)
-    # every (outer, sink, split) with the defaults, then the benchmark's probes (no L2 prefetch; the
-    # other producer warpgroup count; the session-6 producer of the decoded formats) on one of them
-    rev = V3_PRODUCER_REV
+    # every (outer, sink, split) with the defaults (what `generation_for` launches: no L2 prefetch), then the
+    # benchmark's probes (L2 prefetch on, bench v3-pf; the other producer warpgroup count) on one of them
     cases = [
-        (outer, sink, split, V3_L2_PREFETCH, pwg, rev)
+        (outer, sink, split, V3_L2_PREFETCH, pwg)
         for outer in ([False, True] if plan.outer_allowed else [False])
         for sink in (False, True)
         for split in (False, True)
     ]
-    cases += [(plan.outer_allowed, False, True, 0, pwg, rev), (plan.outer_allowed, False, True, V3_L2_PREFETCH, 3 - pwg, rev)]
-    if not is_bf16_plan(plan):
-        cases += [(plan.outer_allowed, False, True, V3_L2_PREFETCH, pwg, 1)]  # bench v3-rev1
-    for outer, sink, split, l2pf, wgs, rv in cases:
+    probe = plan.outer_allowed, False, True
+    cases += [(*probe, V3_L2_PREFETCH_PROBE, pwg), (*probe, V3_L2_PREFETCH, 3 - pwg)]
+    for outer, sink, split, l2pf, wgs in cases:
         t = time.time()
         dump = tempfile.mkdtemp()
         a = (
@@ -133,7 +131,7 @@ def compile_v3(plan, name: str, stream) -> int:
         )
         try:
             opts = f"--keep-ptx --keep-cubin --dump-dir={dump}"
-            cute.compile(MlaAttentionV3(plan, sink, outer, split, l2pf, wgs, rv), *a, options=opts)
+            cute.compile(MlaAttentionV3(plan, sink, outer, split, l2pf, wgs), *a, options=opts)
             use = cubin_usage(max(glob.glob(f"{dump}/*.cubin"), key=os.path.getmtime))
             problems = check_v3_ptx(open(max(glob.glob(f"{dump}/*.ptx"), key=os.path.getmtime)).read())
             if use.get("frame", 0) or use.get("stack", 0):
@@ -146,7 +144,7 @@ def compile_v3(plan, name: str, stream) -> int:
             status = f"FAILED {type(exc).__name__}: {str(exc)[:300]}"
         print(
             f"attention {name:18} v3           dense outer={outer!s:5} sink={sink!s:5} split={split!s:5} "
-            f"l2pf={l2pf} producer_wgs={wgs} rev={rv} "
+            f"l2pf={l2pf} producer_wgs={wgs} "
             f"{time.time() - t:5.1f}s {status}",
             flush=True,
         )

@@ -50,11 +50,10 @@ from mla_eval_kernels.attention_tuning import (
     Tuning,
     default_tuning,
     fast_e2m1_eligible,
+    generation_for,
     is_bf16_plan,
-    kernel_version,
     launch_choice,
     smem_bytes,
-    v3_blocker,
 )
 from mla_eval_kernels.compile_cache import arch_tag, compiled
 from mla_eval_kernels.device_limits import smem_per_block, smem_per_sm
@@ -726,16 +725,19 @@ def mla_attention(
     workspace_fill: float | None = None,
     tuning: Tuning | None = None,
     tile: tuple[int, int, int, int] | None = None,
+    queries_per_seq: int = 1,
+    generation: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch on CUDA tensors (validated by mla_eval.attention.dispatch): q bf16 [N, H, 576]
     contiguous, cache uint8 [blocks, block_size, R], int32 slot lists, sink fp32 [H].
 
     `out` / `lse` may be given (contiguous fp32); `workspace_fill` fills the split partials
-    first (tests poison them with NaN to prove every element is written). With
-    MLA_EVAL_ATTENTION_KERNEL=v3 and neither `tuning` nor `tile` given, the launches v3 covers
-    (`attention_tuning.v3_blocker`) run `mla_attention_v3`. `tuning` and `tile` override the
-    defaults (`attention_tuning.launch_choice` over `tile_config`'s tile; the benchmark and tests
-    compare variants with them).
+    first (tests poison them with NaN to prove every element is written). With neither `tuning` nor
+    `tile` given, the generation is `generation` if given (dispatch passes the one it records), else
+    `attention_tuning.generation_for` (the per-format default or MLA_EVAL_ATTENTION_KERNEL;
+    `queries_per_seq`: how many queries read each sequence's keys); "v3" runs `mla_attention_v3`.
+    `tuning` and `tile` select a v1/v2 variant (`attention_tuning.launch_choice` over `tile_config`'s tile
+    by default; the benchmark and tests compare variants with them).
     """
     n, h = q.shape[0], q.shape[1]
     dev = q.device
@@ -746,7 +748,10 @@ def mla_attention(
     if n == 0:
         return out, lse
     sparse = indices is not None
-    if tile is None and tuning is None and kernel_version() == "v3" and v3_blocker(plan, sparse, smem_per_block(dev)) is None:
+    if tile is None and tuning is None and generation is None:
+        limit = smem_per_block(dev)
+        generation = generation_for(plan, sparse=sparse, heads=h, queries_per_seq=queries_per_seq, smem_limit=limit)[0]
+    if tile is None and tuning is None and generation == "v3":
         from mla_eval_kernels.mla_attention_v3 import mla_attention_v3  # noqa: PLC0415 - imports this module
 
         return mla_attention_v3(
@@ -756,7 +761,7 @@ def mla_attention(
         )
     if tile is None and tuning is None:
         wide = tile_config(plan, h, smem_per_block(dev))
-        tile, tuning = launch_choice(plan, wide, smem_per_block=smem_per_block(dev), smem_per_sm=smem_per_sm(dev))
+        tile, tuning = launch_choice(plan, wide, generation, smem_per_block=smem_per_block(dev), smem_per_sm=smem_per_sm(dev))
     if tile is None:
         tile = tile_config(plan, h, smem_per_block(dev))
     if tuning is None:

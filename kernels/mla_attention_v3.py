@@ -22,9 +22,11 @@ says which launches run here). Why this shape, measured against the v2 diagnosis
 - Decode: E2M1 x E4M3 latents through `ptx.e2m1x8_scaled_bf16x2` (a byte of two codes -> one bf16x2
   word, one multiply per 8 values by the block scale); 2^9 * s_l is folded into the latent part of
   each score (a second S accumulator for the rope k-steps) and into the output, as in v2. Other
-  formats decode with v2's per-element path (`MlaAttention.decode8`, inherited). Producer rev 2 (default,
-  `V3_PRODUCER_REV`; rev 1 is session 6's, bench `v3-rev1`): one fixed 16-byte chunk per copying thread,
-  all loads of a thread's E2M1 blocks before its stores, K stores free of bank conflicts (NOTES.md, session 6).
+  formats decode with v2's per-element path (`MlaAttention.decode8`, inherited). The producer copies one
+  fixed 16-byte chunk per thread, loads all of a thread's E2M1 blocks before its stores, and stores K free
+  of bank conflicts (session 6's "rev 2", bit-identical to the first producer and faster; NOTES.md).
+- No L2 prefetch of records by default (`V3_L2_PREFETCH`, measured slower for the decoded formats);
+  `l2_prefetch` > 0 keeps it as a probe (bench v3-pf).
 - No `setmaxnreg`: with two warpgroups and one CTA per SM every thread may already hold 255 registers
   (65536 / 256), so a per-role budget frees nothing; it pays with 3 warpgroups (see NOTES.md).
 - Softmax runs along M (keys), which spans the 4 warps: per head a butterfly over the 8 lanes that
@@ -51,8 +53,6 @@ from mla_eval_kernels.attention_tuning import (
     V3_HEADS,
     V3_K_STAGES,
     V3_L2_PREFETCH,
-    V3_PRODUCER_REV,
-    V3_PRODUCER_REVS,
     V3_RAW_STAGES,
     fast_e2m1_eligible,
     is_bf16_plan,
@@ -102,7 +102,7 @@ def _st_shared_bf16(addr, x):
 
 class MlaAttentionV3(MlaAttention):
     """One compiled v3 kernel per (plan, sink, outer scale, split, L2 prefetch distance, producer
-    warpgroups, producer revision). Dense lists only.
+    warpgroups, timing probe). Dense lists only.
 
     Inherits v2's record decode (`decode_tile`, `decode8`, `decode8_e2m1_folded`): with `bn` = 64 and
     `num_threads` = 128 (the producer warpgroup) they write the same swizzled bf16 K tile that wgmma reads.
@@ -110,18 +110,15 @@ class MlaAttentionV3(MlaAttention):
 
     def __init__(
         self, plan: RecordPlan, has_sink: bool, has_outer: bool, split: bool, l2_prefetch: int = V3_L2_PREFETCH,
-        producer_wgs: int | None = None, producer_rev: int = V3_PRODUCER_REV, timing_probe: str = "",
+        producer_wgs: int | None = None, timing_probe: str = "",
     ):
-        if producer_rev not in V3_PRODUCER_REVS:
-            raise ValueError(f"producer_rev must be one of {V3_PRODUCER_REVS}, not {producer_rev}")
         if timing_probe not in TIMING_PROBES:
             raise ValueError(f"timing_probe must be one of {TIMING_PROBES}, not {timing_probe!r}")
         # benchmark only, wrong output: "nodec" leaves the K tile undecoded (the producer still copies and
         # hands over each tile), "nomma" drops the consumer's 68 wgmma per tile (softmax on zeros)
         self.probe = timing_probe
         self.plan = plan
-        self.rev = producer_rev  # 1: the session-6 producer (bench v3-rev1); 2: lean copies, hoisted loads, no conflicts
-        self.l2_prefetch = l2_prefetch  # key tiles of records prefetched into L2 beyond the next one
+        self.l2_prefetch = l2_prefetch  # key tiles of records prefetched into L2 beyond the next one (0: none)
         self.sparse = False
         self.has_sink = has_sink
         self.has_outer = has_outer
@@ -302,7 +299,7 @@ class MlaAttentionV3(MlaAttention):
             com = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.k_stages)
             if 0 < n_local:
                 kpipe.producer_acquire(acq)
-                self.load_tile(sSlot, 0, acq.index, raw_addr, sK_addr, cache_addr, ptid)
+                self.load_tile(sSlot, 0, acq.index, sK_addr, cache_addr, ptid)
                 acq.advance()
             cute.arch.cp_async_commit_group()
             for it in range(n_local):
@@ -312,7 +309,7 @@ class MlaAttentionV3(MlaAttention):
                 cute.arch.barrier(barrier_id=BAR_PRODUCER, number_of_threads=self.pt)
                 if it + 1 < n_local:
                     kpipe.producer_acquire(acq)
-                    self.load_tile(sSlot, (it + 1) % 2, acq.index, raw_addr, sK_addr, cache_addr, ptid)
+                    self.load_tile(sSlot, (it + 1) % 2, acq.index, sK_addr, cache_addr, ptid)
                     acq.advance()
                 cute.arch.cp_async_commit_group()
                 cute.arch.cp_async_wait_group(1)  # this thread's copies of tile it have landed
@@ -322,7 +319,7 @@ class MlaAttentionV3(MlaAttention):
         else:
             # decoded formats: raw ring of 2 tiles (tile it + 1 loads while tile it decodes)
             if 0 < n_local:
-                self.load_raw(sSlot, 0, raw_addr, sK_addr, cache_addr, ptid)
+                self.load_raw(sSlot, 0, raw_addr, cache_addr, ptid)
             cute.arch.cp_async_commit_group()
             for it in range(n_local):
                 nxt = self.look_ahead(
@@ -333,7 +330,7 @@ class MlaAttentionV3(MlaAttention):
                 # finished decoding tile it - 1, whose raw stage is refilled next
                 cute.arch.barrier(barrier_id=BAR_PRODUCER, number_of_threads=self.pt)
                 if it + 1 < n_local:
-                    self.load_raw(sSlot, (it + 1) % 2, raw_addr, sK_addr, cache_addr, ptid)
+                    self.load_raw(sSlot, (it + 1) % 2, raw_addr, cache_addr, ptid)
                 cute.arch.cp_async_commit_group()
                 kpipe.producer_acquire(acq)
                 if cutlass.const_expr(self.probe != "nodec"):
@@ -374,19 +371,7 @@ class MlaAttentionV3(MlaAttention):
             entry = (16 * blk) // lat.group
             if cutlass.const_expr(lat.scale_order == ORDER_8X4):
                 entry = 8 * (entry & 3) + (entry >> 2)
-            if cutlass.const_expr(self.rev >= 2):
-                self.decode_latent_rev2(raw, kbase, ptid, blk, entry)
-            else:
-                for u in cutlass.range_constexpr(self.bn * 32 // self.pt):
-                    key = u * (self.pt // 32) + ptid // 32
-                    r = raw + key * rec
-                    w0, w1 = _ld_shared_v2(r + lat.data_offset + 8 * blk)
-                    f = ptx.e4m3_to_f32(_ld_shared_u8(r + lat.scale_offset + entry)) * Float32(2.0**e2m1_bits.SCALE_BIAS_LOG2)
-                    s2 = ptx.bf16x2(f, f)
-                    a0, a1, a2, a3 = ptx.e2m1x8_scaled_bf16x2(w0, s2)
-                    b0, b1, b2, b3 = ptx.e2m1x8_scaled_bf16x2(w1, s2)
-                    _st_shared_v4(kbase + 2 * swizzled_offset(key, 16 * blk, self.bn), a0, a1, a2, a3)
-                    _st_shared_v4(kbase + 2 * swizzled_offset(key, 16 * blk + 8, self.bn), b0, b1, b2, b3)
+            self.decode_latent(raw, kbase, ptid, blk, entry)
             for u in cutlass.range_constexpr(self.bn * 8 // self.pt):
                 i = u * self.pt + ptid
                 key = i // 8
@@ -397,12 +382,12 @@ class MlaAttentionV3(MlaAttention):
             self.decode_tile(raw, kbase, s_l, ptid)
 
     @cute.jit
-    def decode_latent_rev2(self, raw: Int32, kbase: Int32, ptid: Int32, blk: Int32, entry: Int32):
-        """The E2M1 x E4M3 latent of one raw tile -> K tile (rev 2; the same words as rev 1's loop).
+    def decode_latent(self, raw: Int32, kbase: Int32, ptid: Int32, blk: Int32, entry: Int32):
+        """The E2M1 x E4M3 latent of one raw tile -> K tile.
 
         Every load of the thread's items first, then the conversions and stores: ptxas cannot tell
-        the raw ring from the K ring, so rev 1's load of item u + 1 waited for the store of item u
-        (one shared-memory latency per item; PTX checked). The two 16-byte stores of a 16-value block
+        the raw ring from the K ring, so a load after a store waits for it (session 6's first producer
+        did that per item: one shared-memory latency each; PTX checked). The two 16-byte stores of a 16-value block
         go to chunks 2 blk, 2 blk + 1 (mod 8, swizzled by the key row); lanes 0-3 and 4-7 of a quarter
         warp would hit the same 4 of the 8 bank groups (2 wavefronts per store), so lanes with blk & 4
         store their upper 8 values first: each store then covers all 8 bank groups."""
@@ -429,20 +414,12 @@ class MlaAttentionV3(MlaAttention):
             _st_shared_v4(kbase + 2 * swizzled_offset(key, 16 * blk + 8 - 8 * half, self.bn), b0, b1, b2, b3)
 
     @cute.jit
-    def load_raw(self, sSlot: cute.Tensor, slot_buf: Int32, raw_addr: Int32, sK_addr: Int32, cache_addr: Int64, ptid: Int32):
-        """Records of the next tile into raw stage `slot_buf` (decoded formats; the stage follows the slot buffer)."""
-        if cutlass.const_expr(self.rev >= 2):
-            self.load_raw_rev2(sSlot, slot_buf, raw_addr + slot_buf * (self.bn * self.plan.record_bytes), cache_addr, ptid)
-        else:
-            self.load_tile(sSlot, slot_buf, slot_buf, raw_addr, sK_addr, cache_addr, ptid)
-
-    @cute.jit
-    def load_raw_rev2(self, sSlot: cute.Tensor, slot_buf: Int32, stage_addr: Int32, cache_addr: Int64, ptid: Int32):
-        """cp.async of a tile's records into one raw stage (rev 2): thread ptid copies 16-byte chunk
-        ptid % chunks of keys ptid // chunks + g u (g = keys per pass), so the chunk and the
-        addresses are worked out once, not per copy (rev 1: a division by the chunk count, 64-bit
-        address arithmetic and a slot-id load behind the previous cp.async for each of ~7 copies);
-        all slot ids are read before the first copy. Zero-filled past the query's keys."""
+    def load_raw(self, sSlot: cute.Tensor, slot_buf: Int32, raw_addr: Int32, cache_addr: Int64, ptid: Int32):
+        """cp.async of the next tile's records into raw stage `slot_buf` (decoded formats; the stage follows
+        the slot buffer): thread ptid copies 16-byte chunk ptid % chunks of keys ptid // chunks + g u
+        (g = keys per pass), so the chunk and the addresses are worked out once, not per copy; all slot
+        ids are read before the first copy. Zero-filled past the query's keys."""
+        stage_addr = raw_addr + slot_buf * (self.bn * self.plan.record_bytes)
         bn = self.bn
         rec = self.plan.record_bytes
         chunks = rec // 16
@@ -466,12 +443,10 @@ class MlaAttentionV3(MlaAttention):
                     _cp_async_16(dst0 + g * u * rec, src, 16 if slot >= 0 else 0)
 
     @cute.jit
-    def load_tile(
-        self, sSlot: cute.Tensor, slot_buf: Int32, stage: Int32, raw_addr: Int32, sK_addr: Int32, cache_addr: Int64, ptid: Int32
-    ):
-        """cp.async the BN records of a tile (zero-filled past the query's keys): into raw stage
-        `stage`, or straight into K ring stage `stage` (bf16). Consecutive threads take consecutive
-        16-byte chunks of a record, so a warp reads whole records."""
+    def load_tile(self, sSlot: cute.Tensor, slot_buf: Int32, stage: Int32, sK_addr: Int32, cache_addr: Int64, ptid: Int32):
+        """bf16: cp.async the BN records of a tile straight into K ring stage `stage` (zero-filled past the
+        query's keys). Consecutive threads take consecutive 16-byte chunks of a record, so a warp reads
+        whole records."""
         rec = self.plan.record_bytes
         chunks = rec // 16
         total = self.bn * chunks
@@ -479,12 +454,9 @@ class MlaAttentionV3(MlaAttention):
             key = i // chunks
             ch = i % chunks
             slot = sSlot[key, slot_buf]
-            ok = slot >= 0
             src = cache_addr + Int64(cutlass.max(slot, 0)) * Int64(rec) + Int64(16 * ch)
-            dst = raw_addr + stage * (self.bn * rec) + key * rec + 16 * ch
-            if cutlass.const_expr(self.copy_k):
-                dst = sK_addr + 2 * (stage * (self.bn * D_QK) + swizzled_offset(key, 8 * ch, self.bn))
-            _cp_async_16(dst, src, 16 if ok else 0)
+            dst = sK_addr + 2 * (stage * (self.bn * D_QK) + swizzled_offset(key, 8 * ch, self.bn))
+            _cp_async_16(dst, src, 16 if slot >= 0 else 0)
 
     # ------------------------------------------------------------------ consumer warpgroup
     @cute.jit
@@ -668,12 +640,12 @@ class MlaAttentionV3(MlaAttention):
 
 def compile_key(
     plan: RecordPlan, has_sink: bool, has_outer: bool, split: bool, device, l2_prefetch: int = V3_L2_PREFETCH,
-    producer_wgs: int | None = None, producer_rev: int = V3_PRODUCER_REV, timing_probe: str = "",
+    producer_wgs: int | None = None, timing_probe: str = "",
 ) -> tuple:
     """Every specialisation of a compiled v3 kernel (the head count, lengths, scales are run-time)."""
     return (
         "mla_attention_v3", 1, plan, bool(has_sink), bool(has_outer), bool(split), int(l2_prefetch),
-        int(producer_wgs or v3_producer_wgs(plan)), f"rev={int(producer_rev)}", f"probe={timing_probe}", "q=bf16", "acc=f32",
+        int(producer_wgs or v3_producer_wgs(plan)), f"probe={timing_probe}", "q=bf16", "acc=f32",
         arch_tag(device),
     )
 
@@ -695,13 +667,12 @@ def mla_attention_v3(
     workspace_fill: float | None = None,
     l2_prefetch: int = V3_L2_PREFETCH,
     producer_wgs: int | None = None,
-    producer_rev: int = V3_PRODUCER_REV,
     timing_probe: str = "",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense launch of the v3 kernel; arguments as `mla_attention.mla_attention` (which calls this
-    when `attention_tuning.v3_blocker` has no objection); `l2_prefetch` (key tiles, 0 = none) and
-    `producer_wgs` (default `attention_tuning.v3_producer_wgs`) and `producer_rev` (1: the session-6 producer
-    of the decoded formats) are for the benchmark's comparison, as is `timing_probe` ("nodec", "nomma": wrong output)."""
+    when `attention_tuning.generation_for` picks v3); `l2_prefetch` (key tiles, 0 = none, the default) and
+    `producer_wgs` (default `attention_tuning.v3_producer_wgs`) are for the benchmark's comparison, as is
+    `timing_probe` ("nodec", "nomma": wrong output)."""
     n, h = q.shape[0], q.shape[1]
     dev = q.device
     if out is None:
@@ -750,8 +721,8 @@ def mla_attention_v3(
         Int32(num_splits),
         stream,
     )
-    key = compile_key(plan, has_sink, has_outer, split, dev, l2_prefetch, producer_wgs, producer_rev, timing_probe)
-    kern = MlaAttentionV3(plan, has_sink, has_outer, split, l2_prefetch, producer_wgs, producer_rev, timing_probe)
+    key = compile_key(plan, has_sink, has_outer, split, dev, l2_prefetch, producer_wgs, timing_probe)
+    kern = MlaAttentionV3(plan, has_sink, has_outer, split, l2_prefetch, producer_wgs, timing_probe)
     fn = compiled(key, lambda: cute.compile(kern, *args))
     fn(*args)
     if split:

@@ -428,7 +428,34 @@ def test_unvalidated_kernel_generation_is_said_and_recorded(monkeypatch):
     cpu_log.record("attend", "nvfp4", torch_device("cpu"), "reference (cpu tensors)")
     assert "kernel_version" not in cpu_log.as_dict()
     monkeypatch.delenv("MLA_EVAL_ATTENTION_KERNEL")
-    assert log.as_dict()["kernel_version"] == "v2"
+    assert log.as_dict()["kernel_version"] == "default"  # unset: the per-launch default (attention_tuning.generation_for)
+    with warnings.catch_warnings(record=True) as seen:  # the default runs v3 for some launches: said too
+        warnings.simplefilter("always")
+        dispatch.preflight("reference", ["cuda:0"])
+    msgs = [str(w.message) for w in seen if issubclass(w.category, dispatch.UnvalidatedKernelWarning)]
+    assert len(msgs) == 1 and "default kernel generation (some launches v3)" in msgs[0]
+
+
+def test_the_log_records_which_generation_each_attention_path_ran():
+    """Each kernel-served attention path lists the generations its launches ran, once each, with why
+    (a decode step on v3 and a prefill-as-decode launch on v2 both show); absent when none ran."""
+    from mla_eval.attention import dispatch
+
+    log = dispatch.PathLog("auto")
+    cuda = torch_device("cuda:0")
+    log.record("attend", "nvfp4", cuda, "kernel")
+    log.record_generation("nvfp4", cuda, "v3", "default: v3 measured faster for nvfp4")
+    log.record_generation("nvfp4", cuda, "v2", "default: v3 measured at one query per sequence, not 64")
+    log.record_generation("nvfp4", cuda, "v3", "default: v3 measured faster for nvfp4")
+    log.record_generation("fp8_ds_mla", cuda, "v2", "fp8_ds_mla: v3 needs more shared memory")
+    doc = log.as_dict()
+    assert doc["kernel_generations"] == {
+        "attend nvfp4 on cuda:0": [
+            "v3 (default: v3 measured faster for nvfp4)", "v2 (default: v3 measured at one query per sequence, not 64)"
+        ],
+        "attend fp8_ds_mla on cuda:0": ["v2 (fp8_ds_mla: v3 needs more shared memory)"],
+    }
+    assert "kernel_generations" not in dispatch.PathLog("auto").as_dict()
 
 
 def torch_device(name):

@@ -208,6 +208,70 @@ def test_v3_covers_dense_launches_of_the_formats_whose_stages_fit():
     assert attention_tuning.smem_bytes_v3(nvfp4) <= limit < attention_tuning.smem_bytes_v3(plan_for(get_format("fp8_e4m3")))
 
 
+# ---------------------------------------------------------------------------------- which generation runs
+def _gen(name, monkeypatch, forced=None, **launch):
+    if forced is None:
+        monkeypatch.delenv(attention_tuning.ENV, raising=False)
+    else:
+        monkeypatch.setenv(attention_tuning.ENV, forced)
+    kw = dict(sparse=False, heads=16, queries_per_seq=1, smem_limit=attention_tuning.HOPPER_SMEM_PER_BLOCK) | launch
+    return attention_tuning.generation_for(plan_for(get_format(name)), **kw)
+
+
+def test_default_generation_is_v3_only_where_it_was_measured_faster(monkeypatch):
+    """Unset: dense decode launches (h <= 16, one query per sequence) of the formats the H200 run timed
+    faster under v3 run v3; bf16 (v2 faster), formats v3 covers but nobody timed, formats v3 refuses,
+    sparse lists, more than one head tile and many queries per sequence (prefill-as-decode) run v2."""
+    measured = set(attention_tuning.V3_DEFAULT_FORMATS)
+    assert measured == {"nvfp4", "nvfp4_fp8_ds_mla"}
+    for name in ("bf16", "nvfp4", "nvfp4_fp8rope", "nvfp4_fp8rope_st", "nvfp4_fp8_ds_mla", "mxfp4", "fp8_ds_mla",
+                 "fp8_ds_mla_pow2", "fp8_e4m3", "trtllm_nvfp4_dsa", "trtllm_nvfp4_dsa_r64"):
+        for heads in (1, 2, 8, 16):
+            gen, why = _gen(name, monkeypatch, heads=heads)
+            assert gen == ("v3" if name in measured else "v2"), (name, heads, why)
+            assert why.startswith("default: v3 measured faster" if name in measured else ("default:", name)), why
+        # every decoded format the default sends to v3 is one v3 covers
+        if name in measured:
+            assert attention_tuning.v3_blocker(plan_for(get_format(name)), False) is None
+            assert not attention_tuning.is_bf16_plan(plan_for(get_format(name)))
+        for launch in (dict(sparse=True), dict(heads=17), dict(heads=32), dict(heads=128), dict(queries_per_seq=2),
+                       dict(queries_per_seq=2048, heads=8)):
+            gen, why = _gen(name, monkeypatch, **launch)
+            assert gen == "v2" and why, (name, launch)
+    assert "one query per sequence, not 2048" in _gen("nvfp4", monkeypatch, queries_per_seq=2048, heads=8)[1]
+    assert "head tile" in _gen("nvfp4", monkeypatch, heads=32)[1]
+    assert "dense decode path only" in _gen("nvfp4", monkeypatch, sparse=True)[1]
+    assert "not measured faster for bf16" in _gen("bf16", monkeypatch)[1]
+    # a device whose CTAs cannot hold v3's stages: the blocker is the reason, v2 runs
+    gen, why = _gen("nvfp4", monkeypatch, smem_limit=200 * 1024)
+    assert gen == "v2" and "shared memory" in why
+
+
+def test_the_environment_forces_a_generation(monkeypatch):
+    for forced in ("v1", "v2"):
+        for name in ("bf16", "nvfp4", "fp8_ds_mla"):
+            for launch in (dict(), dict(sparse=True), dict(queries_per_seq=64, heads=128)):
+                assert _gen(name, monkeypatch, forced, **launch) == (forced, f"{attention_tuning.ENV}={forced}")
+    # v3 wherever v3 can run (bf16 and unmeasured formats included), else v2 with v3_blocker's reason
+    for name in ("bf16", "nvfp4", "mxfp4", "nvfp4_fp8rope_st"):
+        assert _gen(name, monkeypatch, "v3", heads=128, queries_per_seq=8) == ("v3", f"{attention_tuning.ENV}=v3")
+    for name in ("fp8_ds_mla", "fp8_e4m3", "trtllm_nvfp4_dsa"):
+        gen, why = _gen(name, monkeypatch, "v3")
+        assert (gen, why) == ("v2", attention_tuning.v3_blocker(plan_for(get_format(name)), False)), name
+    assert _gen("nvfp4", monkeypatch, " V3 ")[0] == "v3"  # as the variable is read: trimmed, any case
+    assert _gen("nvfp4", monkeypatch, "")[0] == "v3"  # empty is unset: the default
+    with pytest.raises(ValueError, match="expected one of v1, v2, v3"):
+        _gen("nvfp4", monkeypatch, "v4")
+
+
+def test_v3_runs_without_l2_prefetch_by_default_and_the_probe_turns_it_on():
+    """The H200 run timed the L2 prefetch slower for the decoded formats (NOTES.md): off by default, the
+    bench's v3-pf probe keeps it measurable. The producer revision knob is gone (one producer)."""
+    assert attention_tuning.V3_L2_PREFETCH == 0 < attention_tuning.V3_L2_PREFETCH_PROBE
+    assert not hasattr(attention_tuning, "V3_PRODUCER_REV")
+    assert not hasattr(attention_tuning, "kernel_version")  # one definition: forced_generation / generation_for
+
+
 def test_trtllm_nvfp4_dsa_runs_v2_with_4_byte_record_chunks():
     """324 B records start on 4-byte boundaries only: v2 copies them with 4-byte cp.async; v3 (16-byte
     chunks, no E4M3 read-back decode) refuses the format by reason, so dispatch runs v2."""

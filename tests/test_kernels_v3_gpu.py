@@ -4,7 +4,9 @@ Fresh random caches and queries per case, outputs and split partials poisoned wi
 element the kernel owns must be written), error bounds of tests/test_kernels_gpu.py. Lengths cover
 1 key, one short of / exactly / one past the 64-key tile, lengths that are not a multiple of the tile,
 and 64K keys. Also: MLA_EVAL_ATTENTION_KERNEL=v3 routes dense launches to v3 and everything v3 does
-not cover (sparse lists, formats whose stages do not fit) to v2.
+not cover (sparse lists, formats whose stages do not fit) to v2; unset, the per-format default
+(`attention_tuning.generation_for`) runs v3 only for the dense decode launches it names, and dispatch
+records the generation each launch ran.
 """
 
 from __future__ import annotations
@@ -145,7 +147,8 @@ def test_v3_matches_reference(fmt, heads, sink):
 
 
 PROBES = [
-    dict(l2_prefetch=0), dict(producer_wgs=1), dict(producer_wgs=2), dict(producer_rev=1), dict(producer_rev=1, producer_wgs=1)
+    dict(l2_prefetch=attention_tuning.V3_L2_PREFETCH_PROBE), dict(producer_wgs=1), dict(producer_wgs=2),
+    dict(l2_prefetch=attention_tuning.V3_L2_PREFETCH_PROBE, producer_wgs=1),
 ]
 
 
@@ -153,8 +156,7 @@ PROBES = [
 @pytest.mark.parametrize("probe", PROBES)
 @pytest.mark.parametrize("fmt", ["nvfp4", "bf16", "mxfp4"])
 def test_v3_benchmark_probes_match_reference(fmt, probe):
-    """The variants the benchmark times beside v3 (no L2 prefetch, the other producer warpgroup count,
-    the session-6 producer `v3-rev1`)."""
+    """The variants the benchmark times beside v3 (L2 prefetch on: v3-pf; the other producer warpgroup count)."""
     spec, q, cache, scale, sink_t, s_l, lists, ref_out, ref_lse, bound = _case(fmt, 16, LENGTHS, 4)
     for splits in (None, 1):
         out, lse = _v3(spec, q, cache, scale, outer_scale=s_l, num_splits=splits, **lists, **probe)
@@ -162,22 +164,19 @@ def test_v3_benchmark_probes_match_reference(fmt, probe):
 
 
 @needs_cuda
-@pytest.mark.parametrize("wgs", [1, 2])
-@pytest.mark.parametrize("fmt", V3_DECODED)
-def test_v3_producer_revisions_write_the_same_k_tiles(fmt, wgs):
-    """Producer rev 2 (default: one fixed chunk per copying thread, hoisted loads, half-swapped stores)
-    moves the same bytes into the same K tile as rev 1 (bench v3-rev1), so the outputs are bit-identical;
+@pytest.mark.parametrize("fmt", V3_FORMATS)
+def test_v3_probes_write_the_same_k_tiles(fmt):
+    """The L2 prefetch (off by default, bench v3-pf) only warms L2 and the producer warpgroup count only
+    moves work between threads: the K tiles, hence the outputs, are bit-identical to the default launch;
     plus the reference check. A query of 0 keys, lengths off the 64-key tile, 1 and 3 splits."""
     spec, q, cache, scale, sink_t, s_l, lists, ref_out, ref_lse, bound = _case(fmt, 16, [0, *LENGTHS], 6)
     for splits in (1, 3):
-        got = [
-            _v3(spec, q, cache, scale, outer_scale=s_l, num_splits=splits, producer_wgs=wgs, producer_rev=rev, **lists)
-            for rev in (1, 2)
-        ]
-        (out1, lse1), (out2, lse2) = got
-        assert torch.equal(out1, out2) and torch.equal(lse1, lse2), (fmt, wgs, splits)
-        _check(out2[1:], lse2[1:], ref_out[1:], ref_lse[1:], bound, f"v3 rev 2 {fmt} wgs={wgs} splits={splits}")
-        assert torch.all(out2[0] == 0) and torch.all(torch.isneginf(lse2[0]))
+        out, lse = _v3(spec, q, cache, scale, outer_scale=s_l, num_splits=splits, **lists)
+        _check(out[1:], lse[1:], ref_out[1:], ref_lse[1:], bound, f"v3 {fmt} splits={splits}")
+        assert torch.all(out[0] == 0) and torch.all(torch.isneginf(lse[0]))
+        for probe in PROBES:
+            o, l_ = _v3(spec, q, cache, scale, outer_scale=s_l, num_splits=splits, **lists, **probe)
+            assert torch.equal(o, out) and torch.equal(l_, lse), (fmt, probe, splits)
 
 
 @needs_cuda
@@ -241,13 +240,56 @@ def test_environment_routes_dense_to_v3_and_the_rest_to_v2(fmt, monkeypatch):
     _check(out, lse, ref_out, ref_lse, bound, f"dispatch v3 {fmt} sparse -> v2")
 
 
+@needs_cuda
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_default_policy_picks_the_generation_per_launch_and_dispatch_records_it(fmt, monkeypatch):
+    """MLA_EVAL_ATTENTION_KERNEL unset: a dense decode launch (h = 16, one query per sequence) runs the kernel
+    `generation_for` names (v3 for `V3_DEFAULT_FORMATS`, else v2), the prefill-as-decode shape (many queries
+    per sequence) and sparse lists run v2; results match the reference and the dispatch log records what ran."""
+    from mla_eval.attention import dispatch
+
+    monkeypatch.delenv(attention_tuning.ENV, raising=False)
+    spec, q, cache, scale, sink_t, s_l, lists, ref_out, ref_lse, bound = _case(fmt, 16, [BLOCK + 1, 300, 5], 8)
+    plan = plan_for(spec)
+    want, _ = attention_tuning.generation_for(plan, sparse=False, heads=16, smem_limit=HOPPER_SMEM_PER_BLOCK)
+    assert want == ("v3" if fmt in attention_tuning.V3_DEFAULT_FORMATS else "v2")
+    name = {"v3": "mla_attention_v3", "v2": "mla_attention"}
+    # 3: the shape of prefill-as-decode (dispatch is told; the kernel cannot see it). Dispatch allocates the
+    # outputs itself (no NaN poison here); the kernel entry below writes into poisoned ones
+    for qps in (1, 3):
+        compile_cache.clear()
+        with dispatch.use_backend("kernel") as log:
+            out, lse = dispatch.mla_attention(
+                spec, q, cache, softmax_scale=scale, outer_scale=s_l, num_splits=1, queries_per_seq=qps, **lists
+            )
+        _check(out, lse, ref_out, ref_lse, bound, f"default {fmt} queries_per_seq={qps}")
+        ran = want if qps == 1 else "v2"
+        assert {k[0] for k in compile_cache.keys()} == {name[ran]}, (fmt, qps)
+        (recorded,) = log.generations[f"attend {fmt} on {cache.device}"]
+        assert recorded.startswith(f"{ran} ("), recorded
+        doc = log.as_dict()
+        assert doc["kernel_version"] == "default" and doc["kernel_generations"] == {f"attend {fmt} on {cache.device}": [recorded]}
+    # the same launch through the kernel entry, without dispatch: the same policy
+    compile_cache.clear()
+    out, lse = _run(spec, q, cache, scale, outer_scale=s_l, num_splits=1, **lists)
+    _check(out, lse, ref_out, ref_lse, bound, f"default {fmt} kernel entry")
+    assert {k[0] for k in compile_cache.keys()} == {name[want]}
+    # a forced generation wins over the default
+    monkeypatch.setenv(attention_tuning.ENV, "v2")
+    compile_cache.clear()
+    out, lse = _run(spec, q, cache, scale, outer_scale=s_l, num_splits=1, **lists)
+    _check(out, lse, ref_out, ref_lse, bound, f"forced v2 {fmt}")
+    assert {k[0] for k in compile_cache.keys()} == {"mla_attention"}
+
+
 @pytest.mark.parametrize("pt", [128, 256])
 @pytest.mark.parametrize("fmt", V3_DECODED)
-def test_v3_rev2_copies_cover_each_chunk_once_and_stores_are_conflict_free(fmt, pt):
-    """No GPU needed; a model of producer rev 2's index arithmetic (`load_raw_rev2`, `decode_latent_rev2`).
+def test_v3_copies_cover_each_chunk_once_and_stores_are_conflict_free(fmt, pt):
+    """No GPU needed; a model of the producer's index arithmetic (`load_raw`, `decode_latent`).
     Copies: thread ptid < g * chunks takes chunk ptid % chunks of keys ptid // chunks + g u; every (key,
     chunk) of the 64-key tile once, nothing past the stage. Latent stores: per quarter warp (8 lanes x
-    16 bytes, one key row) the 8 chunks land in 8 distinct 16-byte bank groups (rev 1: 4, 2 wavefronts)."""
+    16 bytes, one key row) the 8 chunks land in 8 distinct 16-byte bank groups (without the half swap:
+    4, 2 wavefronts)."""
     from mla_eval_kernels.mla_attention import swizzled_offset
 
     rec = plan_for(get_format(fmt)).record_bytes
@@ -261,10 +303,10 @@ def test_v3_rev2_copies_cover_each_chunk_once_and_stores_are_conflict_free(fmt, 
                 seen.append((key, ptid % chunks))
     assert sorted(seen) == [(k, c) for k in range(bn) for c in range(chunks)]
 
-    def groups(key, lanes, rev):
+    def groups(key, lanes, swap):
         out = []
         for blk in lanes:
-            half = (blk >> 2) & 1 if rev == 2 else 0
+            half = (blk >> 2) & 1 if swap else 0
             off = 2 * swizzled_offset(key, 16 * blk + 8 * half, bn)
             out.append((off % 128) // 16)
         return out
@@ -272,8 +314,8 @@ def test_v3_rev2_copies_cover_each_chunk_once_and_stores_are_conflict_free(fmt, 
     for key in range(bn):
         for q0 in range(0, 32, 8):
             lanes = range(q0, q0 + 8)
-            assert sorted(groups(key, lanes, 2)) == list(range(8)), (key, q0)
-            assert len(set(groups(key, lanes, 1))) == 4
+            assert sorted(groups(key, lanes, True)) == list(range(8)), (key, q0)
+            assert len(set(groups(key, lanes, False))) == 4
         for blk in range(32):  # the two stores of a lane are its two chunks
             half = (blk >> 2) & 1
             assert {16 * blk + 8 * half, 16 * blk + 8 - 8 * half} == {16 * blk, 16 * blk + 8}

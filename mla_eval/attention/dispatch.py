@@ -69,26 +69,37 @@ class PathLog:
     holds one line per (device, reason) where "auto" could not use the kernels on a CUDA device.
     Result documents carry both as their provenance (what computed the number). `source` names
     where the backend came from ("--backend", MLA_EVAL_BACKEND or "default"), for error messages.
+    `generations` maps each kernel-served "attend <format> on <device>" to the attention kernel
+    generations its launches ran, each with why ("v3 (default: ...)", "v2 (<v3_blocker reason>)").
     """
 
     backend: str
     source: str = "--backend"
     paths: dict[str, str] = dataclasses.field(default_factory=dict)
     fallbacks: list[str] = dataclasses.field(default_factory=list)
+    generations: dict[str, list[str]] = dataclasses.field(default_factory=dict)
 
     def record(self, op: str, spec_name: str, device: torch.device, path: str) -> None:
         self.paths.setdefault(f"{op} {spec_name} on {device}", path)
+
+    def record_generation(self, spec_name: str, device: torch.device, generation: str, why: str) -> None:
+        seen = self.generations.setdefault(f"attend {spec_name} on {device}", [])
+        if f"{generation} ({why})" not in seen:
+            seen.append(f"{generation} ({why})")
 
     def devices(self) -> list[str]:
         """The devices the logged calls ran on ('cpu', 'cuda:0', ...), sorted."""
         return sorted({key.rsplit(" on ", 1)[1] for key in self.paths})
 
     def as_dict(self) -> dict:
-        """The log as result documents record it (environment.attention)."""
+        """The log as result documents record it (environment.attention): `kernel_version` is what
+        MLA_EVAL_ATTENTION_KERNEL forced, or "default" (the per-format policy); `kernel_generations`
+        what each attention path's launches actually ran."""
         generation = kernel_generation() if any(p == "kernel" for p in self.paths.values()) else None
         return {
             "backend": self.backend, "backend_from": self.source,
             **({"kernel_version": generation} if generation else {}),
+            **({"kernel_generations": {k: list(v) for k, v in self.generations.items()}} if self.generations else {}),
             "paths": dict(self.paths), "fallbacks": list(self.fallbacks),
         }
 
@@ -189,17 +200,18 @@ def _kernel_error(source: str, why: str) -> UserError:
 
 
 def kernel_generation() -> str | None:
-    """The CuTe attention kernel generation MLA_EVAL_ATTENTION_KERNEL selects (v2 when unset), or None
-    where the kernels package is missing; a value that names no generation is a one-line UserError."""
+    """The CuTe attention kernel generation MLA_EVAL_ATTENTION_KERNEL forces, "default" when it is unset
+    (`attention_tuning.generation_for` picks per launch), or None where the kernels package is missing;
+    a value that names no generation is a one-line UserError."""
     if _kernels_package_reason() is not None:
         return None
-    from mla_eval_kernels.attention_tuning import ENV, VERSIONS, kernel_version  # noqa: PLC0415 - pure Python
+    from mla_eval_kernels.attention_tuning import ENV, VERSIONS, forced_generation  # noqa: PLC0415 - pure Python
 
     try:
-        return kernel_version()
+        return forced_generation() or "default"
     except ValueError:
         raise UserError(f"{ENV}={os.environ.get(ENV)!r} names no kernel generation; use one of {', '.join(VERSIONS)} "
-                        "or unset it (v2)") from None
+                        "or unset it (the per-format default)") from None
 
 
 def preflight(backend: str | None, devices: Iterable[torch.device | str]) -> str:
@@ -212,9 +224,11 @@ def preflight(backend: str | None, devices: Iterable[torch.device | str]) -> str
     if generation is not None:
         from mla_eval_kernels.attention_tuning import ENV, UNVALIDATED  # noqa: PLC0415 - pure Python
 
-        if generation in UNVALIDATED and any(torch.device(d).type == "cuda" for d in devices):
-            warnings.warn(f"{ENV}={generation}: {UNVALIDATED[generation]}; its numbers are unchecked",
-                          UnvalidatedKernelWarning, stacklevel=2)
+        # unset, the default may pick v2 or v3 per launch: either one unvalidated is worth the warning
+        for gen in ("v2", "v3") if generation == "default" else (generation,):
+            if gen in UNVALIDATED and any(torch.device(d).type == "cuda" for d in devices):
+                said = f"{ENV}={gen}" if gen == generation else f"the default kernel generation (some launches {gen})"
+                warnings.warn(f"{said}: {UNVALIDATED[gen]}; its numbers are unchecked", UnvalidatedKernelWarning, stacklevel=2)
     backend, source = _resolve(backend)
     if backend == "kernel":
         for device in devices:
@@ -330,9 +344,12 @@ def mla_attention(
     num_splits: int | None = None,
     backend: str = "auto",
     math: str | AttentionMath = "bf16",
+    queries_per_seq: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """out [N, H, 512] float32 and lse [N, H] float32; dense (block_table + seq_lens) or sparse (indices).
 
+    `queries_per_seq`: how many of the N queries read each sequence's keys (1: a decode step; T: the
+    prefill-as-decode path); it picks the kernel generation (`attention_tuning.generation_for`).
     `max_seq_len` (dense) spares the kernel path a device sync to find the longest list;
     `num_splits` overrides the split-KV heuristic (kernel path only). `math` is the attention math
     (`mla_eval.attention.semantics.MATHS`): fp8 Q is quantised here, once, for both paths -- the
@@ -356,13 +373,22 @@ def mla_attention(
             indices=indices, sink=sink, outer_scale=outer_scale, p_fp8=math.p_fp8,
         )
     from mla_eval_kernels import mla_attention as kernel  # noqa: PLC0415 - CUDA-only import
+    from mla_eval_kernels.attention_tuning import generation_for  # noqa: PLC0415
+    from mla_eval_kernels.device_limits import smem_per_block  # noqa: PLC0415
     from mla_eval_kernels.record_plan import plan_for  # noqa: PLC0415
 
     s_l = _outer_scale_value(spec, outer_scale)
     dev = cache.device
+    plan = plan_for(spec)
+    generation, why = generation_for(
+        plan, sparse=indices is not None, heads=q.shape[1], queries_per_seq=queries_per_seq, smem_limit=smem_per_block(dev)
+    )
+    scope = _scope.get()
+    if scope is not None:
+        scope.record_generation(spec.name, dev, generation, why)
     i32 = functools.partial(torch.as_tensor, dtype=torch.int32, device=dev)
     return kernel.mla_attention(
-        plan_for(spec),
+        plan,
         q.to(device=dev, dtype=torch.bfloat16).contiguous(),
         cache.contiguous(),
         softmax_scale=float(softmax_scale),
@@ -373,6 +399,7 @@ def mla_attention(
         outer_scale=s_l,
         max_seq_len=max_seq_len,
         num_splits=num_splits,
+        generation=generation,
     )
 
 
@@ -436,14 +463,14 @@ def mla_attention_chunk(
     write_cache(bf16, keys[:, :LATENT_DIM], keys[:, LATENT_DIM:], slots, scratch, backend="kernel")
     out, lse = mla_attention(
         bf16, q, scratch, softmax_scale=softmax_scale, block_table=table.repeat_interleave(t, 0),
-        seq_lens=(pos + 1).repeat(b).to(torch.int32), max_seq_len=t, backend="kernel",
+        seq_lens=(pos + 1).repeat(b).to(torch.int32), max_seq_len=t, backend="kernel", queries_per_seq=t,
     )
     if prefix_len == 0:
         return out, lse
     out_p, lse_p = mla_attention(
         spec, q, cache, softmax_scale=softmax_scale, block_table=block_table.repeat_interleave(t, 0),
         seq_lens=torch.full((b * t,), prefix_len, dtype=torch.int32, device=dev), outer_scale=outer_scale,
-        max_seq_len=prefix_len, backend="kernel",
+        max_seq_len=prefix_len, backend="kernel", queries_per_seq=t,
     )
     return merge_states(out_p, lse_p, out, lse)
 

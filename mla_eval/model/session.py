@@ -261,6 +261,7 @@ class CacheSession:
                 outer_scale=self.outer_scale(layer),
                 max_seq_len=end,  # the longest list, known here: spares the kernel path a device sync
                 math=self.math,
+                queries_per_seq=t,  # T queries read each sequence's keys: not the decode shape v3 was measured at
             )
         else:
             # The block table is contiguous per sequence, so position p of sequence b is slot
