@@ -58,6 +58,10 @@ V3_DECODE_PRODUCER_WGS = 2  # producer warpgroups where records are decoded (ben
 # (0.741 vs v3 0.783 / 0.786). Other formats v3 covers (nvfp4_fp8rope, nvfp4_fp8rope_st, mxfp4) were not timed
 # under v3: they stay on v2 until a bench run (kernels/bench.py times v3 for every covered format) shows v3 faster.
 V3_DEFAULT_FORMATS = ("nvfp4", "nvfp4_fp8_ds_mla")
+# The default above is written and CPU-tested but its GPU tests (tests/test_kernels_v3_gpu.py, default policy, v3
+# without L2 prefetch, one producer revision) have not run yet: until they pass on an H200 the unset default stays
+# v2 everywhere and says why. Set to None once they have (the tests turn it off to exercise the policy).
+V3_DEFAULT_PENDING: str | None = "the per-format v3 default awaits its GPU tests (written in session 7 on CPU)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,6 +173,8 @@ def generation_for(
         return "v2", f"default: v3 measured at one head tile (h <= {V3_HEADS}), not h = {heads}"
     if queries_per_seq > 1:
         return "v2", f"default: v3 measured at one query per sequence, not {queries_per_seq}"
+    if V3_DEFAULT_PENDING:
+        return "v2", f"default: v2; v3 was measured faster for {plan.name}, but {V3_DEFAULT_PENDING}"
     return "v3", f"default: v3 measured faster for {plan.name} (dense decode, h <= {V3_HEADS})"
 
 

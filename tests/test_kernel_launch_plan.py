@@ -222,6 +222,7 @@ def test_default_generation_is_v3_only_where_it_was_measured_faster(monkeypatch)
     """Unset: dense decode launches (h <= 16, one query per sequence) of the formats the H200 run timed
     faster under v3 run v3; bf16 (v2 faster), formats v3 covers but nobody timed, formats v3 refuses,
     sparse lists, more than one head tile and many queries per sequence (prefill-as-decode) run v2."""
+    monkeypatch.setattr(attention_tuning, "V3_DEFAULT_PENDING", None)  # the policy as it runs once validated
     measured = set(attention_tuning.V3_DEFAULT_FORMATS)
     assert measured == {"nvfp4", "nvfp4_fp8_ds_mla"}
     for name in ("bf16", "nvfp4", "nvfp4_fp8rope", "nvfp4_fp8rope_st", "nvfp4_fp8_ds_mla", "mxfp4", "fp8_ds_mla",
@@ -247,6 +248,14 @@ def test_default_generation_is_v3_only_where_it_was_measured_faster(monkeypatch)
     assert gen == "v2" and "shared memory" in why
 
 
+def test_an_unvalidated_default_runs_v2_and_says_why(monkeypatch):
+    """While V3_DEFAULT_PENDING names a reason, no launch goes to v3 unless the environment forces it."""
+    monkeypatch.setattr(attention_tuning, "V3_DEFAULT_PENDING", "its GPU tests have not run")
+    gen, why = _gen("nvfp4", monkeypatch)
+    assert gen == "v2" and "measured faster for nvfp4" in why and why.endswith("its GPU tests have not run")
+    assert _gen("nvfp4", monkeypatch, "v3") == ("v3", f"{attention_tuning.ENV}=v3")
+
+
 def test_the_environment_forces_a_generation(monkeypatch):
     for forced in ("v1", "v2"):
         for name in ("bf16", "nvfp4", "fp8_ds_mla"):
@@ -259,6 +268,7 @@ def test_the_environment_forces_a_generation(monkeypatch):
         gen, why = _gen(name, monkeypatch, "v3")
         assert (gen, why) == ("v2", attention_tuning.v3_blocker(plan_for(get_format(name)), False)), name
     assert _gen("nvfp4", monkeypatch, " V3 ")[0] == "v3"  # as the variable is read: trimmed, any case
+    monkeypatch.setattr(attention_tuning, "V3_DEFAULT_PENDING", None)
     assert _gen("nvfp4", monkeypatch, "")[0] == "v3"  # empty is unset: the default
     with pytest.raises(ValueError, match="expected one of v1, v2, v3"):
         _gen("nvfp4", monkeypatch, "v4")

@@ -249,6 +249,7 @@ def test_default_policy_picks_the_generation_per_launch_and_dispatch_records_it(
     from mla_eval.attention import dispatch
 
     monkeypatch.delenv(attention_tuning.ENV, raising=False)
+    monkeypatch.setattr(attention_tuning, "V3_DEFAULT_PENDING", None)  # this test is what validates the policy
     spec, q, cache, scale, sink_t, s_l, lists, ref_out, ref_lse, bound = _case(fmt, 16, [BLOCK + 1, 300, 5], 8)
     plan = plan_for(spec)
     want, _ = attention_tuning.generation_for(plan, sparse=False, heads=16, smem_limit=HOPPER_SMEM_PER_BLOCK)
