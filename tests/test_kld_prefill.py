@@ -138,3 +138,21 @@ def test_cli_records_the_path_and_refuses_bad_input(ckpt, tmp_path, capsys):
     ):
         code, err = _cli(base + bad + ["--out", str(tmp_path / "bad.json")], capsys)
         assert code == 2 and says in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_forward_bench_times_both_kld_paths_beside_stock(tmp_path):
+    """The benchmark's structure on CPU (the figures that matter come from the H200)."""
+    from mla_eval.evals import forward_bench
+
+    out = tmp_path / "bench.json"
+    args = ["--device", "cpu", "--parts", "kld", "--ctx", "32", "--kld-batch", "1", "--repeats", "1", "--formats", "nvfp4"]
+    assert forward_bench.main(args + ["--out", str(out)]) == 0
+    kld = json.loads(out.read_text())["kld"]
+    row = kld["formats"]["nvfp4"]
+    assert kld["prefills"] == ["absorbed", "mha"] and kld["stock_seconds"] > 0
+    for mode in ("absorbed", "mha"):
+        assert row[mode]["ratio_vs_stock"] == pytest.approx(row[mode]["seconds"] / kld["stock_seconds"])
+        assert row["meets_1p5x_stock"][mode] == (row[mode]["ratio_vs_stock"] <= kld["target_ratio_vs_stock"])
+    assert row["mha_speedup_vs_absorbed"] == pytest.approx(row["absorbed"]["seconds"] / row["mha"]["seconds"])
+    with pytest.raises(SystemExit):
+        forward_bench.main(args + ["--kld-prefill", "flash"])
