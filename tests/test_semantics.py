@@ -277,7 +277,9 @@ def test_dsa_engine_semantics_read_the_cache_like_cache_semantics(tmp_path):
     engine = result.mean_kld(row_label("nvfp4", "engine:64", "bf16"))
     assert engine > 0  # one chunk covers the window, yet the sparse path still reads the quantised cache
     assert engine == result.mean_kld("nvfp4")
-    assert len(result.notes) == 1 and "DSA" in result.notes[0] and "equal cache semantics" in result.notes[0]
+    assert len(result.notes) == 2 and "DSA" in result.notes[0] and "equal cache semantics" in result.notes[0]
+    # --prefill auto: a DSA model keeps the absorbed (sparse) path, and says so
+    assert result.settings["prefill"] == "absorbed" and "DSA model" in result.notes[1]
 
 
 # ------------------------------------------------------------------ gate: semantics and math are identity

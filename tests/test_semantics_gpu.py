@@ -118,3 +118,44 @@ def test_kld_engine_and_fp8_math_agree_between_backends():
             key = row_label("nvfp4", sem, m)
             a, b = kern.mean_kld(key), ref.mean_kld(key)
             assert abs(a - b) <= max(2e-3, 0.05 * b), f"{key}: kernel {a} vs reference {b}"
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("semantics", ["cache", "engine:512"])
+def test_kld_mha_window_path_agrees_with_absorbed_kernel(semantics):
+    """`mla-eval kld --prefill mha` (decoded cache, kv_b_proj, flash SDPA) vs the absorbed CuTe kernel path
+    on the default model at ctx 2048: per-token KLD within the bound of tests/test_kld_prefill.py, whose eps
+    (the two paths' rounding on the bf16 cache) is measured here on the GPU."""
+    import dataclasses
+
+    import numpy as np
+    from test_kld_prefill import TOL_FACTOR
+
+    from mla_eval.attention.semantics import parse_semantics
+    from mla_eval.evals.kld import KldProtocol, _forward_hidden, _logp, run_kld
+    from mla_eval.evals.text_sources import TokenSource
+    from mla_eval.evals.variants import parse_variants
+    from mla_eval.model.loader import load_model
+
+    ctx, min_ctx = 2048, 1024
+    lm = load_model(None, "cuda")
+    g = torch.Generator().manual_seed(3)
+    source = TokenSource("text", "random tokens", [torch.randint(0, 12000, (ctx,), generator=g) for _ in range(2)], "gpu")
+    sem = (parse_semantics(semantics),)
+    st = KldProtocol(tuple(parse_variants("bf16,fp8_ds_mla,nvfp4")), parse_variants("bf16")[0], ctx, ctx - min_ctx, min_ctx,
+                     batch=2, layer_stats=False, semantics=sem, prefill="absorbed")
+    with dispatch.use_backend("kernel"):
+        ids = torch.stack(source.sequences).cuda()
+        bf16 = parse_variants("bf16")[0]
+        a = _logp(lm, _forward_hidden(lm, bf16, ids, min_ctx, st, None, sem[0]))
+        m = _logp(lm, _forward_hidden(lm, bf16, ids, min_ctx, dataclasses.replace(st, prefill="mha"), None, sem[0]))
+        eps = float((a.exp() * (a - m)).sum(-1).max())
+        runs = {p: run_kld(lm, source, dataclasses.replace(st, prefill=p)).stats for p in ("absorbed", "mha")}
+    assert 0 <= eps < 1e-3, f"the two paths differ by more than bf16 rounding: {eps}"
+    for key in runs["absorbed"]:
+        ka, km = runs["absorbed"][key].arrays()["kld"], runs["mha"][key].arrays()["kld"]
+        assert np.isfinite(ka).all() and np.isfinite(km).all()
+        bound = TOL_FACTOR * (np.sqrt(np.maximum(ka, km) * eps) + eps)
+        assert (np.abs(ka - km) <= bound).all(), f"{key}: max |dKLD| {np.abs(ka - km).max():.3g}, eps {eps:.3g}"
+        assert km.mean() == pytest.approx(ka.mean(), rel=0.05, abs=1e-6)

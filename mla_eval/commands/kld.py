@@ -12,6 +12,7 @@ from rich.table import Table
 from mla_eval.attention.semantics import MATH_HELP, SEMANTICS_HELP
 from mla_eval.commands.progress import duration, peak_memory_line, progress_bars
 from mla_eval.evals.calibrate import CalibrateSettings, evaluate_calibration
+from mla_eval.evals.kld import DEFAULT_KLD_PREFILL
 from mla_eval.evals.kld_evaluation import DEFAULT_FORMATS, KldSettings, evaluate_kld
 from mla_eval.evals.settings import DEFAULT_CTX, DEVICES_HELP
 from mla_eval.model.loader import DEVICE_MAP_HELP, MAX_MEMORY_HELP, MODEL_HELP
@@ -80,6 +81,14 @@ def kld(
         help="A format (e.g. nvfp4): add its storage-only (format cache, bf16 math), compute-only (bf16 cache, fp8 "
         "math) and both rows under every --semantics, and the breakdown in the JSON.",
     ),
+    prefill: str = typer.Option(
+        DEFAULT_KLD_PREFILL, "--prefill",
+        help="How each window's forward reads the quantised cache: 'absorbed' runs every position through the absorbed "
+        "MQA attention (decode's arithmetic), 'mha' decodes the cache once, up-projects it through kv_b_proj and runs "
+        "causal SDPA (flash on CUDA; the same mathematics with bf16 math, up to bf16 rounding of K/V; several times "
+        "faster). Default auto: mha wherever it computes the same semantics (bf16 math, no --explain fp8 rows, "
+        "--no-layer-stats, not a DSA model), else absorbed with a note; the JSON records the path (settings.prefill).",
+    ),
     rope_scaling: str = typer.Option("none", "--rope-scaling", help=ROPE_SCALING_HELP),
     text_note: str = typer.Option(
         None, "--text-note", help="How the --text file was built (recorded in the result's text.note), e.g. which articles."
@@ -96,7 +105,7 @@ def kld(
         max_tokens=max_tokens, samples=samples, sample_len=sample_len, seed=seed, formats=formats, ref=ref, ctx=ctx,
         stride=stride, min_context=min_context, batch=batch, scales=scales, calib_tokens=calib_tokens,
         layer_stats=layer_stats, save_ref=save_ref, ref_file=ref_file, ref_store=ref_store,
-        semantics=semantics, math=math, explain=explain,
+        semantics=semantics, math=math, explain=explain, prefill=prefill,
         rope_scaling=rope_scaling, text_note=text_note,
     )
     # a bad --out costs nothing: checked before the model loads (the default name's folder too)
@@ -180,7 +189,8 @@ def attention_title(settings: dict) -> str:
     sems = [s["semantics"] for s in settings.get("semantics", [])]
     if not sems:
         return ""
-    return f" — semantics {', '.join(sems)}; math {', '.join(settings.get('math', ['bf16']))}"
+    prefill = f"; {settings['prefill']} prefill" if "prefill" in settings else ""
+    return f" — semantics {', '.join(sems)}; math {', '.join(settings.get('math', ['bf16']))}{prefill}"
 
 
 def print_explain(explain: dict, con: Console) -> None:

@@ -31,7 +31,15 @@ from mla_eval.evals.settings import ProgressCallback, check_ctx, no_progress
 from mla_eval.evals.text_sources import TokenSource
 from mla_eval.evals.variants import Variant, scales_for
 from mla_eval.formats import OuterScales, get_format
-from mla_eval.model.session import CacheSession
+from mla_eval.model.session import PREFILL_MODES, CacheSession
+
+# How a window's forward reads the quantised cache (mla_eval.model.session.PREFILL_MODES), or
+# `auto`: the mha form wherever it computes the same semantics as the absorbed one (see
+# resolve_prefill), else absorbed. Both read only the bytes the format stored; with bf16 math they
+# are the same mathematics up to the bf16 rounding of the up-projected K/V, and the mha form does
+# 3.4x fewer attention FLOPs per query (causal flash attention on CUDA; issue 14).
+KLD_PREFILL_MODES = ("auto", *PREFILL_MODES)
+DEFAULT_KLD_PREFILL = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +90,7 @@ class KldProtocol:
     maths: tuple[AttentionMath, ...] = (BF16,)
     explain: Variant | None = None
     loss_chunk: int = 0  # rows of full-vocabulary log-probs at a time; 0: loss_chunk_rows(vocab)
+    prefill: str = "absorbed"  # resolved (resolve_prefill): one mode for the reference and every row
 
     def rows(self, bf16: Variant) -> list[tuple[Variant, AttentionMath]]:
         """The (variant, math) pairs scored under each semantics, distinct, in order: every format in
@@ -96,6 +105,35 @@ class KldProtocol:
             if row not in seen:
                 seen.append(row)
         return seen
+
+
+def mha_blocker(st: KldProtocol, is_dsa: bool) -> str | None:
+    """Why the mha form cannot compute this run's rows with the absorbed path's semantics (None: it can).
+
+    The reference and every row run one mode, so a row's KLD never mixes the two paths' rounding."""
+    if is_dsa:
+        return "a DSA model's queries read only their indexer's top-k keys (sparse absorbed attention)"
+    fp8 = [m.name for v, m in st.rows(Variant(get_format("bf16"))) if m.name != "bf16"]
+    if fp8:
+        return f"{fp8[0]} math rounds the absorbed query / probabilities; the mha form is bf16 SDPA"
+    if st.layer_stats:
+        return "per-layer statistics compare the absorbed path's latent-space output (--no-layer-stats lifts this)"
+    return None
+
+
+def resolve_prefill(asked: str, st: KldProtocol, is_dsa: bool) -> tuple[str, str | None]:
+    """(mode, why absorbed) for `asked` (KLD_PREFILL_MODES): auto falls back to absorbed with the
+    reason; mha where it cannot express the semantics is a UserError naming it."""
+    if asked not in KLD_PREFILL_MODES:
+        raise UserError(f"--prefill {asked!r}: choose one of {', '.join(KLD_PREFILL_MODES)}")
+    if asked == "absorbed":
+        return "absorbed", None
+    why = mha_blocker(st, is_dsa)
+    if why is None:
+        return "mha", None
+    if asked == "mha":
+        raise UserError(f"--prefill mha cannot compute this run: {why}; use --prefill absorbed or auto")
+    return "absorbed", why
 
 
 LOSS_CHUNK_ELEMENTS = 1 << 26  # 64 Mi floats (256 MiB) per [rows, vocab] float32 tensor of the loss
@@ -221,7 +259,10 @@ def run_kld(
                     stats[key].add({k: torch.cat([p[k] for p in ps]) for k in ps[0]}, depth, order)
             done += len(ws) * (ws[0].length - 1 - sf)
             progress("score", done, total_scored)
-    info = {k: {"format": v.name, "semantics": sem.label, "math": m.name, "chunk": sem.chunk} for sem, v, m, k in keys}
+    info = {
+        k: {"format": v.name, "semantics": sem.label, "math": m.name, "chunk": sem.chunk, "prefill": st.prefill}
+        for sem, v, m, k in keys
+    }
     run = KldRun(stats, layers, len(windows), time.perf_counter() - t0, unscored_positions(source, windows, st.min_context))
     run.rows = info
     return run
@@ -263,6 +304,7 @@ def _forward_hidden(
         semantics=semantics,
         attn_math=attn_math,
         chunk_keys=chunk_keys,
+        prefill=st.prefill,
     )
     pos = torch.arange(t, device=lm.device).expand(b, -1)
     parts = []

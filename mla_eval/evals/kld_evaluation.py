@@ -22,7 +22,16 @@ from mla_eval.errors import UserError
 from mla_eval.evals import distributed as dist_ranks
 from mla_eval.evals import text_sources
 from mla_eval.evals.calibrate import calibrate
-from mla_eval.evals.kld import KldProtocol, KldRun, gather_arrays, plan_windows, run_kld
+from mla_eval.evals.kld import (
+    DEFAULT_KLD_PREFILL,
+    KLD_PREFILL_MODES,
+    KldProtocol,
+    KldRun,
+    gather_arrays,
+    plan_windows,
+    resolve_prefill,
+    run_kld,
+)
 from mla_eval.evals.ref_store import REF_STORE_MODES, RefStore
 from mla_eval.evals.settings import (
     DEFAULT_CTX,
@@ -64,6 +73,7 @@ class KldSettings(ModelSettings, text_sources.TextSettings):
     semantics: str | list[str] = "cache"  # mla_eval.attention.semantics: cache, engine:C or a preset; a list
     math: str | list[str] = "bf16"  # attention math(s): bf16, fp8-q, fp8-qp
     explain: str | None = None  # a format: add its storage-only / compute-only / both rows and breakdown
+    prefill: str = DEFAULT_KLD_PREFILL  # KLD_PREFILL_MODES: how a window's forward reads the cache
 
     def __post_init__(self) -> None:
         ModelSettings.__post_init__(self)
@@ -77,6 +87,8 @@ class KldSettings(ModelSettings, text_sources.TextSettings):
             raise UserError(f"--batch must be at least 1, got {self.batch}")
         if self.calib_tokens < 1:
             raise UserError(f"--calib-tokens must be at least 1, got {self.calib_tokens}")
+        if self.prefill not in KLD_PREFILL_MODES:
+            raise UserError(f"--prefill {self.prefill!r}: choose one of {', '.join(KLD_PREFILL_MODES)}")
         if self.ref_store not in REF_STORE_MODES:
             raise UserError(f"--ref-store {self.ref_store!r}: choose one of {', '.join(REF_STORE_MODES)}")
         if self.save_ref is not None and self.ref_file is not None:
@@ -196,6 +208,13 @@ def semantics_notes(semantics: list[Semantics], ctx: int, is_dsa: bool, maths: l
     return notes
 
 
+def prefill_notes(asked: str, used: str, why_absorbed: str | None) -> list[str]:
+    """Which path computed the numbers, when the reader could assume the other."""
+    if asked == "auto" and why_absorbed is not None:
+        return [f"--prefill auto: every forward ran the absorbed path ({why_absorbed})"]
+    return []
+
+
 def distributed(device: str | None = "auto") -> dist_ranks.Ranks:
     """This rank's place under torchrun (rank 0 of 1 without it); starts the process group once.
     Backend, timeout and the rank checks: `mla_eval.evals.distributed`."""
@@ -272,6 +291,8 @@ def evaluate_kld(st: KldSettings, progress: ProgressCallback = no_progress) -> K
             semantics=tuple(semantics), maths=tuple(maths), explain=st.explain_variant(),
         )
         plan_windows(lm, source, protocol)  # bad settings fail here, before any work
+        prefill, why_absorbed = resolve_prefill(st.prefill, protocol, lm.adapter.is_dsa)
+        protocol = dataclasses.replace(protocol, prefill=prefill)
         outer = given
         if calib is not None:
             outer = calibrate(lm, calib, ctx, progress=progress)
@@ -281,6 +302,8 @@ def evaluate_kld(st: KldSettings, progress: ProgressCallback = no_progress) -> K
                     "min_context": min_context, "ref": ref.name}
         if semantics[0].is_engine:  # the stored reference ran that forward schedule
             ref_meta["semantics"] = semantics[0].label
+        if prefill == "mha":  # the stored reference ran the mha form (absorbed: older files still match)
+            ref_meta["prefill"] = prefill
         if ref.outer:
             ref_meta["ref_scales"] = list(outer.scales)
         saver = RefStore(mode=st.ref_store, meta=ref_meta) if st.save_ref is not None else None
@@ -301,6 +324,7 @@ def evaluate_kld(st: KldSettings, progress: ProgressCallback = no_progress) -> K
                   "block_size": protocol.block_size, "world_size": world, "backend": log.backend,
                   "unscored_tokens": run.unscored, "semantics": [s.as_dict() for s in semantics],
                   "math": [m.name for m in maths], "explain": None if st.explain is None else protocol.explain.name,
+                  "prefill": prefill, "prefill_asked": st.prefill,
                   **st.placement(lm)},
         outer_scales=protocol.outer_scales,
         windows=run.windows,
@@ -309,7 +333,7 @@ def evaluate_kld(st: KldSettings, progress: ProgressCallback = no_progress) -> K
         environment=env,
         run=run,
         rank=rank,
-        notes=semantics_notes(semantics, ctx, lm.adapter.is_dsa, maths),
+        notes=semantics_notes(semantics, ctx, lm.adapter.is_dsa, maths) + prefill_notes(st.prefill, prefill, why_absorbed),
         explain=None if protocol.explain is None else explain_breakdown(
             run.summary(), protocol.explain.name, semantics, maths),
     )
