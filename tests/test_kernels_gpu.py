@@ -24,7 +24,7 @@ import torch
 cutlass = pytest.importorskip("cutlass")
 
 from mla_eval.attention import reference  # noqa: E402
-from mla_eval.formats import all_formats, decode, encode, get_format  # noqa: E402
+from mla_eval.formats import Field, FormatSpec, ScaleRule, VectorCoding, all_formats, decode, encode, get_format  # noqa: E402
 from mla_eval_kernels import attention_tuning, compile_cache  # noqa: E402
 from mla_eval_kernels.record_plan import UnsupportedFormat, plan_for  # noqa: E402
 
@@ -277,14 +277,28 @@ def test_ties_away_writer_bytes_identical_to_codec(fmt, kind):
         assert bool(torch.isin((x / s).abs(), torch.tensor(_E2M1_BOUNDS)).float().mean() > 0.2)
 
 
+# a valid spec outside the kernels (an E4M3 latent with a scale per 8 values): the fallback stays tested now that
+# every registered format has a kernel
+ODD_GROUP = FormatSpec(
+    name="odd_group",
+    title="odd",
+    description="E4M3 latent with a scale per 8 values",
+    source="test",
+    record_bytes=896,
+    latent=VectorCoding(512, "e4m3", Field("latent", 0, "e4m3", 512), ScaleRule.AMAX_FP32, 8, Field("s", 512, "fp32", 64)),
+    rope=VectorCoding(64, "bf16", Field("rope", 768, "bf16", 64), ScaleRule.NONE, 64),
+)
+
+
 @needs_cuda
-@pytest.mark.parametrize("fmt", REFERENCE_ONLY)
+@pytest.mark.parametrize("fmt", REFERENCE_ONLY + [ODD_GROUP.name])
 def test_formats_outside_the_kernels_fall_back_to_the_reference(fmt):
     """auto picks the torch reference (bytes = codec), an explicit kernel request is a clear error."""
     from mla_eval.attention import dispatch
     from mla_eval.errors import UserError
 
-    spec = get_format(fmt)
+    spec = ODD_GROUP if fmt == ODD_GROUP.name else get_format(fmt)
+    assert not _has_kernel(spec)
     gen = torch.Generator().manual_seed(3)
     lat, rope = _inputs("random", 32, gen)
     slots = torch.arange(32)
