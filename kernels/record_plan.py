@@ -118,6 +118,8 @@ def _coding(c) -> CodingPlan:
         raise UnsupportedFormat(f"scale rule {rule!r} has no kernel")
     if rule == RULE_E8M0_CEIL and (c.scale is None or c.scale.dtype != "e8m0"):
         raise UnsupportedFormat(f"scale rule {rule!r} is implemented for E8M0 scales only")
+    if rule == RULE_E8M0_CEIL and not c.scale_floor >= FLT_MIN:  # the writer reads ceil(log2 t) from a normal t's bits
+        raise UnsupportedFormat(f"scale rule {rule!r} is implemented for a floor of at least FLT_MIN")
     scale, gs = c.scale, c.global_scale
     return CodingPlan(
         dim=c.dim,

@@ -166,6 +166,8 @@ def test_the_e8m0_ceiling_rule_without_an_e8m0_scale_and_ties_away_outside_e2m1_
     fp32 = dataclasses.replace(spec.latent, scale=Field("s", 288, "fp32", 32))  # the vector alone (no record layout)
     with pytest.raises(rp.UnsupportedFormat, match="E8M0 scales only"):
         rp._coding(fp32)
+    with pytest.raises(rp.UnsupportedFormat, match="floor of at least FLT_MIN"):
+        rp._coding(dataclasses.replace(spec.latent, scale_floor=1e-40))
     e4m3_rounded = dataclasses.replace(spec.latent, elem="e4m3", data=Field("latent", 0, "e4m3", 512))
     with pytest.raises(rp.UnsupportedFormat, match="ties away is an E2M1 rule"):
         rp._coding(e4m3_rounded)
