@@ -132,8 +132,10 @@ def v3_blocker(plan, sparse: bool, smem_limit: int = HOPPER_SMEM_PER_BLOCK) -> s
     """Why a launch cannot run the v3 kernel (it then runs v2), or None when it can."""
     if sparse:
         return "v3 covers the dense decode path only (sparse top-k runs v2)"
-    if plan.reader_e4m3 or plan.record_bytes % 16:  # v3 copies 16-byte chunks; its decode has no E4M3 read-back
-        return f"{plan.name}: v3 has no E4M3 read-back decode and copies 16-byte chunks only (TensorRT-LLM formats run v2)"
+    if plan.reader_e4m3:
+        return f"{plan.name}: v3 has no E4M3 read-back decode (TensorRT-LLM formats run v2)"
+    if plan.record_bytes % 16:  # the producer's cp.async and record addressing assume 16-byte chunks
+        return f"{plan.name}: v3 copies records in 16-byte chunks only, this record is {plan.record_bytes} B (runs v2)"
     need = smem_bytes_v3(plan)
     if need > smem_limit:
         return f"{plan.name}: v3 needs {need} B of shared memory per CTA (2 K + 2 record stages), the device allows {smem_limit}"

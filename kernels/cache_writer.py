@@ -30,18 +30,33 @@ from mla_eval_kernels.record_plan import (
     APPLY_DIV,
     APPLY_MUL_RCP_APPROX,
     ORDER_8X4,
+    ROUND_TIES_AWAY,
     RULE_AMAX_E4M3,
     RULE_AMAX_E4M3_RCP6,
     RULE_AMAX_E4M3_UP,
     RULE_AMAX_FP32,
     RULE_AMAX_FP32_MUL,
     RULE_AMAX_FP32_POW2,
+    RULE_E8M0_CEIL,
     RULE_OCP_E8M0,
     RecordPlan,
 )
 
 WARPS_PER_CTA = 4
 _TORCH_TO_CUTE = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16, torch.float32: cutlass.Float32}
+
+
+def _amax_rcp6(amax) -> Float32:
+    """amax * rcp.approx.ftz(6): NVIDIA's NVFP4 block-scale step (codec `_amax_rcp6`; the measured rcp.approx(6)
+    equals f32(1/6), mla_eval/formats/approx.py), shared by the E4M3_RCP6 rule and the residual coding."""
+    return ptx.mul_rn(amax, ptx.rcp_approx_ftz(Float32(6.0)))
+
+
+def _e2m1_code(coding, v) -> Uint32:
+    """The E2M1 code of v under the coding's rounding (a compile-time choice): RNE, or SGLang's ties away."""
+    if coding.elem_rounding == ROUND_TIES_AWAY:
+        return ptx.e2m1_code_ties_away(v)
+    return ptx.e2m1_code(v)
 
 
 class CacheWriter:
@@ -239,7 +254,7 @@ class CacheWriter:
         if cutlass.const_expr(coding.rule == RULE_AMAX_E4M3_RCP6):
             # NVIDIA's recipe: amax * rcp.approx.ftz(6), times the engine's SFScaleVal (rounded after the
             # inner product), RN satfinite to E4M3
-            sf = ptx.mul_rn(amax, ptx.rcp_approx_ftz(Float32(6.0)))
+            sf = _amax_rcp6(amax)
             if cutlass.const_expr(coding.global_quant is not None):
                 sf = ptx.mul_rn(sf, Float32(coding.global_quant))
             code = ptx.e4m3x2(Float32(0.0), sf) & Uint32(0xFF)
@@ -260,6 +275,17 @@ class CacheWriter:
             e = Int32(-127)
             if amax > Float32(0.0):
                 e = ptx.floor_log2(amax) - Int32(2)
+            e = cutlass.max(cutlass.min(e, Int32(127)), Int32(-127))
+            return Uint32(e + Int32(127)), ptx.pow2(-e), ptx.pow2(e)
+        if cutlass.const_expr(coding.rule == RULE_E8M0_CEIL):
+            # SGLang's KVFP4 scale: t = max(amax / 6, floor) (div.rn, float32 floor), e = ceil(log2 t) read from the
+            # bits (t >= 1e-10 is a normal float: biased exponent - 127, + 1 unless the mantissa is 0, which is the
+            # codec's frexp rule), clamped to [-127, 127]; s = 2^e exactly, stored as the byte e + 127
+            t = ptx.max_f32(ptx.div_rn(amax, Float32(6.0)), floor)
+            b = ptx.f32_bits(t)
+            e = Int32(b >> Uint32(23)) - Int32(127)
+            if (b & Uint32(0x007FFFFF)) != Uint32(0):
+                e = e + Int32(1)
             e = cutlass.max(cutlass.min(e, Int32(127)), Int32(-127))
             return Uint32(e + Int32(127)), ptx.pow2(-e), ptx.pow2(e)
         raise NotImplementedError(coding.rule)
@@ -292,7 +318,7 @@ class CacheWriter:
             for h in cutlass.range_constexpr(2):
                 word = Uint32(0)
                 for i in cutlass.range_constexpr(8):
-                    word = word | (ptx.e2m1_code(v[8 * h + i]) << Uint32(4 * i))
+                    word = word | (_e2m1_code(coding, v[8 * h + i]) << Uint32(4 * i))
                 record[base + 2 * lane + h] = word
         elif cutlass.const_expr(coding.elem == "e4m3"):
             for h in cutlass.range_constexpr(4):
@@ -307,7 +333,7 @@ class CacheWriter:
     def _residual_scale(self, coding: cutlass.Constexpr, amax: Float32):
         """Spec step 5's group scale: (E4M3 code, s, rcp.approx.ftz(s)) of max(amax * rcp.approx(6), floor)
         (the codec reads the same reciprocals from the H200 table; s >= the floor, never 0)."""
-        sf = ptx.max_f32(ptx.mul_rn(amax, ptx.rcp_approx_ftz(Float32(6.0))), Float32(coding.scale_floor))
+        sf = ptx.max_f32(_amax_rcp6(amax), Float32(coding.scale_floor))
         code = ptx.e4m3x2(Float32(0.0), sf) & Uint32(0xFF)
         s = ptx.e4m3_to_f32(code)
         return code, s, ptx.rcp_approx_ftz(s)
@@ -360,7 +386,7 @@ class CacheWriter:
             record[base + lane] = ptx.bf16x2(w[1], w[0])
         elif cutlass.const_expr(coding.elem == "e2m1"):
             # lane l's two values are byte l (value 2l in the low nibble); word k = bytes 4k..4k+3
-            byte = ptx.e2m1_code(w[0]) | (ptx.e2m1_code(w[1]) << Uint32(4))
+            byte = _e2m1_code(coding, w[0]) | (_e2m1_code(coding, w[1]) << Uint32(4))
             word = Uint32(0)
             for j in cutlass.range_constexpr(4):
                 word = word | (ptx.shfl_idx(byte, (4 * lane + j) % 32) << Uint32(8 * j))

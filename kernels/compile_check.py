@@ -169,14 +169,13 @@ def main(argv=None) -> int:
         except UnsupportedFormat as exc:  # served by the torch reference; nothing to compile
             print(f"skipped   {name:18} (torch reference: {exc})", flush=True)
             continue
-        for outer in ([False, True] if plan.outer_allowed else [False]):
-            t = time.time()
-            w = (
-                _p(cutlass.BFloat16), _p(cutlass.BFloat16, 4), _p(cutlass.Int64, 8), _p(cutlass.Uint32), Int32(8), Float32(1.0),
-                stream,
-            )
-            cute.compile(CacheWriter(plan, cutlass.BFloat16, outer), *w)
-            print(f"writer    {name:18} outer={outer!s:5} {time.time() - t:5.1f}s", flush=True)
+        # every input dtype the dispatcher passes (bf16, fp16, fp32: the load and its conversion differ)
+        for in_dtype in (cutlass.BFloat16, cutlass.Float16, cutlass.Float32):
+            for outer in ([False, True] if plan.outer_allowed else [False]):
+                t = time.time()
+                w = (_p(in_dtype), _p(in_dtype, 4), _p(cutlass.Int64, 8), _p(cutlass.Uint32), Int32(8), Float32(1.0), stream)
+                cute.compile(CacheWriter(plan, in_dtype, outer), *w)
+                print(f"writer    {name:18} {in_dtype.__name__:8} outer={outer!s:5} {time.time() - t:5.1f}s", flush=True)
         versions = args.versions.split(",")
         if "v3" in versions:
             why = v3_blocker(plan, sparse=False, smem_limit=HOPPER_SMEM_PER_BLOCK)

@@ -16,9 +16,9 @@ Kernel (FlashAttention-2 style, bf16 `mma.sync.m16n8k16` with fp32 accumulation,
 - Key tiles of BN slots: slot ids computed P + 1 tiles ahead into shared memory; the raw records
   of the next P tiles (`Tuning.prefetch`, a ring of P + 1 stages) are copied with 16-byte
   `cp.async` (zero-filled for invalid slots) while the current tile is decoded in shared memory
-  into bf16 K [BN, 576] (E2M1 x E4M3 block scale x s_t x s_l, E4M3 x fp32 group scale, E8M0, bf16
-  copy; TensorRT-LLM's E2M1 x (E4M3 x dequant), or its residual rope fma(q2, s2 D, q1 s1 D), rounded
-  to E4M3, as its reader's fp8 copy). Records
+  into bf16 K [BN, 576] (E2M1 x E4M3 block scale x s_t x s_l, E4M3 x fp32 group scale, E2M1 x E8M0
+  (mxfp4's latent, SGLang's latent and rope), bf16 copy; TensorRT-LLM's E2M1 x (E4M3 x dequant), or its
+  residual rope fma(q2, s2 D, q1 s1 D), rounded to E4M3, as its reader's fp8 copy). Records
   that are not a multiple of 16 B (324 B) are copied in 8- or 4-byte chunks (`record_chunk`). For
   the bf16 format the records are the K rows and are copied straight into a double-buffered K tile
   (P = 1).

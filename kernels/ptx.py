@@ -129,6 +129,21 @@ def e2m1_code(v) -> Uint32:
     return code | sign
 
 
+def e2m1_code_ties_away(v) -> Uint32:
+    """float32 -> E2M1 code 0..15 as numerics.e2m1_encode_ties_away (SGLang's KVFP4): the magnitude counts the
+    bounds |v| reaches (`>=`: exact float32 comparisons, so a tie goes away from zero), saturating at 6; the
+    sign bit only for v < 0 (-0.0 gives code 0, unlike `e2m1_code`). v < 0 is read from the bits (sign set, magnitude
+    not 0), so a negative subnormal v (a tiny value beside a huge one in its group) keeps its sign whatever a
+    float compare's flush-to-zero mode; the bound comparisons are >= 0.25, where flushing changes nothing."""
+    a = abs_f32(v)
+    code = Uint32(0)
+    for bound in (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0):
+        code = code + Uint32(a >= Float32(bound))
+    b = f32_bits(v)
+    negative = (b >> Uint32(31)) & Uint32((b & Uint32(0x7FFFFFFF)) != Uint32(0))
+    return code | (negative << Uint32(3))
+
+
 @cute.jit
 def floor_log2(a: Float32) -> Int32:
     """floor(log2 a) for positive finite float32, subnormals included (read from the bits)."""

@@ -14,8 +14,9 @@ Kernel constraints checked here (a spec outside them is served by the torch refe
   stores 32-bit words; the attention kernel copies records in 16-, 8- or 4-byte cp.async chunks, the
   largest that divides the record);
 - latent groups hold a multiple of 16 values (one writer lane owns 16 consecutive values);
-- the rope has one fp32 scale for all 64 values, none, or (E2M1 rope) one E4M3 scale per 16 values;
-- E2M1 codes rounded to nearest even (SGLang's ties-away rounding and E8M0_CEIL rule have no kernel);
+- the rope has one fp32 scale for all 64 values, none, or (E2M1 rope) one E4M3 or E8M0 scale per 16 values;
+- SGLang's KVFP4 arithmetic (`sglang_fp4_e2m1`): the E2M1 rounding (`elem_rounding`: RNE, or ties away from
+  zero) and the E8M0 ceiling rule (`rule` = RULE_E8M0_CEIL) are plan fields, so part of every compile key;
 - TensorRT-LLM's NVFP4 DSA arithmetic (`trtllm_nvfp4_dsa`): the engine global scale (`global_quant` for the
   writer, `global_dequant` for the reader), saturating zero scales and the reader's E4M3 copy (`reader_e4m3`)
   are plan fields (so part of every compile key), and so is the residual E2M1 rope (`residual`,
@@ -45,12 +46,15 @@ RULE_AMAX_E4M3_UP = ScaleRule.AMAX_E4M3_UP.value
 RULE_AMAX_E4M3_RCP6 = ScaleRule.AMAX_E4M3_RCP6.value
 RULE_AMAX_FP32_MUL = ScaleRule.AMAX_FP32_MUL.value
 RULE_OCP_E8M0 = ScaleRule.OCP_E8M0.value
+RULE_E8M0_CEIL = ScaleRule.E8M0_CEIL.value
 KNOWN_RULES = tuple(r.value for r in ScaleRule)
 APPLY_MUL_RCP = ScaleApply.MUL_RCP.value
 APPLY_DIV = ScaleApply.DIV.value
 APPLY_MUL_RCP_APPROX = ScaleApply.MUL_RCP_APPROX.value
 ORDER_LINEAR = ScaleOrder.LINEAR.value
 ORDER_8X4 = ScaleOrder.TRANSPOSE_8X4.value  # group s's scale at entry 8*(s&3) + (s>>2)
+ROUND_RNE = "rne"  # spec.VectorCoding.elem_rounding: cvt's round to nearest even
+ROUND_TIES_AWAY = "ties_away"  # SGLang: the E2M1 code counts the bounds |x| reaches (>=), sign for x < 0 only
 
 class UnsupportedFormat(ValueError):
     """The spec is valid but outside what the CuTe kernels implement (dispatch falls back)."""
@@ -78,6 +82,7 @@ class CodingPlan:
     global_dequant: float | None = None
     zero_scale_saturates: bool = False  # s = 0 < amax: codes +-6, +6 for zeros (spec step 4)
     residual: bool = False  # a second E2M1 pass over each group's residual (spec step 5)
+    elem_rounding: str = ROUND_RNE  # ROUND_RNE | ROUND_TIES_AWAY (E2M1 codes only)
 
     @property
     def n_groups(self) -> int:
@@ -107,10 +112,14 @@ def _coding(c) -> CodingPlan:
     rule = c.scale_rule.value
     if c.elem not in ("bf16", "e4m3", "e2m1"):
         raise UnsupportedFormat(f"element type {c.elem!r} has no kernel")
-    if c.elem_rounding != "rne":  # SGLang's ties-away E2M1 rounding
-        raise UnsupportedFormat(f"E2M1 rounding {c.elem_rounding!r} has no kernel")
-    if rule not in KNOWN_RULES or rule == ScaleRule.E8M0_CEIL.value:  # SGLang's E8M0 ceiling
+    if c.elem_rounding not in (ROUND_RNE, ROUND_TIES_AWAY) or (c.elem_rounding == ROUND_TIES_AWAY and c.elem != "e2m1"):
+        raise UnsupportedFormat(f"{c.elem} rounding {c.elem_rounding!r} has no kernel (ties away is an E2M1 rule)")
+    if rule not in KNOWN_RULES:
         raise UnsupportedFormat(f"scale rule {rule!r} has no kernel")
+    if rule == RULE_E8M0_CEIL and (c.scale is None or c.scale.dtype != "e8m0"):
+        raise UnsupportedFormat(f"scale rule {rule!r} is implemented for E8M0 scales only")
+    if rule == RULE_E8M0_CEIL and not c.scale_floor >= FLT_MIN:  # the writer reads ceil(log2 t) from a normal t's bits
+        raise UnsupportedFormat(f"scale rule {rule!r} is implemented for a floor of at least FLT_MIN")
     scale, gs = c.scale, c.global_scale
     return CodingPlan(
         dim=c.dim,
@@ -129,6 +138,7 @@ def _coding(c) -> CodingPlan:
         global_dequant=gs.dequant if gs is not None else None,
         zero_scale_saturates=bool(c.zero_scale_saturates),
         residual=bool(c.residual),
+        elem_rounding=c.elem_rounding,
     )
 
 
@@ -179,10 +189,13 @@ def _check_kernel_scope(p: RecordPlan) -> None:
     if lat.scale_order == ORDER_8X4 and (lat.group != 16 or lat.scale_dtype == "fp32"):
         raise UnsupportedFormat("the 8x4 scale transpose is implemented for 32 byte-sized scales of 16 values")
     rope = p.rope
-    e2m1_rope = rope.elem == "e2m1" and rope.group == 16 and rope.scale_dtype == "e4m3" and rope.scale_order == ORDER_LINEAR
+    e2m1_rope = (rope.elem == "e2m1" and rope.group == 16 and rope.scale_dtype in ("e4m3", "e8m0")
+                 and rope.scale_order == ORDER_LINEAR)
     if rope.elem == "e2m1" and not e2m1_rope:
-        raise UnsupportedFormat("an E2M1 rope needs one linear E4M3 scale per 16 values")
+        raise UnsupportedFormat("an E2M1 rope needs one linear E4M3 or E8M0 scale per 16 values")
+    if rope.residual and rope.scale_dtype != "e4m3":
+        raise UnsupportedFormat("the residual E2M1 rope is implemented with E4M3 scales only")
     if rope.scale_dtype and not e2m1_rope and (rope.group != ROPE_DIM or rope.scale_dtype != "fp32"):
-        raise UnsupportedFormat("the rope may have one fp32 scale for all 64 values, none, or E4M3 per 16 (E2M1)")
+        raise UnsupportedFormat("the rope may have one fp32 scale for all 64 values, none, or E4M3 / E8M0 per 16 (E2M1)")
     if e2m1_rope and p.outer_on_rope:
         raise UnsupportedFormat("an outer scale on an E2M1 rope has no kernel")

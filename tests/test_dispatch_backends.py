@@ -212,3 +212,18 @@ def test_device_shared_memory_keeps_hopper_tiles():
     assert tile_config(plan, 128, device_limits.smem_per_block(dev)) == (64, 4, 2, 64)
     assert tile_config(plan, 128, 200 * 1024) == (64, 4, 2, 32)
     assert dispatch.kernel_status(get_format("nvfp4"), dev) == (True, "kernel")
+
+
+def test_sglang_fp4_e2m1_goes_to_the_kernels_without_a_fallback_warning(gpu, monkeypatch, no_env):
+    """SGLang's KVFP4 record (ties-away E2M1, E8M0 ceiling scales) is in the kernels' scope: auto takes them for
+    both the writer and the attention on sm_90, and no fallback is said or recorded."""
+    monkeypatch.setattr(dispatch, "_cutlass_importable", lambda: None)
+    spec = get_format("sglang_fp4_e2m1")
+    assert dispatch.kernel_status(spec, CUDA0) == (True, "kernel")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", dispatch.KernelFallbackWarning)
+        with dispatch.use_backend("auto") as log:
+            assert dispatch._use_kernel(spec, CUDA0, "auto", op="write") is True
+            assert dispatch._use_kernel(spec, CUDA0, "auto") is True
+    assert log.fallbacks == []
+    assert log.paths == {"write sglang_fp4_e2m1 on cuda:0": "kernel", "attend sglang_fp4_e2m1 on cuda:0": "kernel"}

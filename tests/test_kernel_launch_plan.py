@@ -290,3 +290,14 @@ def test_trtllm_nvfp4_dsa_runs_v2_with_4_byte_record_chunks():
     why = attention_tuning.v3_blocker(plan, sparse=False, smem_limit=attention_tuning.HOPPER_SMEM_PER_BLOCK)
     assert why is not None and "E4M3 read-back" in why
     assert not attention_tuning.default_tuning(plan, (16, 1, 8, 64), "v2").fast_e2m1
+
+
+def test_sglang_fp4_e2m1_runs_v2_without_the_fast_decode():
+    """SGLang's 324 B record: 4-byte cp.async in v2, v3 refuses it by its record size (no E4M3 read-back is
+    involved); its E8M0 block scales are not E4M3, so the latent is decoded per value (no fast E2M1 fold)."""
+    plan = plan_for(get_format("sglang_fp4_e2m1"))
+    assert record_chunk(plan.record_bytes) == 4 and not plan.reader_e4m3
+    why = attention_tuning.v3_blocker(plan, sparse=False, smem_limit=attention_tuning.HOPPER_SMEM_PER_BLOCK)
+    assert why is not None and "16-byte chunks" in why and "324 B" in why and "read-back" not in why
+    assert not attention_tuning.fast_e2m1_eligible(plan)
+    assert not attention_tuning.default_tuning(plan, (16, 1, 8, 64), "v2").fast_e2m1

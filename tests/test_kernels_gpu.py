@@ -24,7 +24,7 @@ import torch
 cutlass = pytest.importorskip("cutlass")
 
 from mla_eval.attention import reference  # noqa: E402
-from mla_eval.formats import all_formats, decode, encode, get_format  # noqa: E402
+from mla_eval.formats import Field, FormatSpec, ScaleRule, VectorCoding, all_formats, decode, encode, get_format  # noqa: E402
 from mla_eval_kernels import attention_tuning, compile_cache  # noqa: E402
 from mla_eval_kernels.record_plan import UnsupportedFormat, plan_for  # noqa: E402
 
@@ -174,14 +174,131 @@ def test_engine_writer_bytes_identical_to_codec_at_the_edges(fmt, kind):
         assert bool((scales == 0x7E).any())  # 448
 
 
+# SGLang's KVFP4 record (ties-away E2M1 codes, E8M0 scales 2^ceil(log2(max(amax / 6, 1e-10))) per 16 values)
+TIES_AWAY_FORMATS = [f for f in FORMATS if get_format(f).latent.elem_rounding == "ties_away"]
+SGLANG_KINDS = ["normal", "heavy", "bf16", "fp32", "zero", "tiny", "huge", "ties"]
+_E2M1_BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+def _groups(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """x [t, n] times one factor per 16 values (factor [t, n / 16])."""
+    return (x.unflatten(-1, (-1, 16)) * factor.unsqueeze(-1)).flatten(-2)
+
+
+def _sglang_inputs(kind: str, t: int, gen: torch.Generator):
+    """Inputs at the ends of SGLang's arithmetic. bf16 tensors, except `bf16` (float32 holding bf16 values, the
+    writer's float32 load) and `fp32` (arbitrary float32: amax / 6 and x / s round in float32). zero: signed
+    zeros (the 1e-10 floor, scale byte 94); tiny: group amax 1e-2 .. 1e-13, below the floor's 6e-10 in part,
+    with lone tiny negatives beside zeros (code 8, a negative zero, where -0.0 stays code 0); huge: group amax
+    up to 3.3e38 (scale exponents to 126; beside 3.3e38, -1e-3 / 2^126 is a negative subnormal, -1e-9 / 2^126
+    underflows to -0.0); ties: every value a bound or an E2M1 value times 2^e with the group
+    amax 6, 5 or 3 times 2^e (amax / 6 a power of two in part), so x / s lands exactly on the bounds."""
+    lat = torch.randn(t, 512, generator=gen)
+    rope = torch.randn(t, 64, generator=gen)
+    if kind == "heavy":
+        lat = lat * torch.exp(2.0 * torch.randn(t, 512, generator=gen))
+        rope = rope * torch.exp(2.0 * torch.randn(t, 64, generator=gen))
+    elif kind == "fp32":
+        lat, rope = lat * torch.exp(3.0 * torch.randn(t, 512, generator=gen)), rope * 1.1
+        return lat, rope
+    elif kind == "zero":
+        lat, rope = torch.zeros_like(lat), torch.zeros_like(rope)
+        lat[::2, ::3] = -0.0
+        rope[1::2, ::5] = -0.0
+    elif kind == "tiny":
+        lat = _groups(lat, torch.pow(10.0, -torch.empty(t, 32).uniform_(2, 13, generator=gen)))
+        rope = _groups(rope, torch.pow(10.0, -torch.empty(t, 4).uniform_(2, 13, generator=gen)))
+        lat[::3, 16:32] = -0.0
+        lat[::3, 20] = -1e-13
+        rope[::3, :16] = 0.0
+        rope[::3, 7] = -3e-13
+    elif kind == "huge":
+        lat = _groups(lat, torch.pow(10.0, torch.empty(t, 32).uniform_(0, 38, generator=gen)))
+        rope = _groups(rope, torch.pow(10.0, torch.empty(t, 4).uniform_(0, 38, generator=gen)))
+        lat[:, 5] = 3.3e38
+        lat[:, 6] = -1e-3  # x / 2^126: a negative subnormal (code 8)
+        lat[:, 7] = -1e-9  # x / 2^126 underflows to -0.0 (code 0)
+        rope[:, 60] = -3.3e38
+        lat, rope = lat.clamp(-3.3e38, 3.3e38), rope.clamp(-3.3e38, 3.3e38)
+    elif kind == "ties":
+        values = torch.tensor(_E2M1_BOUNDS + (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0))
+        tops = torch.tensor([6.0, 5.0, 3.0])
+
+        def tied(n: int) -> torch.Tensor:
+            v = values[torch.randint(0, len(values), (t, n), generator=gen)]
+            v = torch.where(torch.rand(t, n, generator=gen) < 0.5, -v, v)
+            v = v.unflatten(-1, (-1, 16))
+            v[..., 0] = tops[torch.randint(0, 3, v.shape[:-1], generator=gen)]  # the group amax
+            return (v * torch.exp2(torch.randint(-30, 30, (*v.shape[:-1], 1), generator=gen).float())).flatten(-2)
+
+        lat, rope = tied(512), tied(64)
+    lat, rope = lat.to(torch.bfloat16), rope.to(torch.bfloat16)
+    if kind == "bf16":
+        return lat.float(), rope.float()
+    return lat, rope
+
+
 @needs_cuda
-@pytest.mark.parametrize("fmt", REFERENCE_ONLY)
+@pytest.mark.parametrize("kind", SGLANG_KINDS)
+@pytest.mark.parametrize("fmt", TIES_AWAY_FORMATS)
+def test_ties_away_writer_bytes_identical_to_codec(fmt, kind):
+    """Writer bytes == codec bytes for SGLang's rounding and scale rule; each edge is checked to be reached."""
+    from mla_eval.attention import dispatch
+
+    spec = get_format(fmt)
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{fmt}/{kind}".encode()))
+    t, blocks = 300, 6
+    lat, rope = _sglang_inputs(kind, t, gen)
+    slots = torch.randperm(blocks * BLOCK, generator=gen)[:t]
+    slots[::7] = -1
+    cache = torch.full((blocks, BLOCK, spec.record_bytes), 0xA5, dtype=torch.uint8, device="cuda")
+    dispatch.write_cache(spec, lat.cuda(), rope.cuda(), slots.cuda(), cache, backend="kernel")
+    want = torch.full((blocks, BLOCK, spec.record_bytes), 0xA5, dtype=torch.uint8)
+    reference.write_cache(spec, lat, rope, slots, want)
+    got = cache.cpu()
+    if not torch.equal(got, want):
+        bad = (got != want).nonzero()
+        raise AssertionError(f"{fmt} {kind}: {len(bad)} bytes differ, first at {bad[0].tolist()}")
+    kept = slots >= 0
+    rec = want.view(-1, spec.record_bytes)[slots[kept]]
+    scales = torch.cat([rec[:, c.scale.offset : c.scale.end] for c in (spec.latent, spec.rope)], 1).int()
+    codes = torch.stack((rec[:, :288] & 0xF, rec[:, :288] >> 4), -1)
+    floor_byte = 127 + math.ceil(math.log2(spec.latent.scale_floor))  # 2^-33 >= 1e-10
+    if kind == "zero":
+        assert bool((scales == floor_byte).all()) and bool((codes == 0).all())
+    if kind == "tiny":
+        assert bool((scales == floor_byte).any()) and bool((codes == 8).any())
+    if kind == "huge":
+        assert int(scales.max()) >= 127 + 120
+        assert bool((codes[:, 3, 0] == 8).all()) and bool((codes[:, 3, 1] == 0).all())  # values 6 and 7
+    if kind == "ties":  # the groups' values divided by their scale sit on the bounds: ties are exercised
+        x = torch.cat([lat, rope], 1).float()[kept]
+        s = torch.exp2(scales.float() - 127).repeat_interleave(16, 1)
+        assert bool(torch.isin((x / s).abs(), torch.tensor(_E2M1_BOUNDS)).float().mean() > 0.2)
+
+
+# a valid spec outside the kernels (an E4M3 latent with a scale per 8 values): the fallback stays tested now that
+# every registered format has a kernel
+ODD_GROUP = FormatSpec(
+    name="odd_group",
+    title="odd",
+    description="E4M3 latent with a scale per 8 values",
+    source="test",
+    record_bytes=896,
+    latent=VectorCoding(512, "e4m3", Field("latent", 0, "e4m3", 512), ScaleRule.AMAX_FP32, 8, Field("s", 512, "fp32", 64)),
+    rope=VectorCoding(64, "bf16", Field("rope", 768, "bf16", 64), ScaleRule.NONE, 64),
+)
+
+
+@needs_cuda
+@pytest.mark.parametrize("fmt", REFERENCE_ONLY + [ODD_GROUP.name])
 def test_formats_outside_the_kernels_fall_back_to_the_reference(fmt):
     """auto picks the torch reference (bytes = codec), an explicit kernel request is a clear error."""
     from mla_eval.attention import dispatch
     from mla_eval.errors import UserError
 
-    spec = get_format(fmt)
+    spec = ODD_GROUP if fmt == ODD_GROUP.name else get_format(fmt)
+    assert not _has_kernel(spec)
     gen = torch.Generator().manual_seed(3)
     lat, rope = _inputs("random", 32, gen)
     slots = torch.arange(32)
@@ -289,7 +406,7 @@ def _sparse_lists(gen, n, topk, num_slots):
 # every format at h=16; every head count (8..128) on nvfp4; the other M=64 tiles (bf16 copies its
 # records straight into a double-buffered K tile, fp8_ds_mla uses 32-slot tiles there)
 CASES = [(f, 16) for f in FORMATS] + [("nvfp4", h) for h in (8, 32, 64, 128)] + [("bf16", 128), ("fp8_ds_mla", 128)]
-CASES += [(f, 64) for f in ENGINE_FORMATS]  # the 4 x 2 warp tile over 4-byte record chunks
+CASES += [(f, 64) for f in ENGINE_FORMATS + TIES_AWAY_FORMATS]  # the 4 x 2 warp tile over 4-byte record chunks
 # both kernel generations on every case (v2 at h <= 16: the narrow tile where two CTAs fit an SM,
 # `attention_tuning.launch_choice`); v2 also on the 8-warp h <= 16 tile, and on the narrow tile with
 # two tiles in flight for every format (whether or not it is the default there)
@@ -332,7 +449,7 @@ def test_attention_matches_reference(fmt, heads, mode, version, monkeypatch):
     ref_out, ref_lse = reference.mla_attention(spec, q, cache, softmax_scale=scale, sink=sink, outer_scale=s_l, **lists)
     bound = _bound(spec, q.cpu(), cache.cpu(), slots, scale, s_l)
     # the split-KV heuristic (partials + combine); nvfp4 and the engine formats also with one CTA per query
-    for splits in ((1, None) if fmt == "nvfp4" or fmt in ENGINE_FORMATS else (None,)):
+    for splits in ((1, None) if fmt == "nvfp4" or fmt in ENGINE_FORMATS + TIES_AWAY_FORMATS else (None,)):
         out, lse = _run(spec, q, cache, scale, sink=sink, outer_scale=s_l, num_splits=splits, tile=tile, tuning=tuning, **lists)
         _check(out, lse, ref_out, ref_lse, bound, f"{fmt} h={heads} {mode} splits={splits} {version}")
 
@@ -367,7 +484,7 @@ def test_scale_mode_or_s_l_change_never_reuses_a_kernel():
     results = {}
     for fmt, s_l in [("nvfp4", None), ("nvfp4", 1.0), ("nvfp4", 0.02), ("nvfp4", 3.0),
                      ("fp8_ds_mla", None), ("fp8_ds_mla_pow2", None), ("nvfp4_fp8rope", None), ("nvfp4_fp8rope_st", None),
-                     ("nvfp4_fp8_ds_mla", None), ("trtllm_nvfp4_dsa", None)]:
+                     ("nvfp4_fp8_ds_mla", None), ("trtllm_nvfp4_dsa", None), ("sglang_fp4_e2m1", None)]:
         spec = get_format(fmt)
         cache = torch.zeros(1, BLOCK, spec.record_bytes, dtype=torch.uint8, device="cuda")
         dispatch.write_cache(spec, lat.cuda(), rope.cuda(), slots.cuda(), cache, outer_scale=s_l, backend="kernel")
@@ -379,12 +496,12 @@ def test_scale_mode_or_s_l_change_never_reuses_a_kernel():
     dev = torch.device("cuda")
     k = {name: cache_writer.compile_key(plan_for(get_format(name)), torch.bfloat16, o, dev)
          for name, o in [("nvfp4", False), ("fp8_ds_mla", False), ("fp8_ds_mla_pow2", False), ("nvfp4_fp8_ds_mla", False),
-                         ("trtllm_nvfp4_dsa", False)]}
-    assert len(set(k.values())) == 5
+                         ("trtllm_nvfp4_dsa", False), ("sglang_fp4_e2m1", False)]}
+    assert len(set(k.values())) == 6
     assert cache_writer.compile_key(plan_for(get_format("nvfp4")), torch.bfloat16, True, dev) != k["nvfp4"]
     new = set(compile_cache.keys()) - keys_before
     assert all(key in compile_cache.keys() for key in k.values())
-    assert len(new) <= 8  # one writer per (format, outer on/off) at most, never one per s_l value
+    assert len(new) <= 9  # one writer per (format, outer on/off) at most, never one per s_l value
 
     # attention: outer scale on/off and two s_l values over the same records
     spec = get_format("nvfp4")

@@ -41,6 +41,7 @@ def test_plan_agrees_with_spec_or_is_refused_with_a_reason(spec):
         gs = c.global_scale
         assert (cp.global_quant, cp.global_dequant) == ((gs.quant, gs.dequant) if gs is not None else (None, None))
         assert cp.zero_scale_saturates == c.zero_scale_saturates and cp.residual == c.residual
+        assert cp.elem_rounding == c.elem_rounding
 
 def test_rule_names_are_the_spec_rules():
     assert rp.KNOWN_RULES == tuple(r.value for r in ScaleRule)
@@ -138,5 +139,35 @@ def test_trtllm_engine_arithmetic_reaches_the_plan():
         record_bytes=648, buffers=())
     with pytest.raises(rp.UnsupportedFormat, match="residual E2M1 latent"):
         rp.plan_for(residual_latent)
-    with pytest.raises(rp.UnsupportedFormat, match="ties_away"):
-        rp.plan_for(by_name["sglang_fp4_e2m1"])
+
+
+def test_sglang_fp4_e2m1_reaches_the_plan_with_its_rounding_and_scale_rule():
+    """SGLang's KVFP4 record on the kernels: ties-away E2M1 and the E8M0 ceiling rule (dividing, floor 1e-10) are
+    plan fields, both vectors E2M1 with one E8M0 byte per 16; flipping either rule gives another compile key."""
+    spec = next(s for s in all_formats() if s.name == "sglang_fp4_e2m1")
+    plan = rp.plan_for(spec)
+    for c, vec in ((plan.latent, spec.latent), (plan.rope, spec.rope)):
+        assert (c.elem, c.rule, c.scale_dtype, c.group) == ("e2m1", rp.RULE_E8M0_CEIL, "e8m0", 16)
+        assert c.elem_rounding == rp.ROUND_TIES_AWAY == vec.elem_rounding and c.apply == rp.APPLY_DIV
+        assert c.scale_floor == vec.scale_floor == 1e-10 and c.scale_order == rp.ORDER_LINEAR
+    assert (plan.latent.data_offset, plan.latent.scale_offset, plan.rope.data_offset, plan.rope.scale_offset) == (
+        0, 288, 256, 320)
+    assert (plan.record_bytes, plan.token_scale_offset, plan.pads, plan.outer_allowed) == (324, -1, (), False)
+    rne = dataclasses.replace(spec, name="v", latent=dataclasses.replace(spec.latent, elem_rounding="rne"),
+                              rope=dataclasses.replace(spec.rope, elem_rounding="rne"))
+    ocp = dataclasses.replace(spec, name="v", latent=dataclasses.replace(spec.latent, scale_rule=ScaleRule.OCP_E8M0,
+                                                                 apply=spec_mod.ScaleApply.MUL_RCP))
+    keys = {dataclasses.replace(plan, name="v"), rp.plan_for(rne), rp.plan_for(ocp)}
+    assert len(keys) == 3
+
+
+def test_the_e8m0_ceiling_rule_without_an_e8m0_scale_and_ties_away_outside_e2m1_are_refused():
+    spec = next(s for s in all_formats() if s.name == "sglang_fp4_e2m1")
+    fp32 = dataclasses.replace(spec.latent, scale=Field("s", 288, "fp32", 32))  # the vector alone (no record layout)
+    with pytest.raises(rp.UnsupportedFormat, match="E8M0 scales only"):
+        rp._coding(fp32)
+    with pytest.raises(rp.UnsupportedFormat, match="floor of at least FLT_MIN"):
+        rp._coding(dataclasses.replace(spec.latent, scale_floor=1e-40))
+    e4m3_rounded = dataclasses.replace(spec.latent, elem="e4m3", data=Field("latent", 0, "e4m3", 512))
+    with pytest.raises(rp.UnsupportedFormat, match="ties away is an E2M1 rule"):
+        rp._coding(e4m3_rounded)
