@@ -142,6 +142,14 @@ def _coding(c) -> CodingPlan:
     )
 
 
+# Formats whose writer and attention are written and compile for sm_90a but have not passed their GPU tests
+# (tests/test_kernels_gpu.py) on an H200 yet: the dispatcher keeps them on the torch reference, says so and records
+# it, until the entry is removed after a passing device run. The GPU tests call the kernels directly.
+AWAITING_GPU_TESTS: dict[str, str] = {
+    "sglang_fp4_e2m1": "its CuTe writer and attention (session 7) have not passed their GPU tests yet",
+}
+
+
 def plan_for(spec) -> RecordPlan:
     """The kernel plan of a `FormatSpec`; raises `UnsupportedFormat` outside the kernels' scope."""
     latent, rope = _coding(spec.latent), _coding(spec.rope)

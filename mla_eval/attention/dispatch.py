@@ -184,12 +184,15 @@ def kernel_status(spec, device: torch.device | str) -> tuple[bool, str]:
     device = torch.device(device)
     if device.type != "cuda" or _kernels_package_reason() is not None:
         return False, _device_reason(device)
-    from mla_eval_kernels.record_plan import UnsupportedFormat, plan_for  # noqa: PLC0415 - pure Python
+    from mla_eval_kernels.record_plan import AWAITING_GPU_TESTS, UnsupportedFormat, plan_for  # noqa: PLC0415
 
+    name = get_format(spec).name
     try:
         plan_for(get_format(spec))
     except UnsupportedFormat as exc:
-        return False, f"format {get_format(spec).name} is outside the kernels' scope: {exc}"
+        return False, f"format {name} is outside the kernels' scope: {exc}"
+    if name in AWAITING_GPU_TESTS:
+        return False, f"format {name}: {AWAITING_GPU_TESTS[name]}"
     why = _device_reason(device)
     return (False, why) if why is not None else (True, "kernel")
 
