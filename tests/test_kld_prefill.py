@@ -7,7 +7,15 @@ than assumed: eps = the largest per-token KL between the two paths' outputs on t
 path rounding, no format error). A first-order expansion of KL(ref || fmt) in a logit perturbation
 of size ~sqrt(eps) bounds a token's KLD change by ~sqrt(kld * eps) + eps; TOL_FACTOR leaves room for
 the format's own path rounding differing from the bf16 cache's (measured up to 3.5x on the embedded
-model, 0.4x on the tiny one, at this commit).
+model, 0.4x on the tiny one, with the first default-model weights).
+
+That expansion assumes the format is smooth in its input. It is not: from layer 1 on, the two paths feed
+slightly different latents into the writer, and a block scale that rounds to the neighbouring E4M3 step
+(nvfp4, trtllm_nvfp4_dsa) moves 16 values by several per cent for every later query. With the shipped weights
+(session 7) such a flip put 2 of 158 nvfp4 tokens 2-4x past the bound (KL between the two paths' nvfp4 outputs
+up to 2e-3 at those tokens, against 3e-6 for the bf16 cache; nvfp4_fp8rope, mxfp4, fp8_ds_mla stay below 3e-5).
+So the per-token bound must hold for at least 97 % of tokens, and the means and top-1 agreement for all: a
+decode or indexing error moves every token, a scale flip a few.
 """
 
 import dataclasses
@@ -85,8 +93,8 @@ def test_mha_and_absorbed_agree_per_token(lm, semantics):
         if key.startswith("nvfp4"):  # the largest format error: the comparison must resolve it
             assert m["kld"].mean() > 5 * eps, f"{key}: the format error must exceed the path rounding"
         bound = TOL_FACTOR * (np.sqrt(np.maximum(a["kld"], m["kld"]) * eps) + eps)
-        worst = np.abs(a["kld"] - m["kld"]) - bound
-        assert worst.max() <= 0, f"{key}: token {worst.argmax()} differs by {np.abs(a['kld'] - m['kld']).max():.3g}"
+        past = np.abs(a["kld"] - m["kld"]) > bound
+        assert past.mean() <= 0.03, f"{key}: {past.sum()} of {past.size} tokens past the rounding bound"
         assert m["kld"].mean() == pytest.approx(a["kld"].mean(), rel=0.02)
         assert np.mean(a["same_top1"] == m["same_top1"]) > 0.97
 
@@ -120,12 +128,12 @@ def test_cli_records_the_path_and_refuses_bad_input(ckpt, tmp_path, capsys):
     text.write_text(" ".join(f"The {w} river flows past the mill." for w in ["north", "south"] * 60))
     base = ["kld", "--model", str(ckpt), "--text", str(text), "--ctx", "64", "--formats", "nvfp4", "--scales", "none"]
     docs = {}
-    for extra in (["--no-layer-stats"], ["--no-layer-stats", "--prefill", "absorbed"], []):
+    for extra in (["--no-layer-stats", "--prefill", "auto"], ["--no-layer-stats"], ["--prefill", "auto"]):
         out = tmp_path / f"r{len(docs)}.json"
         code, err = _cli(base + extra + ["--out", str(out)], capsys)
         assert code == 0, err
         docs[" ".join(extra)] = json.loads(out.read_text())
-    fast, slow, stats = docs["--no-layer-stats"], docs["--no-layer-stats --prefill absorbed"], docs[""]
+    fast, slow, stats = docs["--no-layer-stats --prefill auto"], docs["--no-layer-stats"], docs["--prefill auto"]
     assert (fast["settings"]["prefill"], fast["settings"]["prefill_asked"]) == ("mha", "auto")
     assert fast["formats"]["nvfp4"]["prefill"] == "mha" and not fast["notes"]
     assert slow["settings"]["prefill"] == slow["formats"]["nvfp4"]["prefill"] == "absorbed"

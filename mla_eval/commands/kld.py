@@ -86,8 +86,9 @@ def kld(
         help="How each window's forward reads the quantised cache: 'absorbed' runs every position through the absorbed "
         "MQA attention (decode's arithmetic), 'mha' decodes the cache once, up-projects it through kv_b_proj and runs "
         "causal SDPA (flash on CUDA; the same mathematics with bf16 math, up to bf16 rounding of K/V; several times "
-        "faster). Default auto: mha wherever it computes the same semantics (bf16 math, no --explain fp8 rows, "
-        "--no-layer-stats, not a DSA model), else absorbed with a note; the JSON records the path (settings.prefill).",
+        "faster). 'auto': mha wherever it computes the same semantics (bf16 math, no --explain fp8 rows, "
+        "--no-layer-stats, not a DSA model), else absorbed with a note. Default absorbed (mha's GPU speed is not "
+        "measured yet); the JSON records the path (settings.prefill).",
     ),
     rope_scaling: str = typer.Option("none", "--rope-scaling", help=ROPE_SCALING_HELP),
     text_note: str = typer.Option(

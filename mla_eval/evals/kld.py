@@ -38,8 +38,11 @@ from mla_eval.model.session import PREFILL_MODES, CacheSession
 # resolve_prefill), else absorbed. Both read only the bytes the format stored; with bf16 math they
 # are the same mathematics up to the bf16 rounding of the up-projected K/V, and the mha form does
 # 3.4x fewer attention FLOPs per query (causal flash attention on CUDA; issue 14).
+# The default stays absorbed (the path every committed KLD figure and the kernels' GPU checks used) until the H200
+# benchmark (forward_bench --parts kld) and the GPU test of the two paths (tests/test_semantics_gpu.py -k mha_window)
+# have run: a user who turns off layer stats must not silently change the attention path under their numbers.
 KLD_PREFILL_MODES = ("auto", *PREFILL_MODES)
-DEFAULT_KLD_PREFILL = "auto"
+DEFAULT_KLD_PREFILL = "absorbed"
 
 
 @dataclasses.dataclass(frozen=True)
