@@ -273,7 +273,8 @@ def test_dsa_engine_semantics_read_the_cache_like_cache_semantics(tmp_path):
     text = tmp_path / "t.txt"
     text.write_text(" ".join(f"The {w} river runs by the mill and the {w} bridge." for w in ["north", "south"] * 8))
     result = api.evaluate_kld(api.KldSettings(model=ckpt, text=text, formats="nvfp4", ctx=32, stride=16, scales="none",
-                                              device="cpu", layer_stats=False, semantics="cache,engine:64"))
+                                              device="cpu", layer_stats=False, semantics="cache,engine:64",
+                                              prefill="auto"))
     engine = result.mean_kld(row_label("nvfp4", "engine:64", "bf16"))
     assert engine > 0  # one chunk covers the window, yet the sparse path still reads the quantised cache
     assert engine == result.mean_kld("nvfp4")

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The GPU validation of session 7's CPU-only work, for the next device session (see results/h200/README.md,
+# "Next device session"). After the wheel-halves call of device_setup.sh (model stashed, carry .devwheels/a):
+#   call 2 (model stashed; carry .devwheels/b .devwheels/js .devdata):   bash results/h200/device_session8.sh kern bench
+#   call 3 (model in place; carry .devwheels/js .devdata; machine warm):  bash results/h200/device_session8.sh model
+#   kern   every kernel GPU test: the sglang_fp4_e2m1 writer and attention (record_plan.AWAITING_GPU_TESTS), the
+#          per-format v3 default with V3_DEFAULT_PENDING cleared by the test, v3 without L2 prefetch, one producer
+#   bench  (b) with variants for every format v3 covers (v2 vs v3 rows, the v3-pf probe) and (c) prefill-as-decode,
+#          ceilings in the same run: decides V3_DEFAULT_FORMATS and whether to clear V3_DEFAULT_PENDING
+#   model  the mha kld window path: its GPU agreement test, then forward_bench --parts kld (absorbed vs mha vs the
+#          stock forward in one run: the issue-14 1.5x target), then decode steps under forced v3 (CUDA graphs)
+# If every test passes: delete the sglang entry of AWAITING_GPU_TESTS and set V3_DEFAULT_PENDING = None (commit with
+# the logs); if the bench shows mha faster and the agreement test passes, consider DEFAULT_KLD_PREFILL = "auto".
+. "$(dirname "$0")/device_setup.sh"  # log, step timer, CuTe DSL + jsonschema
+mkdir -p "$OUT/runs"
+for w in "$@"; do
+case "$w" in
+kern)
+    step "kernel GPU tests (all formats, v1/v2/v3, default policy)"
+    timeout 400 python3 -m pytest tests/test_kernels_gpu.py tests/test_kernels_v3_gpu.py tests/test_dispatch_backends.py \
+        -q -n 8 -p no:cacheprovider -rfE > "$OUT/runs/pytest-kernels.log" 2>&1
+    echo "pytest rc=$? (124 = timeout)"; grep -E "FAILED|ERROR|passed|failed" "$OUT/runs/pytest-kernels.log" | grep -v "^E " | tail -30
+    ;;
+bench)
+    step "bench (b) variants + (c)"
+    timeout 300 python3 -m mla_eval_kernels.bench --shapes b,c --variants \
+        --formats bf16,nvfp4,nvfp4_fp8rope,nvfp4_fp8rope_st,nvfp4_fp8_ds_mla,mxfp4,fp8_ds_mla,sglang_fp4_e2m1 \
+        --out "$OUT/runs/bench" > "$OUT/runs/bench.log" 2>&1
+    echo "bench rc=$?"; grep -E "^GPU|dense|prefill|saved|Error|error" "$OUT/runs/bench.log" | tail -80
+    ;;
+model)
+    step "kld mha window path vs the absorbed kernel path (GPU test)"
+    timeout 200 python3 -m pytest tests/test_semantics_gpu.py -q -p no:cacheprovider -rfE -k mha_window \
+        > "$OUT/runs/pytest-mha-window.log" 2>&1
+    echo "pytest rc=$?"; tail -3 "$OUT/runs/pytest-mha-window.log"
+    step "forward_bench --parts kld"
+    timeout 200 python3 -m mla_eval.evals.forward_bench --parts kld --out "$OUT/runs/forward-bench-kld.json" 2>&1 | tail -25
+    step "decode steps under v3 forced (CUDA graphs; the pending default would run v2)"
+    MLA_EVAL_ATTENTION_KERNEL=v3 timeout 200 python3 -m pytest tests/test_decode_steps_gpu.py -q -p no:cacheprovider -rfE \
+        > "$OUT/runs/pytest-decode-steps.log" 2>&1
+    echo "pytest rc=$?"; tail -3 "$OUT/runs/pytest-decode-steps.log"
+    ;;
+*) echo "unknown step $w (kern, bench, model)"; exit 2 ;;
+esac
+done
+step "done"
