@@ -23,8 +23,10 @@ import torch
 
 cutlass = pytest.importorskip("cutlass")
 
+from format_fixtures import ODD_GROUP  # noqa: E402
+
 from mla_eval.attention import reference  # noqa: E402
-from mla_eval.formats import Field, FormatSpec, ScaleRule, VectorCoding, all_formats, decode, encode, get_format  # noqa: E402
+from mla_eval.formats import all_formats, decode, encode, get_format  # noqa: E402
 from mla_eval_kernels import attention_tuning, compile_cache  # noqa: E402
 from mla_eval_kernels.record_plan import UnsupportedFormat, plan_for  # noqa: E402
 
@@ -144,19 +146,13 @@ def _edge_inputs(kind: str, t: int, gen: torch.Generator):
     return lat.to(torch.bfloat16), rope.to(torch.bfloat16)
 
 
-@needs_cuda
-@pytest.mark.parametrize("kind", ["zero", "tiny", "huge"])
-@pytest.mark.parametrize("fmt", ENGINE_FORMATS)
-def test_engine_writer_bytes_identical_to_codec_at_the_edges(fmt, kind):
-    """Writer bytes == codec bytes where TensorRT-LLM's arithmetic branches (random and heavy inputs are in
-    test_writer_bytes_identical_to_codec); the edge must be reached, not only passed through."""
+def _kernel_bytes_equal_codec(spec, lat, rope, gen, label: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write the T tokens through the CuTe writer (random slots, every 7th -1, the rest of the cache poisoned
+    with 0xA5) and through the codec; assert identical caches; return (the written records, the kept mask)."""
     from mla_eval.attention import dispatch
 
-    spec = get_format(fmt)
-    gen = torch.Generator().manual_seed(zlib.crc32(f"{fmt}/{kind}".encode()))
-    t, blocks = 300, 6
-    lat, rope = _edge_inputs(kind, t, gen)
-    slots = torch.randperm(blocks * BLOCK, generator=gen)[:t]
+    blocks = 6
+    slots = torch.randperm(blocks * BLOCK, generator=gen)[: lat.shape[0]]
     slots[::7] = -1
     cache = torch.full((blocks, BLOCK, spec.record_bytes), 0xA5, dtype=torch.uint8, device="cuda")
     dispatch.write_cache(spec, lat.cuda(), rope.cuda(), slots.cuda(), cache, backend="kernel")
@@ -165,8 +161,21 @@ def test_engine_writer_bytes_identical_to_codec_at_the_edges(fmt, kind):
     got = cache.cpu()
     if not torch.equal(got, want):
         bad = (got != want).nonzero()
-        raise AssertionError(f"{fmt} {kind}: {len(bad)} bytes differ, first at {bad[0].tolist()}")
-    rec = want.view(-1, spec.record_bytes)[slots[slots >= 0]]
+        raise AssertionError(f"{spec.name} {label}: {len(bad)} bytes differ, first at {bad[0].tolist()}")
+    kept = slots >= 0
+    return want.view(-1, spec.record_bytes)[slots[kept]], kept
+
+
+@needs_cuda
+@pytest.mark.parametrize("kind", ["zero", "tiny", "huge"])
+@pytest.mark.parametrize("fmt", ENGINE_FORMATS)
+def test_engine_writer_bytes_identical_to_codec_at_the_edges(fmt, kind):
+    """Writer bytes == codec bytes where TensorRT-LLM's arithmetic branches (random and heavy inputs are in
+    test_writer_bytes_identical_to_codec); the edge must be reached, not only passed through."""
+    spec = get_format(fmt)
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{fmt}/{kind}".encode()))
+    lat, rope = _edge_inputs(kind, 300, gen)
+    rec, _ = _kernel_bytes_equal_codec(spec, lat, rope, gen, kind)
     scales = torch.cat([rec[:, c.scale.offset : c.scale.end] for c in (spec.latent, spec.rope)], 1)
     if kind == "tiny":  # zero block scales with nonzero groups: saturated codes (0x7 / 0xF nibbles) are written
         assert bool((scales == 0).any()) and bool(((rec[:, :288] & 0xF) == 0x7).any())
@@ -243,24 +252,10 @@ def _sglang_inputs(kind: str, t: int, gen: torch.Generator):
 @pytest.mark.parametrize("fmt", TIES_AWAY_FORMATS)
 def test_ties_away_writer_bytes_identical_to_codec(fmt, kind):
     """Writer bytes == codec bytes for SGLang's rounding and scale rule; each edge is checked to be reached."""
-    from mla_eval.attention import dispatch
-
     spec = get_format(fmt)
     gen = torch.Generator().manual_seed(zlib.crc32(f"{fmt}/{kind}".encode()))
-    t, blocks = 300, 6
-    lat, rope = _sglang_inputs(kind, t, gen)
-    slots = torch.randperm(blocks * BLOCK, generator=gen)[:t]
-    slots[::7] = -1
-    cache = torch.full((blocks, BLOCK, spec.record_bytes), 0xA5, dtype=torch.uint8, device="cuda")
-    dispatch.write_cache(spec, lat.cuda(), rope.cuda(), slots.cuda(), cache, backend="kernel")
-    want = torch.full((blocks, BLOCK, spec.record_bytes), 0xA5, dtype=torch.uint8)
-    reference.write_cache(spec, lat, rope, slots, want)
-    got = cache.cpu()
-    if not torch.equal(got, want):
-        bad = (got != want).nonzero()
-        raise AssertionError(f"{fmt} {kind}: {len(bad)} bytes differ, first at {bad[0].tolist()}")
-    kept = slots >= 0
-    rec = want.view(-1, spec.record_bytes)[slots[kept]]
+    lat, rope = _sglang_inputs(kind, 300, gen)
+    rec, kept = _kernel_bytes_equal_codec(spec, lat, rope, gen, kind)
     scales = torch.cat([rec[:, c.scale.offset : c.scale.end] for c in (spec.latent, spec.rope)], 1).int()
     codes = torch.stack((rec[:, :288] & 0xF, rec[:, :288] >> 4), -1)
     floor_byte = 127 + math.ceil(math.log2(spec.latent.scale_floor))  # 2^-33 >= 1e-10
@@ -275,19 +270,6 @@ def test_ties_away_writer_bytes_identical_to_codec(fmt, kind):
         x = torch.cat([lat, rope], 1).float()[kept]
         s = torch.exp2(scales.float() - 127).repeat_interleave(16, 1)
         assert bool(torch.isin((x / s).abs(), torch.tensor(_E2M1_BOUNDS)).float().mean() > 0.2)
-
-
-# a valid spec outside the kernels (an E4M3 latent with a scale per 8 values): the fallback stays tested now that
-# every registered format has a kernel
-ODD_GROUP = FormatSpec(
-    name="odd_group",
-    title="odd",
-    description="E4M3 latent with a scale per 8 values",
-    source="test",
-    record_bytes=896,
-    latent=VectorCoding(512, "e4m3", Field("latent", 0, "e4m3", 512), ScaleRule.AMAX_FP32, 8, Field("s", 512, "fp32", 64)),
-    rope=VectorCoding(64, "bf16", Field("rope", 768, "bf16", 64), ScaleRule.NONE, 64),
-)
 
 
 @needs_cuda

@@ -4,8 +4,9 @@ for field, or the format is refused with `UnsupportedFormat` and a reason. Pure 
 import dataclasses
 
 import pytest
+from format_fixtures import ODD_GROUP
 
-from mla_eval.formats import Field, FormatSpec, ScaleRule, VectorCoding, all_formats
+from mla_eval.formats import Field, ScaleRule, VectorCoding, all_formats
 from mla_eval.formats import spec as spec_mod
 from mla_eval_kernels import record_plan as rp
 
@@ -57,17 +58,8 @@ def test_engine_arithmetic_reaches_the_plan():
     assert vllm != flashmla  # different compile keys
 
 def test_a_spec_outside_the_kernels_is_refused_with_its_reason():
-    spec = FormatSpec(
-        name="odd_group",
-        title="odd",
-        description="E4M3 latent with a scale per 8 values",
-        source="test",
-        record_bytes=896,
-        latent=VectorCoding(512, "e4m3", Field("latent", 0, "e4m3", 512), ScaleRule.AMAX_FP32, 8, Field("s", 512, "fp32", 64)),
-        rope=VectorCoding(64, "bf16", Field("rope", 768, "bf16", 64), ScaleRule.NONE, 64),
-    )
     with pytest.raises(rp.UnsupportedFormat, match="latent group 8 is not a multiple of 16"):
-        rp.plan_for(spec)
+        rp.plan_for(ODD_GROUP)
 
 
 def test_permuted_scales_and_bumped_rule_reach_the_plan():

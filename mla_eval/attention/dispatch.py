@@ -186,9 +186,10 @@ def kernel_status(spec, device: torch.device | str) -> tuple[bool, str]:
         return False, _device_reason(device)
     from mla_eval_kernels.record_plan import AWAITING_GPU_TESTS, UnsupportedFormat, plan_for  # noqa: PLC0415
 
-    name = get_format(spec).name
+    spec = get_format(spec)
+    name = spec.name
     try:
-        plan_for(get_format(spec))
+        plan_for(spec)
     except UnsupportedFormat as exc:
         return False, f"format {name} is outside the kernels' scope: {exc}"
     if name in AWAITING_GPU_TESTS:

@@ -20,9 +20,7 @@ for w in "$@"; do
 case "$w" in
 kern)
     step "kernel GPU tests: v2 default, the v3 cases, every format"
-    timeout 330 python3 -m pytest tests/test_kernels_gpu.py tests/test_kernels_v3_gpu.py tests/test_dispatch_backends.py -q -n 8 -p no:cacheprovider -rfE \
-        > "$OUT/runs/pytest-kernels.log" 2>&1
-    echo "pytest rc=$? (124 = timeout)"; grep -E "FAILED|ERROR|passed|failed" "$OUT/runs/pytest-kernels.log" | grep -v "^E " | tail -30
+    gpu_pytest 330 kernels -n 8 tests/test_kernels_gpu.py tests/test_kernels_v3_gpu.py tests/test_dispatch_backends.py
     ;;
 bench)
     step "bench (b) with variants: $KFORMATS"

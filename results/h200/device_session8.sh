@@ -17,9 +17,7 @@ for w in "$@"; do
 case "$w" in
 kern)
     step "kernel GPU tests (all formats, v1/v2/v3, default policy)"
-    timeout 400 python3 -m pytest tests/test_kernels_gpu.py tests/test_kernels_v3_gpu.py tests/test_dispatch_backends.py \
-        -q -n 8 -p no:cacheprovider -rfE > "$OUT/runs/pytest-kernels.log" 2>&1
-    echo "pytest rc=$? (124 = timeout)"; grep -E "FAILED|ERROR|passed|failed" "$OUT/runs/pytest-kernels.log" | grep -v "^E " | tail -30
+    gpu_pytest 400 kernels -n 8 tests/test_kernels_gpu.py tests/test_kernels_v3_gpu.py tests/test_dispatch_backends.py
     ;;
 bench)
     step "bench (b) variants + (c)"
@@ -30,15 +28,11 @@ bench)
     ;;
 model)
     step "kld mha window path vs the absorbed kernel path (GPU test)"
-    timeout 200 python3 -m pytest tests/test_semantics_gpu.py -q -p no:cacheprovider -rfE -k mha_window \
-        > "$OUT/runs/pytest-mha-window.log" 2>&1
-    echo "pytest rc=$?"; tail -3 "$OUT/runs/pytest-mha-window.log"
+    gpu_pytest 200 mha-window tests/test_semantics_gpu.py -k mha_window
     step "forward_bench --parts kld"
     timeout 200 python3 -m mla_eval.evals.forward_bench --parts kld --out "$OUT/runs/forward-bench-kld.json" 2>&1 | tail -25
     step "decode steps under v3 forced (CUDA graphs; the pending default would run v2)"
-    MLA_EVAL_ATTENTION_KERNEL=v3 timeout 200 python3 -m pytest tests/test_decode_steps_gpu.py -q -p no:cacheprovider -rfE \
-        > "$OUT/runs/pytest-decode-steps.log" 2>&1
-    echo "pytest rc=$?"; tail -3 "$OUT/runs/pytest-decode-steps.log"
+    MLA_EVAL_ATTENTION_KERNEL=v3 gpu_pytest 200 decode-steps tests/test_decode_steps_gpu.py
     ;;
 *) echo "unknown step $w (kern, bench, model)"; exit 2 ;;
 esac

@@ -12,3 +12,12 @@ export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages${PYTHONPAT
 if [ -d .devwheels/js ] && ! python3 -c 'import jsonschema' 2>/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devwheels/js/*.whl 2>&1 | tail -2
 fi
+# gpu_pytest TIMEOUT NAME ARGS...: pytest ARGS (quiet, no cache, failures listed) into $OUT/runs/pytest-NAME.log,
+# then its exit status (124 = timeout) and the summary lines
+gpu_pytest() {
+    local limit=$1 name=$2; shift 2
+    mkdir -p "$OUT/runs"
+    timeout "$limit" python3 -m pytest -q -p no:cacheprovider -rfE "$@" > "$OUT/runs/pytest-$name.log" 2>&1
+    echo "pytest $name rc=$? (124 = timeout)"
+    grep -E "FAILED|ERROR|passed|failed" "$OUT/runs/pytest-$name.log" | grep -v "^E " | tail -30
+}
