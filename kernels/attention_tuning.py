@@ -52,16 +52,20 @@ V3_RAW_STAGES = 2
 V3_L2_PREFETCH = 0
 V3_L2_PREFETCH_PROBE = 2
 V3_DECODE_PRODUCER_WGS = 2  # producer warpgroups where records are decoded (bench: v3-p1 has one)
-# Formats whose dense decode launches run v3 by default: those where an H200 run measured v3 faster than v2
-# (results/kernels/bench-NVIDIA_H200-2026-12-04-session6-rev2.json, h=16, batch 32; v3 without L2 prefetch at 64K):
-# nvfp4 v2 0.905 ms, v3 0.577; nvfp4_fp8_ds_mla v2 0.868, v3 0.555 (v3 faster at 8K and 32K too). bf16 stays on v2
-# (0.741 vs v3 0.783 / 0.786). Other formats v3 covers (nvfp4_fp8rope, nvfp4_fp8rope_st, mxfp4) were not timed
-# under v3: they stay on v2 until a bench run (kernels/bench.py times v3 for every covered format) shows v3 faster.
-V3_DEFAULT_FORMATS = ("nvfp4", "nvfp4_fp8_ds_mla")
-# The default above is written and CPU-tested but its GPU tests (tests/test_kernels_v3_gpu.py, default policy, v3
-# without L2 prefetch, one producer revision) have not run yet: until they pass on an H200 the unset default stays
-# v2 everywhere and says why. Set to None once they have (the tests turn it off to exercise the policy).
-V3_DEFAULT_PENDING: str | None = "the per-format v3 default awaits its GPU tests (written in session 7 on CPU)"
+# Formats whose dense decode launches run v3 by default: those where an H200 run measured v3 faster than v2 at
+# every context timed (results/kernels/bench-NVIDIA_H200-2026-12-04-session8.json, dense decode h=16, batch 32,
+# v3 without L2 prefetch; ms at 8K / 32K / 64K, v2 -> v3):
+#   nvfp4             0.132 -> 0.088, 0.471 -> 0.304, 0.913 -> 0.589
+#   nvfp4_fp8rope     0.130 -> 0.085, 0.464 -> 0.287, 0.899 -> 0.563
+#   nvfp4_fp8rope_st  0.143 -> 0.105, 0.521 -> 0.372, 1.029 -> 0.727
+#   nvfp4_fp8_ds_mla  0.121 -> 0.082, 0.446 -> 0.291, 0.870 -> 0.555
+#   mxfp4             0.137 -> 0.104, 0.506 -> 0.367, 0.999 -> 0.726
+# bf16 stays on v2 (0.747 vs v3 0.782 ms at 64K, the same run). v3 refuses the rest (`v3_blocker`).
+V3_DEFAULT_FORMATS = ("nvfp4", "nvfp4_fp8rope", "nvfp4_fp8rope_st", "nvfp4_fp8_ds_mla", "mxfp4")
+# A reason the default above must not run yet (a policy written without its GPU tests): while set, the unset
+# default stays v2 everywhere and says why. None since tests/test_kernels_v3_gpu.py passed on the H200
+# (session 8, results/h200/session8/).
+V3_DEFAULT_PENDING: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

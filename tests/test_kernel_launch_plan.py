@@ -220,11 +220,11 @@ def _gen(name, monkeypatch, forced=None, **launch):
 
 def test_default_generation_is_v3_only_where_it_was_measured_faster(monkeypatch):
     """Unset: dense decode launches (h <= 16, one query per sequence) of the formats the H200 run timed
-    faster under v3 run v3; bf16 (v2 faster), formats v3 covers but nobody timed, formats v3 refuses,
+    faster under v3 run v3; bf16 (v2 faster), formats v3 refuses,
     sparse lists, more than one head tile and many queries per sequence (prefill-as-decode) run v2."""
     monkeypatch.setattr(attention_tuning, "V3_DEFAULT_PENDING", None)  # the policy as it runs once validated
     measured = set(attention_tuning.V3_DEFAULT_FORMATS)
-    assert measured == {"nvfp4", "nvfp4_fp8_ds_mla"}
+    assert measured == {"nvfp4", "nvfp4_fp8rope", "nvfp4_fp8rope_st", "nvfp4_fp8_ds_mla", "mxfp4"}
     for name in ("bf16", "nvfp4", "nvfp4_fp8rope", "nvfp4_fp8rope_st", "nvfp4_fp8_ds_mla", "mxfp4", "fp8_ds_mla",
                  "fp8_ds_mla_pow2", "fp8_e4m3", "trtllm_nvfp4_dsa", "trtllm_nvfp4_dsa_r64"):
         for heads in (1, 2, 8, 16):

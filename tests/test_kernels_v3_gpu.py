@@ -18,7 +18,17 @@ import torch
 
 cutlass = pytest.importorskip("cutlass")
 
-from test_kernels_gpu import BLOCK, FORMATS, _bound, _check, _dense_lists, _random_cache, _run, needs_cuda  # noqa: E402
+from test_kernels_gpu import (  # noqa: E402
+    BLOCK,
+    FORMATS,
+    _bound,
+    _check,
+    _dense_lists,
+    _random_cache,
+    _run,
+    kernels_under_test,  # noqa: E402, F401 (the autouse fixture, in force here too)
+    needs_cuda,
+)
 
 from mla_eval.attention import reference  # noqa: E402
 from mla_eval.formats import get_format  # noqa: E402
