@@ -4,6 +4,10 @@ set -o pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 exec > >(tee -a "$OUT/log") 2>&1
 t0=$(date +%s); step() { echo "=== [$(( $(date +%s) - t0 ))s] $*"; }
+# A device call returns at most 8 files from $OUT (session 8 lost a whole recipe directory to that limit): on exit,
+# each script packs $OUT/runs into one .tgz of its own name, so several scripts in one call each leave one file.
+pack_runs() { [ -d "$OUT/runs" ] && tar czf "$OUT/runs-$(basename "$0" .sh)-$$.tgz" -C "$OUT" runs && rm -rf "$OUT/runs"; }
+trap pack_runs EXIT
 export PYTHONUNBUFFERED=1
 step "install"
 bash kernels/device_check.sh install > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 3; }
