@@ -6,6 +6,11 @@ its versioned JSON document (`result.to_document()`). The CLI commands are thin 
     result.mean_kld("nvfp4")
 
 Every call accepts `progress(stage, done, total)` for long work and never prints.
+
+`KldSettings.prefill` left at None is `auto` (`mla_eval.evals.kld.DEFAULT_KLD_PREFILL`): the mha window path where
+it computes the absorbed path's semantics (`layer_stats=False`, bf16 math, not a DSA model), else absorbed with the
+reason in `result.settings["prefill_reason"]`; `prefill="auto"` adds that reason to `result.notes`, and
+`prefill="absorbed"` keeps a run comparable with figures computed that way.
 """
 
 from mla_eval.evals.calibrate import CalibrateSettings, CalibrationResult, evaluate_calibration

@@ -132,25 +132,61 @@ def test_cli_records_the_path_and_refuses_bad_input(ckpt, tmp_path, capsys):
     text = tmp_path / "t.txt"
     text.write_text(" ".join(f"The {w} river flows past the mill." for w in ["north", "south"] * 60))
     base = ["kld", "--model", str(ckpt), "--text", str(text), "--ctx", "64", "--formats", "nvfp4", "--scales", "none"]
-    docs = {}
-    for extra in (["--no-layer-stats", "--prefill", "auto"], ["--no-layer-stats"], ["--prefill", "auto"]):
+    runs = {  # name: the options; "" is a plain run (default --prefill, layer stats on)
+        "": [], "stats auto": ["--prefill", "auto"], "fast": ["--no-layer-stats"],
+        "fast auto": ["--no-layer-stats", "--prefill", "auto"], "slow": ["--no-layer-stats", "--prefill", "absorbed"],
+    }
+    docs, errs = {}, {}
+    for name, extra in runs.items():
         out = tmp_path / f"r{len(docs)}.json"
-        code, err = _cli(base + extra + ["--out", str(out)], capsys)
-        assert code == 0, err
-        docs[" ".join(extra)] = json.loads(out.read_text())
-    fast, slow, stats = docs["--no-layer-stats --prefill auto"], docs["--no-layer-stats"], docs["--prefill auto"]
-    assert (fast["settings"]["prefill"], fast["settings"]["prefill_asked"]) == ("mha", "auto")
-    assert fast["formats"]["nvfp4"]["prefill"] == "mha" and not fast["notes"]
+        keep = ["--save-ref", str(tmp_path / f"{name}.pt")] if name in ("fast", "slow") else []
+        code, errs[name] = _cli(base + extra + keep + ["--out", str(out)], capsys)
+        assert code == 0, errs[name]
+        docs[name] = json.loads(out.read_text())
+    plain, stats, fast, slow = docs[""], docs["stats auto"], docs["fast"], docs["slow"]
+    # the default is auto: mha once layer stats are off, with nothing to note
+    for doc in (fast, docs["fast auto"]):
+        s = doc["settings"]
+        assert (s["prefill"], s["prefill_asked"], s["prefill_reason"]) == ("mha", "auto", None)
+        assert doc["formats"]["nvfp4"]["prefill"] == "mha" and not doc["notes"]
+    # a plain run falls back to absorbed quietly: the reason is recorded, not printed
+    s = plain["settings"]
+    assert (s["prefill"], s["prefill_asked"]) == ("absorbed", "auto") and "per-layer statistics" in s["prefill_reason"]
+    assert plain["notes"] == [] and "note:" not in errs[""]
+    # asked for by name, auto's fallback is also a note, printed
+    assert stats["settings"]["prefill"] == "absorbed" and stats["settings"]["prefill_reason"] == s["prefill_reason"]
+    assert stats["notes"] == [f"--prefill auto: every forward ran the absorbed path ({s['prefill_reason']})"]
+    assert "note: --prefill auto: every forward ran the absorbed path" in errs["stats auto"]
     assert slow["settings"]["prefill"] == slow["formats"]["nvfp4"]["prefill"] == "absorbed"
-    assert stats["settings"]["prefill"] == "absorbed" and "per-layer statistics" in " ".join(stats["notes"])
+    assert slow["settings"]["prefill_reason"] is None and not slow["notes"]
     assert fast["formats"]["nvfp4"]["kld_mean"] == pytest.approx(slow["formats"]["nvfp4"]["kld_mean"], rel=0.02)
+    # a stored reference serves only runs of its own path, either way round (the default may pick either)
+    code, err = _cli(base + ["--no-layer-stats", "--prefill", "absorbed", "--ref-file", str(tmp_path / "slow.pt"),
+                             "--out", str(tmp_path / "again.json")], capsys)
+    assert code == 0, err
     for bad, says in (
         (["--prefill", "flash"], "--prefill 'flash': choose one of auto, absorbed, mha"),
         (["--prefill", "mha"], "--prefill mha cannot compute this run: per-layer statistics"),
         (["--prefill", "mha", "--no-layer-stats", "--math", "fp8-q", "--backend", "reference"], "fp8-q math"),
+        (["--ref-file", str(tmp_path / "fast.pt")], "(prefill: file 'mha' vs now unset); run with the file's settings"),
+        (["--no-layer-stats", "--ref-file", str(tmp_path / "slow.pt")], "(prefill: file unset vs now 'mha')"),
     ):
         code, err = _cli(base + bad + ["--out", str(tmp_path / "bad.json")], capsys)
         assert code == 2 and says in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_library_default_is_auto_and_quiet():
+    """KldSettings: the default (None) is DEFAULT_KLD_PREFILL, auto; a value given is kept, a bad one refused."""
+    from mla_eval import api
+    from mla_eval.evals.kld import DEFAULT_KLD_PREFILL, KLD_PREFILL_MODES
+
+    assert DEFAULT_KLD_PREFILL == "auto" and DEFAULT_KLD_PREFILL in KLD_PREFILL_MODES
+    st = api.KldSettings(device="cpu")
+    assert st.prefill is None and st.prefill_mode() == "auto"
+    for mode in KLD_PREFILL_MODES:
+        assert api.KldSettings(device="cpu", prefill=mode).prefill_mode() == mode
+    with pytest.raises(UserError, match="--prefill 'flash': choose one of auto, absorbed, mha"):
+        api.KldSettings(device="cpu", prefill="flash")
 
 
 def test_forward_bench_times_both_kld_paths_beside_stock(tmp_path):

@@ -279,8 +279,14 @@ def test_dsa_engine_semantics_read_the_cache_like_cache_semantics(tmp_path):
     assert engine > 0  # one chunk covers the window, yet the sparse path still reads the quantised cache
     assert engine == result.mean_kld("nvfp4")
     assert len(result.notes) == 2 and "DSA" in result.notes[0] and "equal cache semantics" in result.notes[0]
-    # --prefill auto: a DSA model keeps the absorbed (sparse) path, and says so
+    # --prefill auto, asked for by name: a DSA model keeps the absorbed (sparse) path, and says so
     assert result.settings["prefill"] == "absorbed" and "DSA model" in result.notes[1]
+    assert result.settings["prefill_reason"] in result.notes[1]
+    # the default (auto, not asked): the same path and reason, recorded without a note
+    quiet = api.evaluate_kld(api.KldSettings(model=ckpt, text=text, formats="nvfp4", ctx=32, stride=16, scales="none",
+                                             device="cpu", layer_stats=False, semantics="cache,engine:64"))
+    assert quiet.settings["prefill"] == "absorbed" and quiet.settings["prefill_reason"] == result.settings["prefill_reason"]
+    assert quiet.notes == result.notes[:1] and quiet.formats == result.formats
 
 
 # ------------------------------------------------------------------ gate: semantics and math are identity

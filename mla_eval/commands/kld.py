@@ -82,13 +82,14 @@ def kld(
         "math) and both rows under every --semantics, and the breakdown in the JSON.",
     ),
     prefill: str = typer.Option(
-        DEFAULT_KLD_PREFILL, "--prefill",
+        None, "--prefill", show_default=False,  # None: the default, asked for by nobody (no note where auto falls back)
         help="How each window's forward reads the quantised cache: 'absorbed' runs every position through the absorbed "
         "MQA attention (decode's arithmetic), 'mha' decodes the cache once, up-projects it through kv_b_proj and runs "
-        "causal SDPA (flash on CUDA; the same mathematics with bf16 math, up to bf16 rounding of K/V; several times "
-        "faster). 'auto': mha wherever it computes the same semantics (bf16 math, no --explain fp8 rows, "
-        "--no-layer-stats, not a DSA model), else absorbed with a note. Default absorbed (mha's GPU speed is not "
-        "measured yet); the JSON records the path (settings.prefill).",
+        "causal SDPA (flash on CUDA; the same mathematics with bf16 math, up to bf16 rounding of K/V; 2.5-3.2x faster "
+        "on an H200). 'auto': mha wherever it computes the same semantics (bf16 math, no --explain fp8 rows, "
+        "--no-layer-stats, not a DSA model), else absorbed; the reason is recorded (settings.prefill_reason) and, when "
+        f"--prefill auto is given, printed as a note. Default {DEFAULT_KLD_PREFILL}. The JSON records the path "
+        "(settings.prefill); give 'absorbed' to compare with figures computed that way.",
     ),
     rope_scaling: str = typer.Option("none", "--rope-scaling", help=ROPE_SCALING_HELP),
     text_note: str = typer.Option(

@@ -73,7 +73,10 @@ class KldSettings(ModelSettings, text_sources.TextSettings):
     semantics: str | list[str] = "cache"  # mla_eval.attention.semantics: cache, engine:C or a preset; a list
     math: str | list[str] = "bf16"  # attention math(s): bf16, fp8-q, fp8-qp
     explain: str | None = None  # a format: add its storage-only / compute-only / both rows and breakdown
-    prefill: str = DEFAULT_KLD_PREFILL  # KLD_PREFILL_MODES: how a window's forward reads the cache
+    # KLD_PREFILL_MODES: how a window's forward reads the cache. None (not asked): DEFAULT_KLD_PREFILL (auto), quietly:
+    # where auto falls back to absorbed (the default layer stats, fp8 math, a DSA model) the reason goes into
+    # settings.prefill_reason only; asked for by name, auto's fallback is also a note (printed by the command)
+    prefill: str | None = None
 
     def __post_init__(self) -> None:
         ModelSettings.__post_init__(self)
@@ -87,7 +90,7 @@ class KldSettings(ModelSettings, text_sources.TextSettings):
             raise UserError(f"--batch must be at least 1, got {self.batch}")
         if self.calib_tokens < 1:
             raise UserError(f"--calib-tokens must be at least 1, got {self.calib_tokens}")
-        if self.prefill not in KLD_PREFILL_MODES:
+        if self.prefill is not None and self.prefill not in KLD_PREFILL_MODES:
             raise UserError(f"--prefill {self.prefill!r}: choose one of {', '.join(KLD_PREFILL_MODES)}")
         if self.ref_store not in REF_STORE_MODES:
             raise UserError(f"--ref-store {self.ref_store!r}: choose one of {', '.join(REF_STORE_MODES)}")
@@ -98,6 +101,10 @@ class KldSettings(ModelSettings, text_sources.TextSettings):
         self.semantics_list()
         check_math_backend(self.math_list(), self.backend)
         self.explain_variant()
+
+    def prefill_mode(self) -> str:
+        """The --prefill mode in effect (KLD_PREFILL_MODES): the one asked, else the default."""
+        return DEFAULT_KLD_PREFILL if self.prefill is None else self.prefill
 
     def semantics_list(self) -> list[Semantics]:
         return parse_semantics_list(self.semantics)
@@ -208,8 +215,12 @@ def semantics_notes(semantics: list[Semantics], ctx: int, is_dsa: bool, maths: l
     return notes
 
 
-def prefill_notes(asked: str, used: str, why_absorbed: str | None) -> list[str]:
-    """Which path computed the numbers, when the reader could assume the other."""
+def prefill_notes(asked: str | None, why_absorbed: str | None) -> list[str]:
+    """Which path computed the numbers, when the reader asked for one that could have run the other.
+
+    `asked` None (the default auto): no note. The default layer stats alone keep auto on absorbed, so a note
+    there would stand on every plain run and teach readers to skip notes; the reason is in settings.prefill_reason
+    and the table title names the path."""
     if asked == "auto" and why_absorbed is not None:
         return [f"--prefill auto: every forward ran the absorbed path ({why_absorbed})"]
     return []
@@ -291,7 +302,7 @@ def evaluate_kld(st: KldSettings, progress: ProgressCallback = no_progress) -> K
             semantics=tuple(semantics), maths=tuple(maths), explain=st.explain_variant(),
         )
         plan_windows(lm, source, protocol)  # bad settings fail here, before any work
-        prefill, why_absorbed = resolve_prefill(st.prefill, protocol, lm.adapter.is_dsa)
+        prefill, why_absorbed = resolve_prefill(st.prefill_mode(), protocol, lm.adapter.is_dsa)
         protocol = dataclasses.replace(protocol, prefill=prefill)
         outer = given
         if calib is not None:
@@ -302,7 +313,7 @@ def evaluate_kld(st: KldSettings, progress: ProgressCallback = no_progress) -> K
                     "min_context": min_context, "ref": ref.name}
         if semantics[0].is_engine:  # the stored reference ran that forward schedule
             ref_meta["semantics"] = semantics[0].label
-        if prefill == "mha":  # the stored reference ran the mha form (absorbed: older files still match)
+        if prefill == "mha":  # the stored reference ran the mha form (unset: absorbed, as older files; load compares both ways)
             ref_meta["prefill"] = prefill
         if ref.outer:
             ref_meta["ref_scales"] = list(outer.scales)
@@ -324,7 +335,7 @@ def evaluate_kld(st: KldSettings, progress: ProgressCallback = no_progress) -> K
                   "block_size": protocol.block_size, "world_size": world, "backend": log.backend,
                   "unscored_tokens": run.unscored, "semantics": [s.as_dict() for s in semantics],
                   "math": [m.name for m in maths], "explain": None if st.explain is None else protocol.explain.name,
-                  "prefill": prefill, "prefill_asked": st.prefill,
+                  "prefill": prefill, "prefill_asked": st.prefill_mode(), "prefill_reason": why_absorbed,
                   **st.placement(lm)},
         outer_scales=protocol.outer_scales,
         windows=run.windows,
@@ -333,7 +344,7 @@ def evaluate_kld(st: KldSettings, progress: ProgressCallback = no_progress) -> K
         environment=env,
         run=run,
         rank=rank,
-        notes=semantics_notes(semantics, ctx, lm.adapter.is_dsa, maths) + prefill_notes(st.prefill, prefill, why_absorbed),
+        notes=semantics_notes(semantics, ctx, lm.adapter.is_dsa, maths) + prefill_notes(st.prefill, why_absorbed),
         explain=None if protocol.explain is None else explain_breakdown(
             run.summary(), protocol.explain.name, semantics, maths),
     )

@@ -91,10 +91,18 @@ class RefStore:
             raise UserError(f"--ref-file {path} is not a reference file ({str(exc).splitlines()[0][:120]})") from None
         if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
             raise UserError(f"--ref-file {path} is not a {SCHEMA} file")
-        diff = [k for k in expect_meta if doc["meta"].get(k) != expect_meta[k]]
+        # A key is written only when its setting is not the default (semantics, prefill, ref_scales), so a key on
+        # either side alone is a difference too: an mha reference must not serve an absorbed run, nor the reverse.
+        diff = [k for k in {**doc["meta"], **expect_meta} if doc["meta"].get(k) != expect_meta.get(k)]
         if diff:
-            pairs = ", ".join(f"{k}: file {doc['meta'].get(k)!r} vs now {expect_meta[k]!r}" for k in diff)
-            raise UserError(f"--ref-file {path} was made with other settings ({pairs}); re-create it with --save-ref")
+            def shown(v):  # unset: that setting's default when the file was made (prefill: absorbed, semantics: cache)
+                return "unset" if v is None else repr(v)
+
+            pairs = ", ".join(f"{k}: file {shown(doc['meta'].get(k))} vs now {shown(expect_meta.get(k))}" for k in diff)
+            raise UserError(
+                f"--ref-file {path} was made with other settings ({pairs}); run with the file's settings or re-create it "
+                "with --save-ref"
+            )
         store = cls(mode=doc["mode"], k=doc["k"], meta=doc["meta"])
         store.rows = {k: [v] for k, v in doc["rows"].items()}
         return store
