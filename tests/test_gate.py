@@ -125,3 +125,24 @@ def test_junit_replaces_only_a_gate_report(tmp_path, capsys):
     junit.write_text("<my-own/>")
     assert main(["gate", kld, "--baseline", kld, "--junit", str(junit)]) == 2
     assert "not a gate report" in capsys.readouterr().err and junit.read_text() == "<my-own/>"
+
+
+def test_results_of_another_kld_window_path_are_refused(tmp_path, capsys):
+    """An mha result against an absorbed baseline (or a baseline from before settings.prefill existed, which ran
+    absorbed) is exit 2 with the fix, not a pass or a fail decided by the path."""
+    doc = json.loads((BASELINE / "kld.json").read_text())
+    assert doc["settings"].get("prefill", "absorbed") == "absorbed"
+    base, res = tmp_path / "b.json", tmp_path / "r.json"
+    base.write_text(json.dumps(doc))
+    doc["settings"]["prefill"] = "mha"
+    res.write_text(json.dumps(doc))
+    assert main(["gate", str(res), "--baseline", str(base)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "--prefill mha" in err and "rerun with --prefill absorbed" in err
+    assert len(err.strip().splitlines()) == 1
+    legacy = json.loads(base.read_text())
+    legacy["settings"].pop("prefill", None)
+    base.write_text(json.dumps(legacy))
+    assert main(["gate", str(res), "--baseline", str(base)]) == 2  # no key: absorbed
+    res.write_text(json.dumps(legacy | {"settings": legacy["settings"] | {"prefill": "absorbed"}}))
+    assert main(["gate", str(res), "--baseline", str(base)]) == 0

@@ -98,6 +98,14 @@ def load_docs(path: Path) -> dict[str, dict]:
     return docs
 
 
+def window_path(doc: dict) -> str | None:
+    """How a kld document's windows read the cache (`settings.prefill`: absorbed or mha); a kld document
+    written before the key existed ran absorbed. None for other documents."""
+    if not str(doc.get("schema", "")).startswith("mla-eval/kld/"):
+        return None
+    return doc.get("settings", {}).get("prefill") or "absorbed"
+
+
 def compare(results: dict[str, dict], baseline: dict[str, dict], tolerances: dict | None = None) -> list[Check]:
     tolerances = tolerances or {}
     checks: list[Check] = []
@@ -110,6 +118,13 @@ def compare(results: dict[str, dict], baseline: dict[str, dict], tolerances: dic
             continue
         if rdoc.get("schema") != bdoc.get("schema"):
             raise UserError(f"{name}: schema {rdoc.get('schema')!r} vs baseline {bdoc.get('schema')!r}")
+        # the two window paths agree only to within path rounding (about 2 % of a mean KLD on the H200), so a gate
+        # across them would pass or fail on the path, not the format (kld's default became auto in session 8)
+        if window_path(rdoc) != window_path(bdoc):
+            raise UserError(
+                f"{name}: the results' kld windows ran --prefill {window_path(rdoc)}, the baseline's {window_path(bdoc)}; "
+                f"rerun with --prefill {window_path(bdoc)} (or refresh the baseline with --update)"
+            )
         rm = _metrics(rdoc)
         for key, (metric, base) in _metrics(bdoc).items():
             direction, abs_tol, rel_tol = METRICS[metric]

@@ -30,7 +30,7 @@ tests)
     ;;
 kld)
     step "kld: the 324 B records beside the others (wikitext-2 test, 32K tokens)"
-    timeout 240 python3 -m mla_eval kld --text .devdata/wiki.test.raw --max-tokens 32768 --no-layer-stats \
+    timeout 240 python3 -m mla_eval kld --text .devdata/wiki.test.raw --max-tokens 32768 --no-layer-stats --prefill absorbed \
         --formats "$FMTS" --out "$OUT/runs/kld-trtllm-nvfp4.json" 2>&1 | grep -v -E "scoring" | tail -25
     echo "exit $?"
     ;;

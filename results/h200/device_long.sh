@@ -39,7 +39,7 @@ kld)
         fm=(--formats "$KLD_FORMATS"); [ "$ctx" = 65536 ] && fm=()   # 64K: every default format
         step "kld --ctx $ctx (${fm[1]:-default formats})"
         timeout 200 python3 -m mla_eval kld --text "$TEXT" --text-note "$NOTE" --max-tokens $((ctx * 2 + 2048)) \
-            --ctx $ctx --stride $((ctx - 512)) --min-context 512 --no-layer-stats "${fm[@]}" \
+            --ctx $ctx --stride $((ctx - 512)) --min-context 512 --no-layer-stats --prefill absorbed "${fm[@]}" \
             --out "$OUT/runs/kld-ctx$ctx.json" --plot "$OUT/runs/plots/kld-ctx$ctx" 2>&1 | quiet | tail -16
         echo "exit $?"
     done

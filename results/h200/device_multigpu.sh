@@ -21,7 +21,7 @@ CKPT=${CKPT:-/tmp/ckpt-glm5-random}
 LAYERS=${LAYERS:-16}
 FORMATS=${FORMATS:-fp8_ds_mla,nvfp4,nvfp4_fp8rope}
 KLD_ARGS=(--text "$TEXT" --max-tokens "${MAX_TOKENS:-65536}" --ctx 4096 --stride 2048 --min-context 2048
-          --formats "$FORMATS" --scales none --no-layer-stats)
+          --formats "$FORMATS" --scales none --no-layer-stats --prefill absorbed)
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
 mkdir -p "$OUT/runs"
 echo "GPUs visible: $NGPU"; nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader

@@ -42,7 +42,7 @@ presets)
 formats)
     step "kld, embedded model, every format"
     fmts=$(python3 -c "from mla_eval.formats import format_names; print(','.join(n for n in format_names() if n != 'bf16'))")
-    timeout 300 python3 -m mla_eval kld --text "$TEXT" --max-tokens 65536 --formats "$fmts" --no-layer-stats \
+    timeout 300 python3 -m mla_eval kld --text "$TEXT" --max-tokens 65536 --formats "$fmts" --no-layer-stats --prefill absorbed \
         --out "$OUT/runs/kld-default-all-formats.json" 2>&1 | grep -v -E "scoring" | tail -30
     echo "exit $?"
     for s in measure_rope_rcp_residual measure_sglang_fp4_residual; do

@@ -28,7 +28,7 @@ tests)
     ;;
 default)
     step "kld, embedded model: cache / engine:512 / vllm x bf16 / fp8-q, explain nvfp4"
-    timeout 170 python3 -m mla_eval kld --text "$TEXT" --max-tokens 16384 --formats "$FORMATS" --no-layer-stats \
+    timeout 170 python3 -m mla_eval kld --text "$TEXT" --max-tokens 16384 --formats "$FORMATS" --no-layer-stats --prefill absorbed \
         --semantics cache,engine:512,vllm --math bf16,fp8-q --explain nvfp4 \
         --out "$OUT/runs/kld-default-semantics.json" 2>&1 | quiet 45
     echo "exit $?"
@@ -36,7 +36,7 @@ default)
 prod)
     step "kld, random:deepseek-v3:layers=2 (production geometry, random weights): cache / engine:2048 / vllm x bf16 / fp8-q"
     timeout 170 python3 -m mla_eval kld --model random:deepseek-v3:layers=2 --text "$TEXT" --max-tokens 16384 \
-        --ctx 4096 --stride 2048 --min-context 2048 --formats "$FORMATS" --no-layer-stats \
+        --ctx 4096 --stride 2048 --min-context 2048 --formats "$FORMATS" --no-layer-stats --prefill absorbed \
         --semantics cache,engine:2048,vllm --math bf16,fp8-q --explain nvfp4 \
         --out "$OUT/runs/kld-deepseek-v3-semantics.json" 2>&1 | quiet 45
     echo "exit $?"
@@ -44,7 +44,7 @@ prod)
 qp)
     step "kld, embedded model: fp8-qp (torch reference on the GPU)"
     timeout 170 python3 -m mla_eval kld --text "$TEXT" --max-tokens 8192 --formats nvfp4,fp8_ds_mla --scales none \
-        --no-layer-stats --semantics cache,engine:512 --math bf16,fp8-q,fp8-qp --explain nvfp4 --backend reference \
+        --no-layer-stats --prefill absorbed --semantics cache,engine:512 --math bf16,fp8-q,fp8-qp --explain nvfp4 --backend reference \
         --out "$OUT/runs/kld-default-fp8qp.json" 2>&1 | quiet 35
     echo "exit $?"
     ;;

@@ -25,7 +25,7 @@ mtests)
     ;;
 newfmt)
     step "kld: engine-exact formats beside the old ones (wikitext-2 test, 32K tokens)"
-    timeout 200 python3 -m mla_eval kld --text .devdata/wiki.test.raw --max-tokens 32768 --no-layer-stats \
+    timeout 200 python3 -m mla_eval kld --text .devdata/wiki.test.raw --max-tokens 32768 --no-layer-stats --prefill absorbed \
         --formats fp8_ds_mla,fp8_ds_mla_pow2,nvfp4,nvfp4_fp8rope,nvfp4_fp8_ds_mla,mxfp4 \
         --out "$OUT/kld-engine-formats.json" 2>&1 | grep -v -E "scoring" | tail -25
     echo "exit $?"

@@ -32,7 +32,7 @@ kld)
     for k in v2 v3; do
         step "kld, embedded model, kernel $k"
         MLA_EVAL_ATTENTION_KERNEL=$k timeout 150 python3 -m mla_eval kld --text "$TEXT" --max-tokens 16384 \
-            --formats nvfp4,nvfp4_fp8rope,nvfp4_fp8_ds_mla,mxfp4,fp8_ds_mla --no-layer-stats \
+            --formats nvfp4,nvfp4_fp8rope,nvfp4_fp8_ds_mla,mxfp4,fp8_ds_mla --no-layer-stats --prefill absorbed \
             --out "$OUT/runs/kld-default-$k.json" 2>&1 | quiet 25
     done
     step "needle single:number 4K/64K under v3 (nvfp4, nvfp4_fp8_ds_mla, bf16)"

@@ -8,6 +8,8 @@ t0=$(date +%s); step() { echo "=== [$(( $(date +%s) - t0 ))s] $*"; }
 # each script packs $OUT/runs into one .tgz of its own name, so several scripts in one call each leave one file.
 pack_runs() { [ -d "$OUT/runs" ] && tar czf "$OUT/runs-$(basename "$0" .sh)-$$.tgz" -C "$OUT" runs && rm -rf "$OUT/runs"; }
 trap pack_runs EXIT
+# kld runs in these scripts name --prefill absorbed (the path of every committed figure): the default became auto in
+# session 8, which would silently take the mha path under --no-layer-stats.
 export PYTHONUNBUFFERED=1
 step "install"
 bash kernels/device_check.sh install > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 3; }

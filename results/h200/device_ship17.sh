@@ -67,7 +67,7 @@ grid)
 kld64)
     step "kld --ctx 65536: $KLD_FORMATS"
     timeout 300 python3 -m mla_eval kld --text "$TEXT" --text-note "$NOTE" --max-tokens $((65536 * 3 + 2048)) \
-        --ctx 65536 --stride 65024 --min-context 512 --no-layer-stats --formats "$KLD_FORMATS" --scales "$SCALES" "${M[@]}" \
+        --ctx 65536 --stride 65024 --min-context 512 --no-layer-stats --prefill absorbed --formats "$KLD_FORMATS" --scales "$SCALES" "${M[@]}" \
         --out "$R/kld-ctx65536.json" --plot "$R/plots" 2>&1 | quiet | tail -20
     echo "exit $?"
     python3 results/long/plot_kld_depth.py "$R/plots/kld_by_depth_to_64k.png" "$R/kld-ctx65536.json" 2>&1 | tail -2
