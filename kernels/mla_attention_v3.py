@@ -57,6 +57,7 @@ from mla_eval_kernels.attention_tuning import (
     fast_e2m1_eligible,
     is_bf16_plan,
     v3_producer_wgs,
+    v3_raw_keys,
 )
 from mla_eval_kernels.compile_cache import arch_tag, compiled
 from mla_eval_kernels.launch_grid import attention_grid
@@ -133,6 +134,10 @@ class MlaAttentionV3(MlaAttention):
         self.num_threads = self.pt  # the producer threads decode (the inherited decode_tile reads this)
         self.k_stages = V3_K_STAGES
         self.raw_stages = 0 if self.copy_k else V3_RAW_STAGES
+        # records per raw stage: a whole tile, or half of one (fp8 records: two whole tiles do not fit)
+        self.raw_keys = v3_raw_keys(plan)
+        self.raw_units = self.bn // self.raw_keys  # raw stages per key tile (1 or 2)
+        assert self.raw_units * self.raw_keys == self.bn and V3_RAW_STAGES == 2  # the producer loop's ring of 2
 
     @cute.jit
     def __call__(
@@ -167,7 +172,7 @@ class MlaAttentionV3(MlaAttention):
         sVt_outer = cute.append(vt_one.outer, cute.make_layout(ks, stride=bn * D_QK))
         sQ_layout = cute.tile_to_shape(k_atom, (nh, D_QK), (0, 1))
         sP_layout = cute.tile_to_shape(k_atom, (nh, bn), (0, 1))
-        raw_bytes = max(16, self.raw_stages * bn * self.plan.record_bytes)
+        raw_bytes = max(16, self.raw_stages * self.raw_keys * self.plan.record_bytes)
 
         @cute.struct
         class SharedStorage:
@@ -317,24 +322,44 @@ class MlaAttentionV3(MlaAttention):
                 kpipe.producer_commit(com)
                 com.advance()
         else:
-            # decoded formats: raw ring of 2 tiles (tile it + 1 loads while tile it decodes)
+            # decoded formats: a raw ring of 2 stages; a stage holds a whole tile (raw_units = 1) or half of
+            # one (raw_units = 2). Unit u = raw_units * it + h (h: the half) sits in stage u % 2 and loads
+            # while unit u - 1 decodes. Tile it + 1's slot ids are written by `look_ahead` before the
+            # barrier that precedes the load of its first unit.
+            units = self.raw_units
+            nk = self.raw_keys
+            stage_bytes = nk * rec
             if 0 < n_local:
-                self.load_raw(sSlot, 0, raw_addr, cache_addr, ptid)
+                self.load_raw(sSlot, 0, raw_addr, cache_addr, ptid, 0)
             cute.arch.cp_async_commit_group()
             for it in range(n_local):
                 nxt = self.look_ahead(
                     sSlot, m_idx, nxt, it, la_key, la_ahead, t_begin, n_local, num_keys, block_size, cache_addr, ptid
                 )
-                cute.arch.cp_async_wait_group(0)  # this thread's records of tile it have landed
-                # all threads' records landed, the next slot ids are written, and every thread has
-                # finished decoding tile it - 1, whose raw stage is refilled next
-                cute.arch.barrier(barrier_id=BAR_PRODUCER, number_of_threads=self.pt)
-                if it + 1 < n_local:
-                    self.load_raw(sSlot, (it + 1) % 2, raw_addr, cache_addr, ptid)
-                cute.arch.cp_async_commit_group()
-                kpipe.producer_acquire(acq)
-                if cutlass.const_expr(self.probe != "nodec"):
-                    self.decode_tile_v3(raw_addr + (it % 2) * (bn * rec), sK_addr + 2 * bn * D_QK * acq.index, s_l, ptid)
+                for h in cutlass.range_constexpr(units):
+                    cute.arch.cp_async_wait_group(0)  # this thread's records of unit (it, h) have landed
+                    # all threads' records landed, the next slot ids are written, and every thread has
+                    # finished decoding the previous unit, whose raw stage is refilled next
+                    cute.arch.barrier(barrier_id=BAR_PRODUCER, number_of_threads=self.pt)
+                    if cutlass.const_expr(units == 1):
+                        if it + 1 < n_local:
+                            self.load_raw(sSlot, (it + 1) % 2, raw_addr + ((it + 1) % 2) * stage_bytes, cache_addr, ptid, 0)
+                    else:
+                        if cutlass.const_expr(h + 1 < units):  # the second half of this tile (stage 1)
+                            self.load_raw(sSlot, it % 2, raw_addr + stage_bytes, cache_addr, ptid, (h + 1) * nk)
+                        else:
+                            if it + 1 < n_local:  # the first half of the next tile (stage 0)
+                                self.load_raw(sSlot, (it + 1) % 2, raw_addr, cache_addr, ptid, 0)
+                    cute.arch.cp_async_commit_group()
+                    if cutlass.const_expr(h == 0):
+                        kpipe.producer_acquire(acq)
+                    stage = h  # units = 2: unit (it, h) sits in stage h
+                    if cutlass.const_expr(units == 1):
+                        stage = it % 2
+                    if cutlass.const_expr(self.probe != "nodec"):
+                        self.decode_tile_v3(
+                            raw_addr + stage * stage_bytes, sK_addr + 2 * bn * D_QK * acq.index, s_l, ptid, h * nk, nk
+                        )
                 cute.arch.fence_view_async_shared()
                 kpipe.producer_commit(acq)
                 acq.advance()
@@ -355,18 +380,23 @@ class MlaAttentionV3(MlaAttention):
         return self.slot_of(m_idx, (t_begin + t) * bn + la_key, num_keys, 0, block_size, t < n_local)
 
     @cute.jit
-    def decode_tile_v3(self, raw: Int32, kbase: Int32, s_l: Float32, ptid: Int32):
-        """Raw records of one tile -> bf16 K tile at `kbase`. E2M1 x E4M3 latents (the fold formats):
+    def decode_tile_v3(
+        self, raw: Int32, kbase: Int32, s_l: Float32, ptid: Int32, key0: cutlass.Constexpr, nkeys: cutlass.Constexpr,
+    ):
+        """Raw records of keys key0 .. key0 + nkeys of one tile (all of it, or half with the half-tile raw
+        stages) -> those rows of the bf16 K tile at `kbase`. E2M1 x E4M3 latents (the fold formats, whole tiles):
         a work item is one block of 16 values (one 8-byte load of codes, one scale load, conversion and
         multiply per 16 values, two 16-byte stores); lane = block, so a warp reads one record's 256 bytes
         of codes in two wavefronts and writes one swizzled 1 KB row. The rope and the other formats go
-        through v2's path (`decode8`, 8 values per item)."""
+        through v2's path (`decode_tile` / `decode8`, 8 values per item: E4M3 -> fp32 exactly, times the fp32 group
+        scale (and s_l), rounded once to bf16, as v2 does)."""
         plan = self.plan
         lat = plan.latent
         rec = plan.record_bytes
         # one scale entry per 16 values: groups of 16 or 32 (all fold formats today); a smaller group
         # would need two entries per item, so it takes v2's path instead of reading the wrong scale
-        if cutlass.const_expr(self.fold and lat.data_offset % 8 == 0 and rec % 8 == 0 and lat.group % 16 == 0):
+        whole = key0 == 0 and nkeys == self.bn
+        if cutlass.const_expr(whole and self.fold and lat.data_offset % 8 == 0 and rec % 8 == 0 and lat.group % 16 == 0):
             blk = ptid % 32  # block of 16 values: 32 per 512-value latent
             entry = (16 * blk) // lat.group
             if cutlass.const_expr(lat.scale_order == ORDER_8X4):
@@ -379,7 +409,7 @@ class MlaAttentionV3(MlaAttention):
                 w0, w1, w2, w3 = self.decode8(plan.rope, raw + key * rec, d0, s_l, self.has_outer and plan.outer_on_rope, False)
                 _st_shared_v4(kbase + 2 * swizzled_offset(key, D_V + d0, self.bn), w0, w1, w2, w3)
         else:
-            self.decode_tile(raw, kbase, s_l, ptid)
+            self.decode_tile(raw, kbase, s_l, ptid, key0, nkeys)
 
     @cute.jit
     def decode_latent(self, raw: Int32, kbase: Int32, ptid: Int32, blk: Int32, entry: Int32):
@@ -414,17 +444,19 @@ class MlaAttentionV3(MlaAttention):
             _st_shared_v4(kbase + 2 * swizzled_offset(key, 16 * blk + 8 - 8 * half, self.bn), b0, b1, b2, b3)
 
     @cute.jit
-    def load_raw(self, sSlot: cute.Tensor, slot_buf: Int32, raw_addr: Int32, cache_addr: Int64, ptid: Int32):
-        """cp.async of the next tile's records into raw stage `slot_buf` (decoded formats; the stage follows
-        the slot buffer): thread ptid copies 16-byte chunk ptid % chunks of keys ptid // chunks + g u
-        (g = keys per pass), so the chunk and the addresses are worked out once, not per copy; all slot
-        ids are read before the first copy. Zero-filled past the query's keys."""
-        stage_addr = raw_addr + slot_buf * (self.bn * self.plan.record_bytes)
-        bn = self.bn
+    def load_raw(
+        self, sSlot: cute.Tensor, slot_buf: Int32, stage_addr: Int32, cache_addr: Int64, ptid: Int32, key0: cutlass.Constexpr,
+    ):
+        """cp.async of the records of keys key0 .. key0 + raw_keys of the tile whose slot ids are in buffer
+        `slot_buf` into the raw stage at `stage_addr` (decoded formats): thread ptid copies 16-byte chunk
+        ptid % chunks of keys ptid // chunks + g u (g = keys per pass), so the chunk and the addresses are
+        worked out once, not per copy; all slot ids are read before the first copy. Zero-filled past the
+        query's keys."""
+        nk = self.raw_keys
         rec = self.plan.record_bytes
         chunks = rec // 16
         g = self.pt // chunks  # keys per pass (nvfp4, 256 producer threads: 9 keys, 243 threads)
-        passes = (bn + g - 1) // g
+        passes = (nk + g - 1) // g
         kk = ptid // chunks
         ch = ptid % chunks
         if ptid < g * chunks:
@@ -432,12 +464,12 @@ class MlaAttentionV3(MlaAttention):
             dst0 = stage_addr + kk * rec + 16 * ch
             slots = []
             for u in cutlass.range_constexpr(passes):
-                slots.append(sSlot[cutlass.min(kk + g * u, bn - 1), slot_buf])
+                slots.append(sSlot[key0 + cutlass.min(kk + g * u, nk - 1), slot_buf])
             for u in cutlass.range_constexpr(passes):
                 slot = slots[u]
                 src = src0 + Int64(cutlass.max(slot, 0)) * Int64(rec)
-                if cutlass.const_expr(g * (u + 1) > bn):  # the last pass: keys past the tile copy nothing
-                    if kk + g * u < bn:
+                if cutlass.const_expr(g * (u + 1) > nk):  # the last pass: keys past the stage copy nothing
+                    if kk + g * u < nk:
                         _cp_async_16(dst0 + g * u * rec, src, 16 if slot >= 0 else 0)
                 else:
                     _cp_async_16(dst0 + g * u * rec, src, 16 if slot >= 0 else 0)
@@ -645,7 +677,8 @@ def compile_key(
     """Every specialisation of a compiled v3 kernel (the head count, lengths, scales are run-time)."""
     return (
         "mla_attention_v3", 1, plan, bool(has_sink), bool(has_outer), bool(split), int(l2_prefetch),
-        int(producer_wgs or v3_producer_wgs(plan)), f"probe={timing_probe}", "q=bf16", "acc=f32",
+        int(producer_wgs or v3_producer_wgs(plan)), f"probe={timing_probe}", f"raw={V3_RAW_STAGES}x{v3_raw_keys(plan)}",
+        "q=bf16", "acc=f32",
         arch_tag(device),
     )
 
