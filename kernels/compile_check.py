@@ -189,7 +189,7 @@ def main(argv=None) -> int:
             if why is None:
                 held = v3_blocker(plan, sparse=False, smem_limit=HOPPER_SMEM_PER_BLOCK)
                 if held:
-                    print(f"attention {name:18} v3           compiled, dispatch runs v2 until its GPU tests pass: {held}")
+                    print(f"attention {name:18} v3           compiled; dispatch runs v2 until GPU tests pass: {held}", flush=True)
                 failures += compile_v3(plan, name, stream)
             else:
                 print(f"attention {name:18} v3           runs v2: {why}", flush=True)
