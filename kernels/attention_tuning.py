@@ -40,14 +40,14 @@ NARROW_TILE = (16, 1, 4, 32)
 NARROW_PREFETCH = 2
 DRIVER_SMEM_PER_CTA = 1024  # shared memory the driver reserves for each resident CTA (sm_90)
 # v3 (mla_attention_v3): key tiles of 64 slots (wgmma's M, keys in M), 16 heads per CTA (wgmma's N),
-# a ring of 2 bf16 K tiles between the producer and consumer warpgroups, a ring of 2 raw record stages
-# (one loads while the other decodes) of V3_BN keys each, or of V3_BN / 2 keys for records too large for
-# two whole tiles beside the K ring (`v3_raw_keys`: fp8_ds_mla 656 B, fp8_e4m3 576 B)
+# a ring of 2 bf16 K tiles between the producer and consumer warpgroups, and a ring of raw record stages
+# (`v3_raw_ring`: stages x keys per stage; all but one stage load while one decodes): 2 whole tiles where
+# they fit beside the K ring (the ring every format ran until session 8), else part-tile stages (fp8 records)
 V3_BN = 64
 V3_HEADS = 16
 V3_K_STAGES = 2
-V3_RAW_STAGES = 2
-V3_RAW_KEYS_CHOICES = (V3_BN, V3_BN // 2)  # keys per raw stage, largest first
+V3_RAW_WHOLE = (2, V3_BN)
+V3_RAW_PART_KEYS = (V3_BN // 2, V3_BN // 4)  # keys per stage of a part-tile ring, largest first
 # key tiles of records prefetched into L2 beyond the one being copied: off. The H200 run of 2026-12-04
 # (results/kernels/bench-NVIDIA_H200-2026-12-04-session6-rev2.json, dense decode h=16, batch 32, 64K) timed
 # prefetch 2 against none: nvfp4 0.675 vs 0.577 ms, nvfp4_fp8_ds_mla 0.714 vs 0.555, bf16 0.783 vs 0.786.
@@ -69,7 +69,7 @@ V3_DEFAULT_FORMATS = ("nvfp4", "nvfp4_fp8rope", "nvfp4_fp8rope_st", "nvfp4_fp8_d
 # listed, `v3_blocker` refuses them (forced v3 then runs v2 and says why). The GPU tests clear this (fixture
 # `kernels_under_test`); delete an entry after its GPU tests pass. Not in V3_DEFAULT_FORMATS either way until timed.
 V3_AWAITING_GPU_TESTS: dict[str, str] = {
-    name: "its v3 kernel (half-tile raw ring, v2's E4M3 decode) compiles but has not yet passed its GPU tests"
+    name: "its v3 kernel (part-tile raw ring, v2's E4M3 decode) compiles but has not yet passed its GPU tests"
     for name in ("fp8_ds_mla", "fp8_ds_mla_pow2", "fp8_e4m3")
 }
 # A reason the default above must not run yet (a policy written without its GPU tests): while set, the unset
@@ -127,28 +127,53 @@ def fast_e2m1_eligible(plan) -> bool:
             and not plan.reader_e4m3)  # TensorRT-LLM's E4M3 read-back rounds each decoded value: decoded per value
 
 
-def _smem_bytes_v3(plan, raw_keys: int) -> int:
-    raw = 0 if is_bf16_plan(plan) else V3_RAW_STAGES * raw_keys * plan.record_bytes
+def _smem_bytes_v3(plan, ring: tuple[int, int]) -> int:
+    raw = 0 if is_bf16_plan(plan) else ring[0] * ring[1] * plan.record_bytes
     k = V3_K_STAGES * V3_BN * D_QK * 2
     return k + raw + 2 * V3_HEADS * D_QK + 2 * V3_HEADS * V3_BN + 4 * 2 * V3_BN + 4 * 8 * V3_HEADS + 4 * 1024
 
 
-def v3_raw_keys(plan) -> int:
-    """Keys per raw-ring stage of a v3 CTA (a compile-time specialisation, derived from the plan alone; v3 is
-    built for sm_90, so the Hopper per-block limit decides): whole 64-key tiles where two fit beside the K ring,
-    else half tiles (32 keys: one half loads while the other decodes, so a copy stays in flight; one
-    whole-tile stage would leave the producer loading and decoding in turn). bf16 has no raw ring."""
-    if is_bf16_plan(plan):
-        return V3_BN
-    fits = [k for k in V3_RAW_KEYS_CHOICES if _smem_bytes_v3(plan, k) <= HOPPER_SMEM_PER_BLOCK]
-    return fits[0] if fits else V3_RAW_KEYS_CHOICES[-1]
+def v3_raw_rings(plan) -> list[tuple[int, int]]:
+    """Every raw ring (stages, keys per stage) a v3 CTA of this format can run on sm_90 (v3 is built for it, so
+    the Hopper per-block limit decides), preferred first. Two whole tiles where they fit: the measured ring
+    (bf16, which has none, gets it nominally). Else part-tile rings of 32 or 16 keys per stage, from 2 stages up
+    to one tile ahead (stages - 1 <= stages per tile: the producer's slot ids are double-buffered by tile),
+    the most keys in flight (stages - 1 stages load while one decodes) first, then the larger stage (fewer
+    barriers). Session 6 (NOTES.md) read v3's bound as too little in flight per SM, hence the order."""
+    if is_bf16_plan(plan) or _smem_bytes_v3(plan, V3_RAW_WHOLE) <= HOPPER_SMEM_PER_BLOCK:
+        return [V3_RAW_WHOLE]
+    rings = [
+        (stages, keys)
+        for keys in V3_RAW_PART_KEYS
+        for stages in range(2, V3_BN // keys + 2)
+        if _smem_bytes_v3(plan, (stages, keys)) <= HOPPER_SMEM_PER_BLOCK
+    ]
+    return sorted(rings, key=lambda r: (-(r[0] - 1) * r[1], -r[1]))
 
 
-def smem_bytes_v3(plan) -> int:
-    """Shared memory of one v3 CTA: K ring, raw ring (`V3_RAW_STAGES` stages of `v3_raw_keys` records; none for
-    bf16), Q, P^T, slot ids, the 4-warp reductions, the mbarriers, and the 1 KB alignment of the wgmma tiles
-    (4 KB of slack in all)."""
-    return _smem_bytes_v3(plan, v3_raw_keys(plan))
+def v3_raw_ring(plan) -> tuple[int, int]:
+    """The raw ring (stages, keys per stage) a v3 CTA of this format runs: a compile-time specialisation derived
+    from the plan alone (`v3_raw_rings`' first; a format none fits reports the smallest, which `v3_blocker`
+    then refuses by its size)."""
+    return (v3_raw_rings(plan) or [(2, V3_RAW_PART_KEYS[-1])])[0]
+
+
+def v3_raw_unit(ring: tuple[int, int], it, j: int):
+    """(tile, part, stage) of the raw unit the v3 producer handles at step j of key tile `it`: a tile is
+    U = V3_BN / keys units ("parts"); unit U it + j sits in stage (U it + j) % S (a constant when S divides U).
+    j = h decodes part h of tile it; j = h + S - 1 is the unit loaded while it decodes (at most one tile
+    ahead: S - 1 <= U); j = 0 .. S - 2 before the loop (it = 0) are the prologue's loads. `it` may be a kernel
+    value (Int32): the one definition of the schedule for the kernel and its CPU model (tests)."""
+    stages, keys = ring
+    units = V3_BN // keys
+    stage = j % stages if units % stages == 0 else (units * it + j) % stages
+    return it + j // units, j % units, stage
+
+
+def smem_bytes_v3(plan, ring: tuple[int, int] | None = None) -> int:
+    """Shared memory of one v3 CTA: K ring, raw ring (`ring`, default `v3_raw_ring`; none for bf16), Q, P^T,
+    slot ids, the 4-warp reductions, the mbarriers, and the 1 KB alignment of the wgmma tiles (4 KB of slack)."""
+    return _smem_bytes_v3(plan, ring or v3_raw_ring(plan))
 
 
 def v3_producer_wgs(plan) -> int:
@@ -169,8 +194,9 @@ def v3_blocker(plan, sparse: bool, smem_limit: int = HOPPER_SMEM_PER_BLOCK, *, g
         return f"{plan.name}: v3 copies records in 16-byte chunks only, this record is {plan.record_bytes} B (runs v2)"
     need = smem_bytes_v3(plan)
     if need > smem_limit:
-        return (f"{plan.name}: v3 needs {need} B of shared memory per CTA (2 K tiles + 2 record stages of "
-                f"{v3_raw_keys(plan)} keys), the device allows {smem_limit}")
+        stages, keys = v3_raw_ring(plan)
+        return (f"{plan.name}: v3 needs {need} B of shared memory per CTA (2 K tiles + {stages} record stages of "
+                f"{keys} keys), the device allows {smem_limit}")
     if gated and plan.name in V3_AWAITING_GPU_TESTS:
         return f"{plan.name}: v3 held off: {V3_AWAITING_GPU_TESTS[plan.name]} (runs v2)"
     return None

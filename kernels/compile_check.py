@@ -109,9 +109,9 @@ def compile_v3(plan, name: str, stream) -> int:
     from mla_eval_kernels.attention_tuning import (  # noqa: PLC0415
         V3_L2_PREFETCH,
         V3_L2_PREFETCH_PROBE,
-        V3_RAW_STAGES,
         v3_producer_wgs,
-        v3_raw_keys,
+        v3_raw_ring,
+        v3_raw_rings,
     )
     from mla_eval_kernels.mla_attention_v3 import MlaAttentionV3  # noqa: PLC0415
 
@@ -126,8 +126,11 @@ def compile_v3(plan, name: str, stream) -> int:
         for split in (False, True)
     ]
     probe = plan.outer_allowed, False, True
-    cases += [(*probe, V3_L2_PREFETCH_PROBE, pwg), (*probe, V3_L2_PREFETCH, 3 - pwg)]
-    for outer, sink, split, l2pf, wgs in cases:
+    ring = v3_raw_ring(plan)
+    cases = [(*c, ring) for c in cases]
+    cases += [(*probe, V3_L2_PREFETCH_PROBE, pwg, ring), (*probe, V3_L2_PREFETCH, 3 - pwg, ring)]
+    cases += [(*probe, V3_L2_PREFETCH, pwg, r) for r in v3_raw_rings(plan)[1:]]  # bench v3-r<S>x<K>
+    for outer, sink, split, l2pf, wgs, raw_ring in cases:
         t = time.time()
         dump = tempfile.mkdtemp()
         a = (
@@ -137,7 +140,7 @@ def compile_v3(plan, name: str, stream) -> int:
         )
         try:
             opts = f"--keep-ptx --keep-cubin --dump-dir={dump}"
-            cute.compile(MlaAttentionV3(plan, sink, outer, split, l2pf, wgs), *a, options=opts)
+            cute.compile(MlaAttentionV3(plan, sink, outer, split, l2pf, wgs, raw_ring=raw_ring), *a, options=opts)
             use = cubin_usage(max(glob.glob(f"{dump}/*.cubin"), key=os.path.getmtime))
             problems = check_v3_ptx(open(max(glob.glob(f"{dump}/*.ptx"), key=os.path.getmtime)).read())
             if use.get("frame", 0) or use.get("stack", 0):
@@ -150,7 +153,7 @@ def compile_v3(plan, name: str, stream) -> int:
             status = f"FAILED {type(exc).__name__}: {str(exc)[:300]}"
         print(
             f"attention {name:18} v3           dense outer={outer!s:5} sink={sink!s:5} split={split!s:5} "
-            f"l2pf={l2pf} producer_wgs={wgs} raw={V3_RAW_STAGES}x{v3_raw_keys(plan)} "
+            f"l2pf={l2pf} producer_wgs={wgs} raw={raw_ring[0]}x{raw_ring[1]} "
             f"{time.time() - t:5.1f}s {status}",
             flush=True,
         )

@@ -538,6 +538,7 @@ class MlaAttention:
         plan = self.plan
         rec = plan.record_bytes
         nkeys = self.bn if nkeys is None else nkeys
+        assert nkeys * 64 % self.num_threads == 0
         for u in cutlass.range_constexpr(nkeys * 64 // self.num_threads):
             i = u * self.num_threads + tidx
             key = i // 64
@@ -547,8 +548,11 @@ class MlaAttention:
             else:
                 w0, w1, w2, w3 = self.decode8(plan.latent, raw + key * rec, d0, s_l, self.has_outer, True)
             _st_shared_v4(sK_addr + 2 * swizzled_offset(key0 + key, d0, self.bn), w0, w1, w2, w3)
-        for u in cutlass.range_constexpr(nkeys * 8 // self.num_threads):
+        n_rope = nkeys * 8  # v3's 16-key stages: fewer rope items than producer threads
+        for u in cutlass.range_constexpr((n_rope + self.num_threads - 1) // self.num_threads):
             i = u * self.num_threads + tidx
+            if cutlass.const_expr(n_rope % self.num_threads):
+                i = cutlass.min(i, n_rope - 1)  # a repeated item is harmless (the same bytes to the same address)
             key = i // 8
             d0 = (i % 8) * 8
             w0, w1, w2, w3 = self.decode8(

@@ -3,7 +3,8 @@
 Fresh random caches and queries per case, outputs and split partials poisoned with NaN first (every
 element the kernel owns must be written), error bounds of tests/test_kernels_gpu.py. Lengths cover
 1 key, one short of / exactly / one past the 64-key tile, lengths that are not a multiple of the tile,
-and 64K keys; for the fp8 records, whose raw ring holds half tiles, lengths around the 32-key half. Also:
+and 64K keys; for the fp8 records, whose raw ring holds parts of tiles, lengths around the 16- and 32-key parts
+and every ring that fits (bit-identical outputs). Also:
 MLA_EVAL_ATTENTION_KERNEL=v3 routes dense launches to v3 and everything v3 does not cover (sparse lists,
 formats it refuses, formats still held by `V3_AWAITING_GPU_TESTS` outside these tests) to v2; unset, the per-format default
 (`attention_tuning.generation_for`) runs v3 only for the dense decode launches it names, and dispatch
@@ -44,8 +45,8 @@ V3_FORMATS = [
 ]
 V3_BLOCKED = [f for f in FORMATS if f not in V3_FORMATS]
 V3_DECODED = [f for f in V3_FORMATS if not attention_tuning.is_bf16_plan(plan_for(get_format(f)))]
-# records too large for two whole tiles beside the K ring: the raw ring holds half tiles (`v3_raw_keys`)
-V3_HALF_RING = [f for f in V3_DECODED if attention_tuning.v3_raw_keys(plan_for(get_format(f))) < attention_tuning.V3_BN]
+# records too large for two whole tiles beside the K ring: the raw ring holds parts of tiles (`v3_raw_ring`)
+V3_PART_RING = [f for f in V3_DECODED if attention_tuning.v3_raw_ring(plan_for(get_format(f))) != attention_tuning.V3_RAW_WHOLE]
 LENGTHS = [1, BLOCK - 1, BLOCK, BLOCK + 1, 5 * BLOCK + 17, 1000, 777]
 
 
@@ -212,8 +213,8 @@ def test_v3_timing_probes_run_to_the_end(probe):
 @needs_cuda
 @pytest.mark.parametrize("fmt", ["nvfp4", "bf16", "fp8_ds_mla", "fp8_e4m3"])
 def test_v3_at_64k_keys(fmt):
-    """64K keys (1024 tiles; 3 queries: 65536, 65536 - 37 and 1 key), with and without splits (fp8: 2048
-    half-tile stages through the raw ring)."""
+    """64K keys (1024 tiles; 3 queries: 65536, 65536 - 37 and 1 key), with and without splits (fp8: 4 x 1024
+    part-tile units through fp8_ds_mla's raw ring, 2 x 1024 through fp8_e4m3's)."""
     lengths = [65536, 65536 - 37, 1]
     spec, q, cache, scale, sink_t, s_l, lists, ref_out, ref_lse, bound = _case(fmt, 16, lengths, 2, blocks=1024 + 8)
     for splits in (None, 1):
@@ -222,30 +223,42 @@ def test_v3_at_64k_keys(fmt):
 
 
 @needs_cuda
-@pytest.mark.parametrize("fmt", V3_HALF_RING)
-def test_v3_half_tile_raw_ring(fmt):
-    """The fp8 records go through a raw ring of half tiles: lengths at and around the 32-key half (a tile whose
-    second half is all past the end, or holds one key), and a query of 0 keys, with and without splits."""
-    lengths = [0, 31, 32, 33, 96, 97, 128 + 31, 40]
+@pytest.mark.parametrize("fmt", V3_PART_RING)
+def test_v3_part_tile_raw_rings(fmt):
+    """The fp8 records go through a raw ring of 16- or 32-key parts of a tile: lengths at and around the parts
+    (a tile whose last parts are all past the end, or hold one key), a query of 0 keys, with and without splits,
+    for the default ring (reference check) and every other ring that fits (`v3_raw_rings`, the bench's
+    v3-r<S>x<K> rows): they only move the copies, so the outputs are bit-identical to the default's."""
+    lengths = [0, 15, 16, 17, 31, 32, 33, 48, 49, 96, 97, 128 + 31, 40]
     spec, q, cache, scale, sink_t, s_l, lists, ref_out, ref_lse, bound = _case(fmt, 16, lengths, 9, sink=True)
+    rings = attention_tuning.v3_raw_rings(plan_for(spec))
+    assert len(rings) > 1 and rings[0] == attention_tuning.v3_raw_ring(plan_for(spec))
     for splits in (None, 1, 3):
         out, lse = _v3(spec, q, cache, scale, sink=sink_t, outer_scale=s_l, num_splits=splits, **lists)
-        _check(out[1:], lse[1:], ref_out[1:], ref_lse[1:], bound, f"v3 {fmt} half ring splits={splits}")
+        _check(out[1:], lse[1:], ref_out[1:], ref_lse[1:], bound, f"v3 {fmt} part ring splits={splits}")
         assert torch.all(out[0] == 0) and torch.all(torch.isneginf(lse[0]))
+        for ring in rings[1:]:
+            o, l_ = _v3(spec, q, cache, scale, sink=sink_t, outer_scale=s_l, num_splits=splits, raw_ring=ring, **lists)
+            assert torch.equal(o, out) and torch.equal(l_, lse), (fmt, ring, splits)
+    with pytest.raises(ValueError, match="raw_ring"):
+        _v3(spec, q, cache, scale, raw_ring=(2, 64), **lists)  # two whole tiles do not fit
 
 
-def test_v3_half_tile_ring_is_in_the_compile_key(monkeypatch):
-    """No GPU needed: the raw stage shape (2 stages of 64 or of 32 keys) is a specialisation; the key says it."""
+def test_v3_raw_ring_is_in_the_compile_key(monkeypatch):
+    """No GPU needed: the raw ring (stages x keys per stage) is a specialisation; the key says it."""
     from mla_eval_kernels import mla_attention_v3
 
     monkeypatch.setattr(mla_attention_v3, "arch_tag", lambda device: "sm_90")
-    assert V3_HALF_RING == ["fp8_ds_mla", "fp8_ds_mla_pow2", "fp8_e4m3"]
+    assert V3_PART_RING == ["fp8_ds_mla", "fp8_ds_mla_pow2", "fp8_e4m3"]
 
     def key(name):
         return mla_attention_v3.compile_key(plan_for(get_format(name)), False, False, False, None)
 
-    assert "raw=2x32" in key("fp8_ds_mla") and "raw=2x32" in key("fp8_e4m3")
-    assert "raw=2x64" in key("nvfp4") and key("fp8_ds_mla") != key("fp8_ds_mla_pow2")
+    assert "raw=5x16" in key("fp8_ds_mla") and "raw=3x32" in key("fp8_e4m3") and "raw=2x64" in key("nvfp4")
+    assert key("fp8_ds_mla") != key("fp8_ds_mla_pow2")
+    plan = plan_for(get_format("fp8_ds_mla"))
+    other = mla_attention_v3.compile_key(plan, False, False, False, None, raw_ring=(2, 32))
+    assert "raw=2x32" in other and other != key("fp8_ds_mla")
 
 
 @needs_cuda
@@ -344,8 +357,8 @@ def test_default_policy_picks_the_generation_per_launch_and_dispatch_records_it(
 @pytest.mark.parametrize("fmt", V3_DECODED)
 def test_v3_copies_cover_each_chunk_once_and_stores_are_conflict_free(fmt, pt):
     """No GPU needed; a model of the producer's index arithmetic (`load_raw`, `decode_latent`).
-    Copies: a raw stage holds keys key0 .. key0 + nk of a tile (nk = `v3_raw_keys`: 64, or 32 for the fp8
-    records, whose stages hold half tiles); thread ptid < g * chunks takes chunk ptid % chunks of keys
+    Copies: a raw stage holds keys key0 .. key0 + nk of a tile (nk: the keys per stage of each ring
+    `v3_raw_rings` allows: 64, or 32 / 16 for the fp8 records); thread ptid < g * chunks takes chunk ptid % chunks of keys
     key0 + ptid // chunks + g u into record ptid // chunks + g u of the stage: over the tile's stages every
     (key, chunk) of the 64-key tile once, nothing past a stage. Latent stores: per quarter warp (8 lanes x
     16 bytes, one key row) the 8 chunks land in 8 distinct 16-byte bank groups (without the half swap:
@@ -353,18 +366,19 @@ def test_v3_copies_cover_each_chunk_once_and_stores_are_conflict_free(fmt, pt):
     from mla_eval_kernels.mla_attention import swizzled_offset
 
     plan = plan_for(get_format(fmt))
-    rec, nk = plan.record_bytes, attention_tuning.v3_raw_keys(plan)
+    rec = plan.record_bytes
     chunks, bn = rec // 16, 64
-    assert bn % nk == 0
     g = pt // chunks
-    seen = []
-    for key0 in range(0, bn, nk):  # the tile's stages (units)
-        for ptid in range(g * chunks):
-            for u in range(-(-nk // g)):
-                pos = ptid // chunks + g * u  # the record's place in the stage
-                if pos < nk:
-                    seen.append((key0 + pos, ptid % chunks))
-    assert sorted(seen) == [(k, c) for k in range(bn) for c in range(chunks)]
+    for nk in {k for _, k in attention_tuning.v3_raw_rings(plan)}:
+        assert bn % nk == 0
+        seen = []
+        for key0 in range(0, bn, nk):  # the tile's parts
+            for ptid in range(g * chunks):
+                for u in range(-(-nk // g)):
+                    pos = ptid // chunks + g * u  # the record's place in the stage
+                    if pos < nk:
+                        seen.append((key0 + pos, ptid % chunks))
+        assert sorted(seen) == [(k, c) for k in range(bn) for c in range(chunks)], nk
 
     def groups(key, lanes, swap):
         out = []
@@ -388,7 +402,7 @@ def test_v3_copies_cover_each_chunk_once_and_stores_are_conflict_free(fmt, pt):
 @pytest.mark.parametrize("probe", ["nodec", "nomma"])
 def test_v3_timing_probes_compile(probe, fmt, tmp_path):
     """No GPU needed: the benchmark's timing probes compile for sm_90a without a stack frame (whole-tile and
-    half-tile raw rings)."""
+    part-tile raw rings)."""
     import os
 
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
