@@ -393,7 +393,7 @@ class MlaAttentionV3(MlaAttention):
         multiply per 16 values, two 16-byte stores); lane = block, so a warp reads one record's 256 bytes
         of codes in two wavefronts and writes one swizzled 1 KB row. The rope and the other formats go
         through v2's path (`decode_tile` / `decode8`, 8 values per item: E4M3 -> fp32 exactly, times the fp32 group
-        scale (and s_l), rounded once to bf16, as v2 does)."""
+        scale (and s_l) in fp32, that product to bf16 (RN), as v2 does)."""
         plan = self.plan
         lat = plan.latent
         rec = plan.record_bytes
