@@ -22,7 +22,10 @@ At (b), every format the v3 kernel covers (`attention_tuning.v3_blocker`) gets b
 `kernel=v3` row (one of them is the default launch), whatever MLA_EVAL_ATTENTION_KERNEL says; with
 `--variants`, at 64K also v3-pf (L2 prefetch of records on, `V3_L2_PREFETCH_PROBE` tiles ahead), v3-p1 /
 v3-p2 (producer warpgroups) and, for the decoded formats, the timing probes v3-nodec / v3-nomma (wrong
-output: no decode / no wgmma), which tell which side bounds v3.
+output: no decode / no wgmma), which tell which side bounds v3, and v3-r<S>x<K> for each raw ring that fits
+other than the default (`attention_tuning.v3_raw_rings`: the fp8 records' part-tile rings). Formats that v3 runs but
+`attention_tuning.V3_AWAITING_GPU_TESTS` still holds on v2 (the fp8 records and their part-tile raw rings) get
+their v3 rows with `--variants` only, marked `v3_held` (the reason): run their GPU tests first.
 
 Compiling every kernel takes seconds each, so one worker process per format compiles and warms
 up in parallel; the timed part runs under an exclusive file lock, one worker at a time.
@@ -150,7 +153,14 @@ def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "wr
     """All measurements of one format (called in a worker process); `shapes` picks writer / a / b / c."""
     from mla_eval.attention import dispatch
     from mla_eval_kernels import mla_attention as kernel
-    from mla_eval_kernels.attention_tuning import V3_L2_PREFETCH_PROBE, generation_for, is_bf16_plan, v3_blocker, v3_producer_wgs
+    from mla_eval_kernels.attention_tuning import (
+        V3_L2_PREFETCH_PROBE,
+        generation_for,
+        is_bf16_plan,
+        v3_blocker,
+        v3_producer_wgs,
+        v3_raw_rings,
+    )
     from mla_eval_kernels.mla_attention import flops
     from mla_eval_kernels.record_plan import plan_for
 
@@ -229,8 +239,13 @@ def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "wr
                 batch * ctx * spec.record_bytes, flops(batch, 16, ctx), ref,
             )
         )
-        if v3_blocker(plan_for(spec), sparse=False) is None:
+        # held: v3 runs the format, but V3_AWAITING_GPU_TESTS keeps dispatch on v2 (timed with --variants only)
+        can_v3 = v3_blocker(plan_for(spec), sparse=False, gated=False) is None
+        held = v3_blocker(plan_for(spec), sparse=False) if can_v3 else None
+        if can_v3 and (held is None or variants):
             from mla_eval_kernels.mla_attention_v3 import mla_attention_v3
+
+            mark = dict(v3_held=held) if held else {}
 
             # the generation the default launch does not run, so that v2 and v3 stay side by side
             other = "v2" if ran(False, 16) == "v3" else "v3"
@@ -243,7 +258,7 @@ def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "wr
 
             todo.append(
                 (
-                    "b_dense_decode", dict(batch=batch, heads=16, context=ctx, kernel=other), fb3,
+                    "b_dense_decode", dict(batch=batch, heads=16, context=ctx, kernel=other, **mark), fb3,
                     batch * ctx * spec.record_bytes, flops(batch, 16, ctx), None,
                 )
             )
@@ -255,6 +270,8 @@ def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "wr
                 if not is_bf16_plan(plan_for(spec)):
                     # timing probes (wrong output): the producer's decode left out; the consumer's wgmma left out
                     probes += [("v3-nodec", dict(timing_probe="nodec")), ("v3-nomma", dict(timing_probe="nomma"))]
+                # the other raw rings that fit (fp8 records: fewer keys in flight, or larger stages), same output
+                probes += [(f"v3-r{r[0]}x{r[1]}", dict(raw_ring=r)) for r in v3_raw_rings(plan_for(spec))[1:]]
                 for vname, kw in probes:
 
                     def fb3v(i, q=q, table=table, lens=lens, bcache=bcache, ctx=ctx, kw=kw):
@@ -265,7 +282,7 @@ def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "wr
 
                     todo.append(
                         (
-                            "b_dense_decode", dict(batch=batch, heads=16, context=ctx, kernel=vname), fb3v,
+                            "b_dense_decode", dict(batch=batch, heads=16, context=ctx, kernel=vname, **mark), fb3v,
                             batch * ctx * spec.record_bytes, flops(batch, 16, ctx), None,
                         )
                     )

@@ -106,7 +106,13 @@ def check_v3_ptx(ptx: str) -> list[str]:
 
 def compile_v3(plan, name: str, stream) -> int:
     """Compile every v3 specialisation of one format; returns the number of failures."""
-    from mla_eval_kernels.attention_tuning import V3_L2_PREFETCH, V3_L2_PREFETCH_PROBE, v3_producer_wgs  # noqa: PLC0415
+    from mla_eval_kernels.attention_tuning import (  # noqa: PLC0415
+        V3_L2_PREFETCH,
+        V3_L2_PREFETCH_PROBE,
+        v3_producer_wgs,
+        v3_raw_ring,
+        v3_raw_rings,
+    )
     from mla_eval_kernels.mla_attention_v3 import MlaAttentionV3  # noqa: PLC0415
 
     failures = 0
@@ -120,8 +126,11 @@ def compile_v3(plan, name: str, stream) -> int:
         for split in (False, True)
     ]
     probe = plan.outer_allowed, False, True
-    cases += [(*probe, V3_L2_PREFETCH_PROBE, pwg), (*probe, V3_L2_PREFETCH, 3 - pwg)]
-    for outer, sink, split, l2pf, wgs in cases:
+    ring = v3_raw_ring(plan)
+    cases = [(*c, ring) for c in cases]
+    cases += [(*probe, V3_L2_PREFETCH_PROBE, pwg, ring), (*probe, V3_L2_PREFETCH, 3 - pwg, ring)]
+    cases += [(*probe, V3_L2_PREFETCH, pwg, r) for r in v3_raw_rings(plan)[1:]]  # bench v3-r<S>x<K>
+    for outer, sink, split, l2pf, wgs, raw_ring in cases:
         t = time.time()
         dump = tempfile.mkdtemp()
         a = (
@@ -131,7 +140,7 @@ def compile_v3(plan, name: str, stream) -> int:
         )
         try:
             opts = f"--keep-ptx --keep-cubin --dump-dir={dump}"
-            cute.compile(MlaAttentionV3(plan, sink, outer, split, l2pf, wgs), *a, options=opts)
+            cute.compile(MlaAttentionV3(plan, sink, outer, split, l2pf, wgs, raw_ring=raw_ring), *a, options=opts)
             use = cubin_usage(max(glob.glob(f"{dump}/*.cubin"), key=os.path.getmtime))
             problems = check_v3_ptx(open(max(glob.glob(f"{dump}/*.ptx"), key=os.path.getmtime)).read())
             if use.get("frame", 0) or use.get("stack", 0):
@@ -144,7 +153,7 @@ def compile_v3(plan, name: str, stream) -> int:
             status = f"FAILED {type(exc).__name__}: {str(exc)[:300]}"
         print(
             f"attention {name:18} v3           dense outer={outer!s:5} sink={sink!s:5} split={split!s:5} "
-            f"l2pf={l2pf} producer_wgs={wgs} "
+            f"l2pf={l2pf} producer_wgs={wgs} raw={raw_ring[0]}x{raw_ring[1]} "
             f"{time.time() - t:5.1f}s {status}",
             flush=True,
         )
@@ -178,8 +187,12 @@ def main(argv=None) -> int:
                 print(f"writer    {name:18} {in_dtype.__name__:8} outer={outer!s:5} {time.time() - t:5.1f}s", flush=True)
         versions = args.versions.split(",")
         if "v3" in versions:
-            why = v3_blocker(plan, sparse=False, smem_limit=HOPPER_SMEM_PER_BLOCK)
+            # compiled also while held off by V3_AWAITING_GPU_TESTS: the held kernels must compile before a device run
+            why = v3_blocker(plan, sparse=False, smem_limit=HOPPER_SMEM_PER_BLOCK, gated=False)
             if why is None:
+                held = v3_blocker(plan, sparse=False, smem_limit=HOPPER_SMEM_PER_BLOCK)
+                if held:
+                    print(f"attention {name:18} v3           compiled; dispatch runs v2 until GPU tests pass: {held}", flush=True)
                 failures += compile_v3(plan, name, stream)
             else:
                 print(f"attention {name:18} v3           runs v2: {why}", flush=True)

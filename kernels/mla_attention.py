@@ -529,11 +529,17 @@ class MlaAttention:
                 _cp_async_small(dst, src, size, size if ok else 0)
 
     @cute.jit
-    def decode_tile(self, raw: Int32, sK_addr: Int32, s_l: Float32, tidx: Int32):
-        """Raw records of one tile (shared memory) -> bf16 K [BN, 576], 8 values per work item."""
+    def decode_tile(
+        self, raw: Int32, sK_addr: Int32, s_l: Float32, tidx: Int32, key0: cutlass.Constexpr = 0,
+        nkeys: cutlass.Constexpr = None,
+    ):
+        """Raw records of one tile (shared memory) -> bf16 K [BN, 576], 8 values per work item. v3 decodes
+        part of a tile at a time: `nkeys` records at `raw` (default BN) into K rows key0.. key0 + nkeys."""
         plan = self.plan
         rec = plan.record_bytes
-        for u in cutlass.range_constexpr(self.bn * 64 // self.num_threads):
+        nkeys = self.bn if nkeys is None else nkeys
+        assert nkeys * 64 % self.num_threads == 0
+        for u in cutlass.range_constexpr(nkeys * 64 // self.num_threads):
             i = u * self.num_threads + tidx
             key = i // 64
             d0 = (i % 64) * 8
@@ -541,15 +547,18 @@ class MlaAttention:
                 w0, w1, w2, w3 = self.decode8_e2m1_folded(plan.latent, raw + key * rec, d0)
             else:
                 w0, w1, w2, w3 = self.decode8(plan.latent, raw + key * rec, d0, s_l, self.has_outer, True)
-            _st_shared_v4(sK_addr + 2 * swizzled_offset(key, d0, self.bn), w0, w1, w2, w3)
-        for u in cutlass.range_constexpr(self.bn * 8 // self.num_threads):
+            _st_shared_v4(sK_addr + 2 * swizzled_offset(key0 + key, d0, self.bn), w0, w1, w2, w3)
+        n_rope = nkeys * 8  # v3's 16-key stages: fewer rope items than producer threads
+        for u in cutlass.range_constexpr((n_rope + self.num_threads - 1) // self.num_threads):
             i = u * self.num_threads + tidx
+            if cutlass.const_expr(n_rope % self.num_threads):
+                i = cutlass.min(i, n_rope - 1)  # a repeated item is harmless (the same bytes to the same address)
             key = i // 8
             d0 = (i % 8) * 8
             w0, w1, w2, w3 = self.decode8(
                 plan.rope, raw + key * rec, d0, s_l, self.has_outer and plan.outer_on_rope, False
             )
-            _st_shared_v4(sK_addr + 2 * swizzled_offset(key, D_V + d0, self.bn), w0, w1, w2, w3)
+            _st_shared_v4(sK_addr + 2 * swizzled_offset(key0 + key, D_V + d0, self.bn), w0, w1, w2, w3)
 
     @cute.jit
     def decode8_e2m1_folded(self, coding: cutlass.Constexpr, rec: Int32, d0: Int32):

@@ -18,7 +18,9 @@ says which launches run here). Why this shape, measured against the v2 diagnosis
   with full / empty mbarriers (`pipeline.PipelineAsync`; every producer thread arrives on full, the 128
   consumers on empty) replaces the CTA-wide barriers of v1/v2; each role syncs internally with its
   own named barrier (ids 1 and 2). bf16 records are copied straight into the K ring (cp.async, no
-  decode); the other formats go through a 2-stage raw ring (tile t+1 loads while tile t decodes).
+  decode); the other formats go through a raw ring (`attention_tuning.v3_raw_ring`): 2 whole tiles (tile
+  t+1 loads while tile t decodes) where they fit beside the K ring, else S stages of 16 or 32 keys for the
+  fp8 records (fp8_ds_mla 5 x 16, fp8_e4m3 3 x 32: S - 1 parts load while one decodes, 64 keys in flight).
 - Decode: E2M1 x E4M3 latents through `ptx.e2m1x8_scaled_bf16x2` (a byte of two codes -> one bf16x2
   word, one multiply per 8 values by the block scale); 2^9 * s_l is folded into the latent part of
   each score (a second S accumulator for the rope k-steps) and into the output, as in v2. Other
@@ -53,10 +55,12 @@ from mla_eval_kernels.attention_tuning import (
     V3_HEADS,
     V3_K_STAGES,
     V3_L2_PREFETCH,
-    V3_RAW_STAGES,
     fast_e2m1_eligible,
     is_bf16_plan,
     v3_producer_wgs,
+    v3_raw_ring,
+    v3_raw_rings,
+    v3_raw_unit,
 )
 from mla_eval_kernels.compile_cache import arch_tag, compiled
 from mla_eval_kernels.launch_grid import attention_grid
@@ -102,7 +106,7 @@ def _st_shared_bf16(addr, x):
 
 class MlaAttentionV3(MlaAttention):
     """One compiled v3 kernel per (plan, sink, outer scale, split, L2 prefetch distance, producer
-    warpgroups, timing probe). Dense lists only.
+    warpgroups, timing probe, raw ring). Dense lists only.
 
     Inherits v2's record decode (`decode_tile`, `decode8`, `decode8_e2m1_folded`): with `bn` = 64 and
     `num_threads` = 128 (the producer warpgroup) they write the same swizzled bf16 K tile that wgmma reads.
@@ -110,7 +114,7 @@ class MlaAttentionV3(MlaAttention):
 
     def __init__(
         self, plan: RecordPlan, has_sink: bool, has_outer: bool, split: bool, l2_prefetch: int = V3_L2_PREFETCH,
-        producer_wgs: int | None = None, timing_probe: str = "",
+        producer_wgs: int | None = None, timing_probe: str = "", raw_ring: tuple[int, int] | None = None,
     ):
         if timing_probe not in TIMING_PROBES:
             raise ValueError(f"timing_probe must be one of {TIMING_PROBES}, not {timing_probe!r}")
@@ -132,7 +136,15 @@ class MlaAttentionV3(MlaAttention):
         self.nh = V3_HEADS
         self.num_threads = self.pt  # the producer threads decode (the inherited decode_tile reads this)
         self.k_stages = V3_K_STAGES
-        self.raw_stages = 0 if self.copy_k else V3_RAW_STAGES
+        # raw ring: `raw_stages` stages of `raw_keys` records (whole tiles, or parts of one for the fp8 records);
+        # another ring than the default is a benchmark probe (bench v3-r<stages>x<keys>)
+        ring = tuple(raw_ring or v3_raw_ring(plan))
+        if ring not in v3_raw_rings(plan):
+            raise ValueError(f"raw_ring {ring} is not one v3 runs for {plan.name} (any of {v3_raw_rings(plan)})")
+        self.ring = ring
+        self.raw_stages = 0 if self.copy_k else ring[0]
+        self.raw_keys = ring[1]
+        self.raw_units = self.bn // self.raw_keys  # raw stages per key tile
 
     @cute.jit
     def __call__(
@@ -167,7 +179,7 @@ class MlaAttentionV3(MlaAttention):
         sVt_outer = cute.append(vt_one.outer, cute.make_layout(ks, stride=bn * D_QK))
         sQ_layout = cute.tile_to_shape(k_atom, (nh, D_QK), (0, 1))
         sP_layout = cute.tile_to_shape(k_atom, (nh, bn), (0, 1))
-        raw_bytes = max(16, self.raw_stages * bn * self.plan.record_bytes)
+        raw_bytes = max(16, self.raw_stages * self.raw_keys * self.plan.record_bytes)
 
         @cute.struct
         class SharedStorage:
@@ -317,24 +329,41 @@ class MlaAttentionV3(MlaAttention):
                 kpipe.producer_commit(com)
                 com.advance()
         else:
-            # decoded formats: raw ring of 2 tiles (tile it + 1 loads while tile it decodes)
-            if 0 < n_local:
-                self.load_raw(sSlot, 0, raw_addr, cache_addr, ptid)
-            cute.arch.cp_async_commit_group()
+            # decoded formats: a raw ring of S stages of nk records, U = BN / nk per key tile ("units"). Unit
+            # u = U it + h sits in stage u % S; while it decodes, units u + 1 .. u + S - 1 load (one cp.async group
+            # each, in order, so wait_group(S - 2) completes unit u). Loads run at most one tile ahead (S - 1 <= U,
+            # `v3_raw_rings`), whose slot ids `look_ahead` wrote before the first barrier of the iteration.
+            units, stages, nk = self.raw_units, self.raw_stages, self.raw_keys
+            stage_bytes = nk * rec
+            for j in cutlass.range_constexpr(stages - 1):  # units 0 .. S - 2: parts of tile 0
+                _, part, stage = v3_raw_unit(self.ring, 0, j)
+                if 0 < n_local:
+                    self.load_raw(sSlot, 0, raw_addr + stage * stage_bytes, cache_addr, ptid, part * nk)
+                cute.arch.cp_async_commit_group()
             for it in range(n_local):
                 nxt = self.look_ahead(
                     sSlot, m_idx, nxt, it, la_key, la_ahead, t_begin, n_local, num_keys, block_size, cache_addr, ptid
                 )
-                cute.arch.cp_async_wait_group(0)  # this thread's records of tile it have landed
-                # all threads' records landed, the next slot ids are written, and every thread has
-                # finished decoding tile it - 1, whose raw stage is refilled next
-                cute.arch.barrier(barrier_id=BAR_PRODUCER, number_of_threads=self.pt)
-                if it + 1 < n_local:
-                    self.load_raw(sSlot, (it + 1) % 2, raw_addr, cache_addr, ptid)
-                cute.arch.cp_async_commit_group()
-                kpipe.producer_acquire(acq)
-                if cutlass.const_expr(self.probe != "nodec"):
-                    self.decode_tile_v3(raw_addr + (it % 2) * (bn * rec), sK_addr + 2 * bn * D_QK * acq.index, s_l, ptid)
+                for h in cutlass.range_constexpr(units):
+                    cute.arch.cp_async_wait_group(stages - 2)  # this thread's records of unit (it, h) have landed
+                    # all threads' records landed, the next slot ids are written, and every thread has
+                    # finished decoding the previous unit, whose raw stage is refilled next
+                    cute.arch.barrier(barrier_id=BAR_PRODUCER, number_of_threads=self.pt)
+                    j = h + stages - 1  # the unit loaded now: part j % U of tile it + j // U (this tile or the next)
+                    tile, part, stage = v3_raw_unit(self.ring, it, j)
+                    if cutlass.const_expr(j < units):
+                        self.load_raw(sSlot, it % 2, raw_addr + stage * stage_bytes, cache_addr, ptid, part * nk)
+                    else:
+                        if tile < n_local:
+                            self.load_raw(sSlot, tile % 2, raw_addr + stage * stage_bytes, cache_addr, ptid, part * nk)
+                    cute.arch.cp_async_commit_group()
+                    if cutlass.const_expr(h == 0):
+                        kpipe.producer_acquire(acq)
+                    if cutlass.const_expr(self.probe != "nodec"):
+                        _, part, stage = v3_raw_unit(self.ring, it, h)
+                        self.decode_tile_v3(
+                            raw_addr + stage * stage_bytes, sK_addr + 2 * bn * D_QK * acq.index, s_l, ptid, part * nk, nk
+                        )
                 cute.arch.fence_view_async_shared()
                 kpipe.producer_commit(acq)
                 acq.advance()
@@ -355,18 +384,23 @@ class MlaAttentionV3(MlaAttention):
         return self.slot_of(m_idx, (t_begin + t) * bn + la_key, num_keys, 0, block_size, t < n_local)
 
     @cute.jit
-    def decode_tile_v3(self, raw: Int32, kbase: Int32, s_l: Float32, ptid: Int32):
-        """Raw records of one tile -> bf16 K tile at `kbase`. E2M1 x E4M3 latents (the fold formats):
+    def decode_tile_v3(
+        self, raw: Int32, kbase: Int32, s_l: Float32, ptid: Int32, key0: cutlass.Constexpr, nkeys: cutlass.Constexpr,
+    ):
+        """Raw records of keys key0 .. key0 + nkeys of one tile (all of it, or a part with the part-tile raw
+        stages) -> those rows of the bf16 K tile at `kbase`. E2M1 x E4M3 latents (the fold formats, whole tiles):
         a work item is one block of 16 values (one 8-byte load of codes, one scale load, conversion and
         multiply per 16 values, two 16-byte stores); lane = block, so a warp reads one record's 256 bytes
         of codes in two wavefronts and writes one swizzled 1 KB row. The rope and the other formats go
-        through v2's path (`decode8`, 8 values per item)."""
+        through v2's path (`decode_tile` / `decode8`, 8 values per item: E4M3 -> fp32 exactly, times the fp32 group
+        scale (and s_l) in fp32, that product to bf16 (RN), as v2 does)."""
         plan = self.plan
         lat = plan.latent
         rec = plan.record_bytes
         # one scale entry per 16 values: groups of 16 or 32 (all fold formats today); a smaller group
         # would need two entries per item, so it takes v2's path instead of reading the wrong scale
-        if cutlass.const_expr(self.fold and lat.data_offset % 8 == 0 and rec % 8 == 0 and lat.group % 16 == 0):
+        whole = key0 == 0 and nkeys == self.bn
+        if cutlass.const_expr(whole and self.fold and lat.data_offset % 8 == 0 and rec % 8 == 0 and lat.group % 16 == 0):
             blk = ptid % 32  # block of 16 values: 32 per 512-value latent
             entry = (16 * blk) // lat.group
             if cutlass.const_expr(lat.scale_order == ORDER_8X4):
@@ -379,7 +413,7 @@ class MlaAttentionV3(MlaAttention):
                 w0, w1, w2, w3 = self.decode8(plan.rope, raw + key * rec, d0, s_l, self.has_outer and plan.outer_on_rope, False)
                 _st_shared_v4(kbase + 2 * swizzled_offset(key, D_V + d0, self.bn), w0, w1, w2, w3)
         else:
-            self.decode_tile(raw, kbase, s_l, ptid)
+            self.decode_tile(raw, kbase, s_l, ptid, key0, nkeys)
 
     @cute.jit
     def decode_latent(self, raw: Int32, kbase: Int32, ptid: Int32, blk: Int32, entry: Int32):
@@ -414,17 +448,19 @@ class MlaAttentionV3(MlaAttention):
             _st_shared_v4(kbase + 2 * swizzled_offset(key, 16 * blk + 8 - 8 * half, self.bn), b0, b1, b2, b3)
 
     @cute.jit
-    def load_raw(self, sSlot: cute.Tensor, slot_buf: Int32, raw_addr: Int32, cache_addr: Int64, ptid: Int32):
-        """cp.async of the next tile's records into raw stage `slot_buf` (decoded formats; the stage follows
-        the slot buffer): thread ptid copies 16-byte chunk ptid % chunks of keys ptid // chunks + g u
-        (g = keys per pass), so the chunk and the addresses are worked out once, not per copy; all slot
-        ids are read before the first copy. Zero-filled past the query's keys."""
-        stage_addr = raw_addr + slot_buf * (self.bn * self.plan.record_bytes)
-        bn = self.bn
+    def load_raw(
+        self, sSlot: cute.Tensor, slot_buf: Int32, stage_addr: Int32, cache_addr: Int64, ptid: Int32, key0: cutlass.Constexpr,
+    ):
+        """cp.async of the records of keys key0 .. key0 + raw_keys of the tile whose slot ids are in buffer
+        `slot_buf` into the raw stage at `stage_addr` (decoded formats): thread ptid copies 16-byte chunk
+        ptid % chunks of keys ptid // chunks + g u (g = keys per pass), so the chunk and the addresses are
+        worked out once, not per copy; all slot ids are read before the first copy. Zero-filled past the
+        query's keys."""
+        nk = self.raw_keys
         rec = self.plan.record_bytes
         chunks = rec // 16
         g = self.pt // chunks  # keys per pass (nvfp4, 256 producer threads: 9 keys, 243 threads)
-        passes = (bn + g - 1) // g
+        passes = (nk + g - 1) // g
         kk = ptid // chunks
         ch = ptid % chunks
         if ptid < g * chunks:
@@ -432,12 +468,12 @@ class MlaAttentionV3(MlaAttention):
             dst0 = stage_addr + kk * rec + 16 * ch
             slots = []
             for u in cutlass.range_constexpr(passes):
-                slots.append(sSlot[cutlass.min(kk + g * u, bn - 1), slot_buf])
+                slots.append(sSlot[key0 + cutlass.min(kk + g * u, nk - 1), slot_buf])
             for u in cutlass.range_constexpr(passes):
                 slot = slots[u]
                 src = src0 + Int64(cutlass.max(slot, 0)) * Int64(rec)
-                if cutlass.const_expr(g * (u + 1) > bn):  # the last pass: keys past the tile copy nothing
-                    if kk + g * u < bn:
+                if cutlass.const_expr(g * (u + 1) > nk):  # the last pass: keys past the stage copy nothing
+                    if kk + g * u < nk:
                         _cp_async_16(dst0 + g * u * rec, src, 16 if slot >= 0 else 0)
                 else:
                     _cp_async_16(dst0 + g * u * rec, src, 16 if slot >= 0 else 0)
@@ -640,12 +676,13 @@ class MlaAttentionV3(MlaAttention):
 
 def compile_key(
     plan: RecordPlan, has_sink: bool, has_outer: bool, split: bool, device, l2_prefetch: int = V3_L2_PREFETCH,
-    producer_wgs: int | None = None, timing_probe: str = "",
+    producer_wgs: int | None = None, timing_probe: str = "", raw_ring: tuple[int, int] | None = None,
 ) -> tuple:
     """Every specialisation of a compiled v3 kernel (the head count, lengths, scales are run-time)."""
+    stages, keys = raw_ring or v3_raw_ring(plan)
     return (
         "mla_attention_v3", 1, plan, bool(has_sink), bool(has_outer), bool(split), int(l2_prefetch),
-        int(producer_wgs or v3_producer_wgs(plan)), f"probe={timing_probe}", "q=bf16", "acc=f32",
+        int(producer_wgs or v3_producer_wgs(plan)), f"probe={timing_probe}", f"raw={stages}x{keys}", "q=bf16", "acc=f32",
         arch_tag(device),
     )
 
@@ -668,11 +705,13 @@ def mla_attention_v3(
     l2_prefetch: int = V3_L2_PREFETCH,
     producer_wgs: int | None = None,
     timing_probe: str = "",
+    raw_ring: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense launch of the v3 kernel; arguments as `mla_attention.mla_attention` (which calls this
     when `attention_tuning.generation_for` picks v3); `l2_prefetch` (key tiles, 0 = none, the default) and
     `producer_wgs` (default `attention_tuning.v3_producer_wgs`) are for the benchmark's comparison, as is
-    `timing_probe` ("nodec", "nomma": wrong output)."""
+    `timing_probe` ("nodec", "nomma": wrong output) and `raw_ring` ((stages, keys per stage), default
+    `attention_tuning.v3_raw_ring`; another of `v3_raw_rings` for the comparison)."""
     n, h = q.shape[0], q.shape[1]
     dev = q.device
     if out is None:
@@ -721,8 +760,8 @@ def mla_attention_v3(
         Int32(num_splits),
         stream,
     )
-    key = compile_key(plan, has_sink, has_outer, split, dev, l2_prefetch, producer_wgs, timing_probe)
-    kern = MlaAttentionV3(plan, has_sink, has_outer, split, l2_prefetch, producer_wgs, timing_probe)
+    key = compile_key(plan, has_sink, has_outer, split, dev, l2_prefetch, producer_wgs, timing_probe, raw_ring)
+    kern = MlaAttentionV3(plan, has_sink, has_outer, split, l2_prefetch, producer_wgs, timing_probe, raw_ring)
     fn = compiled(key, lambda: cute.compile(kern, *args))
     fn(*args)
     if split:

@@ -39,10 +39,12 @@ def needs_cuda(fn):
 @pytest.fixture(autouse=True)
 def kernels_under_test(monkeypatch):
     """These tests are what validates a kernel: formats still held on the reference by
-    `record_plan.AWAITING_GPU_TESTS` (dispatch refuses `--backend kernel` for them) run their kernels here."""
+    `record_plan.AWAITING_GPU_TESTS` (dispatch refuses `--backend kernel` for them), and v3 launches still held on
+    v2 by `attention_tuning.V3_AWAITING_GPU_TESTS`, run their kernels here."""
     from mla_eval_kernels import record_plan
 
     monkeypatch.setattr(record_plan, "AWAITING_GPU_TESTS", {})
+    monkeypatch.setattr(attention_tuning, "V3_AWAITING_GPU_TESTS", {})
 def _has_kernel(spec) -> bool:
     try:
         plan_for(spec)

@@ -3,8 +3,10 @@
 Fresh random caches and queries per case, outputs and split partials poisoned with NaN first (every
 element the kernel owns must be written), error bounds of tests/test_kernels_gpu.py. Lengths cover
 1 key, one short of / exactly / one past the 64-key tile, lengths that are not a multiple of the tile,
-and 64K keys. Also: MLA_EVAL_ATTENTION_KERNEL=v3 routes dense launches to v3 and everything v3 does
-not cover (sparse lists, formats whose stages do not fit) to v2; unset, the per-format default
+and 64K keys; for the fp8 records, whose raw ring holds parts of tiles, lengths around the 16- and 32-key parts
+and every ring that fits (bit-identical outputs). Also:
+MLA_EVAL_ATTENTION_KERNEL=v3 routes dense launches to v3 and everything v3 does not cover (sparse lists,
+formats it refuses, formats still held by `V3_AWAITING_GPU_TESTS` outside these tests) to v2; unset, the per-format default
 (`attention_tuning.generation_for`) runs v3 only for the dense decode launches it names, and dispatch
 records the generation each launch ran.
 """
@@ -36,9 +38,15 @@ from mla_eval_kernels import attention_tuning, compile_cache  # noqa: E402
 from mla_eval_kernels.device_limits import HOPPER_SMEM_PER_BLOCK  # noqa: E402
 from mla_eval_kernels.record_plan import plan_for  # noqa: E402
 
-V3_FORMATS = [f for f in FORMATS if attention_tuning.v3_blocker(plan_for(get_format(f)), False, HOPPER_SMEM_PER_BLOCK) is None]
+# what v3 can run, including formats held on v2 by V3_AWAITING_GPU_TESTS (these tests are what clears them:
+# fixture `kernels_under_test`)
+V3_FORMATS = [
+    f for f in FORMATS if attention_tuning.v3_blocker(plan_for(get_format(f)), False, HOPPER_SMEM_PER_BLOCK, gated=False) is None
+]
 V3_BLOCKED = [f for f in FORMATS if f not in V3_FORMATS]
 V3_DECODED = [f for f in V3_FORMATS if not attention_tuning.is_bf16_plan(plan_for(get_format(f)))]
+# records too large for two whole tiles beside the K ring: the raw ring holds parts of tiles (`v3_raw_ring`)
+V3_PART_RING = [f for f in V3_DECODED if attention_tuning.v3_raw_ring(plan_for(get_format(f))) != attention_tuning.V3_RAW_WHOLE]
 LENGTHS = [1, BLOCK - 1, BLOCK, BLOCK + 1, 5 * BLOCK + 17, 1000, 777]
 
 
@@ -164,7 +172,7 @@ PROBES = [
 
 @needs_cuda
 @pytest.mark.parametrize("probe", PROBES)
-@pytest.mark.parametrize("fmt", ["nvfp4", "bf16", "mxfp4"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "bf16", "mxfp4", "fp8_ds_mla"])
 def test_v3_benchmark_probes_match_reference(fmt, probe):
     """The variants the benchmark times beside v3 (L2 prefetch on: v3-pf; the other producer warpgroup count)."""
     spec, q, cache, scale, sink_t, s_l, lists, ref_out, ref_lse, bound = _case(fmt, 16, LENGTHS, 4)
@@ -203,14 +211,66 @@ def test_v3_timing_probes_run_to_the_end(probe):
 
 
 @needs_cuda
-@pytest.mark.parametrize("fmt", ["nvfp4", "bf16"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "bf16", "fp8_ds_mla", "fp8_e4m3"])
 def test_v3_at_64k_keys(fmt):
-    """64K keys (1024 tiles; 3 queries: 65536, 65536 - 37 and 1 key), with and without splits."""
+    """64K keys (1024 tiles; 3 queries: 65536, 65536 - 37 and 1 key), with and without splits (fp8: 4 x 1024
+    part-tile units through fp8_ds_mla's raw ring, 2 x 1024 through fp8_e4m3's)."""
     lengths = [65536, 65536 - 37, 1]
     spec, q, cache, scale, sink_t, s_l, lists, ref_out, ref_lse, bound = _case(fmt, 16, lengths, 2, blocks=1024 + 8)
     for splits in (None, 1):
         out, lse = _v3(spec, q, cache, scale, outer_scale=s_l, num_splits=splits, **lists)
         _check(out, lse, ref_out, ref_lse, bound, f"v3 {fmt} 64K splits={splits}")
+
+
+@needs_cuda
+@pytest.mark.parametrize("fmt", V3_PART_RING)
+def test_v3_part_tile_raw_rings(fmt):
+    """The fp8 records go through a raw ring of 16- or 32-key parts of a tile: lengths at and around the parts
+    (a tile whose last parts are all past the end, or hold one key), a query of 0 keys, with and without splits,
+    for the default ring (reference check) and every other ring that fits (`v3_raw_rings`, the bench's
+    v3-r<S>x<K> rows): they only move the copies, so the outputs are bit-identical to the default's."""
+    lengths = [0, 15, 16, 17, 31, 32, 33, 48, 49, 96, 97, 128 + 31, 40]
+    spec, q, cache, scale, sink_t, s_l, lists, ref_out, ref_lse, bound = _case(fmt, 16, lengths, 9, sink=True)
+    rings = attention_tuning.v3_raw_rings(plan_for(spec))
+    assert len(rings) > 1 and rings[0] == attention_tuning.v3_raw_ring(plan_for(spec))
+    for splits in (None, 1, 3):
+        out, lse = _v3(spec, q, cache, scale, sink=sink_t, outer_scale=s_l, num_splits=splits, **lists)
+        _check(out[1:], lse[1:], ref_out[1:], ref_lse[1:], bound, f"v3 {fmt} part ring splits={splits}")
+        assert torch.all(out[0] == 0) and torch.all(torch.isneginf(lse[0]))
+        for ring in rings[1:]:
+            o, l_ = _v3(spec, q, cache, scale, sink=sink_t, outer_scale=s_l, num_splits=splits, raw_ring=ring, **lists)
+            assert torch.equal(o, out) and torch.equal(l_, lse), (fmt, ring, splits)
+    with pytest.raises(ValueError, match="raw_ring"):
+        _v3(spec, q, cache, scale, raw_ring=(2, 64), **lists)  # two whole tiles do not fit
+
+
+def test_v3_raw_ring_is_in_the_compile_key(monkeypatch):
+    """No GPU needed: the raw ring (stages x keys per stage) is a specialisation; the key says it."""
+    from mla_eval_kernels import mla_attention_v3
+
+    monkeypatch.setattr(mla_attention_v3, "arch_tag", lambda device: "sm_90")
+    assert V3_PART_RING == ["fp8_ds_mla", "fp8_ds_mla_pow2", "fp8_e4m3"]
+
+    def key(name):
+        return mla_attention_v3.compile_key(plan_for(get_format(name)), False, False, False, None)
+
+    assert "raw=5x16" in key("fp8_ds_mla") and "raw=3x32" in key("fp8_e4m3") and "raw=2x64" in key("nvfp4")
+    assert key("fp8_ds_mla") != key("fp8_ds_mla_pow2")
+    plan = plan_for(get_format("fp8_ds_mla"))
+    other = mla_attention_v3.compile_key(plan, False, False, False, None, raw_ring=(2, 32))
+    assert "raw=2x32" in other and other != key("fp8_ds_mla")
+
+
+@needs_cuda
+def test_a_held_v3_format_runs_v2_when_v3_is_forced(monkeypatch):
+    """While V3_AWAITING_GPU_TESTS lists a format (the state outside these tests), forcing v3 runs v2 for it."""
+    monkeypatch.setitem(attention_tuning.V3_AWAITING_GPU_TESTS, "fp8_ds_mla", "held for this test")
+    monkeypatch.setenv(attention_tuning.ENV, "v3")
+    spec, q, cache, scale, sink_t, s_l, lists, ref_out, ref_lse, bound = _case("fp8_ds_mla", 16, [BLOCK + 1, 300], 10)
+    compile_cache.clear()
+    out, lse = _run(spec, q, cache, scale, outer_scale=s_l, num_splits=1, **lists)
+    _check(out, lse, ref_out, ref_lse, bound, "held fp8_ds_mla forced v3 -> v2")
+    assert {k[0] for k in compile_cache.keys()} == {"mla_attention"}
 
 
 @needs_cuda
@@ -231,7 +291,7 @@ def test_v3_zero_keys_and_empty_splits():
 
 
 @needs_cuda
-@pytest.mark.parametrize("fmt", ["nvfp4"] + V3_BLOCKED[:1])
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8_ds_mla"] + V3_BLOCKED[:1])
 def test_environment_routes_dense_to_v3_and_the_rest_to_v2(fmt, monkeypatch):
     monkeypatch.setenv(attention_tuning.ENV, "v3")
     spec, q, cache, scale, sink_t, s_l, lists, ref_out, ref_lse, bound = _case(fmt, 16, [BLOCK + 1, 300], 3)
@@ -297,22 +357,28 @@ def test_default_policy_picks_the_generation_per_launch_and_dispatch_records_it(
 @pytest.mark.parametrize("fmt", V3_DECODED)
 def test_v3_copies_cover_each_chunk_once_and_stores_are_conflict_free(fmt, pt):
     """No GPU needed; a model of the producer's index arithmetic (`load_raw`, `decode_latent`).
-    Copies: thread ptid < g * chunks takes chunk ptid % chunks of keys ptid // chunks + g u; every (key,
-    chunk) of the 64-key tile once, nothing past the stage. Latent stores: per quarter warp (8 lanes x
+    Copies: a raw stage holds keys key0 .. key0 + nk of a tile (nk: the keys per stage of each ring
+    `v3_raw_rings` allows: 64, or 32 / 16 for the fp8 records); thread ptid < g * chunks takes chunk ptid % chunks of keys
+    key0 + ptid // chunks + g u into record ptid // chunks + g u of the stage: over the tile's stages every
+    (key, chunk) of the 64-key tile once, nothing past a stage. Latent stores: per quarter warp (8 lanes x
     16 bytes, one key row) the 8 chunks land in 8 distinct 16-byte bank groups (without the half swap:
     4, 2 wavefronts)."""
     from mla_eval_kernels.mla_attention import swizzled_offset
 
-    rec = plan_for(get_format(fmt)).record_bytes
+    plan = plan_for(get_format(fmt))
+    rec = plan.record_bytes
     chunks, bn = rec // 16, 64
     g = pt // chunks
-    seen = []
-    for ptid in range(g * chunks):
-        for u in range(-(-bn // g)):
-            key = ptid // chunks + g * u
-            if key < bn:
-                seen.append((key, ptid % chunks))
-    assert sorted(seen) == [(k, c) for k in range(bn) for c in range(chunks)]
+    for nk in {k for _, k in attention_tuning.v3_raw_rings(plan)}:
+        assert bn % nk == 0
+        seen = []
+        for key0 in range(0, bn, nk):  # the tile's parts
+            for ptid in range(g * chunks):
+                for u in range(-(-nk // g)):
+                    pos = ptid // chunks + g * u  # the record's place in the stage
+                    if pos < nk:
+                        seen.append((key0 + pos, ptid % chunks))
+        assert sorted(seen) == [(k, c) for k in range(bn) for c in range(chunks)], nk
 
     def groups(key, lanes, swap):
         out = []
@@ -332,9 +398,11 @@ def test_v3_copies_cover_each_chunk_once_and_stores_are_conflict_free(fmt, pt):
             assert {16 * blk + 8 * half, 16 * blk + 8 - 8 * half} == {16 * blk, 16 * blk + 8}
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8_ds_mla"])
 @pytest.mark.parametrize("probe", ["nodec", "nomma"])
-def test_v3_timing_probes_compile(probe, tmp_path):
-    """No GPU needed: the benchmark's timing probes compile for sm_90a without a stack frame."""
+def test_v3_timing_probes_compile(probe, fmt, tmp_path):
+    """No GPU needed: the benchmark's timing probes compile for sm_90a without a stack frame (whole-tile and
+    part-tile raw rings)."""
     import os
 
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
@@ -350,7 +418,8 @@ def test_v3_timing_probes_compile(probe, tmp_path):
         p(cutlass.BFloat16), p(cutlass.Uint8), p(Int32, 4), p(Int32, 4), p(Float32, 4), p(Float32), p(Float32, 4),
         Int32(4), Int32(16), Int32(64), Int32(4096), Int32(64), Float32(0.1), Float32(1.0), Int32(4), Int32(2), cuda.CUstream(0),
     )
-    kern = MlaAttentionV3(plan_for(get_format("nvfp4")), False, True, True, timing_probe=probe)
+    plan = plan_for(get_format(fmt))
+    kern = MlaAttentionV3(plan, False, plan.outer_allowed, True, timing_probe=probe)
     cute.compile(kern, *a, options=f"--keep-ptx --keep-cubin --dump-dir={tmp_path}")
     use = compile_check.cubin_usage(str(next(tmp_path.glob("*.cubin"))))
     assert use.get("frame", 0) == 0 and use.get("stack", 0) == 0, use
