@@ -2,7 +2,8 @@
 # GPU validation of branch wip-v3fp8 (session 8, CPU-only): v3 for fp8_ds_mla, fp8_ds_mla_pow2 and fp8_e4m3 through
 # part-tile raw rings (attention_tuning.v3_raw_ring), held off by attention_tuning.V3_AWAITING_GPU_TESTS.
 # After the wheel-halves call of device_setup.sh (as device_session8.sh; carry .devwheels/b .devwheels/js):
-#   bash results/h200/device_v3fp8.sh kern bench
+#   bash results/h200/device_v3fp8.sh kern   then, the machine still warm:   bash results/h200/device_v3fp8.sh bench
+#   (one call each: kern can take 800 s at its limits, bench 500 s; a call runs at most 600 s)
 #   kern   tests/test_kernels_v3_gpu.py in full (the held formats run v3 there: fixture kernels_under_test clears the
 #          list), and the fp8 cases of tests/test_kernels_gpu.py (v2; its cubins are unchanged by the branch)
 #   bench  (b) dense decode h=16 batch 32 with --variants: v2 and v3 rows for the three formats (v3 rows marked
