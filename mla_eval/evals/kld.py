@@ -127,11 +127,16 @@ def mha_blocker(st: KldProtocol, is_dsa: bool) -> str | None:
     return None
 
 
+def check_prefill(asked: str) -> None:
+    """A --prefill value that is not one of KLD_PREFILL_MODES is a UserError naming them."""
+    if asked not in KLD_PREFILL_MODES:
+        raise UserError(f"--prefill {asked!r}: choose one of {', '.join(KLD_PREFILL_MODES)}")
+
+
 def resolve_prefill(asked: str, st: KldProtocol, is_dsa: bool) -> tuple[str, str | None]:
     """(mode, why absorbed) for `asked` (KLD_PREFILL_MODES): auto falls back to absorbed with the
     reason; mha where it cannot express the semantics is a UserError naming it."""
-    if asked not in KLD_PREFILL_MODES:
-        raise UserError(f"--prefill {asked!r}: choose one of {', '.join(KLD_PREFILL_MODES)}")
+    check_prefill(asked)
     if asked == "absorbed":
         return "absorbed", None
     why = mha_blocker(st, is_dsa)

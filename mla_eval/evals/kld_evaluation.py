@@ -24,9 +24,9 @@ from mla_eval.evals import text_sources
 from mla_eval.evals.calibrate import calibrate
 from mla_eval.evals.kld import (
     DEFAULT_KLD_PREFILL,
-    KLD_PREFILL_MODES,
     KldProtocol,
     KldRun,
+    check_prefill,
     gather_arrays,
     plan_windows,
     resolve_prefill,
@@ -90,8 +90,8 @@ class KldSettings(ModelSettings, text_sources.TextSettings):
             raise UserError(f"--batch must be at least 1, got {self.batch}")
         if self.calib_tokens < 1:
             raise UserError(f"--calib-tokens must be at least 1, got {self.calib_tokens}")
-        if self.prefill is not None and self.prefill not in KLD_PREFILL_MODES:
-            raise UserError(f"--prefill {self.prefill!r}: choose one of {', '.join(KLD_PREFILL_MODES)}")
+        if self.prefill is not None:
+            check_prefill(self.prefill)
         if self.ref_store not in REF_STORE_MODES:
             raise UserError(f"--ref-store {self.ref_store!r}: choose one of {', '.join(REF_STORE_MODES)}")
         if self.save_ref is not None and self.ref_file is not None:

@@ -27,3 +27,12 @@ gpu_pytest() {
     echo "pytest $name rc=$? (124 = timeout)"
     grep -E "FAILED|ERROR|passed|failed" "$OUT/runs/pytest-$name.log" | grep -v "^E " | tail -30
 }
+# gpu_bench TIMEOUT NAME ARGS...: python -m mla_eval_kernels.bench ARGS --out $OUT/runs/NAME into $OUT/runs/NAME.log,
+# then its exit status and the rows and summary lines
+gpu_bench() {
+    local limit=$1 name=$2; shift 2
+    mkdir -p "$OUT/runs"
+    timeout "$limit" python3 -m mla_eval_kernels.bench "$@" --out "$OUT/runs/$name" > "$OUT/runs/$name.log" 2>&1
+    echo "bench $name rc=$? (124 = timeout)"
+    grep -E "^GPU|dense|sparse|prefill|saved|Error|error" "$OUT/runs/$name.log" | tail -80
+}

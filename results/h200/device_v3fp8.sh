@@ -22,9 +22,7 @@ kern)
     ;;
 bench)
     step "bench (b) variants, fp8 records beside nvfp4 and bf16"
-    timeout 500 python3 -m mla_eval_kernels.bench --shapes b --variants \
-        --formats fp8_ds_mla,fp8_ds_mla_pow2,fp8_e4m3,nvfp4,bf16 --out "$OUT/runs/bench-v3fp8" > "$OUT/runs/bench-v3fp8.log" 2>&1
-    echo "bench rc=$?"; grep -E "^GPU|dense|saved|Error|error" "$OUT/runs/bench-v3fp8.log" | tail -80
+    gpu_bench 500 bench-v3fp8 --shapes b --variants --formats fp8_ds_mla,fp8_ds_mla_pow2,fp8_e4m3,nvfp4,bf16
     ;;
 *) echo "unknown step $w (kern, bench)"; exit 2 ;;
 esac
