@@ -205,3 +205,19 @@ def test_forward_bench_times_both_kld_paths_beside_stock(tmp_path):
     assert row["mha_speedup_vs_absorbed"] == pytest.approx(row["absorbed"]["seconds"] / row["mha"]["seconds"])
     with pytest.raises(SystemExit):
         forward_bench.main(args + ["--kld-prefill", "flash"])
+
+
+def test_forward_bench_profiles_the_kld_window(tmp_path):
+    """--profile-kld writes one profiler table per forward: stock, then the first format through each path asked
+    for, and the mha table shows the mha path's SDPA (the absorbed path runs no SDPA over the cache)."""
+    from mla_eval.evals import forward_bench
+
+    prof = tmp_path / "kld-profile.txt"
+    args = ["--device", "cpu", "--parts", "kld", "--ctx", "32", "--kld-batch", "1", "--repeats", "1",
+            "--formats", "nvfp4", "--profile-kld", str(prof)]
+    assert forward_bench.main(args) == 0
+    text = prof.read_text()
+    stock, rest = text.split("nvfp4 cache forward, --prefill absorbed", 1)
+    absorbed, mha = rest.split("nvfp4 cache forward, --prefill mha", 1)
+    assert stock.startswith("stock bf16 forward, 1 x 32 tokens") and "aten::mm" in stock
+    assert "scaled_dot_product_attention" in mha and "scaled_dot_product_attention" not in absorbed

@@ -53,26 +53,34 @@ def _time(fn, repeats: int, device) -> float:
     return statistics.median(out)
 
 
+def _kld_tokens(lm, ctx: int, batch: int):
+    """The seeded random (ids, positions) of one kld window batch."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, lm.tokenizer.vocab_size, (batch, ctx), generator=g).to(lm.device)
+    return ids, torch.arange(ctx, device=lm.device).expand(batch, -1)
+
+
+def _cache_forward(lm, variant, ids, pos, mode: str) -> None:
+    """What a kld row costs: a fresh CacheSession (the cache writer), then the model reading it through `mode`."""
+    batch, ctx = ids.shape
+    s = CacheSession(variant.spec, lm.num_layers, batch, ctx, lm.layer_devices, outer_scales=None, prefill=mode)
+    with lm.adapter.session(s):
+        lm.model(input_ids=ids, position_ids=pos, use_cache=False)
+
+
 @torch.no_grad()
 def bench_kld(lm, variants, ctx: int, batch: int, repeats: int, prefills=PREFILL_MODES) -> dict:
     """Stock bf16 forward vs our forward per format and window path (`mla-eval kld --prefill`), one run.
 
     Our forward is what a kld row costs: a fresh CacheSession (the cache writer), then the model
     reading it through `prefill`'s path; the stock forward keeps the model's own attention."""
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, lm.tokenizer.vocab_size, (batch, ctx), generator=g).to(lm.device)
-    pos = torch.arange(ctx, device=lm.device).expand(batch, -1)
+    ids, pos = _kld_tokens(lm, ctx, batch)
     stock = _time(lambda: lm.model(input_ids=ids, position_ids=pos, use_cache=False), repeats, lm.device)
     rows = {}
     for v in variants:
         row = {}
         for mode in prefills:
-            def ours(mode=mode):
-                s = CacheSession(v.spec, lm.num_layers, batch, ctx, lm.layer_devices, outer_scales=None, prefill=mode)
-                with lm.adapter.session(s):
-                    lm.model(input_ids=ids, position_ids=pos, use_cache=False)
-
-            sec = _time(ours, repeats, lm.device)
+            sec = _time(lambda mode=mode: _cache_forward(lm, v, ids, pos, mode), repeats, lm.device)
             row[mode] = {"seconds": sec, "ratio_vs_stock": sec / stock}
         if {"absorbed", "mha"} <= row.keys():
             row["mha_speedup_vs_absorbed"] = row["absorbed"]["seconds"] / row["mha"]["seconds"]
@@ -161,21 +169,41 @@ def _step_seconds(lm, variant, prompt, mode: str, graphs: bool, steps_timed: int
     return statistics.median(times[2:])
 
 
-def profile_cell(lm, variant, length: int, path: Path) -> None:
-    """torch.profiler tables (by host time and by device time) of one needle cell, to `path`."""
+def _profiled(lm, fn, title: str) -> str:
+    """torch.profiler tables (by host time, and by device time on a GPU) of one fn() after a warm-up call."""
     from torch.profiler import ProfilerActivity, profile
 
-    prompt, max_new = _needle_cell(lm, length)
-    nd.generate(lm, variant, [prompt], nd.DecodeOptions(max_new, "mha"))  # warm-up (compiles)
+    fn()  # warm-up (kernel compiles, allocator)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if lm.device.type == "cuda" else [])
     with profile(activities=acts) as prof:
-        nd.generate(lm, variant, [prompt], nd.DecodeOptions(max_new, "mha"))
+        fn()
+        if lm.device.type == "cuda":
+            torch.cuda.synchronize()
     ka = prof.key_averages()
-    text = [f"one {length}-token needle cell ({max_new} answer tokens), format {variant.name}, mha prefill\n"]
-    text.append("== by host (CPU) total time ==\n" + ka.table(sort_by="cpu_time_total", row_limit=30))
+    text = [title, "== by host (CPU) total time ==\n" + ka.table(sort_by="cpu_time_total", row_limit=30)]
     if lm.device.type == "cuda":
         text.append("== by device time ==\n" + ka.table(sort_by="cuda_time_total", row_limit=30))
-    write_text_atomic(path, "\n".join(text))
+    return "\n".join(text)
+
+
+def profile_cell(lm, variant, length: int, path: Path) -> None:
+    """torch.profiler tables of one needle cell (mha prefill), to `path`."""
+    prompt, max_new = _needle_cell(lm, length)
+    title = f"one {length}-token needle cell ({max_new} answer tokens), format {variant.name}, mha prefill\n"
+    write_text_atomic(path, _profiled(lm, lambda: nd.generate(lm, variant, [prompt], nd.DecodeOptions(max_new, "mha")), title))
+
+
+@torch.no_grad()
+def profile_kld(lm, variant, ctx: int, batch: int, prefills, path: Path) -> None:
+    """torch.profiler tables of one kld window forward (--kld-batch x --ctx tokens) of the stock model and of
+    `variant` through each window path, to `path`: what bounds the ratio that bench_kld reports."""
+    ids, pos = _kld_tokens(lm, ctx, batch)
+    parts = [_profiled(lm, lambda: lm.model(input_ids=ids, position_ids=pos, use_cache=False),
+                       f"stock bf16 forward, {batch} x {ctx} tokens\n")]
+    for mode in prefills:
+        parts.append(_profiled(lm, lambda mode=mode: _cache_forward(lm, variant, ids, pos, mode),
+                               f"\n{variant.name} cache forward, --prefill {mode}, {batch} x {ctx} tokens\n"))
+    write_text_atomic(path, "\n".join(parts))
 
 
 def _ms(seconds: float | None) -> str:
@@ -210,6 +238,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument(
         "--profile", type=Path, default=None, help="also write torch.profiler tables of one --absorbed-format needle cell here"
+    )
+    ap.add_argument(
+        "--profile-kld", type=Path, default=None,
+        help="also write torch.profiler tables of one kld window forward (stock, and the first format per --kld-prefill path)",
     )
     a = ap.parse_args(argv)
     lm = load_model(a.model, a.device)
@@ -256,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
             lm, next(v for v in variants if v.name == (a.absorbed_format or variants[0].name)), a.needle_length, a.profile
         )
         print(f"wrote {a.profile}")
+    if a.profile_kld:
+        profile_kld(lm, variants[0], a.ctx, a.kld_batch, prefills, a.profile_kld)
+        print(f"wrote {a.profile_kld}")
     if a.out:
         write_json_atomic(a.out, doc)
         print(f"wrote {a.out}")
