@@ -48,13 +48,20 @@ V3_HEADS = 16
 V3_K_STAGES = 2
 V3_RAW_WHOLE = (2, V3_BN)
 V3_RAW_PART_KEYS = (V3_BN // 2, V3_BN // 4)  # keys per stage of a part-tile ring, largest first
+# The part-tile ring the fp8 records run: 2 stages of 32 keys. Session 8 ordered the rings by keys in flight (5 x 16
+# and 3 x 32 first, 64 keys in flight), but the H200 run of session 9 timed every ring that fits at 64K (dense decode
+# h=16, batch 32; results/kernels/bench-NVIDIA_H200-2026-12-04-session9-v3fp8.json), ms: fp8_ds_mla 5x16 0.645,
+# 4x16 0.626, 3x16 0.641, 2x32 0.587, 2x16 0.775; fp8_e4m3 3x32 0.609, 5x16 0.639, 4x16 0.634, 2x32 0.596, 3x16 0.656,
+# 2x16 0.770. Fewer, larger part copies (one barrier per 32 keys) beat more keys in flight. Every ring passed the
+# same GPU tests, bit-identical to each other (tests/test_kernels_v3_gpu.py::test_v3_part_tile_raw_rings).
+V3_RAW_PREFERRED = (2, V3_BN // 2)
 # key tiles of records prefetched into L2 beyond the one being copied: off. The H200 run of 2026-12-04
 # (results/kernels/bench-NVIDIA_H200-2026-12-04-session6-rev2.json, dense decode h=16, batch 32, 64K) timed
 # prefetch 2 against none: nvfp4 0.675 vs 0.577 ms, nvfp4_fp8_ds_mla 0.714 vs 0.555, bf16 0.783 vs 0.786.
 # V3_L2_PREFETCH_PROBE keeps the prefetch measurable (bench row v3-pf).
 V3_L2_PREFETCH = 0
 V3_L2_PREFETCH_PROBE = 2
-V3_DECODE_PRODUCER_WGS = 2  # producer warpgroups where records are decoded (bench: v3-p1 has one)
+V3_DECODE_PRODUCER_WGS = 2  # producer warpgroups of a v3 CTA, every format (`v3_producer_wgs`; bench: v3-p1 has one)
 # Formats whose dense decode launches run v3 by default: those where an H200 run measured v3 faster than v2 at
 # every context timed (results/kernels/bench-NVIDIA_H200-2026-12-04-session8.json, dense decode h=16, batch 32,
 # v3 without L2 prefetch; ms at 8K / 32K / 64K, v2 -> v3):
@@ -64,14 +71,18 @@ V3_DECODE_PRODUCER_WGS = 2  # producer warpgroups where records are decoded (ben
 #   nvfp4_fp8_ds_mla  0.121 -> 0.082, 0.446 -> 0.291, 0.870 -> 0.555
 #   mxfp4             0.137 -> 0.104, 0.506 -> 0.367, 0.999 -> 0.726
 # bf16 stays on v2 (0.747 vs v3 0.782 ms at 64K, the same run). v3 refuses the rest (`v3_blocker`).
-V3_DEFAULT_FORMATS = ("nvfp4", "nvfp4_fp8rope", "nvfp4_fp8rope_st", "nvfp4_fp8_ds_mla", "mxfp4")
+V3_DEFAULT_FORMATS = (
+    "nvfp4", "nvfp4_fp8rope", "nvfp4_fp8rope_st", "nvfp4_fp8_ds_mla", "mxfp4", "fp8_ds_mla", "fp8_ds_mla_pow2", "fp8_e4m3",
+)
+# The fp8 records joined after their GPU tests passed on the H200 in session 9 (tests/test_kernels_v3_gpu.py, 105
+# passed; results/h200/session9/), timed in the same session (results/kernels/bench-NVIDIA_H200-2026-12-04-session9-v3fp8
+# .json, same shape, their first part-tile rings 5x16 / 3x32): fp8_ds_mla 0.133 -> 0.093, 0.499 -> 0.330, 0.976 -> 0.645;
+# fp8_ds_mla_pow2 0.133 -> 0.093, 0.500 -> 0.331, 0.974 -> 0.646; fp8_e4m3 0.131 -> 0.088, 0.477 -> 0.312, 0.926 -> 0.609.
 # Formats whose v3 launches compile for sm_90a but have not passed tests/test_kernels_v3_gpu.py on an H200: while
 # listed, `v3_blocker` refuses them (forced v3 then runs v2 and says why). The GPU tests clear this (fixture
 # `kernels_under_test`); delete an entry after its GPU tests pass. Not in V3_DEFAULT_FORMATS either way until timed.
-V3_AWAITING_GPU_TESTS: dict[str, str] = {
-    name: "its v3 kernel (part-tile raw ring, v2's E4M3 decode) compiles but has not yet passed its GPU tests"
-    for name in ("fp8_ds_mla", "fp8_ds_mla_pow2", "fp8_e4m3")
-}
+# Empty since session 9 (the fp8 records' part-tile rings passed).
+V3_AWAITING_GPU_TESTS: dict[str, str] = {}
 # A reason the default above must not run yet (a policy written without its GPU tests): while set, the unset
 # default stays v2 everywhere and says why. None since tests/test_kernels_v3_gpu.py passed on the H200
 # (session 8, results/h200/session8/).
@@ -139,7 +150,7 @@ def v3_raw_rings(plan) -> list[tuple[int, int]]:
     (bf16, which has none, gets it nominally). Else part-tile rings of 32 or 16 keys per stage, from 2 stages up
     to one tile ahead (stages - 1 <= stages per tile: the producer's slot ids are double-buffered by tile),
     the most keys in flight (stages - 1 stages load while one decodes) first, then the larger stage (fewer
-    barriers). Session 6 (NOTES.md) read v3's bound as too little in flight per SM, hence the order."""
+    barriers), except that the measured fastest, `V3_RAW_PREFERRED`, goes first where it fits."""
     if is_bf16_plan(plan) or _smem_bytes_v3(plan, V3_RAW_WHOLE) <= HOPPER_SMEM_PER_BLOCK:
         return [V3_RAW_WHOLE]
     rings = [
@@ -148,7 +159,7 @@ def v3_raw_rings(plan) -> list[tuple[int, int]]:
         for stages in range(2, V3_BN // keys + 2)
         if _smem_bytes_v3(plan, (stages, keys)) <= HOPPER_SMEM_PER_BLOCK
     ]
-    return sorted(rings, key=lambda r: (-(r[0] - 1) * r[1], -r[1]))
+    return sorted(rings, key=lambda r: (r != V3_RAW_PREFERRED, -(r[0] - 1) * r[1], -r[1]))
 
 
 def v3_raw_ring(plan) -> tuple[int, int]:
@@ -177,10 +188,12 @@ def smem_bytes_v3(plan, ring: tuple[int, int] | None = None) -> int:
 
 
 def v3_producer_wgs(plan) -> int:
-    """Producer warpgroups of a v3 CTA: bf16 records are only copied (one warpgroup issues the
-    cp.async); decoded formats split each tile's decode over V3_DECODE_PRODUCER_WGS warpgroups, because
-    the decode, not the consumer's 68 wgmma per tile, is the longer stage (see NOTES.md)."""
-    return 1 if is_bf16_plan(plan) else V3_DECODE_PRODUCER_WGS
+    """Producer warpgroups of a v3 CTA: V3_DECODE_PRODUCER_WGS for every format. Decoded formats split each
+    tile's decode over them, because the decode, not the consumer's 68 wgmma per tile, is the longer stage (see
+    NOTES.md). bf16 records are only copied, yet two warpgroups issuing the cp.async also win: session 9's H200
+    bench (b) 64K timed bf16 v3 with one producer warpgroup at 0.770 ms and with two at 0.624 (92 % of copy;
+    v2 0.738), the two bit-identical in the GPU tests (test_v3_probes_write_the_same_k_tiles)."""
+    return V3_DECODE_PRODUCER_WGS
 
 
 def v3_blocker(plan, sparse: bool, smem_limit: int = HOPPER_SMEM_PER_BLOCK, *, gated: bool = True) -> str | None:

@@ -14,7 +14,7 @@ says which launches run here). Why this shape, measured against the v2 diagnosis
   O^T lives in 64 fp32 registers per consumer thread (512 x 16 / 128), S^T in 8 (16 with the fold).
 - Warp specialisation: warpgroup 0 consumes (Q load, wgmma S^T, online softmax over the key rows, P^T
   to shared memory, wgmma O^T), warpgroups 1.. produce (slot ids, 16-byte cp.async of the records,
-  decode into the bf16 K ring; `v3_producer_wgs`: 2 for decoded formats, 1 for bf16). A 2-stage K ring
+  decode into the bf16 K ring; `v3_producer_wgs`: 2, bf16's copy included since session 9). A 2-stage K ring
   with full / empty mbarriers (`pipeline.PipelineAsync`; every producer thread arrives on full, the 128
   consumers on empty) replaces the CTA-wide barriers of v1/v2; each role syncs internally with its
   own named barrier (ids 1 and 2). bf16 records are copied straight into the K ring (cp.async, no
