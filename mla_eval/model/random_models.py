@@ -23,6 +23,7 @@ import dataclasses
 import torch
 
 from mla_eval.errors import UserError
+from mla_eval.model.adapter import DSA_TYPES
 from mla_eval.model_presets import ModelPreset, get_preset, preset_names
 
 PREFIX = "random:"
@@ -118,7 +119,9 @@ def random_config(spec: RandomSpec, vocab_size: int):
         kw["mlp_layer_types"] = ["dense"] * spec.layers
     family = _FAMILY[cfg["model_type"]]
     config = getattr(transformers, f"{family}Config")(**kw)
-    config._attn_implementation = "eager"
+    # the attention a loaded checkpoint of the family gets (loader.load_model): eager only where a DSA indexer needs the
+    # materialised mask, else SDPA, so that the stock forward a benchmark compares with is the SDPA one
+    config._attn_implementation = "eager" if cfg["model_type"] in DSA_TYPES else "sdpa"
     return config, getattr(transformers, f"{family}ForCausalLM")
 
 
