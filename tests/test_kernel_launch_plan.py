@@ -492,3 +492,14 @@ def test_v3_raw_ring_schedule(ring):
                 decoded.append((it, h))
         want = [(t, p) for t in range(n_local) for p in range(units)]
         assert decoded == want and sorted(loaded) == want, (ring, n_local)
+
+
+def test_bench_shapes_include_the_dense_h128_decode(capsys):
+    """Shape d (dense decode h = 128, issue 14's dense target) is one the bench knows; an unknown one is refused
+    before any GPU work, naming the shapes it knows."""
+    from mla_eval_kernels import bench
+
+    assert bench.main(["--shapes", "d,e", "--formats", "nvfp4"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown e" in err and "expected writer,a,b,c,d" in err
+    assert "(d) dense decode, h=128" in bench.__doc__
