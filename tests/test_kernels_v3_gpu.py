@@ -489,7 +489,7 @@ def test_v3_copies_cover_each_chunk_once_and_stores_are_conflict_free(fmt, pt):
     rec = plan.record_bytes
     chunks, bn = rec // 16, 64
     g = pt // chunks
-    for nk in {k for _, k in attention_tuning.v3_raw_rings(plan)}:
+    for nk in {k for heads in attention_tuning.V3_HEAD_TILES for _, k in attention_tuning.v3_raw_rings(plan, heads)}:
         assert bn % nk == 0
         seen = []
         for key0 in range(0, bn, nk):  # the tile's parts
@@ -499,6 +499,17 @@ def test_v3_copies_cover_each_chunk_once_and_stores_are_conflict_free(fmt, pt):
                     if pos < nk:
                         seen.append((key0 + pos, ptid % chunks))
         assert sorted(seen) == [(k, c) for k in range(bn) for c in range(chunks)], nk
+        if attention_tuning.fast_e2m1_eligible(plan) and (nk * 32) % pt == 0:
+            # the E2M1 latent decode per part (`decode_latent`): item u of thread ptid is block ptid % 32 of raw key
+            # u (pt / 32) + ptid // 32 -> K row key0 + that key; the rope (`decode_rope8`): item i < nk * 8 is 8
+            # values of raw key i // 8. Over the parts: every (key, block) and (key, rope item) once
+            lat, rope = [], []
+            for key0 in range(0, bn, nk):
+                for ptid in range(pt):
+                    lat += [(key0 + u * (pt // 32) + ptid // 32, ptid % 32) for u in range(nk * 32 // pt)]
+                    rope += [(key0 + i // 8, i % 8) for u in range(-(-nk * 8 // pt)) if (i := u * pt + ptid) < nk * 8]
+            assert sorted(lat) == [(k, b) for k in range(bn) for b in range(32)], nk
+            assert sorted(rope) == [(k, d) for k in range(bn) for d in range(8)], nk
 
     def groups(key, lanes, swap):
         out = []
