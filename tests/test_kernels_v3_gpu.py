@@ -588,6 +588,7 @@ def test_compile_check_reads_registers_from_the_cubin_and_checks_the_ptx(tmp_pat
     # the 32-head tile with sparse lists: m64n32k16 wgmma, one producer warpgroup (256 threads) whose registers fit
     # the SM without a stack frame (O^T [512, 32] is 128 fp32 registers per consumer thread)
     wide = tmp_path / "wide"
+    wide.mkdir()
     kern = MlaAttentionV3(plan, True, True, False, heads=32, sparse=True)
     assert kern.pt == 128 and kern.slot_cols == 4
     cute.compile(kern, *a, options=f"--keep-ptx --keep-cubin --dump-dir={wide}")
