@@ -44,7 +44,13 @@ DRIVER_SMEM_PER_CTA = 1024  # shared memory the driver reserves for each residen
 # (`v3_raw_ring`: stages x keys per stage; all but one stage load while one decodes): 2 whole tiles where
 # they fit beside the K ring (the ring every format ran until session 8), else part-tile stages (fp8 records)
 V3_BN = 64
-V3_HEADS = 16
+V3_HEADS = 16  # the head tile of h <= 16 launches, and of every v3 launch the 32-head tile does not serve
+# The 32-head tile (wgmma N = 32) for h > 16 (session 9): with the K / V^T tile (A, 2 KB per k-step) read from shared
+# memory at 128 B/clock, one m64nNk16 step costs 16 clocks of reads, while its math takes N / 2 clocks: N = 16 computes
+# in 8 (shared-memory bound 2x), N = 32 in 16 (balanced); and a 32-head tile decodes each record once per 32 heads, so
+# an h = 128 launch decodes every record 4 times instead of 8. `v3_head_tile` picks it per launch.
+V3_WIDE_HEADS = 32
+V3_HEAD_TILES = (V3_HEADS, V3_WIDE_HEADS)
 V3_K_STAGES = 2
 V3_RAW_WHOLE = (2, V3_BN)
 V3_RAW_PART_KEYS = (V3_BN // 2, V3_BN // 4)  # keys per stage of a part-tile ring, largest first
@@ -83,6 +89,18 @@ V3_DEFAULT_FORMATS = (
 # `kernels_under_test`); delete an entry after its GPU tests pass. Not in V3_DEFAULT_FORMATS either way until timed.
 # Empty since session 9 (the fp8 records' part-tile rings passed).
 V3_AWAITING_GPU_TESTS: dict[str, str] = {}
+# Launch kinds whose v3 kernel compiles for sm_90a but has not passed tests/test_kernels_v3_gpu.py on an H200: while
+# listed, v3 does not run them (sparse: `v3_blocker` refuses, forced v3 runs v2 and says why; the 32-head tile:
+# `v3_head_tile` keeps the GPU-tested 16-head tile and says why). The GPU tests clear this (fixture
+# `kernels_under_test`); delete an entry after its GPU tests pass. `generation_for`'s default runs neither either way
+# (dense decode, h <= 16 only) until they are timed.
+V3_SPARSE = "sparse"
+V3_TILE_32 = "head_tile_32"
+V3_LAUNCHES_AWAITING_GPU_TESTS: dict[str, str] = {
+    V3_SPARSE: "v3's sparse top-k lists (slot ids from the index list, -1 = no key) compile but have not yet passed "
+    "their GPU tests",
+    V3_TILE_32: "v3's 32-head tile compiles but has not yet passed its GPU tests",
+}
 # A reason the default above must not run yet (a policy written without its GPU tests): while set, the unset
 # default stays v2 everywhere and says why. None since tests/test_kernels_v3_gpu.py passed on the H200
 # (session 8, results/h200/session8/).
@@ -138,35 +156,38 @@ def fast_e2m1_eligible(plan) -> bool:
             and not plan.reader_e4m3)  # TensorRT-LLM's E4M3 read-back rounds each decoded value: decoded per value
 
 
-def _smem_bytes_v3(plan, ring: tuple[int, int]) -> int:
+def _smem_bytes_v3(plan, ring: tuple[int, int], heads: int = V3_HEADS, sparse: bool = False) -> int:
     raw = 0 if is_bf16_plan(plan) else ring[0] * ring[1] * plan.record_bytes
     k = V3_K_STAGES * V3_BN * D_QK * 2
-    return k + raw + 2 * V3_HEADS * D_QK + 2 * V3_HEADS * V3_BN + 4 * 2 * V3_BN + 4 * 8 * V3_HEADS + 4 * 1024
+    # sparse: the slot id of each key of each K stage, which the consumer masks by (an invalid index gets p = 0)
+    valid = 4 * V3_K_STAGES * V3_BN if sparse else 0
+    return k + raw + 2 * heads * D_QK + 2 * heads * V3_BN + 4 * 2 * V3_BN + valid + 4 * 8 * heads + 4 * 1024
 
 
-def v3_raw_rings(plan) -> list[tuple[int, int]]:
-    """Every raw ring (stages, keys per stage) a v3 CTA of this format can run on sm_90 (v3 is built for it, so
-    the Hopper per-block limit decides), preferred first. Two whole tiles where they fit: the measured ring
-    (bf16, which has none, gets it nominally). Else part-tile rings of 32 or 16 keys per stage, from 2 stages up
+def v3_raw_rings(plan, heads: int = V3_HEADS, sparse: bool = False) -> list[tuple[int, int]]:
+    """Every raw ring (stages, keys per stage) a v3 CTA of this format and head tile can run on sm_90 (v3 is built
+    for it, so the Hopper per-block limit decides), preferred first. Two whole tiles where they fit: the measured
+    ring (bf16, which has none, gets it nominally). Else part-tile rings of 32 or 16 keys per stage, from 2 stages up
     to one tile ahead (stages - 1 <= stages per tile: the producer's slot ids are double-buffered by tile),
     the most keys in flight (stages - 1 stages load while one decodes) first, then the larger stage (fewer
-    barriers), except that the measured fastest, `V3_RAW_PREFERRED`, goes first where it fits."""
-    if is_bf16_plan(plan) or _smem_bytes_v3(plan, V3_RAW_WHOLE) <= HOPPER_SMEM_PER_BLOCK:
+    barriers), except that the measured fastest at the 16-head tile, `V3_RAW_PREFERRED`, goes first where it fits."""
+    if is_bf16_plan(plan) or _smem_bytes_v3(plan, V3_RAW_WHOLE, heads, sparse) <= HOPPER_SMEM_PER_BLOCK:
         return [V3_RAW_WHOLE]
     rings = [
         (stages, keys)
         for keys in V3_RAW_PART_KEYS
         for stages in range(2, V3_BN // keys + 2)
-        if _smem_bytes_v3(plan, (stages, keys)) <= HOPPER_SMEM_PER_BLOCK
+        if _smem_bytes_v3(plan, (stages, keys), heads, sparse) <= HOPPER_SMEM_PER_BLOCK
     ]
-    return sorted(rings, key=lambda r: (r != V3_RAW_PREFERRED, -(r[0] - 1) * r[1], -r[1]))
+    # the preference was timed at the 16-head tile only (the 32-head tile's rings are untimed)
+    return sorted(rings, key=lambda r: (heads == V3_HEADS and r != V3_RAW_PREFERRED, -(r[0] - 1) * r[1], -r[1]))
 
 
-def v3_raw_ring(plan) -> tuple[int, int]:
-    """The raw ring (stages, keys per stage) a v3 CTA of this format runs: a compile-time specialisation derived
-    from the plan alone (`v3_raw_rings`' first; a format none fits reports the smallest, which `v3_blocker`
-    then refuses by its size)."""
-    return (v3_raw_rings(plan) or [(2, V3_RAW_PART_KEYS[-1])])[0]
+def v3_raw_ring(plan, heads: int = V3_HEADS, sparse: bool = False) -> tuple[int, int]:
+    """The raw ring (stages, keys per stage) a v3 CTA of this format and head tile runs: a compile-time
+    specialisation derived from the plan alone (`v3_raw_rings`' first; a format none fits reports the smallest,
+    which `v3_blocker` / `v3_head_tile` then refuse by its size)."""
+    return (v3_raw_rings(plan, heads, sparse) or [(2, V3_RAW_PART_KEYS[-1])])[0]
 
 
 def v3_raw_unit(ring: tuple[int, int], it, j: int):
@@ -181,38 +202,64 @@ def v3_raw_unit(ring: tuple[int, int], it, j: int):
     return it + j // units, j % units, stage
 
 
-def smem_bytes_v3(plan, ring: tuple[int, int] | None = None) -> int:
-    """Shared memory of one v3 CTA: K ring, raw ring (`ring`, default `v3_raw_ring`; none for bf16), Q, P^T,
-    slot ids, the 4-warp reductions, the mbarriers, and the 1 KB alignment of the wgmma tiles (4 KB of slack)."""
-    return _smem_bytes_v3(plan, ring or v3_raw_ring(plan))
+def smem_bytes_v3(plan, ring: tuple[int, int] | None = None, heads: int = V3_HEADS, sparse: bool = False) -> int:
+    """Shared memory of one v3 CTA: K ring, raw ring (`ring`, default `v3_raw_ring`; none for bf16), Q and P^T
+    (`heads` rows: the head tile), slot ids (and, sparse, each K stage's), the 4-warp reductions, the mbarriers,
+    and the 1 KB alignment of the wgmma tiles (4 KB of slack)."""
+    return _smem_bytes_v3(plan, ring or v3_raw_ring(plan, heads, sparse), heads, sparse)
 
 
-def v3_producer_wgs(plan) -> int:
-    """Producer warpgroups of a v3 CTA: V3_DECODE_PRODUCER_WGS for every format. Decoded formats split each
-    tile's decode over them, because the decode, not the consumer's 68 wgmma per tile, is the longer stage (see
-    NOTES.md). bf16 records are only copied, yet two warpgroups issuing the cp.async also win: session 9's H200
-    bench (b) 64K timed bf16 v3 with one producer warpgroup at 0.770 ms and with two at 0.624 (92 % of copy;
-    v2 0.738), the two bit-identical in the GPU tests (test_v3_probes_write_the_same_k_tiles)."""
+def v3_producer_wgs(plan, heads: int = V3_HEADS) -> int:
+    """Producer warpgroups of a v3 CTA: V3_DECODE_PRODUCER_WGS for every format at the 16-head tile. Decoded formats
+    split each tile's decode over them, because the decode, not the consumer's 68 wgmma per tile, is the longer
+    stage (see NOTES.md). bf16 records are only copied, yet two warpgroups issuing the cp.async also win: session 9's
+    H200 bench (b) 64K timed bf16 v3 with one producer warpgroup at 0.770 ms and with two at 0.624 (92 % of copy;
+    v2 0.738), the two bit-identical in the GPU tests (test_v3_probes_write_the_same_k_tiles). The 32-head tile runs
+    one: its consumer holds O^T [512, 32] (128 fp32 registers per thread), which 384 threads (168 registers each)
+    cannot hold without spilling, 256 threads (255 each) can; and per head it decodes half as many records, while
+    one producer warpgroup cost 3.5 % at h = 16 (bench v3-p1, session 6)."""
+    if heads > V3_HEADS:
+        return 1
     return V3_DECODE_PRODUCER_WGS
 
 
 def v3_blocker(plan, sparse: bool, smem_limit: int = HOPPER_SMEM_PER_BLOCK, *, gated: bool = True) -> str | None:
-    """Why a launch cannot run the v3 kernel (it then runs v2), or None when it can. `gated=False` leaves out
-    `V3_AWAITING_GPU_TESTS` (what v3 can run at all: the compile check, the GPU tests' parametrisation)."""
-    if sparse:
-        return "v3 covers the dense decode path only (sparse top-k runs v2)"
+    """Why a launch cannot run the v3 kernel (it then runs v2), or None when it can (with the 16-head tile at
+    least; `v3_head_tile` says whether the 32-head one serves). `gated=False` leaves out `V3_AWAITING_GPU_TESTS`
+    and `V3_LAUNCHES_AWAITING_GPU_TESTS` (what v3 can run at all: the compile check, the GPU tests'
+    parametrisation)."""
     if plan.reader_e4m3:
         return f"{plan.name}: v3 has no E4M3 read-back decode (TensorRT-LLM formats run v2)"
     if plan.record_bytes % 16:  # the producer's cp.async and record addressing assume 16-byte chunks
         return f"{plan.name}: v3 copies records in 16-byte chunks only, this record is {plan.record_bytes} B (runs v2)"
-    need = smem_bytes_v3(plan)
+    need = smem_bytes_v3(plan, sparse=sparse)
     if need > smem_limit:
-        stages, keys = v3_raw_ring(plan)
+        stages, keys = v3_raw_ring(plan, sparse=sparse)
         return (f"{plan.name}: v3 needs {need} B of shared memory per CTA (2 K tiles + {stages} record stages of "
                 f"{keys} keys), the device allows {smem_limit}")
     if gated and plan.name in V3_AWAITING_GPU_TESTS:
         return f"{plan.name}: v3 held off: {V3_AWAITING_GPU_TESTS[plan.name]} (runs v2)"
+    if gated and sparse and V3_SPARSE in V3_LAUNCHES_AWAITING_GPU_TESTS:
+        return f"v3 held off for sparse top-k lists: {V3_LAUNCHES_AWAITING_GPU_TESTS[V3_SPARSE]} (runs v2)"
     return None
+
+
+def v3_head_tile(
+    plan, heads: int, sparse: bool = False, smem_limit: int = HOPPER_SMEM_PER_BLOCK, *, gated: bool = True
+) -> tuple[int, str]:
+    """(head tile, why) of a v3 launch of `heads` heads that `v3_blocker` lets run: the one definition of the tile
+    (16 or 32 heads, wgmma's N; in the compile key). h <= 16: 16 (one tile, nothing padded). h > 16: 32 where its
+    CTA fits `smem_limit` (Q and P^T grow to 32 rows) and, with `gated`, `V3_LAUNCHES_AWAITING_GPU_TESTS` does not
+    hold it; else 16, the tile every v3 launch ran before session 9."""
+    if heads <= V3_HEADS:
+        return V3_HEADS, f"h = {heads}: one {V3_HEADS}-head tile"
+    if gated and V3_TILE_32 in V3_LAUNCHES_AWAITING_GPU_TESTS:
+        return V3_HEADS, f"{V3_HEADS}-head tiles: {V3_LAUNCHES_AWAITING_GPU_TESTS[V3_TILE_32]}"
+    need = smem_bytes_v3(plan, heads=V3_WIDE_HEADS, sparse=sparse)
+    if need > smem_limit:
+        return V3_HEADS, (f"{V3_HEADS}-head tiles: the {V3_WIDE_HEADS}-head tile needs {need} B of shared memory "
+                          f"per CTA, the device allows {smem_limit}")
+    return V3_WIDE_HEADS, f"h = {heads}: {V3_WIDE_HEADS}-head tiles (each record decoded once per {V3_WIDE_HEADS} heads)"
 
 
 def forced_generation() -> str | None:
@@ -231,19 +278,26 @@ def generation_for(
     `queries_per_seq`: how many of the launch's queries read the same sequence's keys (1 for decode steps;
     T for the prefill-as-decode path, whose T queries per sequence each read a prefix of one list).
     MLA_EVAL_ATTENTION_KERNEL forces v1, v2 or v3 (v3 only where `v3_blocker` has no objection: else v2,
-    and `why` is the blocker). Unset, v3 runs where it was measured faster (`V3_DEFAULT_FORMATS`): dense
-    launches of one head tile (h <= 16: the measured CTA work; more heads re-read the records once per
-    head tile, where v2's 64-row tile reads them once) with one query per sequence; everything else v2."""
+    and `why` is the blocker; h > 16 also names the head tile, `v3_head_tile`). Unset, v3 runs where it was
+    measured faster (`V3_DEFAULT_FORMATS`): dense launches of one head tile (h <= 16: the measured CTA work;
+    more heads re-read the records once per head tile, where v2's 64-row tile reads them once) with one query
+    per sequence; everything else v2 (sparse top-k lists included: v3's were never timed)."""
     forced = forced_generation()
     if forced in ("v1", "v2"):
         return forced, f"{ENV}={forced}"
     blocker = v3_blocker(plan, sparse, smem_limit)
     if forced == "v3":
-        return ("v2", blocker) if blocker else ("v3", f"{ENV}=v3")
+        if blocker:
+            return "v2", blocker
+        if heads > V3_HEADS:
+            return "v3", f"{ENV}=v3 ({v3_head_tile(plan, heads, sparse, smem_limit)[1]})"
+        return "v3", f"{ENV}=v3"
     if plan.name not in V3_DEFAULT_FORMATS:
         return "v2", f"default: v3 not measured faster for {plan.name}"
     if blocker:
         return "v2", blocker
+    if sparse:
+        return "v2", "default: v3 not measured for sparse top-k lists"
     if heads > V3_HEADS:
         return "v2", f"default: v3 measured at one head tile (h <= {V3_HEADS}), not h = {heads}"
     if queries_per_seq > 1:

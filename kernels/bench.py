@@ -1,12 +1,13 @@
 """Benchmark of the cache writer and MLA attention kernels, with ceilings measured in the same run.
 
     python -m mla_eval_kernels.bench [--formats nvfp4,bf16] [--out results/kernels] [--quick] [--variants]
-        [--shapes writer,a,b,c]
+        [--shapes writer,a,b,c,d]
 
-Shapes (issue 4):
+Shapes (issue 4; d: issue 14):
   (a) sparse decode, DeepSeek-V3.2: h=128, top-k 2048, batch 64 and 128 (compute-bound)
   (b) dense decode, h=16, context 8K / 32K / 64K, batch 32 (memory-bound)
   (c) teacher-forced prefill-as-decode: 2048 queries, causal over 2048 slots, h=8 (the default model)
+  (d) dense decode, h=128, context 8K / 32K, batch 32 (issue 14's dense h=128 target; not in the default --shapes)
   writer: 65536 tokens
 Reported: median time over timed runs (CUDA events; rotating cache copies so the L2 holds none),
 cache GB/s (record bytes read), TFLOP/s (2 * (576 + 512) per query, head, key), ratios to the
@@ -26,6 +27,9 @@ output: no decode / no wgmma), which tell which side bounds v3, and v3-r<S>x<K> 
 other than the default (`attention_tuning.v3_raw_rings`: the fp8 records' part-tile rings). Formats that v3 runs but
 `attention_tuning.V3_AWAITING_GPU_TESTS` still holds on v2 (the fp8 records and their part-tile raw rings) get
 their v3 rows with `--variants` only, marked `v3_held` (the reason): run their GPU tests first.
+At h = 128 ((a) with `--variants`, and (d) always) v3 runs once per head tile: rows v3-t16 and v3-t32
+(`attention_tuning.V3_HEAD_TILES`), marked `v3_held` while `V3_LAUNCHES_AWAITING_GPU_TESTS` (sparse lists, the
+32-head tile) or `V3_AWAITING_GPU_TESTS` keeps dispatch off them; the default row beside them says what dispatch runs.
 
 Compiling every kernel takes seconds each, so one worker process per format compiles and warms
 up in parallel; the timed part runs under an exclusive file lock, one worker at a time.
@@ -154,10 +158,12 @@ def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "wr
     from mla_eval.attention import dispatch
     from mla_eval_kernels import mla_attention as kernel
     from mla_eval_kernels.attention_tuning import (
+        V3_HEAD_TILES,
         V3_L2_PREFETCH_PROBE,
         generation_for,
         is_bf16_plan,
         v3_blocker,
+        v3_head_tile,
         v3_producer_wgs,
         v3_raw_rings,
     )
@@ -172,6 +178,30 @@ def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "wr
     s_l = 0.05 if spec.outer_scale is not None else None
     reps = 5 if quick else 20
     rows, todo = [], []
+
+    def v3_tile_rows(shape, params, heads, sparse, nbytes, nflop, lists):
+        """v3 rows of an h > 16 launch, one per head tile its CTA fits (`lists(i)`: the launch's slot lists for
+        timed run i), each marked `v3_held` with the reason while dispatch would not run it."""
+        from mla_eval_kernels.mla_attention_v3 import mla_attention_v3
+
+        plan = plan_for(spec)
+        if v3_blocker(plan, sparse=sparse, gated=False) is not None:
+            return
+        fits = v3_head_tile(plan, heads, sparse, gated=False)[0]
+        for tile in (t for t in V3_HEAD_TILES if t <= fits):
+            held = v3_blocker(plan, sparse=sparse)
+            if held is None and v3_head_tile(plan, heads, sparse)[0] != tile:
+                held = v3_head_tile(plan, heads, sparse)[1]  # the 32-head tile's hold
+            mark = dict(v3_held=held) if held else {}
+
+            def f3(i, tile=tile):
+                return mla_attention_v3(
+                    plan, lists(i)["q"], lists(i)["cache"], softmax_scale=0.0417, block_table=lists(i).get("block_table"),
+                    seq_lens=lists(i).get("seq_lens"), indices=lists(i).get("indices"), sink=None, outer_scale=s_l,
+                    max_seq_len=lists(i).get("max_seq_len"), head_tile=tile,
+                )
+
+            todo.append((shape, dict(params, kernel=f"v3-t{tile}", **mark), f3, nbytes, nflop, None))
     gen = torch.Generator(device="cuda").manual_seed(0)
 
     # writer
@@ -211,6 +241,11 @@ def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "wr
                 n * 2048 * spec.record_bytes, flops(n, 128, 2048), ref,
             )
         )
+        if variants:  # v3 beside the default (v2): sparse lists, 16- and 32-head tiles
+            v3_tile_rows(
+                "a_sparse_decode", dict(batch=n, heads=128, topk=2048), 128, True, n * 2048 * spec.record_bytes,
+                flops(n, 128, 2048), lambda i, q=q, idx=idx: dict(q=q, cache=caches[i % 4], indices=idx),
+            )
 
     # (b) dense decode, memory-bound
     batch = 32
@@ -303,6 +338,30 @@ def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "wr
                     )
                 )
 
+    # (d) dense decode at h = 128: the default launch (v2) and v3 per head tile
+    for ctx in () if "d" not in shapes else (8192,) if quick else (8192, 32768):
+        blocks = batch * ctx // 64
+        dcache = _random_caches(spec, blocks * 64, 1)[0]
+        table = torch.randperm(blocks, device="cuda").view(batch, -1).to(torch.int32)
+        lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+        q = torch.randn(batch, 128, 576, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+        def fd(i, q=q, table=table, lens=lens, dcache=dcache, ctx=ctx):
+            return dispatch.mla_attention_dense(
+                spec, q, dcache, block_table=table, seq_lens=lens, softmax_scale=0.0417, outer_scale=s_l,
+                max_seq_len=ctx, backend="kernel",
+            )
+
+        dparams = dict(batch=batch, heads=128, context=ctx)
+        nbytes, nflop = batch * ctx * spec.record_bytes, flops(batch, 128, ctx)
+        todo.append(("d_dense_decode_h128", dict(dparams, kernel=ran(False, 128)), fd, nbytes, nflop, None))
+        v3_tile_rows(
+            "d_dense_decode_h128", dparams, 128, False, nbytes, nflop,
+            lambda i, q=q, table=table, lens=lens, dcache=dcache, ctx=ctx: dict(
+                q=q, cache=dcache, block_table=table, seq_lens=lens, max_seq_len=ctx
+            ),
+        )
+
     # (c) prefill-as-decode: query i sees slots 0..i of one 2048-token sequence
     n = 2048
     ccache = caches[0] if caches else None
@@ -378,15 +437,15 @@ def main(argv=None) -> int:
     ap.add_argument("--formats", default=None, help="comma-separated (default: every format the kernels serve)")
     ap.add_argument("--out", default="results/kernels")
     ap.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")
-    ap.add_argument("--variants", action="store_true", help="v1 and v2 kernels and probe variants side by side at (b)")
-    ap.add_argument("--shapes", default="writer,a,b,c", help="comma-separated subset of writer,a,b,c")
+    ap.add_argument("--variants", action="store_true", help="v1 / v2 / v3 and probe variants side by side at (a), (b)")
+    ap.add_argument("--shapes", default="writer,a,b,c", help="comma-separated subset of writer,a,b,c,d")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.formats is None:
         args.formats = ",".join(kernel_format_names())
-    bad = set(args.shapes.split(",")) - {"writer", "a", "b", "c"}
+    bad = set(args.shapes.split(",")) - {"writer", "a", "b", "c", "d"}
     if bad:
-        print(f"error: --shapes: unknown {','.join(sorted(bad))} (expected writer,a,b,c)", file=sys.stderr)
+        print(f"error: --shapes: unknown {','.join(sorted(bad))} (expected writer,a,b,c,d)", file=sys.stderr)
         return 2
     if args.worker:
         run_format(args.worker, args.quick, args.variants, args.shapes)

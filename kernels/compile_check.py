@@ -4,10 +4,11 @@
         [--versions v1,v2,v3] [--cuobjdump PATH]   # also print registers / stack / spills of each attention kernel
 
 Nothing is launched; `cute.compile` runs the whole pipeline down to the cubin. The v3 kernels
-(`mla_attention_v3`, dense only, head count a run-time argument) are compiled once per format for
-every (sink, outer scale, split) combination; their registers and stack frame are read from the
+(`mla_attention_v3`, head count a run-time argument) are compiled per format for every (sink, outer scale,
+split) combination of the dense 16-head tile, and, for the head tiles `--heads` selects (`v3_head_tile`: 32 for
+h > 16), sparse and dense lists with and without split; their registers and stack frame are read from the
 cubin itself (`cubin_usage`, no CUDA toolkit needed), and the PTX is checked for what the design
-promises (wgmma, mbarriers, no CTA-wide barrier inside the loops).
+promises (wgmma of the tile's N, mbarriers, no CTA-wide barrier inside the loops, registers that fit the CTA).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ def _usage(cuobjdump: str | None, dump_dir: str) -> str:
 
 
 EIATTR_FRAME_SIZE, EIATTR_MIN_STACK_SIZE, EIATTR_REGCOUNT = 0x11, 0x12, 0x2F
+REGS_PER_SM = 65536  # 32-bit registers of one sm_90 SM (one v3 CTA per SM)
 
 
 def cubin_usage(path: str) -> dict:
@@ -85,14 +87,14 @@ def cubin_usage(path: str) -> dict:
     return out
 
 
-def check_v3_ptx(ptx: str) -> list[str]:
+def check_v3_ptx(ptx: str, heads: int = 16) -> list[str]:
     """What the v3 design promises, read from its PTX: 36 + 32 wgmma per key tile (S^T over 576
-    dims, O^T over 8 x 4 m64n16k16 steps), mbarrier waits (the K ring), named warpgroup barriers,
-    and exactly one CTA-wide barrier (after the mbarrier init)."""
+    dims, O^T over 8 x 4 m64nNk16 steps, N = `heads`, the head tile), mbarrier waits (the K ring), named
+    warpgroup barriers, and exactly one CTA-wide barrier (after the mbarrier init)."""
     problems = []
-    n_wgmma = len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n16k16\.f32\.bf16\.bf16", ptx))
+    n_wgmma = len(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{heads}k16\.f32\.bf16\.bf16", ptx))
     if n_wgmma != 68:
-        problems.append(f"{n_wgmma} m64n16k16 wgmma (expected 68)")
+        problems.append(f"{n_wgmma} m64n{heads}k16 wgmma (expected 68)")
     if "mbarrier.try_wait" not in ptx and "mbarrier.test_wait" not in ptx:
         problems.append("no mbarrier wait")
     if len(re.findall(r"bar(?:rier)?\.sync(?:\.aligned)?\s+0\s*;", ptx)) != 1:
@@ -104,11 +106,15 @@ def check_v3_ptx(ptx: str) -> list[str]:
     return problems
 
 
-def compile_v3(plan, name: str, stream) -> int:
-    """Compile every v3 specialisation of one format; returns the number of failures."""
+def compile_v3(plan, name: str, stream, heads_list=(16,)) -> int:
+    """Compile every v3 specialisation of one format (dense 16-head tile: every (outer, sink, split) and the
+    bench's probes; each head tile `heads_list` selects, sparse and dense: split with and without, the sink on
+    the unsplit one, the outer scale where the format has one); returns the number of failures."""
     from mla_eval_kernels.attention_tuning import (  # noqa: PLC0415
+        V3_HEADS,
         V3_L2_PREFETCH,
         V3_L2_PREFETCH_PROBE,
+        v3_head_tile,
         v3_producer_wgs,
         v3_raw_ring,
         v3_raw_rings,
@@ -127,10 +133,20 @@ def compile_v3(plan, name: str, stream) -> int:
     ]
     probe = plan.outer_allowed, False, True
     ring = v3_raw_ring(plan)
-    cases = [(*c, ring) for c in cases]
-    cases += [(*probe, V3_L2_PREFETCH_PROBE, pwg, ring), (*probe, V3_L2_PREFETCH, 3 - pwg, ring)]
-    cases += [(*probe, V3_L2_PREFETCH, pwg, r) for r in v3_raw_rings(plan)[1:]]  # bench v3-r<S>x<K>
-    for outer, sink, split, l2pf, wgs, raw_ring in cases:
+    cases = [(*c, ring, V3_HEADS, False) for c in cases]
+    cases += [(*probe, V3_L2_PREFETCH_PROBE, pwg, ring, V3_HEADS, False)]
+    cases += [(*probe, V3_L2_PREFETCH, 3 - pwg, ring, V3_HEADS, False)]
+    cases += [(*probe, V3_L2_PREFETCH, pwg, r, V3_HEADS, False) for r in v3_raw_rings(plan)[1:]]  # bench v3-r<S>x<K>
+    # the launches of session 9: sparse top-k lists and the 32-head tile (held off until their GPU tests pass)
+    tiles = sorted({v3_head_tile(plan, h, sparse, gated=False)[0] for h in heads_list for sparse in (False, True)})
+    for tile in tiles:
+        for sparse in (False, True):
+            if tile == V3_HEADS and not sparse:
+                continue  # the dense 16-head tile: the cases above
+            for sink, split in ((True, False), (False, True)):
+                cases.append((plan.outer_allowed, sink, split, V3_L2_PREFETCH, v3_producer_wgs(plan, tile),
+                              v3_raw_ring(plan, tile, sparse), tile, sparse))
+    for outer, sink, split, l2pf, wgs, raw_ring, tile, sparse in cases:
         t = time.time()
         dump = tempfile.mkdtemp()
         a = (
@@ -140,19 +156,24 @@ def compile_v3(plan, name: str, stream) -> int:
         )
         try:
             opts = f"--keep-ptx --keep-cubin --dump-dir={dump}"
-            cute.compile(MlaAttentionV3(plan, sink, outer, split, l2pf, wgs, raw_ring=raw_ring), *a, options=opts)
+            kern = MlaAttentionV3(plan, sink, outer, split, l2pf, wgs, raw_ring=raw_ring, heads=tile, sparse=sparse)
+            cute.compile(kern, *a, options=opts)
             use = cubin_usage(max(glob.glob(f"{dump}/*.cubin"), key=os.path.getmtime))
-            problems = check_v3_ptx(open(max(glob.glob(f"{dump}/*.ptx"), key=os.path.getmtime)).read())
+            problems = check_v3_ptx(open(max(glob.glob(f"{dump}/*.ptx"), key=os.path.getmtime)).read(), tile)
             if use.get("frame", 0) or use.get("stack", 0):
                 problems.append("register spills (stack frame)")
+            threads = 128 * (1 + wgs)
+            if use.get("regs", 0) * threads > REGS_PER_SM:  # the launch would fail: too many resources requested
+                problems.append(f"{use.get('regs')} registers x {threads} threads > {REGS_PER_SM}")
             status = "ok " if not problems else "FAILED " + "; ".join(problems) + " "
             failures += bool(problems)
             status += f"regs={use.get('regs')} frame={use.get('frame', 0)}B stack={use.get('stack', 0)}B"
         except Exception as exc:  # noqa: BLE001 - report every variant
             failures += 1
             status = f"FAILED {type(exc).__name__}: {str(exc)[:300]}"
+        lists = "sparse" if sparse else "dense "
         print(
-            f"attention {name:18} v3           dense outer={outer!s:5} sink={sink!s:5} split={split!s:5} "
+            f"attention {name:18} v3           {lists} tile={tile} outer={outer!s:5} sink={sink!s:5} split={split!s:5} "
             f"l2pf={l2pf} producer_wgs={wgs} raw={raw_ring[0]}x{raw_ring[1]} "
             f"{time.time() - t:5.1f}s {status}",
             flush=True,
@@ -193,7 +214,7 @@ def main(argv=None) -> int:
                 held = v3_blocker(plan, sparse=False, smem_limit=HOPPER_SMEM_PER_BLOCK)
                 if held:
                     print(f"attention {name:18} v3           compiled; dispatch runs v2 until GPU tests pass: {held}", flush=True)
-                failures += compile_v3(plan, name, stream)
+                failures += compile_v3(plan, name, stream, [int(h) for h in args.heads.split(",")])
             else:
                 print(f"attention {name:18} v3           runs v2: {why}", flush=True)
         for heads in (int(h) for h in args.heads.split(",")):

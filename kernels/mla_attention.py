@@ -765,7 +765,7 @@ def mla_attention(
 
         return mla_attention_v3(
             plan, q, cache, softmax_scale=softmax_scale, block_table=block_table, seq_lens=seq_lens, sink=sink,
-            outer_scale=outer_scale, max_seq_len=max_seq_len, num_splits=num_splits, out=out, lse=lse,
+            outer_scale=outer_scale, indices=indices, max_seq_len=max_seq_len, num_splits=num_splits, out=out, lse=lse,
             workspace_fill=workspace_fill,
         )
     if tile is None and tuning is None:

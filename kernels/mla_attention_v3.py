@@ -1,7 +1,8 @@
-"""v3 of the dense-decode MLA attention kernel (issue 14): wgmma, warp-specialised, mbarrier pipeline (sm_90a).
+"""v3 of the decode MLA attention kernel (issue 14): wgmma, warp-specialised, mbarrier pipeline (sm_90a).
 
-Same problem and entry as `mla_attention.mla_attention` (dense lists only; `attention_tuning.v3_blocker`
-says which launches run here). Why this shape, measured against the v2 diagnosis in kernels/NOTES.md
+Same problem and entry as `mla_attention.mla_attention`, dense or sparse lists (`attention_tuning.v3_blocker`
+says which launches run here; sparse lists and the 32-head tile are held off until their GPU tests pass,
+`V3_LAUNCHES_AWAITING_GPU_TESTS`). Why this shape, measured against the v2 diagnosis in kernels/NOTES.md
 (255 registers + spills, one 8-warp CTA per SM, load -> decode -> S -> softmax -> PV serial in a CTA):
 
 - Swapped operands ("swap AB"): wgmma's M is 64 rows, and a decode step has h = 16 heads per query.
@@ -10,8 +11,12 @@ says which launches run here). Why this shape, measured against the v2 diagnosis
   64 slots, S^T [64 keys, 16 heads] = K [64, 576] Q^T (A = K tile, B = Q, both K-major in shared
   memory), and O^T [512, 16] += V^T [512, 64] P^T [64, 16] (A = V^T, an MN-major view of the same
   bytes as the K tile, B = P^T). Nothing is padded at h = 16 (padding heads to 64 would quadruple
-  the MMA work); N = 16 heads is one "head tile", larger h runs ceil(h / 16) head tiles in grid y.
+  the MMA work); N = 16 heads is one "head tile", larger h runs ceil(h / N) head tiles in grid y.
   O^T lives in 64 fp32 registers per consumer thread (512 x 16 / 128), S^T in 8 (16 with the fold).
+  h > 16 may run N = 32 (`attention_tuning.v3_head_tile`): each wgmma then reads its 2 KB A tile (K or V^T)
+  for 16 clocks of math instead of 8 (N = 16 is shared-memory bound 2x at 128 B/clock), and every record is
+  decoded once per 32 heads; O^T takes 128 registers, S^T 16 (32 with the fold), so the CTA runs one producer
+  warpgroup (256 threads, up to 255 registers each: `v3_producer_wgs`).
 - Warp specialisation: warpgroup 0 consumes (Q load, wgmma S^T, online softmax over the key rows, P^T
   to shared memory, wgmma O^T), warpgroups 1.. produce (slot ids, 16-byte cp.async of the records,
   decode into the bf16 K ring; `v3_producer_wgs`: 2, bf16's copy included since session 9). A 2-stage K ring
@@ -33,8 +38,9 @@ says which launches run here). Why this shape, measured against the v2 diagnosis
   (65536 / 256), so a per-role budget frees nothing; it pays with 3 warpgroups (see NOTES.md).
 - Softmax runs along M (keys), which spans the 4 warps: per head a butterfly over the 8 lanes that
   hold its rows and a 4-warp exchange through shared memory (double-buffered by tile parity, one
-  named barrier per tile). Masked keys (past the query's length) get p = 0 by a select and never
-  enter the running max, whose start value is the finite -FLT_MAX, exactly as in v2.
+  named barrier per tile). Masked keys (past the query's length; sparse: an index of -1 or outside the cache,
+  whose slot id the producer hands over with the K stage) get p = 0 by a select and never enter the running
+  max, whose start value is the finite -FLT_MAX, exactly as in v2 (a query with no valid key: out 0, lse -inf).
 - `split=True`: partial (out / l, lse) per split, merged by `mla_combine` (which applies the sink).
 """
 
@@ -52,17 +58,20 @@ from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from mla_eval_kernels import e2m1_bits, ptx
 from mla_eval_kernels.attention_tuning import (
     V3_BN,
+    V3_HEAD_TILES,
     V3_HEADS,
     V3_K_STAGES,
     V3_L2_PREFETCH,
     fast_e2m1_eligible,
     is_bf16_plan,
+    v3_head_tile,
     v3_producer_wgs,
     v3_raw_ring,
     v3_raw_rings,
     v3_raw_unit,
 )
 from mla_eval_kernels.compile_cache import arch_tag, compiled
+from mla_eval_kernels.device_limits import smem_per_block
 from mla_eval_kernels.launch_grid import attention_grid
 from mla_eval_kernels.mla_attention import (
     D_QK,
@@ -106,7 +115,7 @@ def _st_shared_bf16(addr, x):
 
 class MlaAttentionV3(MlaAttention):
     """One compiled v3 kernel per (plan, sink, outer scale, split, L2 prefetch distance, producer
-    warpgroups, timing probe, raw ring). Dense lists only.
+    warpgroups, timing probe, raw ring, head tile, dense or sparse lists).
 
     Inherits v2's record decode (`decode_tile`, `decode8`, `decode8_e2m1_folded`): with `bn` = 64 and
     `num_threads` = 128 (the producer warpgroup) they write the same swizzled bf16 K tile that wgmma reads.
@@ -115,36 +124,44 @@ class MlaAttentionV3(MlaAttention):
     def __init__(
         self, plan: RecordPlan, has_sink: bool, has_outer: bool, split: bool, l2_prefetch: int = V3_L2_PREFETCH,
         producer_wgs: int | None = None, timing_probe: str = "", raw_ring: tuple[int, int] | None = None,
+        heads: int = V3_HEADS, sparse: bool = False,
     ):
         if timing_probe not in TIMING_PROBES:
             raise ValueError(f"timing_probe must be one of {TIMING_PROBES}, not {timing_probe!r}")
+        if heads not in V3_HEAD_TILES:
+            raise ValueError(f"heads (the head tile) must be one of {V3_HEAD_TILES}, not {heads}")
         # benchmark only, wrong output: "nodec" leaves the K tile undecoded (the producer still copies and
         # hands over each tile), "nomma" drops the consumer's 68 wgmma per tile (softmax on zeros)
         self.probe = timing_probe
         self.plan = plan
         self.l2_prefetch = l2_prefetch  # key tiles of records prefetched into L2 beyond the next one (0: none)
-        self.sparse = False
+        self.sparse = sparse  # slot ids from the launch's index list (-1 / out of range: no key), else block_table
         self.has_sink = has_sink
         self.has_outer = has_outer
         self.split = split
         self.fold = fast_e2m1_eligible(plan)
         self.copy_k = is_bf16_plan(plan)
         # producer warpgroups: the decode is the producer's work (bf16 only copies: one is plenty)
-        self.producer_wgs = producer_wgs or v3_producer_wgs(plan)
+        self.producer_wgs = producer_wgs or v3_producer_wgs(plan, heads)
         self.pt = WG * self.producer_wgs  # producer threads
         self.bn = V3_BN
-        self.nh = V3_HEADS
+        self.nh = heads  # the head tile: wgmma's N (`attention_tuning.v3_head_tile`)
         self.num_threads = self.pt  # the producer threads decode (the inherited decode_tile reads this)
         self.k_stages = V3_K_STAGES
         # raw ring: `raw_stages` stages of `raw_keys` records (whole tiles, or parts of one for the fp8 records);
         # another ring than the default is a benchmark probe (bench v3-r<stages>x<keys>)
-        ring = tuple(raw_ring or v3_raw_ring(plan))
-        if ring not in v3_raw_rings(plan):
-            raise ValueError(f"raw_ring {ring} is not one v3 runs for {plan.name} (any of {v3_raw_rings(plan)})")
+        rings = v3_raw_rings(plan, heads, sparse)
+        ring = tuple(raw_ring or v3_raw_ring(plan, heads, sparse))
+        if ring not in rings:
+            raise ValueError(f"raw_ring {ring} is not one v3 runs for {plan.name}, {heads} heads (any of {rings})")
         self.ring = ring
         self.raw_stages = 0 if self.copy_k else ring[0]
         self.raw_keys = ring[1]
         self.raw_units = self.bn // self.raw_keys  # raw stages per key tile
+        # slot ids in shared memory, columns of BN: the producer's 2 look-ahead buffers (by tile parity) and, sparse,
+        # one per K stage: the ids of the keys in that stage, which the consumer masks by (an index of -1 or out of
+        # range has no record: p = 0 exactly, as v2 masks by its slot ids), handed over with the stage's mbarrier
+        self.slot_cols = 2 + (self.k_stages if sparse else 0)
 
     @cute.jit
     def __call__(
@@ -188,7 +205,7 @@ class MlaAttentionV3(MlaAttention):
             sK: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sK_layout)], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sP_layout)], 1024]
             raw: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, raw_bytes], 128]
-            slots: cute.struct.Align[cute.struct.MemRange[Int32, 2 * bn], 16]
+            slots: cute.struct.Align[cute.struct.MemRange[Int32, self.slot_cols * bn], 16]
             red: cute.struct.Align[cute.struct.MemRange[Float32, 2 * 4 * nh], 16]
 
         mma_s = sm90_utils.make_trivial_tiled_mma(
@@ -252,8 +269,10 @@ class MlaAttentionV3(MlaAttention):
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, WG),
         )
 
-        # ---- this CTA's key range (both roles compute the same) ----
-        num_keys = cute.make_tensor(seqlen_ptr, cute.make_layout(num_queries))[qi]
+        # ---- this CTA's key range (both roles compute the same): sparse, the list's width (topk), as in v2 ----
+        num_keys = idx_stride
+        if cutlass.const_expr(not self.sparse):
+            num_keys = cute.make_tensor(seqlen_ptr, cute.make_layout(num_queries))[qi]
         num_tiles = (num_keys + bn - 1) // bn
         t_begin = split_idx * tiles_per_split
         t_end = cutlass.min(t_begin + tiles_per_split, num_tiles)
@@ -263,7 +282,8 @@ class MlaAttentionV3(MlaAttention):
         # `== 1` sent warpgroup 2 into the consumer (wrong tidx, 256 arrivals on a 128-thread named barrier)
         if wg_idx >= 1:
             self.producer(
-                storage, kpipe, cache_ptr, idx_ptr, qi, idx_stride, num_keys, block_size, s_l, t_begin, n_local, tidx - WG
+                storage, kpipe, cache_ptr, idx_ptr, qi, idx_stride, num_keys, num_slots, block_size, s_l, t_begin, n_local,
+                tidx - WG,
             )
         else:
             self.consumer(
@@ -276,15 +296,15 @@ class MlaAttentionV3(MlaAttention):
     @cute.jit
     def producer(
         self, storage, kpipe, cache_ptr: cute.Pointer, idx_ptr: cute.Pointer, qi: Int32, idx_stride: Int32,
-        num_keys: Int32, block_size: Int32, s_l: Float32, t_begin: Int32, n_local: Int32, ptid: Int32,
+        num_keys: Int32, num_slots: Int32, block_size: Int32, s_l: Float32, t_begin: Int32, n_local: Int32, ptid: Int32,
     ):
         bn = self.bn
         rec = self.plan.record_bytes
-        sSlot = storage.slots.get_tensor(cute.make_layout((bn, 2), stride=(1, bn)))
+        sSlot = storage.slots.get_tensor(cute.make_layout((bn, self.slot_cols), stride=(1, bn)))
         sK_addr = storage.sK.data_ptr().toint()
         raw_addr = storage.raw.data_ptr().toint()
         cache_addr = cache_ptr.toint()
-        # this query's block_table row (64-bit offset: N x stride may pass 2^31 entries)
+        # this query's block_table row or index list (64-bit offset: N x stride may pass 2^31 entries)
         m_idx = cute.make_tensor(idx_ptr + Int64(qi) * Int64(idx_stride), cute.make_layout(idx_stride))
         acq = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.k_stages)
 
@@ -297,13 +317,13 @@ class MlaAttentionV3(MlaAttention):
         la_key = ptid % bn
         la_ahead = 1 if ptid < bn else 1 + pf
         if ptid < bn:
-            sSlot[ptid, 0] = self.slot_of(m_idx, t_begin * bn + ptid, num_keys, 0, block_size, 0 < n_local)
+            sSlot[ptid, 0] = self.slot_of(m_idx, t_begin * bn + ptid, num_keys, num_slots, block_size, 0 < n_local)
         elif cutlass.const_expr(pf > 0):
             for t in cutlass.range_constexpr(1, pf + 1):
-                slot = self.slot_of(m_idx, (t_begin + t) * bn + la_key, num_keys, 0, block_size, t < n_local)
+                slot = self.slot_of(m_idx, (t_begin + t) * bn + la_key, num_keys, num_slots, block_size, t < n_local)
                 if slot >= 0 and ptid < 2 * bn:  # threads past 2 BN (a second producer warpgroup) only decode
                     _prefetch_l2(cache_addr + Int64(slot) * Int64(rec), rec)
-        nxt = self.slot_of(m_idx, (t_begin + la_ahead) * bn + la_key, num_keys, 0, block_size, la_ahead < n_local)
+        nxt = self.slot_of(m_idx, (t_begin + la_ahead) * bn + la_key, num_keys, num_slots, block_size, la_ahead < n_local)
         cute.arch.barrier(barrier_id=BAR_PRODUCER, number_of_threads=self.pt)
         if cutlass.const_expr(self.copy_k):
             # bf16: records are the K rows; cp.async straight into the ring, tile it + 1 in flight
@@ -312,16 +332,19 @@ class MlaAttentionV3(MlaAttention):
             if 0 < n_local:
                 kpipe.producer_acquire(acq)
                 self.load_tile(sSlot, 0, acq.index, sK_addr, cache_addr, ptid)
+                self.stage_slots(sSlot, 0, acq.index, ptid)
                 acq.advance()
             cute.arch.cp_async_commit_group()
             for it in range(n_local):
                 nxt = self.look_ahead(
-                    sSlot, m_idx, nxt, it, la_key, la_ahead, t_begin, n_local, num_keys, block_size, cache_addr, ptid
+                    sSlot, m_idx, nxt, it, la_key, la_ahead, t_begin, n_local, num_keys, num_slots, block_size, cache_addr,
+                    ptid,
                 )
                 cute.arch.barrier(barrier_id=BAR_PRODUCER, number_of_threads=self.pt)
                 if it + 1 < n_local:
                     kpipe.producer_acquire(acq)
                     self.load_tile(sSlot, (it + 1) % 2, acq.index, sK_addr, cache_addr, ptid)
+                    self.stage_slots(sSlot, (it + 1) % 2, acq.index, ptid)
                     acq.advance()
                 cute.arch.cp_async_commit_group()
                 cute.arch.cp_async_wait_group(1)  # this thread's copies of tile it have landed
@@ -342,7 +365,8 @@ class MlaAttentionV3(MlaAttention):
                 cute.arch.cp_async_commit_group()
             for it in range(n_local):
                 nxt = self.look_ahead(
-                    sSlot, m_idx, nxt, it, la_key, la_ahead, t_begin, n_local, num_keys, block_size, cache_addr, ptid
+                    sSlot, m_idx, nxt, it, la_key, la_ahead, t_begin, n_local, num_keys, num_slots, block_size, cache_addr,
+                    ptid,
                 )
                 for h in cutlass.range_constexpr(units):
                     cute.arch.cp_async_wait_group(stages - 2)  # this thread's records of unit (it, h) have landed
@@ -359,6 +383,7 @@ class MlaAttentionV3(MlaAttention):
                     cute.arch.cp_async_commit_group()
                     if cutlass.const_expr(h == 0):
                         kpipe.producer_acquire(acq)
+                        self.stage_slots(sSlot, it % 2, acq.index, ptid)
                     if cutlass.const_expr(self.probe != "nodec"):
                         _, part, stage = v3_raw_unit(self.ring, it, h)
                         self.decode_tile_v3(
@@ -371,7 +396,7 @@ class MlaAttentionV3(MlaAttention):
     @cute.jit
     def look_ahead(
         self, sSlot: cute.Tensor, m_idx: cute.Tensor, nxt: Int32, it: Int32, la_key: Int32, la_ahead: Int32, t_begin: Int32,
-        n_local: Int32, num_keys: Int32, block_size: Int32, cache_addr: Int64, ptid: Int32,
+        n_local: Int32, num_keys: Int32, num_slots: Int32, block_size: Int32, cache_addr: Int64, ptid: Int32,
     ) -> Int32:
         """Use the slot id loaded last iteration (slot ring or L2 prefetch), load the next one."""
         bn = self.bn
@@ -381,43 +406,68 @@ class MlaAttentionV3(MlaAttention):
             if nxt >= 0 and ptid < 2 * bn:
                 _prefetch_l2(cache_addr + Int64(nxt) * Int64(self.plan.record_bytes), self.plan.record_bytes)
         t = it + 1 + la_ahead
-        return self.slot_of(m_idx, (t_begin + t) * bn + la_key, num_keys, 0, block_size, t < n_local)
+        return self.slot_of(m_idx, (t_begin + t) * bn + la_key, num_keys, num_slots, block_size, t < n_local)
+
+    @cute.jit
+    def stage_slots(self, sSlot: cute.Tensor, slot_buf: Int32, stage: Int32, ptid: Int32):
+        """Sparse: the slot ids of the tile in look-ahead buffer `slot_buf` -> K stage `stage`'s column, for the
+        consumer's mask. Thread ptid < BN copies the id it wrote itself (`look_ahead`), after acquiring the stage
+        (the consumer released its previous ids) and before the stage's mbarrier arrive, which publishes it."""
+        if cutlass.const_expr(self.sparse):
+            if ptid < self.bn:
+                sSlot[ptid, 2 + stage] = sSlot[ptid, slot_buf]
 
     @cute.jit
     def decode_tile_v3(
         self, raw: Int32, kbase: Int32, s_l: Float32, ptid: Int32, key0: cutlass.Constexpr, nkeys: cutlass.Constexpr,
     ):
         """Raw records of keys key0 .. key0 + nkeys of one tile (all of it, or a part with the part-tile raw
-        stages) -> those rows of the bf16 K tile at `kbase`. E2M1 x E4M3 latents (the fold formats, whole tiles):
-        a work item is one block of 16 values (one 8-byte load of codes, one scale load, conversion and
-        multiply per 16 values, two 16-byte stores); lane = block, so a warp reads one record's 256 bytes
-        of codes in two wavefronts and writes one swizzled 1 KB row. The rope and the other formats go
-        through v2's path (`decode_tile` / `decode8`, 8 values per item: E4M3 -> fp32 exactly, times the fp32 group
-        scale (and s_l) in fp32, that product to bf16 (RN), as v2 does)."""
+        stages) -> those rows of the bf16 K tile at `kbase`. E2M1 x E4M3 latents (the fold formats; whole tiles, or
+        the 16 / 32-key parts their 32-head tile's raw ring holds): a work item is one block of 16 values (one
+        8-byte load of codes, one scale load, conversion and multiply per 16 values, two 16-byte stores); lane =
+        block, so a warp reads one record's 256 bytes of codes in two wavefronts and writes one swizzled 1 KB row.
+        The rope and the other formats go through v2's path (`decode_tile` / `decode8`, 8 values per item: E4M3 ->
+        fp32 exactly, times the fp32 group scale (and s_l) in fp32, that product to bf16 (RN), as v2 does)."""
         plan = self.plan
         lat = plan.latent
         rec = plan.record_bytes
         # one scale entry per 16 values: groups of 16 or 32 (all fold formats today); a smaller group
         # would need two entries per item, so it takes v2's path instead of reading the wrong scale
-        whole = key0 == 0 and nkeys == self.bn
-        if cutlass.const_expr(whole and self.fold and lat.data_offset % 8 == 0 and rec % 8 == 0 and lat.group % 16 == 0):
+        # (a part needs whole warps of latent items per thread: nkeys * 32 blocks over the producer threads)
+        fast = self.fold and lat.data_offset % 8 == 0 and rec % 8 == 0 and lat.group % 16 == 0
+        if cutlass.const_expr(fast and (nkeys * 32) % self.pt == 0):
             blk = ptid % 32  # block of 16 values: 32 per 512-value latent
             entry = (16 * blk) // lat.group
             if cutlass.const_expr(lat.scale_order == ORDER_8X4):
                 entry = 8 * (entry & 3) + (entry >> 2)
-            self.decode_latent(raw, kbase, ptid, blk, entry)
-            for u in cutlass.range_constexpr(self.bn * 8 // self.pt):
+            self.decode_latent(raw, kbase, ptid, blk, entry, key0, nkeys)
+            n_rope = nkeys * 8  # items of 8 rope values; a 16-key part with 256 threads has fewer than threads
+            for u in cutlass.range_constexpr((n_rope + self.pt - 1) // self.pt):
                 i = u * self.pt + ptid
-                key = i // 8
-                d0 = (i % 8) * 8
-                w0, w1, w2, w3 = self.decode8(plan.rope, raw + key * rec, d0, s_l, self.has_outer and plan.outer_on_rope, False)
-                _st_shared_v4(kbase + 2 * swizzled_offset(key, D_V + d0, self.bn), w0, w1, w2, w3)
+                if cutlass.const_expr((u + 1) * self.pt <= n_rope):
+                    self.decode_rope8(raw, kbase, s_l, i, key0)
+                else:
+                    if i < n_rope:
+                        self.decode_rope8(raw, kbase, s_l, i, key0)
         else:
             self.decode_tile(raw, kbase, s_l, ptid, key0, nkeys)
 
     @cute.jit
-    def decode_latent(self, raw: Int32, kbase: Int32, ptid: Int32, blk: Int32, entry: Int32):
-        """The E2M1 x E4M3 latent of one raw tile -> K tile.
+    def decode_rope8(self, raw: Int32, kbase: Int32, s_l: Float32, i: Int32, key0: cutlass.Constexpr):
+        """Rope item i (8 values of raw key i // 8) -> K row key0 + i // 8 (v2's `decode8`)."""
+        plan = self.plan
+        key = i // 8
+        d0 = (i % 8) * 8
+        rec = raw + key * plan.record_bytes
+        w0, w1, w2, w3 = self.decode8(plan.rope, rec, d0, s_l, self.has_outer and plan.outer_on_rope, False)
+        row = key + key0 if key0 else key  # (key0 = 0: the whole-tile code exactly as before parts existed)
+        _st_shared_v4(kbase + 2 * swizzled_offset(row, D_V + d0, self.bn), w0, w1, w2, w3)
+
+    @cute.jit
+    def decode_latent(
+        self, raw: Int32, kbase: Int32, ptid: Int32, blk: Int32, entry: Int32, key0: cutlass.Constexpr, nkeys: cutlass.Constexpr,
+    ):
+        """The E2M1 x E4M3 latent of raw keys 0 .. nkeys (a whole tile or a part) -> K rows key0 .. key0 + nkeys.
 
         Every load of the thread's items first, then the conversions and stores: ptxas cannot tell
         the raw ring from the K ring, so a load after a store waits for it (session 6's first producer
@@ -430,12 +480,12 @@ class MlaAttentionV3(MlaAttention):
         hi_first = (blk & 4) != 0
         half = (blk >> 2) & 1  # 8 * half: the dims of the first store past 16 blk
         items = []
-        for u in cutlass.range_constexpr(self.bn * 32 // self.pt):
+        for u in cutlass.range_constexpr(nkeys * 32 // self.pt):
             key = u * (self.pt // 32) + ptid // 32
             r = raw + key * rec
             w0, w1 = _ld_shared_v2(r + lat.data_offset + 8 * blk)
             code = _ld_shared_u8(r + lat.scale_offset + entry)
-            items.append((key, w0, w1, code))
+            items.append((key + key0 if key0 else key, w0, w1, code))
         for u in cutlass.range_constexpr(len(items)):
             key, w0, w1, code = items[u]
             f = ptx.e4m3_to_f32(code) * Float32(2.0**e2m1_bits.SCALE_BIAS_LOG2)
@@ -495,6 +545,14 @@ class MlaAttentionV3(MlaAttention):
             _cp_async_16(dst, src, 16 if slot >= 0 else 0)
 
     # ------------------------------------------------------------------ consumer warpgroup
+    def key_valid(self, sSlot: cute.Tensor, stage: Int32, key0: Int32, key: Int32, num_keys: Int32):
+        """Whether key `key` of the tile starting at key `key0` (in K stage `stage`) is one of the query's: dense, below
+        its length; sparse, a valid index (the slot id the producer staged with the tile is >= 0). Plain Python,
+        traced inline (a compile-time branch)."""
+        if self.sparse:
+            return sSlot[key, 2 + stage] >= 0
+        return key0 + key < num_keys
+
     @cute.jit
     def consumer(
         self, storage, kpipe, q_ptr: cute.Pointer, sink_ptr: cute.Pointer, out_ptr: cute.Pointer, lse_ptr: cute.Pointer,
@@ -504,8 +562,10 @@ class MlaAttentionV3(MlaAttention):
         sP_layout: cute.ComposedLayout, mma_s: cute.TiledMma, mma_o: cute.TiledMma,
     ):
         bn, nh = self.bn, self.nh
+        hsl = nh // 4  # heads per thread: the wgmma D fragment gives each thread 2 columns of each 8-column block
         warp = tidx // 32
         lane = tidx % 32
+        sSlot = storage.slots.get_tensor(cute.make_layout((bn, self.slot_cols), stride=(1, bn)))
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sVt = storage.sK.get_tensor(sVt_outer, swizzle=sw)
@@ -514,7 +574,7 @@ class MlaAttentionV3(MlaAttention):
         sQ_addr = storage.sQ.data_ptr().toint()
         sP_addr = storage.sP.data_ptr().toint()
 
-        # ---- Q [16 heads, 576] into shared memory (rows past the heads are zeros) ----
+        # ---- Q [head tile, 576] into shared memory (rows past the heads are zeros) ----
         q_addr = q_ptr.toint()
         chunks = D_QK // 8
         for u in cutlass.range_constexpr(nh * chunks // WG):
@@ -543,7 +603,7 @@ class MlaAttentionV3(MlaAttention):
         acc_O.fill(0.0)
         mma_s.set(warpgroup.Field.ACCUMULATE, True)
         mma_o.set(warpgroup.Field.ACCUMULATE, True)
-        n_s = cute.size(acc_lat)  # 8 values: keys r, r + 8 x heads c, c + 1, c + 8, c + 9
+        n_s = cute.size(acc_lat)  # nh / 2 values: keys r, r + 8 x heads c, c + 1 of each 8-head block
         n_k = cute.size(tSrK, mode=[2])
         n_k_latent = n_k * D_V // D_QK
         n_kv = cute.size(tOrP, mode=[2])
@@ -551,11 +611,11 @@ class MlaAttentionV3(MlaAttention):
         tScS = thr_s.partition_C(cute.make_identity_tensor((bn, nh)))
         tOcO = thr_o.partition_C(cute.make_identity_tensor((D_V, nh)))
 
-        # per-thread state for its 4 heads (value v of the 8-value fragment belongs to head slot
+        # per-thread state for its nh / 4 heads (value v of the nh / 2-value fragment belongs to head slot
         # v % 2 + 2 * (v // 4): the wgmma D fragment is ((2 columns, 2 row halves, N / 8 blocks), ...))
-        row_max = cute.make_rmem_tensor((4,), Float32)
-        row_sum = cute.make_rmem_tensor((4,), Float32)
-        alpha = cute.make_rmem_tensor((4,), Float32)
+        row_max = cute.make_rmem_tensor((hsl,), Float32)
+        row_sum = cute.make_rmem_tensor((hsl,), Float32)
+        alpha = cute.make_rmem_tensor((hsl,), Float32)
         row_max.fill(-ptx.FLT_MAX)
         row_sum.fill(0.0)
         scale_log2 = softmax_scale * Float32(LOG2_E)
@@ -586,9 +646,9 @@ class MlaAttentionV3(MlaAttention):
                 s = acc_lat[i]
                 if cutlass.const_expr(self.fold):
                     s = acc_lat[i] * fold + acc_rope[i]
-                valid = key0 + tScS[i][0] < num_keys
+                valid = self.key_valid(sSlot, stage, key0, tScS[i][0], num_keys)
                 acc_lat[i] = s if valid else -ptx.FLT_MAX
-            for hs in cutlass.range_constexpr(4):
+            for hs in cutlass.range_constexpr(hsl):
                 v0 = hs % 2 + 4 * (hs // 2)
                 mx = ptx.max_f32(acc_lat[v0], acc_lat[v0 + 2])
                 mx = ptx.max_f32(mx, cute.arch.shuffle_sync_bfly(mx, offset=4))
@@ -597,7 +657,7 @@ class MlaAttentionV3(MlaAttention):
                 if lane < 4:
                     sRed[tScS[v0][1], warp, buf] = mx
             cute.arch.barrier(barrier_id=BAR_CONSUMER, number_of_threads=WG)
-            for hs in cutlass.range_constexpr(4):
+            for hs in cutlass.range_constexpr(hsl):
                 v0 = hs % 2 + 4 * (hs // 2)
                 head = tScS[v0][1]
                 m_new = row_max[hs]
@@ -610,7 +670,7 @@ class MlaAttentionV3(MlaAttention):
                     v = v0 + 2 * j
                     key = tScS[v][0]
                     p = cute.math.exp2(acc_lat[v] * scale_log2 - m_scaled, fastmath=True)
-                    p = p if key0 + key < num_keys else Float32(0.0)
+                    p = p if self.key_valid(sSlot, stage, key0, key, num_keys) else Float32(0.0)
                     psum = psum + p
                     _st_shared_bf16(sP_addr + 2 * swizzled_offset(head, key, nh), p)
                 row_sum[hs] = row_sum[hs] * alpha[hs] + psum
@@ -631,7 +691,7 @@ class MlaAttentionV3(MlaAttention):
             cons.advance()
 
         # ---- epilogue: row sums over the 8 lanes and 4 warps of each head, normalise, store ----
-        for hs in cutlass.range_constexpr(4):
+        for hs in cutlass.range_constexpr(hsl):
             v0 = hs % 2 + 4 * (hs // 2)
             l_sum = row_sum[hs]
             l_sum = l_sum + cute.arch.shuffle_sync_bfly(l_sum, offset=4)
@@ -647,8 +707,8 @@ class MlaAttentionV3(MlaAttention):
         gO = cute.make_tensor(out_ptr + Int64(base_row) * Int64(D_V), cute.make_layout((nh, D_V), stride=(D_V, 1)))
         m_lse = cute.make_tensor(lse_ptr + Int64(base_row), cute.make_layout(nh))
         rows_valid = cutlass.min(num_heads - h0, nh)
-        inv_h = cute.make_rmem_tensor((4,), Float32)
-        for hs in cutlass.range_constexpr(4):
+        inv_h = cute.make_rmem_tensor((hsl,), Float32)
+        for hs in cutlass.range_constexpr(hsl):
             v0 = hs % 2 + 4 * (hs // 2)
             head = tScS[v0][1]
             l_sum = sRed[head, 0, 0] + sRed[head, 1, 0] + sRed[head, 2, 0] + sRed[head, 3, 0]
@@ -677,13 +737,15 @@ class MlaAttentionV3(MlaAttention):
 def compile_key(
     plan: RecordPlan, has_sink: bool, has_outer: bool, split: bool, device, l2_prefetch: int = V3_L2_PREFETCH,
     producer_wgs: int | None = None, timing_probe: str = "", raw_ring: tuple[int, int] | None = None,
+    heads: int = V3_HEADS, sparse: bool = False,
 ) -> tuple:
-    """Every specialisation of a compiled v3 kernel (the head count, lengths, scales are run-time)."""
-    stages, keys = raw_ring or v3_raw_ring(plan)
+    """Every specialisation of a compiled v3 kernel: `heads` is the head tile (the head count, lengths, scales are
+    run-time), `sparse` the slot lists (index lists or block_table)."""
+    stages, keys = raw_ring or v3_raw_ring(plan, heads, sparse)
     return (
         "mla_attention_v3", 1, plan, bool(has_sink), bool(has_outer), bool(split), int(l2_prefetch),
-        int(producer_wgs or v3_producer_wgs(plan)), f"probe={timing_probe}", f"raw={stages}x{keys}", "q=bf16", "acc=f32",
-        arch_tag(device),
+        int(producer_wgs or v3_producer_wgs(plan, heads)), f"probe={timing_probe}", f"raw={stages}x{keys}",
+        f"heads={int(heads)}", f"sparse={bool(sparse)}", "q=bf16", "acc=f32", arch_tag(device),
     )
 
 
@@ -693,10 +755,11 @@ def mla_attention_v3(
     cache: torch.Tensor,
     *,
     softmax_scale: float,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
+    block_table: torch.Tensor | None,
+    seq_lens: torch.Tensor | None,
     sink: torch.Tensor | None,
     outer_scale: float | None,
+    indices: torch.Tensor | None = None,
     max_seq_len: int | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
@@ -706,12 +769,14 @@ def mla_attention_v3(
     producer_wgs: int | None = None,
     timing_probe: str = "",
     raw_ring: tuple[int, int] | None = None,
+    head_tile: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense launch of the v3 kernel; arguments as `mla_attention.mla_attention` (which calls this
-    when `attention_tuning.generation_for` picks v3); `l2_prefetch` (key tiles, 0 = none, the default) and
-    `producer_wgs` (default `attention_tuning.v3_producer_wgs`) are for the benchmark's comparison, as is
-    `timing_probe` ("nodec", "nomma": wrong output) and `raw_ring` ((stages, keys per stage), default
-    `attention_tuning.v3_raw_ring`; another of `v3_raw_rings` for the comparison)."""
+    """Launch of the v3 kernel, dense (`block_table`, `seq_lens`) or sparse (`indices [N, topk]`: global slot ids,
+    invalid outside [0, slots)); arguments as `mla_attention.mla_attention` (which calls this when
+    `attention_tuning.generation_for` picks v3). `head_tile` (16 or 32) defaults to `attention_tuning.v3_head_tile`;
+    `l2_prefetch` (key tiles, 0 = none, the default) and `producer_wgs` (default `attention_tuning.v3_producer_wgs`)
+    are for the benchmark's comparison, as is `timing_probe` ("nodec", "nomma": wrong output) and `raw_ring`
+    ((stages, keys per stage), default `attention_tuning.v3_raw_ring`; another of `v3_raw_rings` for the comparison)."""
     n, h = q.shape[0], q.shape[1]
     dev = q.device
     if out is None:
@@ -720,9 +785,17 @@ def mla_attention_v3(
         lse = torch.empty(n, h, dtype=torch.float32, device=dev)
     if n == 0:
         return out, lse
-    max_keys = int(max_seq_len) if max_seq_len is not None else int(seq_lens.max())
+    sparse = indices is not None
+    if head_tile is None:
+        head_tile = v3_head_tile(plan, h, sparse, smem_per_block(dev))[0]
+    if sparse:  # as v2: every query's list is `topk` wide (invalid entries masked), seq_lens unused
+        idx, seqlen, stride = indices, indices, indices.shape[1]
+        max_keys = stride
+    else:
+        idx, seqlen, stride = block_table, seq_lens, block_table.shape[1]
+        max_keys = int(max_seq_len) if max_seq_len is not None else int(seq_lens.max())
     max_tiles = -(-max_keys // V3_BN)
-    head_tiles = -(-h // V3_HEADS)
+    head_tiles = -(-h // head_tile)
     if num_splits is None:
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
         num_splits, per = choose_splits(n * head_tiles, max_tiles, sms)  # one CTA per SM (shared memory)
@@ -744,14 +817,14 @@ def mla_attention_v3(
     args = (
         _ptr(q, BFloat16, 16),
         _ptr(cache, cutlass.Uint8, 16),
-        _ptr(block_table, Int32, 4),
-        _ptr(seq_lens, Int32, 4),
+        _ptr(idx, Int32, 4),
+        _ptr(seqlen, Int32, 4),
         _ptr(sink if has_sink else lse, Float32, 4),
         _ptr(part_out, Float32, 16),
         _ptr(part_lse, Float32, 4),
         Int32(n),
         Int32(h),
-        Int32(block_table.shape[1]),
+        Int32(stride),
         Int32(cache.shape[0] * cache.shape[1]),
         Int32(cache.shape[1]),
         Float32(softmax_scale),
@@ -760,8 +833,12 @@ def mla_attention_v3(
         Int32(num_splits),
         stream,
     )
-    key = compile_key(plan, has_sink, has_outer, split, dev, l2_prefetch, producer_wgs, timing_probe, raw_ring)
-    kern = MlaAttentionV3(plan, has_sink, has_outer, split, l2_prefetch, producer_wgs, timing_probe, raw_ring)
+    key = compile_key(
+        plan, has_sink, has_outer, split, dev, l2_prefetch, producer_wgs, timing_probe, raw_ring, head_tile, sparse
+    )
+    kern = MlaAttentionV3(
+        plan, has_sink, has_outer, split, l2_prefetch, producer_wgs, timing_probe, raw_ring, head_tile, sparse
+    )
     fn = compiled(key, lambda: cute.compile(kern, *args))
     fn(*args)
     if split:

@@ -197,7 +197,7 @@ def test_v3_covers_dense_launches_of_the_formats_whose_stages_fit():
     for name in ("bf16", "nvfp4", "nvfp4_fp8rope", "nvfp4_fp8rope_st", "nvfp4_fp8_ds_mla", "mxfp4"):
         plan = plan_for(get_format(name))
         assert attention_tuning.v3_blocker(plan, sparse=False, smem_limit=limit) is None, name
-        assert "dense decode path only" in attention_tuning.v3_blocker(plan, sparse=True, smem_limit=limit)
+        assert attention_tuning.v3_blocker(plan, sparse=True, smem_limit=limit, gated=False) is None, name
         # two producer warpgroups: decoded records share the decode, bf16's copy was timed faster with two too
         assert attention_tuning.v3_producer_wgs(plan) == 2, name
         assert attention_tuning.v3_raw_ring(plan) == (2, 64) == attention_tuning.V3_RAW_WHOLE, name
@@ -226,6 +226,89 @@ def test_v3_covers_dense_launches_of_the_formats_whose_stages_fit():
         assert why is not None and "shared memory" in why and f"{ring[0]} record stages of {ring[1]} keys" in why, why
 
 
+V3_RUNS = ("bf16", "nvfp4", "nvfp4_fp8rope", "nvfp4_fp8rope_st", "nvfp4_fp8_ds_mla", "mxfp4", "fp8_ds_mla",
+           "fp8_ds_mla_pow2", "fp8_e4m3")
+
+
+def test_v3_sparse_lists_and_the_32_head_tile_are_held_off_until_their_gpu_tests_pass(monkeypatch):
+    """Session 9 wrote v3 for sparse top-k lists and a 32-head tile without a GPU: while
+    V3_LAUNCHES_AWAITING_GPU_TESTS lists them, a sparse launch forced to v3 runs v2 with the reason, and h > 16
+    keeps the 16-head tile (what ran before) with the reason; cleared (as the GPU tests' fixture does), forced v3
+    runs sparse lists, and h > 16 the 32-head tile. The default (v2 for both) is the same either way."""
+    assert set(attention_tuning.V3_LAUNCHES_AWAITING_GPU_TESTS) == {attention_tuning.V3_SPARSE, attention_tuning.V3_TILE_32}
+    monkeypatch.setattr(attention_tuning, "V3_AWAITING_GPU_TESTS", {})  # the fp8 records' own hold: another test
+    env = attention_tuning.ENV
+    for name in V3_RUNS:
+        plan = plan_for(get_format(name))
+        why = attention_tuning.v3_blocker(plan, sparse=True)
+        assert why is not None and "sparse top-k" in why and "GPU tests" in why, (name, why)
+        assert _gen(name, monkeypatch, "v3", sparse=True) == ("v2", why)
+        assert _gen(name, monkeypatch, sparse=True)[0] == "v2"
+        assert attention_tuning.v3_blocker(plan, sparse=True, gated=False) is None
+        for heads in (17, 32, 64, 128):
+            tile, tile_why = attention_tuning.v3_head_tile(plan, heads)
+            assert tile == 16 and "GPU tests" in tile_why, (name, heads)
+            assert attention_tuning.v3_head_tile(plan, heads, gated=False)[0] == 32, (name, heads)
+        for heads in (1, 8, 16):  # one 16-head tile: nothing to choose, held or not
+            assert attention_tuning.v3_head_tile(plan, heads) == (16, f"h = {heads}: one 16-head tile")
+    monkeypatch.setattr(attention_tuning, "V3_LAUNCHES_AWAITING_GPU_TESTS", {})
+    for name in V3_RUNS:
+        plan = plan_for(get_format(name))
+        assert attention_tuning.v3_blocker(plan, sparse=True) is None
+        assert _gen(name, monkeypatch, "v3", sparse=True) == ("v3", f"{env}=v3")
+        assert _gen(name, monkeypatch, sparse=True)[0] == "v2"
+        gen, why = _gen(name, monkeypatch, "v3", heads=128, sparse=True)
+        assert gen == "v3" and "32-head tiles" in why, why
+        assert attention_tuning.v3_head_tile(plan, 128, sparse=True)[0] == 32
+        # a device whose CTAs cannot hold the 32-head tile keeps the 16-head one and says why
+        small = attention_tuning.smem_bytes_v3(plan, heads=32) - 1
+        tile, tile_why = attention_tuning.v3_head_tile(plan, 128, smem_limit=small)
+        assert tile == 16 and "shared memory" in tile_why and str(small) in tile_why, tile_why
+    # one hold without the other
+    monkeypatch.setattr(attention_tuning, "V3_LAUNCHES_AWAITING_GPU_TESTS", {attention_tuning.V3_TILE_32: "probe"})
+    assert attention_tuning.v3_blocker(plan_for(get_format("nvfp4")), sparse=True) is None
+    assert attention_tuning.v3_head_tile(plan_for(get_format("nvfp4")), 64) == (16, "16-head tiles: probe")
+
+
+def test_v3_shared_memory_of_the_32_head_tile_and_sparse_lists():
+    """The 32-head tile grows Q to 32 x 576 bf16 and P^T to 32 x 64 (and the 4-warp reductions); sparse lists add
+    each K stage's 64 slot ids (int32). Every format v3 runs fits both within the 227 KB of a CTA: the records
+    whose two whole tiles no longer fit beside the larger Q run a part-tile ring, the most keys in flight that fits
+    (4-bit formats 64 keys: nvfp4 5 x 16; fp8_ds_mla 3 x 16, 32 keys). The 16-head tile's rings are unchanged
+    by sparse lists (their cubins, too: compile_check)."""
+    limit = attention_tuning.HOPPER_SMEM_PER_BLOCK
+    k_ring, slots, slack = 2 * 64 * 576 * 2, 2 * 64 * 4, 4096
+
+    def fixed(heads, sparse):
+        return k_ring + 2 * heads * 576 + 2 * heads * 64 + slots + 2 * 64 * 4 * sparse + 4 * 8 * heads + slack
+
+    assert fixed(32, False) - fixed(16, False) == 16 * 576 * 2 + 16 * 64 * 2 + 16 * 32
+    assert fixed(16, True) - fixed(16, False) == 512
+    for name in V3_RUNS:
+        plan = plan_for(get_format(name))
+        raw = 0 if attention_tuning.is_bf16_plan(plan) else plan.record_bytes
+        assert attention_tuning.v3_raw_ring(plan, 16, True) == attention_tuning.v3_raw_ring(plan), name
+        for heads in (16, 32):
+            for sparse in (False, True):
+                ring = attention_tuning.v3_raw_ring(plan, heads, sparse)
+                need = attention_tuning.smem_bytes_v3(plan, heads=heads, sparse=sparse)
+                assert need == fixed(heads, sparse) + ring[0] * ring[1] * raw <= limit, (name, heads, sparse)
+                rings = attention_tuning.v3_raw_rings(plan, heads, sparse)
+                assert rings and rings[0] == ring
+                assert all(fixed(heads, sparse) + s * k * raw <= limit for s, k in rings), (name, rings)
+    want32 = {"bf16": (2, 64), "nvfp4": (5, 16), "mxfp4": (5, 16), "nvfp4_fp8rope": (3, 32),
+              "nvfp4_fp8_ds_mla": (3, 32), "fp8_ds_mla": (3, 16), "fp8_e4m3": (4, 16)}
+    for name, ring in want32.items():
+        for sparse in (False, True):
+            assert attention_tuning.v3_raw_ring(plan_for(get_format(name)), 32, sparse) == ring, (name, sparse)
+    # the 32-head tile runs one producer warpgroup: O^T [512, 32] is 128 fp32 registers per consumer thread, which
+    # 384 threads (168 registers each) cannot hold; the 16-head tile keeps two for decoded records
+    for name in V3_RUNS:
+        plan = plan_for(get_format(name))
+        assert attention_tuning.v3_producer_wgs(plan, 32) == 1
+        assert attention_tuning.v3_producer_wgs(plan) == attention_tuning.v3_producer_wgs(plan, 16)
+
+
 def test_v3_held_off_formats_run_v2_until_their_gpu_tests_pass(monkeypatch):
     """A format listed in V3_AWAITING_GPU_TESTS (as the fp8 records were until session 9's GPU run) compiles for
     v3 but waits for its GPU tests: v3_blocker names the reason, forced v3 runs v2 and says why, and the default
@@ -240,7 +323,7 @@ def test_v3_held_off_formats_run_v2_until_their_gpu_tests_pass(monkeypatch):
         assert why is not None and name in why and "GPU tests" in why, why
         assert _gen(name, monkeypatch, "v3") == ("v2", why)
         assert _gen(name, monkeypatch)[0] == "v2"
-        assert "dense decode path only" in attention_tuning.v3_blocker(plan, sparse=True)  # the structural reason first
+        assert name in attention_tuning.v3_blocker(plan, sparse=True)  # the format's hold before the sparse one
     monkeypatch.setattr(attention_tuning, "V3_AWAITING_GPU_TESTS", {})
     for name in held:
         assert attention_tuning.v3_blocker(plan_for(get_format(name)), sparse=False) is None
@@ -289,7 +372,12 @@ def test_default_generation_is_v3_only_where_it_was_measured_faster(monkeypatch)
             assert gen == "v2" and why, (name, launch)
     assert "one query per sequence, not 2048" in _gen("nvfp4", monkeypatch, queries_per_seq=2048, heads=8)[1]
     assert "head tile" in _gen("nvfp4", monkeypatch, heads=32)[1]
-    assert "dense decode path only" in _gen("nvfp4", monkeypatch, sparse=True)[1]
+    assert "held off for sparse top-k lists" in _gen("nvfp4", monkeypatch, sparse=True)[1]
+    # the holds cleared (as the GPU tests do), the default still runs v2 for sparse lists and h > 16: never timed
+    monkeypatch.setattr(attention_tuning, "V3_LAUNCHES_AWAITING_GPU_TESTS", {})
+    assert _gen("nvfp4", monkeypatch, sparse=True) == ("v2", "default: v3 not measured for sparse top-k lists")
+    gen, why = _gen("nvfp4", monkeypatch, heads=128)
+    assert gen == "v2" and "one head tile" in why, why
     assert "not measured faster for bf16" in _gen("bf16", monkeypatch)[1]
     # a device whose CTAs cannot hold v3's stages: the blocker is the reason, v2 runs
     gen, why = _gen("nvfp4", monkeypatch, smem_limit=200 * 1024)
@@ -311,7 +399,11 @@ def test_the_environment_forces_a_generation(monkeypatch):
                 assert _gen(name, monkeypatch, forced, **launch) == (forced, f"{attention_tuning.ENV}={forced}")
     # v3 wherever v3 can run (bf16 and unmeasured formats included), else v2 with v3_blocker's reason
     for name in ("bf16", "nvfp4", "mxfp4", "nvfp4_fp8rope_st", "fp8_ds_mla", "fp8_e4m3"):
-        assert _gen(name, monkeypatch, "v3", heads=128, queries_per_seq=8) == ("v3", f"{attention_tuning.ENV}=v3")
+        tile, tile_why = attention_tuning.v3_head_tile(plan_for(get_format(name)), 128)
+        assert tile == 16 and "32-head tile" in tile_why and "GPU tests" in tile_why  # held: today's tile
+        want = ("v3", f"{attention_tuning.ENV}=v3 ({tile_why})")
+        assert _gen(name, monkeypatch, "v3", heads=128, queries_per_seq=8) == want
+        assert _gen(name, monkeypatch, "v3", heads=16) == ("v3", f"{attention_tuning.ENV}=v3")
     for name in ("trtllm_nvfp4_dsa", "sglang_fp4_e2m1"):
         gen, why = _gen(name, monkeypatch, "v3")
         assert (gen, why) == ("v2", attention_tuning.v3_blocker(plan_for(get_format(name)), False)), name
@@ -403,3 +495,14 @@ def test_v3_raw_ring_schedule(ring):
                 decoded.append((it, h))
         want = [(t, p) for t in range(n_local) for p in range(units)]
         assert decoded == want and sorted(loaded) == want, (ring, n_local)
+
+
+def test_bench_shapes_include_the_dense_h128_decode(capsys):
+    """Shape d (dense decode h = 128, issue 14's dense target) is one the bench knows; an unknown one is refused
+    before any GPU work, naming the shapes it knows."""
+    from mla_eval_kernels import bench
+
+    assert bench.main(["--shapes", "d,e", "--formats", "nvfp4"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown e" in err and "expected writer,a,b,c,d" in err
+    assert "(d) dense decode, h=128" in bench.__doc__

@@ -40,11 +40,13 @@ def needs_cuda(fn):
 def kernels_under_test(monkeypatch):
     """These tests are what validates a kernel: formats still held on the reference by
     `record_plan.AWAITING_GPU_TESTS` (dispatch refuses `--backend kernel` for them), and v3 launches still held on
-    v2 by `attention_tuning.V3_AWAITING_GPU_TESTS`, run their kernels here."""
+    v2 by `attention_tuning.V3_AWAITING_GPU_TESTS` (formats) or `V3_LAUNCHES_AWAITING_GPU_TESTS` (sparse lists,
+    the 32-head tile), run their kernels here."""
     from mla_eval_kernels import record_plan
 
     monkeypatch.setattr(record_plan, "AWAITING_GPU_TESTS", {})
     monkeypatch.setattr(attention_tuning, "V3_AWAITING_GPU_TESTS", {})
+    monkeypatch.setattr(attention_tuning, "V3_LAUNCHES_AWAITING_GPU_TESTS", {})
 def _has_kernel(spec) -> bool:
     try:
         plan_for(spec)

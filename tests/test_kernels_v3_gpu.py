@@ -5,8 +5,11 @@ element the kernel owns must be written), error bounds of tests/test_kernels_gpu
 1 key, one short of / exactly / one past the 64-key tile, lengths that are not a multiple of the tile,
 and 64K keys; for the fp8 records, whose raw ring holds parts of tiles, lengths around the 16- and 32-key parts
 and every ring that fits (bit-identical outputs). Also:
-MLA_EVAL_ATTENTION_KERNEL=v3 routes dense launches to v3 and everything v3 does not cover (sparse lists,
-formats it refuses, formats still held by `V3_AWAITING_GPU_TESTS` outside these tests) to v2; unset, the per-format default
+Session 9's launches (held off outside these tests by `V3_LAUNCHES_AWAITING_GPU_TESTS`, which the fixture clears):
+sparse top-k lists at h = 16, 64, 128 (topk 2048 and 777, -1 padding, an all-invalid row, out-of-range ids, a
+sink) and the 32-head tile for dense h = 32, 64, 128, each with and without splits.
+MLA_EVAL_ATTENTION_KERNEL=v3 routes dense and sparse launches to v3 and everything v3 does not cover (formats it
+refuses, launches still held outside these tests) to v2; unset, the per-format default
 (`attention_tuning.generation_for`) runs v3 only for the dense decode launches it names, and dispatch
 records the generation each launch ran.
 """
@@ -28,6 +31,7 @@ from test_kernels_gpu import (  # noqa: E402
     _dense_lists,
     _random_cache,
     _run,
+    _sparse_lists,
     kernels_under_test,  # noqa: E402, F401 (the autouse fixture, in force here too)
     needs_cuda,
 )
@@ -75,25 +79,29 @@ def test_v3_shared_layouts_are_the_hand_written_offsets():
         mn_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.MN_SW128, BFloat16)
         sk = cute.tile_to_shape(k_atom, (64, 576, 2), (0, 1, 2)).outer
         vt = cute.append(cute.tile_to_shape(mn_atom, (512, 64), (1, 0)).outer, cute.make_layout(2, stride=64 * 576))
-        sq = cute.tile_to_shape(k_atom, (16, 576), (0, 1)).outer
-        sp = cute.tile_to_shape(k_atom, (16, 64), (0, 1)).outer
-        for key, d, s in coords:
-            got[("k", key, d, s)] = cute.crd2idx((key, d, s), sk)
-            got[("v", key, d % 512, s)] = cute.crd2idx((d % 512, key, s), vt)
-            got[("q", key % 16, d)] = cute.crd2idx((key % 16, d), sq)
-            got[("p", key % 16, d % 64)] = cute.crd2idx((key % 16, d % 64), sp)
+        for nh in (16, 32):  # the head tiles (`attention_tuning.V3_HEAD_TILES`): Q and P^T have nh rows
+            sq = cute.tile_to_shape(k_atom, (nh, 576), (0, 1)).outer
+            sp = cute.tile_to_shape(k_atom, (nh, 64), (0, 1)).outer
+            for key, d, s in coords:
+                got[("k", key, d, s)] = cute.crd2idx((key, d, s), sk)
+                got[("v", key, d % 512, s)] = cute.crd2idx((d % 512, key, s), vt)
+                got[(f"q{nh}", key % nh, d)] = cute.crd2idx((key % nh, d), sq)
+                got[(f"p{nh}", key % nh, d % 64)] = cute.crd2idx((key % nh, d % 64), sp)
 
     probe()
-    assert len(got) >= 4 * len(coords) - 4
+    assert attention_tuning.V3_HEAD_TILES == (16, 32)
+    assert len(got) >= 6 * len(coords) - 6
     for (kind, r, c, *s), idx in got.items():
-        rows = 64 if kind in "kv" else 16
+        rows = 64 if kind in "kv" else int(kind[1:])
         want = swizzled_offset(r, c, rows) + (s[0] * 64 * 576 if s else 0)
         assert _sw128(idx) == want, (kind, r, c, s, idx, want)
 
 
-def test_v3_accumulator_fragments_are_what_the_softmax_assumes():
-    """No GPU needed. The consumer groups S^T values by head as v % 2 + 2 * (v // 4) and reduces a
-    head's keys over lanes xor 4, 8, 16 and the 4 warps: check that against the wgmma partitions."""
+@pytest.mark.parametrize("nh", [16, 32])
+def test_v3_accumulator_fragments_are_what_the_softmax_assumes(nh):
+    """No GPU needed. The consumer groups S^T values by head as v % 2 + 2 * (v // 4) (nh / 4 heads per thread)
+    and reduces a head's keys over lanes xor 4, 8, 16 and the 4 warps: check that against the wgmma partitions,
+    for both head tiles (N = 16, 32)."""
     import cutlass.cute as cute
     import cutlass.utils.hopper_helpers as sm90_utils
     from cutlass import BFloat16, Float32
@@ -104,32 +112,37 @@ def test_v3_accumulator_fragments_are_what_the_softmax_assumes():
     @cute.jit
     def probe():
         for major in (OperandMajorMode.K, OperandMajorMode.MN):
-            mma = sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, major, OperandMajorMode.K, Float32, (1, 1, 1), (64, 16))
+            mma = sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, major, OperandMajorMode.K, Float32, (1, 1, 1), (64, nh))
             for t in cutlass.range_constexpr(128):
-                c = mma.get_slice(t).partition_C(cute.make_identity_tensor((64, 16)))
-                o = mma.get_slice(t).partition_C(cute.make_identity_tensor((512, 16)))
+                c = mma.get_slice(t).partition_C(cute.make_identity_tensor((64, nh)))
+                o = mma.get_slice(t).partition_C(cute.make_identity_tensor((512, nh)))
                 got[(major, t)] = ([c[i] for i in range(cute.size(c))], [o[i] for i in range(cute.size(o))])
 
     probe()
     for (major, t), (s_vals, o_vals) in got.items():
         lane, warp = t % 32, t // 32
-        assert len(s_vals) == 8 and len(o_vals) == 64
+        n_s = nh // 2
+        assert len(s_vals) == n_s and len(o_vals) == 4 * nh
+        assert {head for _, head in s_vals} == {2 * (lane % 4) + j % 2 + 8 * (j // 2) for j in range(nh // 4)}
         for v, (key, head) in enumerate(s_vals):
             assert head == 2 * (lane % 4) + v % 2 + 8 * (v // 4), (t, v)  # head slot v % 2 + 2 * (v // 4)
             assert key == 16 * warp + lane // 4 + 8 * ((v // 2) % 2), (t, v)  # lane // 4 and the warp pick the key
         for i, (d, head) in enumerate(o_vals):
-            assert head == s_vals[i % 8][1] and d == 64 * (i // 8) + s_vals[i % 8][0], (t, i)
+            assert head == s_vals[i % n_s][1] and d == 64 * (i // n_s) + s_vals[i % n_s][0], (t, i)
 
 
-def _v3(spec, q, cache, scale, *, sink=None, outer_scale=None, num_splits=None, block_table, seq_lens, **probe):
+def _v3(
+    spec, q, cache, scale, *, sink=None, outer_scale=None, num_splits=None, block_table=None, seq_lens=None, indices=None,
+    **probe,
+):
     from mla_eval_kernels.mla_attention_v3 import mla_attention_v3
 
     n, h = q.shape[:2]
     out = torch.full((n, h, 512), float("nan"), device="cuda")
     lse = torch.full((n, h), float("nan"), device="cuda")
     mla_attention_v3(
-        plan_for(spec), q, cache, softmax_scale=scale, block_table=block_table, seq_lens=seq_lens, sink=sink,
-        outer_scale=outer_scale, num_splits=num_splits, out=out, lse=lse, workspace_fill=float("nan"), **probe,
+        plan_for(spec), q, cache, softmax_scale=scale, block_table=block_table, seq_lens=seq_lens, indices=indices,
+        sink=sink, outer_scale=outer_scale, num_splits=num_splits, out=out, lse=lse, workspace_fill=float("nan"), **probe,
     )
     torch.cuda.synchronize()
     return out, lse
@@ -245,7 +258,8 @@ def test_v3_part_tile_raw_rings(fmt):
 
 
 def test_v3_raw_ring_is_in_the_compile_key(monkeypatch):
-    """No GPU needed: the raw ring (stages x keys per stage) is a specialisation; the key says it."""
+    """No GPU needed: the raw ring (stages x keys per stage), the head tile and sparse lists are specialisations;
+    the key says them."""
     from mla_eval_kernels import mla_attention_v3
 
     monkeypatch.setattr(mla_attention_v3, "arch_tag", lambda device: "sm_90")
@@ -259,6 +273,13 @@ def test_v3_raw_ring_is_in_the_compile_key(monkeypatch):
     plan = plan_for(get_format("fp8_ds_mla"))
     other = mla_attention_v3.compile_key(plan, False, False, False, None, raw_ring=(5, 16))
     assert "raw=5x16" in other and other != key("fp8_ds_mla")
+    # the head tile and the slot lists are specialisations too; the tile's default ring and producer count follow
+    nvfp4 = plan_for(get_format("nvfp4"))
+    assert "heads=16" in key("nvfp4") and "sparse=False" in key("nvfp4")
+    wide = mla_attention_v3.compile_key(nvfp4, False, False, False, None, heads=32)
+    assert "heads=32" in wide and "raw=5x16" in wide and wide[7] == 1 and key("nvfp4")[7] == 2, wide
+    sparse = mla_attention_v3.compile_key(nvfp4, False, False, False, None, sparse=True)
+    assert "sparse=True" in sparse and len({key("nvfp4"), wide, sparse}) == 3
 
 
 @needs_cuda
@@ -290,6 +311,101 @@ def test_v3_zero_keys_and_empty_splits():
         assert float((out - ref_out).abs().max()) < 2e-2 and float((lse[1:] - ref_lse[1:]).abs().max()) < 0.05
 
 
+# session 9's launches: the formats of issue 14's targets (bf16, nvfp4, fp8_ds_mla) and the DeepSeek-layout nvfp4
+WIDE_FORMATS = ["bf16", "nvfp4", "fp8_ds_mla", "nvfp4_fp8_ds_mla"]
+
+
+def _sparse_case(fmt, heads, topk, seed, blocks=40):
+    """Five queries of `topk` random slot ids: -1 from topk / 3 on, all -1, every fifth out of range, one valid key,
+    all valid (tests/test_kernels_gpu.py `_sparse_lists`); a sink per head."""
+    spec = get_format(fmt)
+    gen = torch.Generator().manual_seed(zlib.crc32(f"v3-sparse/{fmt}/{heads}/{topk}/{seed}".encode()))
+    s_l = 0.05 if spec.outer_scale is not None else None
+    cache = _random_cache(spec, blocks, gen, outer_scale=s_l)
+    idx, slots = _sparse_lists(gen, 5, topk, blocks * BLOCK)
+    q = torch.randn(5, heads, 576, generator=gen).to(torch.bfloat16).cuda()
+    sink_t = torch.randn(heads, generator=gen).cuda()
+    scale = 576**-0.5
+    ref_out, ref_lse = reference.mla_attention(
+        spec, q, cache, softmax_scale=scale, sink=sink_t, outer_scale=s_l, indices=idx.cuda()
+    )
+    bound = _bound(spec, q.cpu(), cache.cpu(), slots, scale, s_l)
+    return spec, q, cache, scale, sink_t, s_l, idx.cuda(), ref_out, ref_lse, bound
+
+
+def _tiles_compiled():
+    return {k[10] for k in compile_cache.keys() if k[0] == "mla_attention_v3"}
+
+
+@needs_cuda
+@pytest.mark.parametrize("heads", [16, 64, 128])
+@pytest.mark.parametrize("fmt", WIDE_FORMATS)
+def test_v3_sparse_matches_reference(fmt, heads):
+    """Sparse top-k lists through v3: topk 2048 (32 key tiles) and 777 (not a multiple of the 64-key tile), -1
+    padding, an all-invalid row (out 0, lse -inf, as v2 and the reference), out-of-range ids, a sink; the split
+    heuristic and one CTA per query. h > 16 runs the 32-head tile (`v3_head_tile`, the hold cleared here)."""
+    compile_cache.clear()
+    for topk in (2048, 777):
+        spec, q, cache, scale, sink_t, s_l, idx, ref_out, ref_lse, bound = _sparse_case(fmt, heads, topk, 1)
+        assert torch.all(torch.isneginf(ref_lse[1]))  # the all-invalid row
+        for splits in (None, 1):
+            out, lse = _v3(spec, q, cache, scale, sink=sink_t, outer_scale=s_l, num_splits=splits, indices=idx)
+            _check(out, lse, ref_out, ref_lse, bound, f"v3 sparse {fmt} h={heads} topk={topk} splits={splits}")
+    assert _tiles_compiled() == {f"heads={16 if heads <= 16 else 32}"}
+    assert {k[11] for k in compile_cache.keys() if k[0] == "mla_attention_v3"} == {"sparse=True"}
+
+
+@needs_cuda
+@pytest.mark.parametrize("heads", [32, 64, 128])
+@pytest.mark.parametrize("fmt", WIDE_FORMATS)
+def test_v3_32_head_tile_matches_reference(fmt, heads):
+    """Dense lists through the 32-head tile (h = 32: one tile; 64, 128: 2, 4 tiles in grid y), lengths around the
+    64-key tile, a sink, the split heuristic and one CTA per query; the part-tile raw rings the 32-head tile gives
+    nvfp4 (5 x 16) and nvfp4_fp8_ds_mla (3 x 32) run the E2M1 fast decode per part."""
+    compile_cache.clear()
+    spec, q, cache, scale, sink_t, s_l, lists, ref_out, ref_lse, bound = _case(fmt, heads, LENGTHS, 11, sink=True)
+    for splits in (None, 1):
+        out, lse = _v3(spec, q, cache, scale, sink=sink_t, outer_scale=s_l, num_splits=splits, **lists)
+        _check(out, lse, ref_out, ref_lse, bound, f"v3 32-head tile {fmt} h={heads} splits={splits}")
+    assert _tiles_compiled() == {"heads=32"}
+
+
+@needs_cuda
+@pytest.mark.parametrize("sparse", [False, True])
+def test_v3_16_head_tile_at_h128_matches_reference(sparse):
+    """h = 128 through the 16-head tile (8 tiles; what forced v3 runs while the 32-head tile is held, and the
+    bench's v3-t16 row), dense and sparse, nvfp4."""
+    compile_cache.clear()
+    if sparse:
+        spec, q, cache, scale, sink_t, s_l, idx, ref_out, ref_lse, bound = _sparse_case("nvfp4", 128, 777, 2)
+        lists = dict(indices=idx)
+    else:
+        spec, q, cache, scale, sink_t, s_l, lists, ref_out, ref_lse, bound = _case("nvfp4", 128, LENGTHS, 12, sink=True)
+    out, lse = _v3(spec, q, cache, scale, sink=sink_t, outer_scale=s_l, head_tile=16, **lists)
+    _check(out, lse, ref_out, ref_lse, bound, f"v3 16-head tile nvfp4 h=128 sparse={sparse}")
+    assert _tiles_compiled() == {"heads=16"}
+
+
+@needs_cuda
+def test_held_v3_launches_run_v2_or_the_16_head_tile_when_v3_is_forced(monkeypatch):
+    """Outside these tests `V3_LAUNCHES_AWAITING_GPU_TESTS` holds sparse lists and the 32-head tile: forced v3
+    then runs a sparse launch on v2 and an h = 64 dense launch on v3's 16-head tile (what it ran before)."""
+    monkeypatch.setattr(attention_tuning, "V3_LAUNCHES_AWAITING_GPU_TESTS", {
+        attention_tuning.V3_SPARSE: "held for this test", attention_tuning.V3_TILE_32: "held for this test",
+    })
+    monkeypatch.setenv(attention_tuning.ENV, "v3")
+    spec, q, cache, scale, sink_t, s_l, idx, ref_out, ref_lse, bound = _sparse_case("nvfp4", 16, 300, 3)
+    compile_cache.clear()
+    out, lse = _run(spec, q, cache, scale, sink=sink_t, outer_scale=s_l, num_splits=1, indices=idx)
+    _check(out, lse, ref_out, ref_lse, bound, "held sparse forced v3 -> v2")
+    assert {k[0] for k in compile_cache.keys()} == {"mla_attention"}
+    spec, q, cache, scale, sink_t, s_l, lists, ref_out, ref_lse, bound = _case("nvfp4", 64, [BLOCK + 1, 300], 13)
+    compile_cache.clear()
+    out, lse = _run(spec, q, cache, scale, outer_scale=s_l, num_splits=1, **lists)
+    _check(out, lse, ref_out, ref_lse, bound, "held 32-head tile forced v3 h=64 -> 16-head tiles")
+    assert {k[0] for k in compile_cache.keys()} == {"mla_attention_v3"} and _tiles_compiled() == {"heads=16"}
+
+
 @needs_cuda
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8_ds_mla"] + V3_BLOCKED[:1])
 def test_environment_routes_dense_to_v3_and_the_rest_to_v2(fmt, monkeypatch):
@@ -300,14 +416,18 @@ def test_environment_routes_dense_to_v3_and_the_rest_to_v2(fmt, monkeypatch):
     _check(out, lse, ref_out, ref_lse, bound, f"dispatch v3 {fmt}")
     names = {k[0] for k in compile_cache.keys()}
     assert names == {"mla_attention_v3" if fmt in V3_FORMATS else "mla_attention"}, names
-    # sparse lists never run v3
+    # sparse lists: v3 where it covers the format (the hold cleared, as here), v2 while held (outside these tests)
     idx = torch.randint(0, 24 * BLOCK, (2, 100), dtype=torch.int32)
     ref_out, ref_lse = reference.mla_attention(spec, q, cache, softmax_scale=scale, outer_scale=s_l, indices=idx.cuda())
     bound = _bound(spec, q.cpu(), cache.cpu(), idx, scale, s_l)
-    compile_cache.clear()
-    out, lse = _run(spec, q, cache, scale, outer_scale=s_l, num_splits=1, indices=idx.cuda())
-    assert {k[0] for k in compile_cache.keys()} == {"mla_attention"}
-    _check(out, lse, ref_out, ref_lse, bound, f"dispatch v3 {fmt} sparse -> v2")
+    for held in (False, True):
+        if held:
+            monkeypatch.setitem(attention_tuning.V3_LAUNCHES_AWAITING_GPU_TESTS, attention_tuning.V3_SPARSE, "held here")
+        compile_cache.clear()
+        out, lse = _run(spec, q, cache, scale, outer_scale=s_l, num_splits=1, indices=idx.cuda())
+        ran = "mla_attention_v3" if fmt in V3_FORMATS and not held else "mla_attention"
+        assert {k[0] for k in compile_cache.keys()} == {ran}, (fmt, held)
+        _check(out, lse, ref_out, ref_lse, bound, f"dispatch v3 {fmt} sparse held={held} -> {ran}")
 
 
 @needs_cuda
@@ -369,7 +489,7 @@ def test_v3_copies_cover_each_chunk_once_and_stores_are_conflict_free(fmt, pt):
     rec = plan.record_bytes
     chunks, bn = rec // 16, 64
     g = pt // chunks
-    for nk in {k for _, k in attention_tuning.v3_raw_rings(plan)}:
+    for nk in {k for heads in attention_tuning.V3_HEAD_TILES for _, k in attention_tuning.v3_raw_rings(plan, heads)}:
         assert bn % nk == 0
         seen = []
         for key0 in range(0, bn, nk):  # the tile's parts
@@ -379,6 +499,17 @@ def test_v3_copies_cover_each_chunk_once_and_stores_are_conflict_free(fmt, pt):
                     if pos < nk:
                         seen.append((key0 + pos, ptid % chunks))
         assert sorted(seen) == [(k, c) for k in range(bn) for c in range(chunks)], nk
+        if attention_tuning.fast_e2m1_eligible(plan) and (nk * 32) % pt == 0:
+            # the E2M1 latent decode per part (`decode_latent`): item u of thread ptid is block ptid % 32 of raw key
+            # u (pt / 32) + ptid // 32 -> K row key0 + that key; the rope (`decode_rope8`): item i < nk * 8 is 8
+            # values of raw key i // 8. Over the parts: every (key, block) and (key, rope item) once
+            lat, rope = [], []
+            for key0 in range(0, bn, nk):
+                for ptid in range(pt):
+                    lat += [(key0 + u * (pt // 32) + ptid // 32, ptid % 32) for u in range(nk * 32 // pt)]
+                    rope += [(key0 + i // 8, i % 8) for u in range(-(-nk * 8 // pt)) if (i := u * pt + ptid) < nk * 8]
+            assert sorted(lat) == [(k, b) for k in range(bn) for b in range(32)], nk
+            assert sorted(rope) == [(k, d) for k in range(bn) for d in range(8)], nk
 
     def groups(key, lanes, swap):
         out = []
@@ -454,3 +585,17 @@ def test_compile_check_reads_registers_from_the_cubin_and_checks_the_ptx(tmp_pat
     broken = ptx.replace("wgmma.mma_async.sync.aligned.m64n16k16", "wgmma.mma_async.sync.aligned.m64n8k16", 1)
     assert "67 m64n16k16 wgmma (expected 68)" in compile_check.check_v3_ptx(broken)
     assert "expected one CTA-wide barrier" in compile_check.check_v3_ptx(ptx + "\n\tbar.sync \t0;\n")
+    # the 32-head tile with sparse lists: m64n32k16 wgmma, one producer warpgroup (256 threads) whose registers fit
+    # the SM without a stack frame (O^T [512, 32] is 128 fp32 registers per consumer thread)
+    wide = tmp_path / "wide"
+    wide.mkdir()
+    kern = MlaAttentionV3(plan, True, True, False, heads=32, sparse=True)
+    assert kern.pt == 128 and kern.slot_cols == 4
+    cute.compile(kern, *a, options=f"--keep-ptx --keep-cubin --dump-dir={wide}")
+    use = compile_check.cubin_usage(str(next(wide.glob("*.cubin"))))
+    assert 128 < use["regs"] <= compile_check.REGS_PER_SM // 256 and use.get("frame", 0) == 0 and use.get("stack", 0) == 0, use
+    ptx = next(wide.glob("*.ptx")).read_text()
+    assert compile_check.check_v3_ptx(ptx, 32) == []
+    assert "0 m64n16k16 wgmma (expected 68)" in compile_check.check_v3_ptx(ptx)
+    with pytest.raises(ValueError, match="head tile"):
+        MlaAttentionV3(plan, False, True, True, heads=64)
