@@ -76,14 +76,20 @@ V3_DECODE_PRODUCER_WGS = 2  # producer warpgroups of a v3 CTA, every format (`v3
 #   nvfp4_fp8rope_st  0.143 -> 0.105, 0.521 -> 0.372, 1.029 -> 0.727
 #   nvfp4_fp8_ds_mla  0.121 -> 0.082, 0.446 -> 0.291, 0.870 -> 0.555
 #   mxfp4             0.137 -> 0.104, 0.506 -> 0.367, 0.999 -> 0.726
-# bf16 stays on v2 (0.747 vs v3 0.782 ms at 64K, the same run). v3 refuses the rest (`v3_blocker`).
+# v3 refuses the TensorRT-LLM and SGLang records (`v3_blocker`).
 V3_DEFAULT_FORMATS = (
     "nvfp4", "nvfp4_fp8rope", "nvfp4_fp8rope_st", "nvfp4_fp8_ds_mla", "mxfp4", "fp8_ds_mla", "fp8_ds_mla_pow2", "fp8_e4m3",
+    "bf16",
 )
 # The fp8 records joined after their GPU tests passed on the H200 in session 9 (tests/test_kernels_v3_gpu.py, 105
 # passed; results/h200/session9/), timed in the same session (results/kernels/bench-NVIDIA_H200-2026-12-04-session9-v3fp8
 # .json, same shape, their first part-tile rings 5x16 / 3x32): fp8_ds_mla 0.133 -> 0.093, 0.499 -> 0.330, 0.976 -> 0.645;
 # fp8_ds_mla_pow2 0.133 -> 0.093, 0.500 -> 0.331, 0.974 -> 0.646; fp8_e4m3 0.131 -> 0.088, 0.477 -> 0.312, 0.926 -> 0.609.
+# bf16 joined in session 9 too, once its copy ran on two producer warpgroups (`v3_producer_wgs`): with one it had stayed
+# on v2 (session 8: 0.747 vs 0.782 ms at 64K); with two, the session-9 run of `device_session9.sh kern bench` (the GPU
+# tests under these defaults passed; results/kernels/bench-NVIDIA_H200-2026-12-04-session9-defaults.json) timed v2 -> v3
+# 0.110 -> 0.094, 0.387 -> 0.322, 0.741 -> 0.636 (90 % of copy); the fp8 records on their 2x32 ring in the same run:
+# fp8_ds_mla 0.137 -> 0.089, 0.507 -> 0.310, 0.991 -> 0.605; fp8_e4m3 0.129 -> 0.086, 0.473 -> 0.302, 0.913 -> 0.591.
 # Formats whose v3 launches compile for sm_90a but have not passed tests/test_kernels_v3_gpu.py on an H200: while
 # listed, `v3_blocker` refuses them (forced v3 then runs v2 and says why). The GPU tests clear this (fixture
 # `kernels_under_test`); delete an entry after its GPU tests pass. Not in V3_DEFAULT_FORMATS either way until timed.
@@ -96,11 +102,10 @@ V3_AWAITING_GPU_TESTS: dict[str, str] = {}
 # (dense decode, h <= 16 only) until they are timed.
 V3_SPARSE = "sparse"
 V3_TILE_32 = "head_tile_32"
-V3_LAUNCHES_AWAITING_GPU_TESTS: dict[str, str] = {
-    V3_SPARSE: "v3's sparse top-k lists (slot ids from the index list, -1 = no key) compile but have not yet passed "
-    "their GPU tests",
-    V3_TILE_32: "v3's 32-head tile compiles but has not yet passed its GPU tests",
-}
+# Empty since session 9: both passed on the H200 (tests/test_kernels_v3_gpu.py's sparse / head-tile cases, 31, and the
+# v3 cases of tests/test_kernels_gpu.py, 43; results/h200/session9/). Not in the default: bench (a) and (d) timed the
+# 32-head tile level with v2 (nvfp4 sparse h=128 batch 64: v2 0.206 ms, v3-t32 0.203, v3-t16 0.333).
+V3_LAUNCHES_AWAITING_GPU_TESTS: dict[str, str] = {}
 # A reason the default above must not run yet (a policy written without its GPU tests): while set, the unset
 # default stays v2 everywhere and says why. None since tests/test_kernels_v3_gpu.py passed on the H200
 # (session 8, results/h200/session8/).
@@ -297,9 +302,10 @@ def generation_for(
     if blocker:
         return "v2", blocker
     if sparse:
-        return "v2", "default: v3 not measured for sparse top-k lists"
+        return "v2", "default: v3 not measured faster for sparse top-k lists (h = 128: level with v2)"
     if heads > V3_HEADS:
-        return "v2", f"default: v3 measured at one head tile (h <= {V3_HEADS}), not h = {heads}"
+        return "v2", (f"default: v3 measured faster at one head tile (h <= {V3_HEADS}), not h = {heads} (32-head tiles "
+                      "at h = 128: level with v2)")
     if queries_per_seq > 1:
         return "v2", f"default: v3 measured at one query per sequence, not {queries_per_seq}"
     if V3_DEFAULT_PENDING:

@@ -5,7 +5,7 @@ element the kernel owns must be written), error bounds of tests/test_kernels_gpu
 1 key, one short of / exactly / one past the 64-key tile, lengths that are not a multiple of the tile,
 and 64K keys; for the fp8 records, whose raw ring holds parts of tiles, lengths around the 16- and 32-key parts
 and every ring that fits (bit-identical outputs). Also:
-Session 9's launches (held off outside these tests by `V3_LAUNCHES_AWAITING_GPU_TESTS`, which the fixture clears):
+Session 9's launches (held off by `V3_LAUNCHES_AWAITING_GPU_TESTS` until these tests passed on the H200, session 9):
 sparse top-k lists at h = 16, 64, 128 (topk 2048 and 777, -1 padding, an all-invalid row, out-of-range ids, a
 sink) and the 32-head tile for dense h = 32, 64, 128, each with and without splits.
 MLA_EVAL_ATTENTION_KERNEL=v3 routes dense and sparse launches to v3 and everything v3 does not cover (formats it
@@ -388,8 +388,8 @@ def test_v3_16_head_tile_at_h128_matches_reference(sparse):
 
 @needs_cuda
 def test_held_v3_launches_run_v2_or_the_16_head_tile_when_v3_is_forced(monkeypatch):
-    """Outside these tests `V3_LAUNCHES_AWAITING_GPU_TESTS` holds sparse lists and the 32-head tile: forced v3
-    then runs a sparse launch on v2 and an h = 64 dense launch on v3's 16-head tile (what it ran before)."""
+    """While `V3_LAUNCHES_AWAITING_GPU_TESTS` holds sparse lists and the 32-head tile (as it did until session 9's
+    GPU run), forced v3 runs a sparse launch on v2 and an h = 64 dense launch on v3's 16-head tile."""
     monkeypatch.setattr(attention_tuning, "V3_LAUNCHES_AWAITING_GPU_TESTS", {
         attention_tuning.V3_SPARSE: "held for this test", attention_tuning.V3_TILE_32: "held for this test",
     })
