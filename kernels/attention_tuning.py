@@ -286,7 +286,7 @@ def generation_for(
     and `why` is the blocker; h > 16 also names the head tile, `v3_head_tile`). Unset, v3 runs where it was
     measured faster (`V3_DEFAULT_FORMATS`): dense launches of one head tile (h <= 16: the measured CTA work;
     more heads re-read the records once per head tile, where v2's 64-row tile reads them once) with one query
-    per sequence; everything else v2 (sparse top-k lists included: v3's were never timed)."""
+    per sequence; everything else v2 (sparse top-k lists and h > 16 included: v3 timed level with v2 there)."""
     forced = forced_generation()
     if forced in ("v1", "v2"):
         return forced, f"{ENV}={forced}"
