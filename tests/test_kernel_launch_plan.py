@@ -562,3 +562,29 @@ def test_bench_shapes_include_the_dense_h128_decode(capsys):
     err = capsys.readouterr().err
     assert "unknown e" in err and "expected writer,a,b,c,d" in err
     assert "(d) dense decode, h=128" in bench.__doc__
+
+
+def test_bench_h128_rows_add_the_two_producer_32_head_tile_with_variants(monkeypatch):
+    """Shapes (a) / (d) at h = 128: v3-t16 and v3-t32, and with --variants v3-t32-p2 (two producer warpgroups, per-role
+    registers), marked held while `V3_TILE_32_TWO_PRODUCERS` is listed; the row of the tile dispatch would not pick
+    carries the reason (as before this row existed); formats v3 refuses get no v3 row."""
+    from mla_eval_kernels import bench
+
+    hold = attention_tuning.V3_TILE_32_TWO_PRODUCERS
+    monkeypatch.setattr(attention_tuning, "V3_LAUNCHES_AWAITING_GPU_TESTS", {hold: "not yet GPU-tested"})
+    monkeypatch.setattr(attention_tuning, "V3_AWAITING_GPU_TESTS", {})
+    nvfp4 = plan_for(get_format("nvfp4"))
+    for sparse in (False, True):
+        t16 = ("v3-t16", 16, None, attention_tuning.v3_head_tile(nvfp4, 128, sparse)[1])
+        assert "32-head tiles" in t16[3]
+        assert bench.v3_tile_variants(nvfp4, 128, sparse, False) == [t16, ("v3-t32", 32, None, None)]
+        assert bench.v3_tile_variants(nvfp4, 128, sparse, True) == [
+            t16, ("v3-t32", 32, None, None), ("v3-t32-p2", 32, 2, "not yet GPU-tested"),
+        ]
+    monkeypatch.setattr(attention_tuning, "V3_LAUNCHES_AWAITING_GPU_TESTS", {})
+    assert bench.v3_tile_variants(nvfp4, 128, False, True)[-1] == ("v3-t32-p2", 32, 2, None)
+    # the 32-head tile's own hold marks both of its rows
+    monkeypatch.setattr(attention_tuning, "V3_LAUNCHES_AWAITING_GPU_TESTS", {attention_tuning.V3_TILE_32: "held"})
+    rows = bench.v3_tile_variants(nvfp4, 128, False, True)
+    assert [r[3] for r in rows] == [None, "16-head tiles: held", "16-head tiles: held"], rows
+    assert bench.v3_tile_variants(plan_for(get_format("trtllm_nvfp4_dsa")), 128, True, True) == []
