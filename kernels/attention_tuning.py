@@ -24,7 +24,7 @@ import dataclasses
 import os
 
 from mla_eval.formats.spec import LATENT_DIM, ROPE_DIM
-from mla_eval_kernels.device_limits import HOPPER_SMEM_PER_BLOCK, HOPPER_SMEM_PER_SM
+from mla_eval_kernels.device_limits import HOPPER_REGS_PER_SM, HOPPER_SMEM_PER_BLOCK, HOPPER_SMEM_PER_SM
 
 ENV = "MLA_EVAL_ATTENTION_KERNEL"
 VERSIONS = ("v1", "v2", "v3")
@@ -68,6 +68,18 @@ V3_RAW_PREFERRED = (2, V3_BN // 2)
 V3_L2_PREFETCH = 0
 V3_L2_PREFETCH_PROBE = 2
 V3_DECODE_PRODUCER_WGS = 2  # producer warpgroups of a v3 CTA, every format (`v3_producer_wgs`; bench: v3-p1 has one)
+V3_PRODUCER_WGS_CHOICES = (1, 2)  # what a launch may ask for (bench probes, tests); more would not fit the registers
+# The 32-head tile's default: one producer warpgroup (the GPU-tested kernel, session 9; `v3_producer_wgs`). Two run
+# only with per-role register budgets (`v3_reg_budget`) and are a probe (bench v3-t32-p2) until timed; while
+# V3_TILE_32_TWO_PRODUCERS is held, a default of 2 here would still run 1 (`v3_producer_choice` says why).
+V3_WIDE_PRODUCER_WGS = 1
+# Per-role register budgets of a 384-thread v3 CTA (one consumer, two producer warpgroups) at the 32-head tile, set by
+# `setmaxnreg` after the role split: the launch gives each thread 65536 / 384 -> 168 registers (a multiple of 8), the
+# consumer holds O^T [512, 32] = 128 fp32 registers per thread besides S^T (16, +16 with the fold), which spilled at
+# 168 (session 9: nvfp4 368 B of stack dense, 192 B sparse); the one-producer kernel compiles to 221-230. The
+# producers .dec to 136 first, the consumer .inc to 232: 232 x 128 + 136 x 256 = 64,512 = 168 x 384, the CTA's own
+# registers moved between roles (`setmaxnreg.inc` waits until the .dec has returned them).
+V3_REG_SPLIT = (232, 136)  # (consumer, producer) registers per thread
 # Formats whose dense decode launches run v3 by default: those where an H200 run measured v3 faster than v2 at
 # every context timed (results/kernels/bench-NVIDIA_H200-2026-12-04-session8.json, dense decode h=16, batch 32,
 # v3 without L2 prefetch; ms at 8K / 32K / 64K, v2 -> v3):
@@ -97,15 +109,21 @@ V3_DEFAULT_FORMATS = (
 V3_AWAITING_GPU_TESTS: dict[str, str] = {}
 # Launch kinds whose v3 kernel compiles for sm_90a but has not passed tests/test_kernels_v3_gpu.py on an H200: while
 # listed, v3 does not run them (sparse: `v3_blocker` refuses, forced v3 runs v2 and says why; the 32-head tile:
-# `v3_head_tile` keeps the GPU-tested 16-head tile and says why). The GPU tests clear this (fixture
-# `kernels_under_test`); delete an entry after its GPU tests pass. `generation_for`'s default runs neither either way
-# (dense decode, h <= 16 only) until they are timed.
+# `v3_head_tile` keeps the GPU-tested 16-head tile and says why; two producer warpgroups at the 32-head tile:
+# `v3_producer_choice` keeps one and says why, and the bench marks the v3-t32-p2 row). The GPU tests clear this
+# (fixture `kernels_under_test`); delete an entry after its GPU tests pass. `generation_for`'s default runs none of
+# them either way (dense decode, h <= 16 only) until they are timed.
 V3_SPARSE = "sparse"
 V3_TILE_32 = "head_tile_32"
-# Empty since session 9: both passed on the H200 (tests/test_kernels_v3_gpu.py's sparse / head-tile cases, 31, and the
-# v3 cases of tests/test_kernels_gpu.py, 43; results/h200/session9/). Not in the default: bench (a) and (d) timed the
-# 32-head tile level with v2 (nvfp4 sparse h=128 batch 64: v2 0.206 ms, v3-t32 0.203, v3-t16 0.333).
-V3_LAUNCHES_AWAITING_GPU_TESTS: dict[str, str] = {}
+V3_TILE_32_TWO_PRODUCERS = "head_tile_32_two_producers"
+# Sparse lists and the 32-head tile passed on the H200 in session 9 (tests/test_kernels_v3_gpu.py's sparse / head-tile
+# cases, 31, and the v3 cases of tests/test_kernels_gpu.py, 43; results/h200/session9/). Not in the default: bench (a)
+# and (d) timed the 32-head tile level with v2 (nvfp4 sparse h=128 batch 64: v2 0.206 ms, v3-t32 0.203, v3-t16 0.333).
+V3_LAUNCHES_AWAITING_GPU_TESTS: dict[str, str] = {
+    # branch wip-t32p2 (session 9, CPU only): compiled for sm_90a without a stack frame, never run on a device
+    V3_TILE_32_TWO_PRODUCERS: "v3's 32-head tile with two producer warpgroups (setmaxnreg) has not yet passed its GPU "
+    "tests (tests/test_kernels_v3_gpu.py::test_v3_32_head_tile_two_producers_match_reference_and_one_producer)",
+}
 # A reason the default above must not run yet (a policy written without its GPU tests): while set, the unset
 # default stays v2 everywhere and says why. None since tests/test_kernels_v3_gpu.py passed on the H200
 # (session 8, results/h200/session8/).
@@ -220,12 +238,54 @@ def v3_producer_wgs(plan, heads: int = V3_HEADS) -> int:
     stage (see NOTES.md). bf16 records are only copied, yet two warpgroups issuing the cp.async also win: session 9's
     H200 bench (b) 64K timed bf16 v3 with one producer warpgroup at 0.770 ms and with two at 0.624 (92 % of copy;
     v2 0.738), the two bit-identical in the GPU tests (test_v3_probes_write_the_same_k_tiles). The 32-head tile runs
-    one: its consumer holds O^T [512, 32] (128 fp32 registers per thread), which 384 threads (168 registers each)
-    cannot hold without spilling, 256 threads (255 each) can; and per head it decodes half as many records, while
-    one producer warpgroup cost 3.5 % at h = 16 (bench v3-p1, session 6)."""
-    if heads > V3_HEADS:
-        return 1
-    return V3_DECODE_PRODUCER_WGS
+    one by default (`V3_WIDE_PRODUCER_WGS`): its consumer holds O^T [512, 32] (128 fp32 registers per thread), which
+    384 threads at an even 168 registers each cannot hold without spilling, 256 threads (255 each) can; and per head
+    it decodes half as many records, while one producer warpgroup cost 3.5 % at h = 16 (bench v3-p1, session 6).
+    Two producer warpgroups at the 32-head tile run with per-role registers (`v3_reg_budget`, `setmaxnreg`): a probe
+    (bench v3-t32-p2), held by `V3_TILE_32_TWO_PRODUCERS` (`v3_producer_choice`)."""
+    return v3_producer_choice(plan, heads)[0]
+
+
+def v3_producer_choice(plan, heads: int = V3_HEADS, *, gated: bool = True) -> tuple[int, str]:
+    """(producer warpgroups, why) of a v3 CTA of head tile `heads` by default: the one definition behind
+    `v3_producer_wgs`. The 32-head tile runs `V3_WIDE_PRODUCER_WGS`; two of them need per-role registers
+    (`v3_reg_budget`) and, with `gated`, wait for `V3_TILE_32_TWO_PRODUCERS`' GPU tests (one runs meanwhile)."""
+    if heads <= V3_HEADS:
+        return V3_DECODE_PRODUCER_WGS, f"{V3_HEADS}-head tile: {V3_DECODE_PRODUCER_WGS} producer warpgroups"
+    held = v3_producers_held(heads, V3_WIDE_PRODUCER_WGS) if gated else None
+    if held:
+        return 1, f"one producer warpgroup: {held}"
+    n = V3_WIDE_PRODUCER_WGS
+    return n, f"{heads}-head tile: {n} producer warpgroup{'s' if n > 1 else ''}"
+
+
+def v3_producers_held(heads: int, producer_wgs: int) -> str | None:
+    """Why `producer_wgs` producer warpgroups at head tile `heads` wait for their GPU tests (the default keeps one,
+    `v3_producer_choice`; the bench marks its row), or None. An explicit `producer_wgs` given to the kernel entry is
+    a probe (bench, tests), as an explicit head tile or raw ring is: it runs either way."""
+    if heads > V3_HEADS and producer_wgs > 1 and V3_TILE_32_TWO_PRODUCERS in V3_LAUNCHES_AWAITING_GPU_TESTS:
+        return V3_LAUNCHES_AWAITING_GPU_TESTS[V3_TILE_32_TWO_PRODUCERS]
+    return None
+
+
+def v3_reg_budget(heads: int, producer_wgs: int) -> tuple[int, int] | None:
+    """(consumer, producer) registers per thread that `setmaxnreg` sets after the role split, or None where every
+    thread's share of the SM already holds its role (the 16-head tile: 65536 / 384 -> 168 >= the 124-150 it compiles
+    to; the one-producer 32-head tile: 256 threads, 255 each). The 32-head tile with two producer warpgroups gets
+    `V3_REG_SPLIT` (one definition; the kernel, the compile key and compile_check read it here)."""
+    if producer_wgs not in V3_PRODUCER_WGS_CHOICES:
+        raise ValueError(f"producer_wgs must be one of {V3_PRODUCER_WGS_CHOICES}, not {producer_wgs}")
+    if heads <= V3_HEADS or producer_wgs == 1:
+        return None
+    consumer, producer = V3_REG_SPLIT
+    threads = 128 * (1 + producer_wgs)
+    launch = HOPPER_REGS_PER_SM // threads // 8 * 8  # what each thread holds at launch (allocation unit: 8 per thread)
+    for r in (consumer, producer):
+        if r % 8 or not 24 <= r <= 256:  # PTX ISA, setmaxnreg: a multiple of 8 in [24, 256]
+            raise ValueError(f"setmaxnreg budget {r}: must be a multiple of 8 in [24, 256]")
+    if producer > launch or consumer < launch or consumer * 128 + producer * 128 * producer_wgs > launch * threads:
+        raise ValueError(f"setmaxnreg budgets {V3_REG_SPLIT} do not redistribute {launch} registers x {threads} threads")
+    return consumer, producer
 
 
 def v3_blocker(plan, sparse: bool, smem_limit: int = HOPPER_SMEM_PER_BLOCK, *, gated: bool = True) -> str | None:

@@ -30,6 +30,8 @@ their v3 rows with `--variants` only, marked `v3_held` (the reason): run their G
 At h = 128 ((a) with `--variants`, and (d) always) v3 runs once per head tile: rows v3-t16 and v3-t32
 (`attention_tuning.V3_HEAD_TILES`), marked `v3_held` while `V3_LAUNCHES_AWAITING_GPU_TESTS` (sparse lists, the
 32-head tile) or `V3_AWAITING_GPU_TESTS` keeps dispatch off them; the default row beside them says what dispatch runs.
+With `--variants`, also v3-t32-p2 there: the 32-head tile with two producer warpgroups and per-role registers
+(`setmaxnreg`; a probe, marked `v3_held` while `V3_TILE_32_TWO_PRODUCERS` is listed).
 
 Compiling every kernel takes seconds each, so one worker process per format compiles and warms
 up in parallel; the timed part runs under an exclusive file lock, one worker at a time.
@@ -80,6 +82,36 @@ def probe_variants(plan) -> list[tuple[str, tuple | None, object]]:
         out += [("v2-slow_e2m1", tile, dataclasses.replace(v2, fast_e2m1=False))]
         out += [("v1+fast_e2m1", None, Tuning(fast_e2m1=True))]
     return out
+
+
+def v3_tile_variants(plan, heads: int, sparse: bool, variants: bool) -> list[tuple[str, int, int | None, str | None]]:
+    """(row name, head tile, producer warpgroups or None for the default, why held or None) of the v3 rows of an
+    h > 16 launch: one per head tile its CTA fits (v3-t16, v3-t32), each held while dispatch would not run it; with
+    `variants`, the 32-head tile also with the other producer warpgroup count (v3-t32-p2: two, with per-role
+    registers, `attention_tuning.v3_reg_budget`), held while `v3_producers_held` lists it. None where v3 refuses
+    the format."""
+    from mla_eval_kernels.attention_tuning import (
+        V3_HEAD_TILES,
+        V3_WIDE_HEADS,
+        v3_blocker,
+        v3_head_tile,
+        v3_producer_wgs,
+        v3_producers_held,
+    )
+
+    if v3_blocker(plan, sparse=sparse, gated=False) is not None:
+        return []
+    rows = []
+    fits = v3_head_tile(plan, heads, sparse, gated=False)[0]
+    for tile in (t for t in V3_HEAD_TILES if t <= fits):
+        held = v3_blocker(plan, sparse=sparse)
+        if held is None and v3_head_tile(plan, heads, sparse)[0] != tile:
+            held = v3_head_tile(plan, heads, sparse)[1]  # the 32-head tile's hold
+        rows.append((f"v3-t{tile}", tile, None, held))
+        if variants and tile == V3_WIDE_HEADS:
+            other = 3 - v3_producer_wgs(plan, tile)
+            rows.append((f"v3-t{tile}-p{other}", tile, other, held or v3_producers_held(tile, other)))
+    return rows
 
 
 def _median_ms(fn, reps: int, warmup: int = 3) -> float:
@@ -158,12 +190,10 @@ def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "wr
     from mla_eval.attention import dispatch
     from mla_eval_kernels import mla_attention as kernel
     from mla_eval_kernels.attention_tuning import (
-        V3_HEAD_TILES,
         V3_L2_PREFETCH_PROBE,
         generation_for,
         is_bf16_plan,
         v3_blocker,
-        v3_head_tile,
         v3_producer_wgs,
         v3_raw_rings,
     )
@@ -185,23 +215,17 @@ def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "wr
         from mla_eval_kernels.mla_attention_v3 import mla_attention_v3
 
         plan = plan_for(spec)
-        if v3_blocker(plan, sparse=sparse, gated=False) is not None:
-            return
-        fits = v3_head_tile(plan, heads, sparse, gated=False)[0]
-        for tile in (t for t in V3_HEAD_TILES if t <= fits):
-            held = v3_blocker(plan, sparse=sparse)
-            if held is None and v3_head_tile(plan, heads, sparse)[0] != tile:
-                held = v3_head_tile(plan, heads, sparse)[1]  # the 32-head tile's hold
+        for row, tile, wgs, held in v3_tile_variants(plan, heads, sparse, variants):
             mark = dict(v3_held=held) if held else {}
 
-            def f3(i, tile=tile):
+            def f3(i, tile=tile, wgs=wgs):
                 return mla_attention_v3(
                     plan, lists(i)["q"], lists(i)["cache"], softmax_scale=0.0417, block_table=lists(i).get("block_table"),
                     seq_lens=lists(i).get("seq_lens"), indices=lists(i).get("indices"), sink=None, outer_scale=s_l,
-                    max_seq_len=lists(i).get("max_seq_len"), head_tile=tile,
+                    max_seq_len=lists(i).get("max_seq_len"), head_tile=tile, producer_wgs=wgs,
                 )
 
-            todo.append((shape, dict(params, kernel=f"v3-t{tile}", **mark), f3, nbytes, nflop, None))
+            todo.append((shape, dict(params, kernel=row, **mark), f3, nbytes, nflop, None))
     gen = torch.Generator(device="cuda").manual_seed(0)
 
     # writer

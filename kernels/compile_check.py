@@ -6,9 +6,13 @@
 Nothing is launched; `cute.compile` runs the whole pipeline down to the cubin. The v3 kernels
 (`mla_attention_v3`, head count a run-time argument) are compiled per format for every (sink, outer scale,
 split) combination of the dense 16-head tile, and, for the head tiles `--heads` selects (`v3_head_tile`: 32 for
-h > 16), sparse and dense lists with and without split; their registers and stack frame are read from the
+h > 16), sparse and dense lists with and without split (the 32-head tile also with two producer warpgroups and
+per-role registers, `setmaxnreg`: the bench's v3-t32-p2 probe); their registers and stack frame are read from the
 cubin itself (`cubin_usage`, no CUDA toolkit needed), and the PTX is checked for what the design
-promises (wgmma of the tile's N, mbarriers, no CTA-wide barrier inside the loops, registers that fit the CTA).
+promises (wgmma of the tile's N, mbarriers, no CTA-wide barrier inside the loops, registers that fit the CTA,
+`setmaxnreg` exactly where `v3_reg_budget` asks for it). `--cuobjdump` (with nvdisasm beside it or on PATH) also
+reads the registers each role of a `setmaxnreg` kernel uses from its SASS (`sass_role_registers`); the cubin's own
+count is the launch's even share.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from cutlass.cute.runtime import make_ptr  # noqa: E402
 from mla_eval.formats import all_formats, get_format  # noqa: E402
 from mla_eval_kernels.attention_tuning import VERSIONS, default_tuning, launch_choice, v3_blocker  # noqa: E402
 from mla_eval_kernels.cache_writer import CacheWriter  # noqa: E402
-from mla_eval_kernels.device_limits import HOPPER_SMEM_PER_BLOCK  # noqa: E402
+from mla_eval_kernels.device_limits import HOPPER_REGS_PER_SM, HOPPER_SMEM_PER_BLOCK  # noqa: E402
 from mla_eval_kernels.mla_attention import MlaAttention, tile_config  # noqa: E402
 from mla_eval_kernels.mla_combine import MlaCombine  # noqa: E402
 from mla_eval_kernels.record_plan import UnsupportedFormat, plan_for  # noqa: E402
@@ -54,7 +58,7 @@ def _usage(cuobjdump: str | None, dump_dir: str) -> str:
 
 
 EIATTR_FRAME_SIZE, EIATTR_MIN_STACK_SIZE, EIATTR_REGCOUNT = 0x11, 0x12, 0x2F
-REGS_PER_SM = 65536  # 32-bit registers of one sm_90 SM (one v3 CTA per SM)
+REGS_PER_SM = HOPPER_REGS_PER_SM  # (one v3 CTA per SM)
 
 
 def cubin_usage(path: str) -> dict:
@@ -87,11 +91,19 @@ def cubin_usage(path: str) -> dict:
     return out
 
 
-def check_v3_ptx(ptx: str, heads: int = 16) -> list[str]:
+def check_v3_ptx(ptx: str, heads: int = 16, regs: tuple[int, int] | None = None) -> list[str]:
     """What the v3 design promises, read from its PTX: 36 + 32 wgmma per key tile (S^T over 576
     dims, O^T over 8 x 4 m64nNk16 steps, N = `heads`, the head tile), mbarrier waits (the K ring), named
-    warpgroup barriers, and exactly one CTA-wide barrier (after the mbarrier init)."""
+    warpgroup barriers, and exactly one CTA-wide barrier (after the mbarrier init). `regs` (consumer, producer):
+    one `setmaxnreg.inc` to the first and one `.dec` to the second, with `.minnctapersm 1` (without which ptxas
+    ignores them); None: no `setmaxnreg` at all."""
     problems = []
+    got = re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)\s*;", ptx)
+    want = sorted([("inc", str(regs[0])), ("dec", str(regs[1]))]) if regs else []
+    if sorted(got) != want:
+        problems.append(f"setmaxnreg {sorted(got)} (expected {want})")
+    if regs and not re.search(r"^\s*\.minnctapersm\s+1\s*$", ptx, re.M):
+        problems.append("setmaxnreg without .minnctapersm 1 (ptxas ignores it)")
     n_wgmma = len(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{heads}k16\.f32\.bf16\.bf16", ptx))
     if n_wgmma != 68:
         problems.append(f"{n_wgmma} m64n{heads}k16 wgmma (expected 68)")
@@ -106,18 +118,46 @@ def check_v3_ptx(ptx: str, heads: int = 16) -> list[str]:
     return problems
 
 
-def compile_v3(plan, name: str, stream, heads_list=(16,)) -> int:
+def sass_role_registers(sass: str) -> dict[str, int]:
+    """Registers each role of a `setmaxnreg` v3 kernel uses, from its SASS (`cuobjdump -sass`): the highest R<n>
+    named (+ 1) before the first USETMAXREG ("entry"), between the producers' DEALLOC and the consumer's ALLOC, and
+    after that, assuming the layout ptxas gave the compiled kernels (entry, producer branch, consumer branch; checked:
+    the DEALLOC comes first, else {}). RZ is not counted."""
+    lines = sass.splitlines()
+    marks = [i for i, line in enumerate(lines) if "USETMAXREG" in line]
+    if len(marks) != 2 or "DEALLOC" not in lines[marks[0]] or "DEALLOC" in lines[marks[1]]:
+        return {}
+
+    def top(part):
+        regs = [int(r) for line in part for r in re.findall(r"\bR(\d+)\b", line.split("/*")[1] if "/*" in line else line)]
+        return max(regs, default=-1) + 1
+
+    return {"entry": top(lines[: marks[0]]), "producer": top(lines[marks[0] : marks[1]]), "consumer": top(lines[marks[1] :])}
+
+
+def _role_registers(cuobjdump: str | None, cubin: str) -> str:
+    if not cuobjdump:
+        return ""
+    out = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True)
+    roles = sass_role_registers(out.stdout)
+    return " used " + "/".join(f"{k}={v}" for k, v in roles.items()) if roles else f" (no SASS: {out.stderr.strip()[:80]})"
+
+
+def compile_v3(plan, name: str, stream, heads_list=(16,), cuobjdump: str | None = None) -> int:
     """Compile every v3 specialisation of one format (dense 16-head tile: every (outer, sink, split) and the
     bench's probes; each head tile `heads_list` selects, sparse and dense: split with and without, the sink on
-    the unsplit one, the outer scale where the format has one); returns the number of failures."""
+    the unsplit one, the outer scale where the format has one; the 32-head tile also with two producer warpgroups,
+    the bench's v3-t32-p2); returns the number of failures."""
     from mla_eval_kernels.attention_tuning import (  # noqa: PLC0415
         V3_HEADS,
         V3_L2_PREFETCH,
         V3_L2_PREFETCH_PROBE,
+        V3_WIDE_HEADS,
         v3_head_tile,
         v3_producer_wgs,
         v3_raw_ring,
         v3_raw_rings,
+        v3_reg_budget,
     )
     from mla_eval_kernels.mla_attention_v3 import MlaAttentionV3  # noqa: PLC0415
 
@@ -143,9 +183,12 @@ def compile_v3(plan, name: str, stream, heads_list=(16,)) -> int:
         for sparse in (False, True):
             if tile == V3_HEADS and not sparse:
                 continue  # the dense 16-head tile: the cases above
+            # the 32-head tile: its default producer count, and the other one (two: per-role registers, a probe)
+            counts = [v3_producer_wgs(plan, tile)] + ([3 - v3_producer_wgs(plan, tile)] if tile == V3_WIDE_HEADS else [])
             for sink, split in ((True, False), (False, True)):
-                cases.append((plan.outer_allowed, sink, split, V3_L2_PREFETCH, v3_producer_wgs(plan, tile),
-                              v3_raw_ring(plan, tile, sparse), tile, sparse))
+                for wgs in counts:
+                    cases.append((plan.outer_allowed, sink, split, V3_L2_PREFETCH, wgs, v3_raw_ring(plan, tile, sparse), tile,
+                                  sparse))
     for outer, sink, split, l2pf, wgs, raw_ring, tile, sparse in cases:
         t = time.time()
         dump = tempfile.mkdtemp()
@@ -158,8 +201,10 @@ def compile_v3(plan, name: str, stream, heads_list=(16,)) -> int:
             opts = f"--keep-ptx --keep-cubin --dump-dir={dump}"
             kern = MlaAttentionV3(plan, sink, outer, split, l2pf, wgs, raw_ring=raw_ring, heads=tile, sparse=sparse)
             cute.compile(kern, *a, options=opts)
-            use = cubin_usage(max(glob.glob(f"{dump}/*.cubin"), key=os.path.getmtime))
-            problems = check_v3_ptx(open(max(glob.glob(f"{dump}/*.ptx"), key=os.path.getmtime)).read(), tile)
+            cubin = max(glob.glob(f"{dump}/*.cubin"), key=os.path.getmtime)
+            use = cubin_usage(cubin)
+            regs = v3_reg_budget(tile, wgs)
+            problems = check_v3_ptx(open(max(glob.glob(f"{dump}/*.ptx"), key=os.path.getmtime)).read(), tile, regs)
             if use.get("frame", 0) or use.get("stack", 0):
                 problems.append("register spills (stack frame)")
             threads = 128 * (1 + wgs)
@@ -168,6 +213,8 @@ def compile_v3(plan, name: str, stream, heads_list=(16,)) -> int:
             status = "ok " if not problems else "FAILED " + "; ".join(problems) + " "
             failures += bool(problems)
             status += f"regs={use.get('regs')} frame={use.get('frame', 0)}B stack={use.get('stack', 0)}B"
+            if regs:
+                status += f" setmaxnreg consumer={regs[0]} producer={regs[1]}" + _role_registers(cuobjdump, cubin)
         except Exception as exc:  # noqa: BLE001 - report every variant
             failures += 1
             status = f"FAILED {type(exc).__name__}: {str(exc)[:300]}"
@@ -214,7 +261,7 @@ def main(argv=None) -> int:
                 held = v3_blocker(plan, sparse=False, smem_limit=HOPPER_SMEM_PER_BLOCK)
                 if held:
                     print(f"attention {name:18} v3           compiled; dispatch runs v2 until GPU tests pass: {held}", flush=True)
-                failures += compile_v3(plan, name, stream, [int(h) for h in args.heads.split(",")])
+                failures += compile_v3(plan, name, stream, [int(h) for h in args.heads.split(",")], args.cuobjdump)
             else:
                 print(f"attention {name:18} v3           runs v2: {why}", flush=True)
         for heads in (int(h) for h in args.heads.split(",")):

@@ -18,6 +18,7 @@ TESTED_ARCHS = ("sm_90",)
 
 HOPPER_SMEM_PER_BLOCK = 227 * 1024  # shared_memory_per_block_optin of sm_90 parts
 HOPPER_SMEM_PER_SM = 228 * 1024  # shared_memory_per_multiprocessor of sm_90 parts
+HOPPER_REGS_PER_SM = 65536  # 32-bit registers of one sm_90 SM (a v3 CTA has the SM to itself)
 
 
 def arch_name(device) -> str:

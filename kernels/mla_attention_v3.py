@@ -16,7 +16,10 @@ says which launches run here; sparse lists and the 32-head tile are held off unt
   h > 16 may run N = 32 (`attention_tuning.v3_head_tile`): each wgmma then reads its 2 KB A tile (K or V^T)
   for 16 clocks of math instead of 8 (N = 16 is shared-memory bound 2x at 128 B/clock), and every record is
   decoded once per 32 heads; O^T takes 128 registers, S^T 16 (32 with the fold), so the CTA runs one producer
-  warpgroup (256 threads, up to 255 registers each: `v3_producer_wgs`).
+  warpgroup by default (256 threads, up to 255 registers each: `v3_producer_wgs`). Two producer warpgroups at N = 32
+  (a probe, held by `V3_TILE_32_TWO_PRODUCERS` until its GPU tests pass) move registers between the roles with
+  `setmaxnreg` (`attention_tuning.v3_reg_budget`: the producers .dec to 136, the consumer .inc to 232, out of 168
+  each at launch; `.minnctapersm 1` so that ptxas knows the 168: `launch_bounds`).
 - Warp specialisation: warpgroup 0 consumes (Q load, wgmma S^T, online softmax over the key rows, P^T
   to shared memory, wgmma O^T), warpgroups 1.. produce (slot ids, 16-byte cp.async of the records,
   decode into the bf16 K ring; `v3_producer_wgs`: 2, bf16's copy included since session 9). A 2-stage K ring
@@ -34,8 +37,9 @@ says which launches run here; sparse lists and the 32-head tile are held off unt
   of bank conflicts (session 6's "rev 2", bit-identical to the first producer and faster; NOTES.md).
 - No L2 prefetch of records by default (`V3_L2_PREFETCH`, measured slower for the decoded formats);
   `l2_prefetch` > 0 keeps it as a probe (bench v3-pf).
-- No `setmaxnreg`: with two warpgroups and one CTA per SM every thread may already hold 255 registers
-  (65536 / 256), so a per-role budget frees nothing; it pays with 3 warpgroups (see NOTES.md).
+- `setmaxnreg` only where the even share does not hold a role (`v3_reg_budget`): the 16-head tile's 384 threads
+  compile to 124-150 of their 168, the one-producer 32-head tile's 256 threads may hold 255 each; only the
+  two-producer 32-head tile (384 threads, consumer O^T [512, 32]) splits them.
 - Softmax runs along M (keys), which spans the 4 warps: per head a butterfly over the 8 lanes that
   hold its rows and a 4-warp exchange through shared memory (double-buffered by tile parity, one
   named barrier per tile). Masked keys (past the query's length; sparse: an index of -1 or outside the cache,
@@ -69,6 +73,7 @@ from mla_eval_kernels.attention_tuning import (
     v3_raw_ring,
     v3_raw_rings,
     v3_raw_unit,
+    v3_reg_budget,
 )
 from mla_eval_kernels.compile_cache import arch_tag, compiled
 from mla_eval_kernels.device_limits import smem_per_block
@@ -141,8 +146,10 @@ class MlaAttentionV3(MlaAttention):
         self.split = split
         self.fold = fast_e2m1_eligible(plan)
         self.copy_k = is_bf16_plan(plan)
-        # producer warpgroups: the decode is the producer's work (bf16 only copies: one is plenty)
+        # producer warpgroups (`v3_producer_wgs`; another count is a benchmark probe) and, where the CTA's even share
+        # of the registers does not hold the roles, their `setmaxnreg` budgets (consumer, producer; `v3_reg_budget`)
         self.producer_wgs = producer_wgs or v3_producer_wgs(plan, heads)
+        self.regs = v3_reg_budget(heads, self.producer_wgs)
         self.pt = WG * self.producer_wgs  # producer threads
         self.bn = V3_BN
         self.nh = heads  # the head tile: wgmma's N (`attention_tuning.v3_head_tile`)
@@ -220,7 +227,14 @@ class MlaAttentionV3(MlaAttention):
             num_queries, num_heads, idx_stride, num_slots, block_size,
             softmax_scale, s_l, tiles_per_split, num_splits,
             sQ_layout, sK_layout, sVt_outer, vt_one.inner, sP_layout, mma_s, mma_o, SharedStorage,
-        ).launch(grid=grid, block=[WG + self.pt, 1, 1], stream=stream)
+        ).launch(grid=grid, block=[WG + self.pt, 1, 1], stream=stream, **self.launch_bounds())
+
+    def launch_bounds(self) -> dict:
+        """With per-role registers: one CTA per SM (`.minnctapersm 1`), which with `.reqntid` (the block) tells ptxas
+        the registers each thread holds at entry (65536 / threads); without it ptxas drops every `setmaxnreg`
+        ("unable to determine register count at entry", C7508) and spills at the even share. Nothing otherwise:
+        the other kernels stay as they were compiled (and GPU-tested)."""
+        return dict(min_blocks_per_mp=1) if self.regs is not None else {}
 
     @cute.kernel
     def kernel(
@@ -281,11 +295,15 @@ class MlaAttentionV3(MlaAttention):
         # every warpgroup past the first produces: decoded formats run 2 producer warpgroups (ptid 0..255);
         # `== 1` sent warpgroup 2 into the consumer (wrong tidx, 256 arrivals on a 128-thread named barrier)
         if wg_idx >= 1:
+            if cutlass.const_expr(self.regs is not None):  # every warp of the warpgroup runs it (warp-uniform branch)
+                cute.arch.setmaxregister_decrease(self.regs[1])
             self.producer(
                 storage, kpipe, cache_ptr, idx_ptr, qi, idx_stride, num_keys, num_slots, block_size, s_l, t_begin, n_local,
                 tidx - WG,
             )
         else:
+            if cutlass.const_expr(self.regs is not None):  # waits until the producers' .dec returned the registers
+                cute.arch.setmaxregister_increase(self.regs[0])
             self.consumer(
                 storage, kpipe, q_ptr, sink_ptr, out_ptr, lse_ptr, num_queries, num_heads, softmax_scale, s_l,
                 num_splits, split_idx, qi, h0, num_keys, t_begin, n_local, tidx,
@@ -740,12 +758,16 @@ def compile_key(
     heads: int = V3_HEADS, sparse: bool = False,
 ) -> tuple:
     """Every specialisation of a compiled v3 kernel: `heads` is the head tile (the head count, lengths, scales are
-    run-time), `sparse` the slot lists (index lists or block_table)."""
+    run-time), `sparse` the slot lists (index lists or block_table); the per-role register budgets follow from the
+    tile and the producer warpgroups (`v3_reg_budget`) and are named too."""
     stages, keys = raw_ring or v3_raw_ring(plan, heads, sparse)
+    wgs = int(producer_wgs or v3_producer_wgs(plan, heads))
+    regs = v3_reg_budget(heads, wgs)
     return (
         "mla_attention_v3", 1, plan, bool(has_sink), bool(has_outer), bool(split), int(l2_prefetch),
-        int(producer_wgs or v3_producer_wgs(plan, heads)), f"probe={timing_probe}", f"raw={stages}x{keys}",
-        f"heads={int(heads)}", f"sparse={bool(sparse)}", "q=bf16", "acc=f32", arch_tag(device),
+        wgs, f"probe={timing_probe}", f"raw={stages}x{keys}",
+        f"heads={int(heads)}", f"sparse={bool(sparse)}", f"setmaxnreg={'%d/%d' % regs if regs else 'none'}",
+        "q=bf16", "acc=f32", arch_tag(device),
     )
 
 
@@ -774,7 +796,8 @@ def mla_attention_v3(
     """Launch of the v3 kernel, dense (`block_table`, `seq_lens`) or sparse (`indices [N, topk]`: global slot ids,
     invalid outside [0, slots)); arguments as `mla_attention.mla_attention` (which calls this when
     `attention_tuning.generation_for` picks v3). `head_tile` (16 or 32) defaults to `attention_tuning.v3_head_tile`;
-    `l2_prefetch` (key tiles, 0 = none, the default) and `producer_wgs` (default `attention_tuning.v3_producer_wgs`)
+    `l2_prefetch` (key tiles, 0 = none, the default) and `producer_wgs` (default `attention_tuning.v3_producer_wgs`;
+    1 or 2, two at the 32-head tile with per-role registers: a probe, held for dispatch by `v3_producers_held`)
     are for the benchmark's comparison, as is `timing_probe` ("nodec", "nomma": wrong output) and `raw_ring`
     ((stages, keys per stage), default `attention_tuning.v3_raw_ring`; another of `v3_raw_rings` for the comparison)."""
     n, h = q.shape[0], q.shape[1]

@@ -236,7 +236,8 @@ def test_v3_sparse_lists_and_the_32_head_tile_are_held_off_until_their_gpu_tests
     runs v2 with the reason, and h > 16 keeps the 16-head tile with the reason; cleared (as the GPU tests' fixture
     does, and as shipped since), forced v3 runs sparse lists, and h > 16 the 32-head tile. The default (v2 for
     both: timed level with v2) is the same either way."""
-    assert attention_tuning.V3_LAUNCHES_AWAITING_GPU_TESTS == {}  # both passed on the H200 (session 9)
+    # both passed on the H200 (session 9); what may still wait is the two-producer 32-head probe (another test)
+    assert set(attention_tuning.V3_LAUNCHES_AWAITING_GPU_TESTS) <= {attention_tuning.V3_TILE_32_TWO_PRODUCERS}
     monkeypatch.setattr(attention_tuning, "V3_LAUNCHES_AWAITING_GPU_TESTS", {
         attention_tuning.V3_SPARSE: "v3's sparse top-k lists have not yet passed their GPU tests",
         attention_tuning.V3_TILE_32: "v3's 32-head tile has not yet passed its GPU tests",
@@ -273,6 +274,56 @@ def test_v3_sparse_lists_and_the_32_head_tile_are_held_off_until_their_gpu_tests
     monkeypatch.setattr(attention_tuning, "V3_LAUNCHES_AWAITING_GPU_TESTS", {attention_tuning.V3_TILE_32: "probe"})
     assert attention_tuning.v3_blocker(plan_for(get_format("nvfp4")), sparse=True) is None
     assert attention_tuning.v3_head_tile(plan_for(get_format("nvfp4")), 64) == (16, "16-head tiles: probe")
+
+
+def test_two_producer_warpgroups_at_the_32_head_tile_get_per_role_registers():
+    """The 32-head tile with two producer warpgroups (384 threads): 65536 / 384 leaves each thread 168 registers at
+    launch (a multiple of 8), which the consumer's O^T [512, 32] (128 fp32 per thread) plus S^T did not fit (it
+    spilled). `setmaxnreg` moves them: producers 136, consumer 232, exactly the CTA's 168 x 384. Every other v3 CTA
+    keeps the even share (no budget: nothing changes in its kernel)."""
+    consumer, producer = attention_tuning.v3_reg_budget(32, 2)
+    assert (consumer, producer) == attention_tuning.V3_REG_SPLIT == (232, 136)
+    assert consumer * 128 + producer * 256 == 168 * 384 == 64512 <= attention_tuning.HOPPER_REGS_PER_SM
+    assert consumer - 128 >= 2 * 16 + 32  # O^T, then S^T twice (the fold's rope accumulator) and room to spare
+    for heads, wgs in ((16, 1), (16, 2), (32, 1)):
+        assert attention_tuning.v3_reg_budget(heads, wgs) is None, (heads, wgs)
+    with pytest.raises(ValueError, match="producer_wgs must be one of"):
+        attention_tuning.v3_reg_budget(32, 3)
+
+
+@pytest.mark.parametrize("split,why", [
+    ((240, 136), "do not redistribute"),  # 240 x 128 + 136 x 256 = 65536 > the CTA's 64512
+    ((236, 128), "multiple of 8"),
+    ((264, 96), "multiple of 8 in"),  # above 256
+    ((160, 136), "do not redistribute"),  # the consumer below its launch share: .inc would not increase
+    ((232, 176), "do not redistribute"),  # the producers above theirs
+])
+def test_register_budgets_that_the_hardware_refuses_are_refused(split, why, monkeypatch):
+    monkeypatch.setattr(attention_tuning, "V3_REG_SPLIT", split)
+    with pytest.raises(ValueError, match=why):
+        attention_tuning.v3_reg_budget(32, 2)
+
+
+def test_two_producer_warpgroups_at_the_32_head_tile_are_a_held_probe(monkeypatch):
+    """The 32-head tile's default stays one producer warpgroup (the GPU-tested kernel); two are a probe (bench
+    v3-t32-p2). While `V3_TILE_32_TWO_PRODUCERS` is listed, even a default of two would run one and say why; the
+    16-head tile is untouched by the hold."""
+    hold = attention_tuning.V3_TILE_32_TWO_PRODUCERS
+    monkeypatch.setattr(attention_tuning, "V3_LAUNCHES_AWAITING_GPU_TESTS", {hold: "not yet GPU-tested"})
+    for name in V3_RUNS:
+        plan = plan_for(get_format(name))
+        assert attention_tuning.v3_producer_choice(plan, 32) == (1, "32-head tile: 1 producer warpgroup"), name
+        assert attention_tuning.v3_producer_wgs(plan, 16) == 2 and attention_tuning.v3_producer_wgs(plan, 32) == 1
+    assert attention_tuning.v3_producers_held(32, 2) == "not yet GPU-tested"
+    assert attention_tuning.v3_producers_held(32, 1) is None and attention_tuning.v3_producers_held(16, 2) is None
+    nvfp4 = plan_for(get_format("nvfp4"))
+    monkeypatch.setattr(attention_tuning, "V3_WIDE_PRODUCER_WGS", 2)  # a default of two, written before its GPU tests
+    assert attention_tuning.v3_producer_choice(nvfp4, 32) == (1, "one producer warpgroup: not yet GPU-tested")
+    assert attention_tuning.v3_producer_choice(nvfp4, 32, gated=False) == (2, "32-head tile: 2 producer warpgroups")
+    assert attention_tuning.v3_producer_wgs(nvfp4, 16) == 2
+    monkeypatch.setattr(attention_tuning, "V3_LAUNCHES_AWAITING_GPU_TESTS", {})  # as the GPU tests' fixture does
+    assert attention_tuning.v3_producer_choice(nvfp4, 32) == (2, "32-head tile: 2 producer warpgroups")
+    assert attention_tuning.v3_producers_held(32, 2) is None
 
 
 def test_v3_shared_memory_of_the_32_head_tile_and_sparse_lists():
@@ -511,3 +562,29 @@ def test_bench_shapes_include_the_dense_h128_decode(capsys):
     err = capsys.readouterr().err
     assert "unknown e" in err and "expected writer,a,b,c,d" in err
     assert "(d) dense decode, h=128" in bench.__doc__
+
+
+def test_bench_h128_rows_add_the_two_producer_32_head_tile_with_variants(monkeypatch):
+    """Shapes (a) / (d) at h = 128: v3-t16 and v3-t32, and with --variants v3-t32-p2 (two producer warpgroups, per-role
+    registers), marked held while `V3_TILE_32_TWO_PRODUCERS` is listed; the row of the tile dispatch would not pick
+    carries the reason (as before this row existed); formats v3 refuses get no v3 row."""
+    from mla_eval_kernels import bench
+
+    hold = attention_tuning.V3_TILE_32_TWO_PRODUCERS
+    monkeypatch.setattr(attention_tuning, "V3_LAUNCHES_AWAITING_GPU_TESTS", {hold: "not yet GPU-tested"})
+    monkeypatch.setattr(attention_tuning, "V3_AWAITING_GPU_TESTS", {})
+    nvfp4 = plan_for(get_format("nvfp4"))
+    for sparse in (False, True):
+        t16 = ("v3-t16", 16, None, attention_tuning.v3_head_tile(nvfp4, 128, sparse)[1])
+        assert "32-head tiles" in t16[3]
+        assert bench.v3_tile_variants(nvfp4, 128, sparse, False) == [t16, ("v3-t32", 32, None, None)]
+        assert bench.v3_tile_variants(nvfp4, 128, sparse, True) == [
+            t16, ("v3-t32", 32, None, None), ("v3-t32-p2", 32, 2, "not yet GPU-tested"),
+        ]
+    monkeypatch.setattr(attention_tuning, "V3_LAUNCHES_AWAITING_GPU_TESTS", {})
+    assert bench.v3_tile_variants(nvfp4, 128, False, True)[-1] == ("v3-t32-p2", 32, 2, None)
+    # the 32-head tile's own hold marks both of its rows
+    monkeypatch.setattr(attention_tuning, "V3_LAUNCHES_AWAITING_GPU_TESTS", {attention_tuning.V3_TILE_32: "held"})
+    rows = bench.v3_tile_variants(nvfp4, 128, False, True)
+    assert [r[3] for r in rows] == [None, "16-head tiles: held", "16-head tiles: held"], rows
+    assert bench.v3_tile_variants(plan_for(get_format("trtllm_nvfp4_dsa")), 128, True, True) == []

@@ -7,7 +7,9 @@ and 64K keys; for the fp8 records, whose raw ring holds parts of tiles, lengths 
 and every ring that fits (bit-identical outputs). Also:
 Session 9's launches (held off by `V3_LAUNCHES_AWAITING_GPU_TESTS` until these tests passed on the H200, session 9):
 sparse top-k lists at h = 16, 64, 128 (topk 2048 and 777, -1 padding, an all-invalid row, out-of-range ids, a
-sink) and the 32-head tile for dense h = 32, 64, 128, each with and without splits.
+sink) and the 32-head tile for dense h = 32, 64, 128, each with and without splits. Branch wip-t32p2 (held by
+`V3_TILE_32_TWO_PRODUCERS` until its case passes on an H200): the 32-head tile with two producer warpgroups and per-role
+registers (`setmaxnreg`), against the reference and bit-identical to the one-producer kernel.
 MLA_EVAL_ATTENTION_KERNEL=v3 routes dense and sparse launches to v3 and everything v3 does not cover (formats it
 refuses, launches still held outside these tests) to v2; unset, the per-format default
 (`attention_tuning.generation_for`) runs v3 only for the dense decode launches it names, and dispatch
@@ -280,6 +282,11 @@ def test_v3_raw_ring_is_in_the_compile_key(monkeypatch):
     assert "heads=32" in wide and "raw=5x16" in wide and wide[7] == 1 and key("nvfp4")[7] == 2, wide
     sparse = mla_attention_v3.compile_key(nvfp4, False, False, False, None, sparse=True)
     assert "sparse=True" in sparse and len({key("nvfp4"), wide, sparse}) == 3
+    # two producer warpgroups at the 32-head tile: per-role registers, named in the key; nowhere else
+    wide2 = mla_attention_v3.compile_key(nvfp4, False, False, False, None, producer_wgs=2, heads=32)
+    assert wide2[7] == 2 and "setmaxnreg=232/136" in wide2 and wide2 != wide, wide2
+    assert "setmaxnreg=none" in wide and "setmaxnreg=none" in key("nvfp4") and "setmaxnreg=none" in sparse
+    assert "setmaxnreg=none" in mla_attention_v3.compile_key(nvfp4, False, False, False, None, producer_wgs=1)
 
 
 @needs_cuda
@@ -368,6 +375,38 @@ def test_v3_32_head_tile_matches_reference(fmt, heads):
         out, lse = _v3(spec, q, cache, scale, sink=sink_t, outer_scale=s_l, num_splits=splits, **lists)
         _check(out, lse, ref_out, ref_lse, bound, f"v3 32-head tile {fmt} h={heads} splits={splits}")
     assert _tiles_compiled() == {"heads=32"}
+
+
+TWO_PRODUCER_FORMATS = ["nvfp4", "mxfp4", "bf16", "fp8_ds_mla"]
+
+
+@needs_cuda
+@pytest.mark.parametrize("launch", ["dense h=32", "dense h=128", "sparse h=128"])
+@pytest.mark.parametrize("fmt", TWO_PRODUCER_FORMATS)
+def test_v3_32_head_tile_two_producers_match_reference_and_one_producer(fmt, launch):
+    """The 32-head tile with two producer warpgroups and per-role registers (`setmaxnreg`, the bench's v3-t32-p2;
+    held by `V3_TILE_32_TWO_PRODUCERS` until this passes): poisoned outputs against the reference, without and with
+    splits (forced 1 and 3: partials + combine), dense h = 32 (one head tile) and 128 (4, lengths around the 64-key
+    tile, a sink) and sparse h = 128 (topk 777, -1 padding, an all-invalid row, out-of-range ids, a sink); and
+    bit-identical to the one-producer kernel (the default): the producers write the same K tiles, only split over
+    256 threads instead of 128 (nvfp4 / mxfp4: the E2M1 fast decode per 16-key part, 2 items per thread instead of 4;
+    fp8_ds_mla: v2's decode path; bf16: the copy)."""
+    compile_cache.clear()
+    heads = int(launch.split("=")[1])
+    if launch.startswith("sparse"):
+        spec, q, cache, scale, sink_t, s_l, idx, ref_out, ref_lse, bound = _sparse_case(fmt, heads, 777, 5)
+        lists = dict(indices=idx)
+    else:
+        spec, q, cache, scale, sink_t, s_l, lists, ref_out, ref_lse, bound = _case(fmt, heads, LENGTHS, 15, sink=True)
+    for splits in (1, 3):
+        out, lse = _v3(spec, q, cache, scale, sink=sink_t, outer_scale=s_l, num_splits=splits, head_tile=32, producer_wgs=2,
+                       **lists)
+        _check(out, lse, ref_out, ref_lse, bound, f"v3 32-head tile, 2 producers {fmt} {launch} splits={splits}")
+        one, lse1 = _v3(spec, q, cache, scale, sink=sink_t, outer_scale=s_l, num_splits=splits, head_tile=32,
+                        producer_wgs=1, **lists)
+        assert torch.equal(out, one) and torch.equal(lse, lse1), (fmt, launch, splits)
+    got = {(k[7], k[10], k[12]) for k in compile_cache.keys() if k[0] == "mla_attention_v3"}
+    assert got == {(2, "heads=32", "setmaxnreg=232/136"), (1, "heads=32", "setmaxnreg=none")}, got
 
 
 @needs_cuda
@@ -599,3 +638,69 @@ def test_compile_check_reads_registers_from_the_cubin_and_checks_the_ptx(tmp_pat
     assert "0 m64n16k16 wgmma (expected 68)" in compile_check.check_v3_ptx(ptx)
     with pytest.raises(ValueError, match="head tile"):
         MlaAttentionV3(plan, False, True, True, heads=64)
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_the_two_producer_32_head_tile_compiles_with_per_role_registers(sparse, tmp_path):
+    """No GPU needed: the 32-head tile with two producer warpgroups compiles for sm_90a to the launch's even share
+    (168 registers x 384 threads) without a stack frame, because `setmaxnreg` gives the consumer 232 (the PTX has the
+    .inc / .dec and `.minnctapersm 1`, without which ptxas ignores them and spills: 352-416 B of stack in the first
+    build); the one-producer kernel has no `setmaxnreg` and the check says so when one is expected."""
+    import os
+
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    import cuda.bindings.driver as cuda
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32
+
+    from mla_eval_kernels import compile_check
+    from mla_eval_kernels.mla_attention_v3 import MlaAttentionV3
+
+    p = compile_check._p
+    a = (
+        p(cutlass.BFloat16), p(cutlass.Uint8), p(Int32, 4), p(Int32, 4), p(Float32, 4), p(Float32), p(Float32, 4),
+        Int32(4), Int32(128), Int32(64), Int32(4096), Int32(64), Float32(0.1), Float32(1.0), Int32(4), Int32(2), cuda.CUstream(0),
+    )
+    plan = plan_for(get_format("nvfp4"))
+    built = {}
+    for wgs in (2, 1):
+        kern = MlaAttentionV3(plan, True, True, False, producer_wgs=wgs, heads=32, sparse=sparse)
+        dump = tmp_path / f"p{wgs}"
+        dump.mkdir()
+        cute.compile(kern, *a, options=f"--keep-ptx --keep-cubin --dump-dir={dump}")
+        built[wgs] = (kern, compile_check.cubin_usage(str(next(dump.glob("*.cubin")))), next(dump.glob("*.ptx")).read_text())
+    kern, use, ptx = built[2]
+    assert kern.pt == 256 and kern.regs == (232, 136) and kern.launch_bounds() == dict(min_blocks_per_mp=1)
+    assert use["regs"] == 168 and use.get("frame", 0) == 0 and use.get("stack", 0) == 0, use
+    assert compile_check.check_v3_ptx(ptx, 32, kern.regs) == []
+    assert compile_check.check_v3_ptx(ptx, 32) == ["setmaxnreg [('dec', '136'), ('inc', '232')] (expected [])"]
+    bare = ptx.replace(".minnctapersm 1", "")
+    assert compile_check.check_v3_ptx(bare, 32, kern.regs) == ["setmaxnreg without .minnctapersm 1 (ptxas ignores it)"]
+    kern1, use1, ptx1 = built[1]
+    assert kern1.regs is None and kern1.launch_bounds() == {} and use1["regs"] > 168 and use1.get("frame", 0) == 0
+    assert compile_check.check_v3_ptx(ptx1, 32) == []
+    assert compile_check.check_v3_ptx(ptx1, 32, (232, 136)) == [
+        "setmaxnreg [] (expected [('dec', '136'), ('inc', '232')])", "setmaxnreg without .minnctapersm 1 (ptxas ignores it)",
+    ]
+    with pytest.raises(ValueError, match="producer_wgs"):
+        MlaAttentionV3(plan, True, True, False, producer_wgs=3, heads=32)
+
+
+def test_sass_role_registers_reads_each_role_after_its_setmaxnreg():
+    """No GPU needed: the per-role register count compile_check prints (with --cuobjdump) from a SASS listing in
+    ptxas' layout (entry, the producers' DEALLOC, the consumer's ALLOC); RZ is not a register; a listing without that
+    layout gives nothing rather than a wrong split."""
+    from mla_eval_kernels.compile_check import sass_role_registers
+
+    def line(addr, text):
+        return f"        /*{addr:04x}*/                   {text} ;   /* 0x0000000000000000 */"
+
+    sass = "\n".join([
+        line(0x10, "S2R R0, SR_TID.X"), line(0x20, "IMAD R13, R0, R12, RZ"),
+        line(0x30, "USETMAXREG.DEALLOC.CTAPOOL 0x88"), line(0x40, "LDS R74, [R3]"), line(0x50, "EXIT"),
+        line(0x60, "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xe8"), line(0x70, "FFMA R215, R2, R9, RZ"),
+    ])
+    assert sass_role_registers(sass) == {"entry": 14, "producer": 75, "consumer": 216}
+    swapped = sass.replace("DEALLOC", "TMP").replace("TRY_ALLOC", "DEALLOC").replace("TMP", "TRY_ALLOC")
+    assert sass_role_registers(swapped) == {}
+    assert sass_role_registers(line(0x10, "MOV R1, c[0x0][0x28]")) == {}
