@@ -185,6 +185,17 @@ def _random_caches(spec, num_slots: int, copies: int):
     return caches
 
 
+def _dense_problem(spec, batch: int, heads: int, ctx: int, gen):
+    """(q, block_table, seq_lens, cache) of a dense decode shape: `batch` sequences of `ctx` keys each in random
+    64-slot blocks of one random cache, one query of `heads` heads per sequence (shapes b and d)."""
+    blocks = batch * ctx // 64
+    cache = _random_caches(spec, blocks * 64, 1)[0]
+    table = torch.randperm(blocks, device="cuda").view(batch, -1).to(torch.int32)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, heads, 576, device="cuda", dtype=torch.bfloat16, generator=gen)
+    return q, table, lens, cache
+
+
 def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "writer,a,b,c") -> list[dict]:
     """All measurements of one format (called in a worker process); `shapes` picks writer / a / b / c."""
     from mla_eval.attention import dispatch
@@ -274,11 +285,7 @@ def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "wr
     # (b) dense decode, memory-bound
     batch = 32
     for ctx in () if "b" not in shapes else (8192,) if quick else (8192, 32768, 65536):
-        blocks = batch * ctx // 64
-        bcache = _random_caches(spec, blocks * 64, 1)[0]
-        table = torch.randperm(blocks, device="cuda").view(batch, -1).to(torch.int32)
-        lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-        q = torch.randn(batch, 16, 576, device="cuda", dtype=torch.bfloat16, generator=gen)
+        q, table, lens, bcache = _dense_problem(spec, batch, 16, ctx, gen)
 
         def fb(i, q=q, table=table, lens=lens, bcache=bcache, ctx=ctx):
             return dispatch.mla_attention_dense(
@@ -364,11 +371,7 @@ def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "wr
 
     # (d) dense decode at h = 128: the default launch (v2) and v3 per head tile
     for ctx in () if "d" not in shapes else (8192,) if quick else (8192, 32768):
-        blocks = batch * ctx // 64
-        dcache = _random_caches(spec, blocks * 64, 1)[0]
-        table = torch.randperm(blocks, device="cuda").view(batch, -1).to(torch.int32)
-        lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-        q = torch.randn(batch, 128, 576, device="cuda", dtype=torch.bfloat16, generator=gen)
+        q, table, lens, dcache = _dense_problem(spec, batch, 128, ctx, gen)
 
         def fd(i, q=q, table=table, lens=lens, dcache=dcache, ctx=ctx):
             return dispatch.mla_attention_dense(

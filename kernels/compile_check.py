@@ -47,6 +47,17 @@ def _p(dtype, align=16):
     return make_ptr(dtype, 1 << 20, cute.AddressSpace.gmem, assumed_align=align)
 
 
+def attention_args(heads: int = 16, stream=None) -> tuple:
+    """Placeholder launch arguments of the attention kernels (v1/v2 `MlaAttention`, v3 `MlaAttentionV3`: the same
+    entry signature) for compiling without a device: pointers (q, cache, lists, outputs), then the runtime scalars.
+    `heads` is a runtime value: it does not change the cubin."""
+    return (
+        _p(cutlass.BFloat16), _p(cutlass.Uint8), _p(Int32, 4), _p(Int32, 4), _p(Float32, 4),
+        _p(Float32), _p(Float32, 4), Int32(4), Int32(heads), Int32(64), Int32(4096), Int32(64),
+        Float32(0.1), Float32(1.0), Int32(4), Int32(2), stream if stream is not None else cuda.CUstream(0),
+    )
+
+
 def _usage(cuobjdump: str | None, dump_dir: str) -> str:
     if not cuobjdump:
         return ""
@@ -192,11 +203,7 @@ def compile_v3(plan, name: str, stream, heads_list=(16,), cuobjdump: str | None 
     for outer, sink, split, l2pf, wgs, raw_ring, tile, sparse in cases:
         t = time.time()
         dump = tempfile.mkdtemp()
-        a = (
-            _p(cutlass.BFloat16), _p(cutlass.Uint8), _p(Int32, 4), _p(Int32, 4), _p(Float32, 4),
-            _p(Float32), _p(Float32, 4), Int32(4), Int32(16), Int32(64), Int32(4096), Int32(64),
-            Float32(0.1), Float32(1.0), Int32(4), Int32(2), stream,
-        )
+        a = attention_args(16, stream)
         try:
             opts = f"--keep-ptx --keep-cubin --dump-dir={dump}"
             kern = MlaAttentionV3(plan, sink, outer, split, l2pf, wgs, raw_ring=raw_ring, heads=tile, sparse=sparse)
@@ -278,11 +285,7 @@ def main(argv=None) -> int:
             cases = [(v, sp, sl) for v in variants for sp in (False, True) for sl in (False, True)]
             for (version, tile, tuning), sparse, split in cases:
                 t = time.time()
-                a = (
-                    _p(cutlass.BFloat16), _p(cutlass.Uint8), _p(Int32, 4), _p(Int32, 4), _p(Float32, 4),
-                    _p(Float32), _p(Float32, 4), Int32(4), Int32(heads), Int32(64), Int32(4096), Int32(64),
-                    Float32(0.1), Float32(1.0), Int32(4), Int32(2), stream,
-                )
+                a = attention_args(heads, stream)
                 try:
                     kern = MlaAttention(plan, tile, sparse, sparse, plan.outer_allowed, split, tuning)
                     cute.compile(kern, *a, options=opts)

@@ -576,18 +576,12 @@ def test_v3_timing_probes_compile(probe, fmt, tmp_path):
     import os
 
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-    import cuda.bindings.driver as cuda
     import cutlass.cute as cute
-    from cutlass import Float32, Int32
 
     from mla_eval_kernels import compile_check
     from mla_eval_kernels.mla_attention_v3 import MlaAttentionV3
 
-    p = compile_check._p
-    a = (
-        p(cutlass.BFloat16), p(cutlass.Uint8), p(Int32, 4), p(Int32, 4), p(Float32, 4), p(Float32), p(Float32, 4),
-        Int32(4), Int32(16), Int32(64), Int32(4096), Int32(64), Float32(0.1), Float32(1.0), Int32(4), Int32(2), cuda.CUstream(0),
-    )
+    a = compile_check.attention_args(16)
     plan = plan_for(get_format(fmt))
     kern = MlaAttentionV3(plan, False, plan.outer_allowed, True, timing_probe=probe)
     cute.compile(kern, *a, options=f"--keep-ptx --keep-cubin --dump-dir={tmp_path}")
@@ -603,18 +597,12 @@ def test_compile_check_reads_registers_from_the_cubin_and_checks_the_ptx(tmp_pat
     import os
 
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-    import cuda.bindings.driver as cuda
     import cutlass.cute as cute
-    from cutlass import Float32, Int32
 
     from mla_eval_kernels import compile_check
     from mla_eval_kernels.mla_attention_v3 import MlaAttentionV3
 
-    p = compile_check._p
-    a = (
-        p(cutlass.BFloat16), p(cutlass.Uint8), p(Int32, 4), p(Int32, 4), p(Float32, 4), p(Float32), p(Float32, 4),
-        Int32(4), Int32(16), Int32(64), Int32(4096), Int32(64), Float32(0.1), Float32(1.0), Int32(4), Int32(2), cuda.CUstream(0),
-    )
+    a = compile_check.attention_args(16)
     plan = plan_for(get_format("nvfp4"))
     cute.compile(MlaAttentionV3(plan, False, True, True), *a, options=f"--keep-ptx --keep-cubin --dump-dir={tmp_path}")
     use = compile_check.cubin_usage(str(next(tmp_path.glob("*.cubin"))))
@@ -649,18 +637,12 @@ def test_the_two_producer_32_head_tile_compiles_with_per_role_registers(sparse, 
     import os
 
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-    import cuda.bindings.driver as cuda
     import cutlass.cute as cute
-    from cutlass import Float32, Int32
 
     from mla_eval_kernels import compile_check
     from mla_eval_kernels.mla_attention_v3 import MlaAttentionV3
 
-    p = compile_check._p
-    a = (
-        p(cutlass.BFloat16), p(cutlass.Uint8), p(Int32, 4), p(Int32, 4), p(Float32, 4), p(Float32), p(Float32, 4),
-        Int32(4), Int32(128), Int32(64), Int32(4096), Int32(64), Float32(0.1), Float32(1.0), Int32(4), Int32(2), cuda.CUstream(0),
-    )
+    a = compile_check.attention_args(128)
     plan = plan_for(get_format("nvfp4"))
     built = {}
     for wgs in (2, 1):

@@ -110,3 +110,14 @@ def test_bad_configs(tmp_path, fields, match):
 def test_random_model_refuses_device_map():
     with pytest.raises(UserError, match="random model is built on --device"):
         load_model("random:glm-5", device="cpu", device_map="auto")
+
+
+def test_random_models_get_the_stock_attention_of_their_family():
+    """A random:<preset> model runs the attention a loaded checkpoint of its family gets (the stock forward the
+    benchmarks compare with): SDPA, eager only for the DSA families whose indexer needs the materialised mask.
+    Session 9's first DeepSeek-V3 kld-window benchmark compared with an eager stock forward (211 ms vs SDPA 67.5)."""
+    from mla_eval.model.random_models import random_config
+
+    for preset, want in (("deepseek-v3", "sdpa"), ("kimi-k2", "sdpa"), ("deepseek-v3.2", "eager"), ("glm-5.2", "eager")):
+        config, _ = random_config(parse_random_spec(f"random:{preset}:layers=1"), 1000)
+        assert config._attn_implementation == want, preset

@@ -39,6 +39,13 @@ SUPPORTED = {
 DSA_TYPES = ("deepseek_v32", "glm_moe_dsa")
 
 
+def stock_attention(model_type: str) -> str:
+    """The transformers attention implementation a model of `model_type` is built with (loaded checkpoints and
+    random:<preset> models alike): SDPA, except eager where a DSA indexer needs the materialised attention mask. It is
+    also the stock forward the benchmarks compare our cache path with."""
+    return "eager" if model_type in DSA_TYPES else "sdpa"
+
+
 def check_supported(config) -> None:
     model_type = getattr(config, "model_type", None)
     if model_type == "deepseek_v4":

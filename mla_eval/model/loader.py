@@ -14,7 +14,7 @@ import torch
 
 from mla_eval.errors import UserError
 from mla_eval.formats import check_model_dims
-from mla_eval.model.adapter import DSA_TYPES, SUPPORTED, MlaAdapter, check_supported
+from mla_eval.model.adapter import DSA_TYPES, SUPPORTED, MlaAdapter, check_supported, stock_attention
 from mla_eval.model.indexer import INDEXER_FIELDS
 from mla_eval.model.random_models import build_random_model, is_random_spec, parse_random_spec
 from mla_eval.model.rope_scaling import apply_yarn, describe, parse_rope_scaling
@@ -277,8 +277,7 @@ def _load_checkpoint(
         raise UserError(
             f"{path} has no usable tokenizer ({str(exc).splitlines()[0]}); copy the checkpoint's tokenizer files next to it"
         ) from None
-    # DSA indexers need a materialised attention mask: run those models with eager attention.
-    attn = "eager" if config.model_type in DSA_TYPES else "sdpa"
+    attn = stock_attention(config.model_type)
     try:
         extra = {"device_map": "auto"} if device_map == "auto" else {}
         if cap is not None:

@@ -23,7 +23,7 @@ import dataclasses
 import torch
 
 from mla_eval.errors import UserError
-from mla_eval.model.adapter import DSA_TYPES
+from mla_eval.model.adapter import stock_attention
 from mla_eval.model_presets import ModelPreset, get_preset, preset_names
 
 PREFIX = "random:"
@@ -119,9 +119,7 @@ def random_config(spec: RandomSpec, vocab_size: int):
         kw["mlp_layer_types"] = ["dense"] * spec.layers
     family = _FAMILY[cfg["model_type"]]
     config = getattr(transformers, f"{family}Config")(**kw)
-    # the attention a loaded checkpoint of the family gets (loader.load_model): eager only where a DSA indexer needs the
-    # materialised mask, else SDPA, so that the stock forward a benchmark compares with is the SDPA one
-    config._attn_implementation = "eager" if cfg["model_type"] in DSA_TYPES else "sdpa"
+    config._attn_implementation = stock_attention(cfg["model_type"])  # as a loaded checkpoint of the family
     return config, getattr(transformers, f"{family}ForCausalLM")
 
 
