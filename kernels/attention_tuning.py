@@ -69,10 +69,13 @@ V3_L2_PREFETCH = 0
 V3_L2_PREFETCH_PROBE = 2
 V3_DECODE_PRODUCER_WGS = 2  # producer warpgroups of a v3 CTA, every format (`v3_producer_wgs`; bench: v3-p1 has one)
 V3_PRODUCER_WGS_CHOICES = (1, 2)  # what a launch may ask for (bench probes, tests); more would not fit the registers
-# The 32-head tile's default: one producer warpgroup (the GPU-tested kernel, session 9; `v3_producer_wgs`). Two run
-# only with per-role register budgets (`v3_reg_budget`) and are a probe (bench v3-t32-p2) until timed; while
-# V3_TILE_32_TWO_PRODUCERS is held, a default of 2 here would still run 1 (`v3_producer_choice` says why).
-V3_WIDE_PRODUCER_WGS = 1
+# The 32-head tile's default: two producer warpgroups with per-role registers (`v3_reg_budget`). Session 10's H200
+# run (results/kernels/bench-NVIDIA_H200-2026-12-04-session10-v3h.json; h = 128; ms, one producer -> two) timed two
+# faster for bf16 and fp8_ds_mla everywhere (fp8_ds_mla sparse batch 64 0.224 -> 0.199, dense 32K 1.694 -> 1.393;
+# bf16 0.251 -> 0.232, 1.736 -> 1.488) and for the nvfp4 records' dense lists (nvfp4 32K 1.495 -> 1.344), but 2-5 %
+# slower for their sparse lists (nvfp4 batch 64 0.199 -> 0.203), which the default sends to v2 anyway (`generation_for`).
+# Its GPU tests passed in the same session (`device_v3h.sh kernp2`: 31 passed). Bench probe: v3-t32-p1.
+V3_WIDE_PRODUCER_WGS = 2
 # Per-role register budgets of a 384-thread v3 CTA (one consumer, two producer warpgroups) at the 32-head tile, set by
 # `setmaxnreg` after the role split: the launch gives each thread 65536 / 384 -> 168 registers (a multiple of 8), the
 # consumer holds O^T [512, 32] = 128 fp32 registers per thread besides S^T (16, +16 with the fold), which spilled at
@@ -119,10 +122,23 @@ V3_TILE_32_TWO_PRODUCERS = "head_tile_32_two_producers"
 # Sparse lists and the 32-head tile passed on the H200 in session 9 (tests/test_kernels_v3_gpu.py's sparse / head-tile
 # cases, 31, and the v3 cases of tests/test_kernels_gpu.py, 43; results/h200/session9/). Not in the default: bench (a)
 # and (d) timed the 32-head tile level with v2 (nvfp4 sparse h=128 batch 64: v2 0.206 ms, v3-t32 0.203, v3-t16 0.333).
-V3_LAUNCHES_AWAITING_GPU_TESTS: dict[str, str] = {
-    # branch wip-t32p2 (session 9, CPU only): compiled for sm_90a without a stack frame, never run on a device
-    V3_TILE_32_TWO_PRODUCERS: "v3's 32-head tile with two producer warpgroups (setmaxnreg) has not yet passed its GPU "
-    "tests (tests/test_kernels_v3_gpu.py::test_v3_32_head_tile_two_producers_match_reference_and_one_producer)",
+# The 32-head tile with two producer warpgroups passed in session 10 (tests/test_kernels_v3_gpu.py -k "two_producer or
+# head_tile or sass_role or compile_key": 31 passed; results/h200/session10/).
+V3_LAUNCHES_AWAITING_GPU_TESTS: dict[str, str] = {}
+# Launches with more than one head tile (h > 16) that run v3 by default, by format and list kind: where session 10's
+# H200 bench (h = 128, batch 32-128; results/kernels/bench-NVIDIA_H200-2026-12-04-session10-v3h.json; ms, v2 -> v3's
+# 32-head tile, two producer warpgroups) timed v3 faster at every size:
+#   fp8_ds_mla        sparse top-2048 batch 64 0.259 -> 0.199, batch 128 0.505 -> 0.386; dense 8K 0.504 -> 0.359,
+#                     32K 1.877 -> 1.393
+#   nvfp4             dense 8K 0.389 -> 0.349, 32K 1.482 -> 1.344   (sparse: v2 0.203 / 0.394, v3 0.199-0.203 / 0.389-0.399)
+#   nvfp4_fp8_ds_mla  dense 8K 0.376 -> 0.351, 32K 1.409 -> 1.311   (sparse: v2 0.196 / 0.384, v3 0.195-0.202 / 0.375-0.394)
+# Everything else stays on v2: within a few per cent either way (bf16: sparse 0.213 vs 0.232, dense 0.398 vs 0.397 /
+# 1.510 vs 1.488; the nvfp4 records' sparse lists) or not timed (fp8_ds_mla_pow2, fp8_e4m3, the other E2M1 records).
+# Measured at h = 128 only; h = 32..64 follow the same rule (each 32-head tile's CTA does the same work whatever h).
+V3_WIDE_DEFAULT: dict[str, tuple[str, ...]] = {
+    "fp8_ds_mla": ("dense", "sparse"),
+    "nvfp4": ("dense",),
+    "nvfp4_fp8_ds_mla": ("dense",),
 }
 # A reason the default above must not run yet (a policy written without its GPU tests): while set, the unset
 # default stays v2 everywhere and says why. None since tests/test_kernels_v3_gpu.py passed on the H200
@@ -240,9 +256,8 @@ def v3_producer_wgs(plan, heads: int = V3_HEADS) -> int:
     v2 0.738), the two bit-identical in the GPU tests (test_v3_probes_write_the_same_k_tiles). The 32-head tile runs
     one by default (`V3_WIDE_PRODUCER_WGS`): its consumer holds O^T [512, 32] (128 fp32 registers per thread), which
     384 threads at an even 168 registers each cannot hold without spilling, 256 threads (255 each) can; and per head
-    it decodes half as many records, while one producer warpgroup cost 3.5 % at h = 16 (bench v3-p1, session 6).
-    Two producer warpgroups at the 32-head tile run with per-role registers (`v3_reg_budget`, `setmaxnreg`): a probe
-    (bench v3-t32-p2), held by `V3_TILE_32_TWO_PRODUCERS` (`v3_producer_choice`)."""
+    it decodes half as many records. So two producer warpgroups at the 32-head tile run with per-role registers
+    (`v3_reg_budget`, `setmaxnreg`): `V3_WIDE_PRODUCER_WGS`, timed faster than one in session 10 (bench v3-t32-p1)."""
     return v3_producer_choice(plan, heads)[0]
 
 
@@ -344,9 +359,10 @@ def generation_for(
     T for the prefill-as-decode path, whose T queries per sequence each read a prefix of one list).
     MLA_EVAL_ATTENTION_KERNEL forces v1, v2 or v3 (v3 only where `v3_blocker` has no objection: else v2,
     and `why` is the blocker; h > 16 also names the head tile, `v3_head_tile`). Unset, v3 runs where it was
-    measured faster (`V3_DEFAULT_FORMATS`): dense launches of one head tile (h <= 16: the measured CTA work;
-    more heads re-read the records once per head tile, where v2's 64-row tile reads them once) with one query
-    per sequence; everything else v2 (sparse top-k lists and h > 16 included: v3 timed level with v2 there)."""
+    measured faster: dense launches of one head tile (h <= 16) of `V3_DEFAULT_FORMATS` with one query per
+    sequence, and launches of more heads (32-head tiles) of the formats and list kinds `V3_WIDE_DEFAULT` names;
+    everything else v2 (more heads re-read each record once per head tile, where v2's 64-row tile reads it once:
+    v3 won there only where its decode or copy gained more than that costs)."""
     forced = forced_generation()
     if forced in ("v1", "v2"):
         return forced, f"{ENV}={forced}"
@@ -361,11 +377,14 @@ def generation_for(
         return "v2", f"default: v3 not measured faster for {plan.name}"
     if blocker:
         return "v2", blocker
+    kind = "sparse" if sparse else "dense"
+    if heads > V3_HEADS and kind in V3_WIDE_DEFAULT.get(plan.name, ()) and queries_per_seq == 1:
+        tile = v3_head_tile(plan, heads, sparse, smem_limit)[1]
+        return "v3", f"default: v3 measured faster for {plan.name}'s {kind} lists at h = 128 ({tile})"
     if sparse:
-        return "v2", "default: v3 not measured faster for sparse top-k lists (h = 128: level with v2)"
+        return "v2", f"default: v3 not measured faster for {plan.name}'s sparse top-k lists (h = 128)"
     if heads > V3_HEADS:
-        return "v2", (f"default: v3 measured faster at one head tile (h <= {V3_HEADS}), not h = {heads} (32-head tiles "
-                      "at h = 128: level with v2)")
+        return "v2", f"default: v3 not measured faster for {plan.name} at h > {V3_HEADS} (dense, h = 128)"
     if queries_per_seq > 1:
         return "v2", f"default: v3 measured at one query per sequence, not {queries_per_seq}"
     if V3_DEFAULT_PENDING:

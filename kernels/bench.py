@@ -30,8 +30,8 @@ their v3 rows with `--variants` only, marked `v3_held` (the reason): run their G
 At h = 128 ((a) with `--variants`, and (d) always) v3 runs once per head tile: rows v3-t16 and v3-t32
 (`attention_tuning.V3_HEAD_TILES`), marked `v3_held` while `V3_LAUNCHES_AWAITING_GPU_TESTS` (sparse lists, the
 32-head tile) or `V3_AWAITING_GPU_TESTS` keeps dispatch off them; the default row beside them says what dispatch runs.
-With `--variants`, also v3-t32-p2 there: the 32-head tile with two producer warpgroups and per-role registers
-(`setmaxnreg`; a probe, marked `v3_held` while `V3_TILE_32_TWO_PRODUCERS` is listed).
+With `--variants`, also the 32-head tile with the other producer warpgroup count there: v3-t32-p1 (the default is two,
+with per-role registers, `setmaxnreg`; v3-t32-p2, marked `v3_held`, while `V3_TILE_32_TWO_PRODUCERS` is listed).
 
 Compiling every kernel takes seconds each, so one worker process per format compiles and warms
 up in parallel; the timed part runs under an exclusive file lock, one worker at a time.

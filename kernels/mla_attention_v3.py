@@ -15,9 +15,9 @@ says which launches run here; sparse lists and the 32-head tile are held off unt
   O^T lives in 64 fp32 registers per consumer thread (512 x 16 / 128), S^T in 8 (16 with the fold).
   h > 16 may run N = 32 (`attention_tuning.v3_head_tile`): each wgmma then reads its 2 KB A tile (K or V^T)
   for 16 clocks of math instead of 8 (N = 16 is shared-memory bound 2x at 128 B/clock), and every record is
-  decoded once per 32 heads; O^T takes 128 registers, S^T 16 (32 with the fold), so the CTA runs one producer
-  warpgroup by default (256 threads, up to 255 registers each: `v3_producer_wgs`). Two producer warpgroups at N = 32
-  (a probe, held by `V3_TILE_32_TWO_PRODUCERS` until its GPU tests pass) move registers between the roles with
+  decoded once per 32 heads; O^T takes 128 registers, S^T 16 (32 with the fold), more than an even share of 384
+  threads holds, so two producer warpgroups at N = 32 (the default since session 10; one, 256 threads with up to
+  255 registers each, is the bench's v3-t32-p1 probe) move registers between the roles with
   `setmaxnreg` (`attention_tuning.v3_reg_budget`: the producers .dec to 136, the consumer .inc to 232, out of 168
   each at launch; `.minnctapersm 1` so that ptxas knows the 168: `launch_bounds`).
 - Warp specialisation: warpgroup 0 consumes (Q load, wgmma S^T, online softmax over the key rows, P^T

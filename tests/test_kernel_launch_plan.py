@@ -304,26 +304,26 @@ def test_register_budgets_that_the_hardware_refuses_are_refused(split, why, monk
         attention_tuning.v3_reg_budget(32, 2)
 
 
-def test_two_producer_warpgroups_at_the_32_head_tile_are_a_held_probe(monkeypatch):
-    """The 32-head tile's default stays one producer warpgroup (the GPU-tested kernel); two are a probe (bench
-    v3-t32-p2). While `V3_TILE_32_TWO_PRODUCERS` is listed, even a default of two would run one and say why; the
-    16-head tile is untouched by the hold."""
-    hold = attention_tuning.V3_TILE_32_TWO_PRODUCERS
-    monkeypatch.setattr(attention_tuning, "V3_LAUNCHES_AWAITING_GPU_TESTS", {hold: "not yet GPU-tested"})
+def test_two_producer_warpgroups_are_the_32_head_tiles_default_and_a_hold_keeps_one(monkeypatch):
+    """The 32-head tile runs two producer warpgroups by default since session 10 (GPU tests passed, timed faster than
+    one); the 16-head tile has two as well. Were `V3_TILE_32_TWO_PRODUCERS` listed again (a rewritten kernel awaiting
+    its GPU tests), the 32-head tile would run one and say why, and the 16-head tile would be untouched."""
+    assert attention_tuning.V3_WIDE_PRODUCER_WGS == 2
+    assert attention_tuning.V3_TILE_32_TWO_PRODUCERS not in attention_tuning.V3_LAUNCHES_AWAITING_GPU_TESTS
     for name in V3_RUNS:
         plan = plan_for(get_format(name))
-        assert attention_tuning.v3_producer_choice(plan, 32) == (1, "32-head tile: 1 producer warpgroup"), name
-        assert attention_tuning.v3_producer_wgs(plan, 16) == 2 and attention_tuning.v3_producer_wgs(plan, 32) == 1
-    assert attention_tuning.v3_producers_held(32, 2) == "not yet GPU-tested"
-    assert attention_tuning.v3_producers_held(32, 1) is None and attention_tuning.v3_producers_held(16, 2) is None
+        assert attention_tuning.v3_producer_choice(plan, 32) == (2, "32-head tile: 2 producer warpgroups"), name
+        assert attention_tuning.v3_producer_wgs(plan, 16) == 2
+    hold = attention_tuning.V3_TILE_32_TWO_PRODUCERS
+    monkeypatch.setattr(attention_tuning, "V3_LAUNCHES_AWAITING_GPU_TESTS", {hold: "not yet GPU-tested"})
     nvfp4 = plan_for(get_format("nvfp4"))
-    monkeypatch.setattr(attention_tuning, "V3_WIDE_PRODUCER_WGS", 2)  # a default of two, written before its GPU tests
     assert attention_tuning.v3_producer_choice(nvfp4, 32) == (1, "one producer warpgroup: not yet GPU-tested")
     assert attention_tuning.v3_producer_choice(nvfp4, 32, gated=False) == (2, "32-head tile: 2 producer warpgroups")
     assert attention_tuning.v3_producer_wgs(nvfp4, 16) == 2
-    monkeypatch.setattr(attention_tuning, "V3_LAUNCHES_AWAITING_GPU_TESTS", {})  # as the GPU tests' fixture does
-    assert attention_tuning.v3_producer_choice(nvfp4, 32) == (2, "32-head tile: 2 producer warpgroups")
-    assert attention_tuning.v3_producers_held(32, 2) is None
+    assert attention_tuning.v3_producers_held(32, 2) == "not yet GPU-tested"
+    assert attention_tuning.v3_producers_held(32, 1) is None and attention_tuning.v3_producers_held(16, 2) is None
+    monkeypatch.setattr(attention_tuning, "V3_WIDE_PRODUCER_WGS", 1)
+    assert attention_tuning.v3_producer_choice(nvfp4, 32) == (1, "32-head tile: 1 producer warpgroup")
 
 
 def test_v3_shared_memory_of_the_32_head_tile_and_sparse_lists():
@@ -357,11 +357,12 @@ def test_v3_shared_memory_of_the_32_head_tile_and_sparse_lists():
     for name, ring in want32.items():
         for sparse in (False, True):
             assert attention_tuning.v3_raw_ring(plan_for(get_format(name)), 32, sparse) == ring, (name, sparse)
-    # the 32-head tile runs one producer warpgroup: O^T [512, 32] is 128 fp32 registers per consumer thread, which
-    # 384 threads (168 registers each) cannot hold; the 16-head tile keeps two for decoded records
+    # both tiles run two producer warpgroups (the 32-head tile with per-role registers: O^T [512, 32] is 128 fp32
+    # registers per consumer thread, which 384 threads at an even 168 each cannot hold)
     for name in V3_RUNS:
         plan = plan_for(get_format(name))
-        assert attention_tuning.v3_producer_wgs(plan, 32) == 1
+        assert attention_tuning.v3_producer_wgs(plan, 32) == 2
+        assert attention_tuning.v3_reg_budget(32, attention_tuning.v3_producer_wgs(plan, 32)) == (232, 136)
         assert attention_tuning.v3_producer_wgs(plan) == attention_tuning.v3_producer_wgs(plan, 16)
 
 
@@ -406,12 +407,14 @@ def _gen(name, monkeypatch, forced=None, **launch):
 
 def test_default_generation_is_v3_only_where_it_was_measured_faster(monkeypatch):
     """Unset: dense decode launches (h <= 16, one query per sequence) of the formats the H200 run timed
-    faster under v3 run v3 (every format v3 covers since session 9, bf16 included); formats v3 refuses,
-    sparse lists, more than one head tile and many queries per sequence (prefill-as-decode) run v2."""
+    faster under v3 run v3 (every format v3 covers since session 9, bf16 included); at h > 16 (32-head tiles) only
+    the formats and list kinds session 10 timed faster (fp8_ds_mla dense and sparse, nvfp4 and nvfp4_fp8_ds_mla
+    dense); formats v3 refuses, other sparse lists, and many queries per sequence (prefill-as-decode) run v2."""
     monkeypatch.setattr(attention_tuning, "V3_DEFAULT_PENDING", None)  # the policy as it runs once validated
     measured = set(attention_tuning.V3_DEFAULT_FORMATS)
     assert measured == {"nvfp4", "nvfp4_fp8rope", "nvfp4_fp8rope_st", "nvfp4_fp8_ds_mla", "mxfp4", "fp8_ds_mla",
                         "fp8_ds_mla_pow2", "fp8_e4m3", "bf16"}
+    wide = {("fp8_ds_mla", "dense"), ("fp8_ds_mla", "sparse"), ("nvfp4", "dense"), ("nvfp4_fp8_ds_mla", "dense")}
     for name in ("bf16", "nvfp4", "nvfp4_fp8rope", "nvfp4_fp8rope_st", "nvfp4_fp8_ds_mla", "mxfp4", "fp8_ds_mla",
                  "fp8_ds_mla_pow2", "fp8_e4m3", "trtllm_nvfp4_dsa", "trtllm_nvfp4_dsa_r64"):
         for heads in (1, 2, 8, 16):
@@ -421,19 +424,21 @@ def test_default_generation_is_v3_only_where_it_was_measured_faster(monkeypatch)
         # every format the default sends to v3 is one v3 covers
         if name in measured:
             assert attention_tuning.v3_blocker(plan_for(get_format(name)), False) is None
-        for launch in (dict(sparse=True), dict(heads=17), dict(heads=32), dict(heads=128), dict(queries_per_seq=2),
-                       dict(queries_per_seq=2048, heads=8)):
+        for launch in (dict(sparse=True), dict(queries_per_seq=2), dict(queries_per_seq=2048, heads=8),
+                       dict(queries_per_seq=2, heads=128)):
             gen, why = _gen(name, monkeypatch, **launch)
             assert gen == "v2" and why, (name, launch)
+        for sparse in (False, True):
+            for heads in (17, 32, 64, 128):
+                gen, why = _gen(name, monkeypatch, heads=heads, sparse=sparse)
+                want = "v3" if (name, "sparse" if sparse else "dense") in wide else "v2"
+                assert gen == want, (name, heads, sparse, why)
+                if want == "v3":
+                    assert "measured faster" in why and "32-head tiles" in why, why
     assert "one query per sequence, not 2048" in _gen("nvfp4", monkeypatch, queries_per_seq=2048, heads=8)[1]
-    assert "head tile" in _gen("nvfp4", monkeypatch, heads=32)[1]
-    assert "not measured faster for sparse top-k lists" in _gen("nvfp4", monkeypatch, sparse=True)[1]
-    # the holds cleared (as the GPU tests do), the default still runs v2 for sparse lists and h > 16: not faster
-    monkeypatch.setattr(attention_tuning, "V3_LAUNCHES_AWAITING_GPU_TESTS", {})
-    assert _gen("nvfp4", monkeypatch, sparse=True) == (
-        "v2", "default: v3 not measured faster for sparse top-k lists (h = 128: level with v2)")
-    gen, why = _gen("nvfp4", monkeypatch, heads=128)
-    assert gen == "v2" and "one head tile" in why, why
+    assert _gen("nvfp4", monkeypatch, heads=32, sparse=True) == (
+        "v2", "default: v3 not measured faster for nvfp4's sparse top-k lists (h = 128)")
+    assert _gen("bf16", monkeypatch, heads=128) == ("v2", "default: v3 not measured faster for bf16 at h > 16 (dense, h = 128)")
     assert "not measured faster for trtllm_nvfp4_dsa" in _gen("trtllm_nvfp4_dsa", monkeypatch)[1]
     # a device whose CTAs cannot hold v3's stages: the blocker is the reason, v2 runs
     gen, why = _gen("nvfp4", monkeypatch, smem_limit=200 * 1024)
@@ -565,9 +570,10 @@ def test_bench_shapes_include_the_dense_h128_decode(capsys):
 
 
 def test_bench_h128_rows_add_the_two_producer_32_head_tile_with_variants(monkeypatch):
-    """Shapes (a) / (d) at h = 128: v3-t16 and v3-t32, and with --variants v3-t32-p2 (two producer warpgroups, per-role
-    registers), marked held while `V3_TILE_32_TWO_PRODUCERS` is listed; the row of the tile dispatch would not pick
-    carries the reason (as before this row existed); formats v3 refuses get no v3 row."""
+    """Shapes (a) / (d) at h = 128: v3-t16 and v3-t32, and with --variants the 32-head tile with the other producer
+    warpgroup count: v3-t32-p1 since two are the default (session 10); while `V3_TILE_32_TWO_PRODUCERS` is listed the
+    default is one and the probe v3-t32-p2, marked held; the row of the tile dispatch would not pick carries the
+    reason; formats v3 refuses get no v3 row."""
     from mla_eval_kernels import bench
 
     hold = attention_tuning.V3_TILE_32_TWO_PRODUCERS
@@ -582,7 +588,7 @@ def test_bench_h128_rows_add_the_two_producer_32_head_tile_with_variants(monkeyp
             t16, ("v3-t32", 32, None, None), ("v3-t32-p2", 32, 2, "not yet GPU-tested"),
         ]
     monkeypatch.setattr(attention_tuning, "V3_LAUNCHES_AWAITING_GPU_TESTS", {})
-    assert bench.v3_tile_variants(nvfp4, 128, False, True)[-1] == ("v3-t32-p2", 32, 2, None)
+    assert bench.v3_tile_variants(nvfp4, 128, False, True)[-1] == ("v3-t32-p1", 32, 1, None)
     # the 32-head tile's own hold marks both of its rows
     monkeypatch.setattr(attention_tuning, "V3_LAUNCHES_AWAITING_GPU_TESTS", {attention_tuning.V3_TILE_32: "held"})
     rows = bench.v3_tile_variants(nvfp4, 128, False, True)

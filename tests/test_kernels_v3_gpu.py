@@ -7,12 +7,12 @@ and 64K keys; for the fp8 records, whose raw ring holds parts of tiles, lengths 
 and every ring that fits (bit-identical outputs). Also:
 Session 9's launches (held off by `V3_LAUNCHES_AWAITING_GPU_TESTS` until these tests passed on the H200, session 9):
 sparse top-k lists at h = 16, 64, 128 (topk 2048 and 777, -1 padding, an all-invalid row, out-of-range ids, a
-sink) and the 32-head tile for dense h = 32, 64, 128, each with and without splits. Branch wip-t32p2 (held by
-`V3_TILE_32_TWO_PRODUCERS` until its case passes on an H200): the 32-head tile with two producer warpgroups and per-role
-registers (`setmaxnreg`), against the reference and bit-identical to the one-producer kernel.
+sink) and the 32-head tile for dense h = 32, 64, 128, each with and without splits. The 32-head tile with two producer
+warpgroups and per-role registers (`setmaxnreg`; held by `V3_TILE_32_TWO_PRODUCERS` until its case passed on the H200
+in session 10, the 32-head tile's default since), against the reference and bit-identical to the one-producer kernel.
 MLA_EVAL_ATTENTION_KERNEL=v3 routes dense and sparse launches to v3 and everything v3 does not cover (formats it
 refuses, launches still held outside these tests) to v2; unset, the per-format default
-(`attention_tuning.generation_for`) runs v3 only for the dense decode launches it names, and dispatch
+(`attention_tuning.generation_for`) runs v3 only for the launches it names, and dispatch
 records the generation each launch ran.
 """
 
@@ -384,11 +384,11 @@ TWO_PRODUCER_FORMATS = ["nvfp4", "mxfp4", "bf16", "fp8_ds_mla"]
 @pytest.mark.parametrize("launch", ["dense h=32", "dense h=128", "sparse h=128"])
 @pytest.mark.parametrize("fmt", TWO_PRODUCER_FORMATS)
 def test_v3_32_head_tile_two_producers_match_reference_and_one_producer(fmt, launch):
-    """The 32-head tile with two producer warpgroups and per-role registers (`setmaxnreg`, the bench's v3-t32-p2;
-    held by `V3_TILE_32_TWO_PRODUCERS` until this passes): poisoned outputs against the reference, without and with
+    """The 32-head tile with two producer warpgroups and per-role registers (`setmaxnreg`; the default since this
+    passed in session 10, the bench's v3-t32-p1 row is the other count): poisoned outputs against the reference, without and with
     splits (forced 1 and 3: partials + combine), dense h = 32 (one head tile) and 128 (4, lengths around the 64-key
     tile, a sink) and sparse h = 128 (topk 777, -1 padding, an all-invalid row, out-of-range ids, a sink); and
-    bit-identical to the one-producer kernel (the default): the producers write the same K tiles, only split over
+    bit-identical to the one-producer kernel: the producers write the same K tiles, only split over
     256 threads instead of 128 (nvfp4 / mxfp4: the E2M1 fast decode per 16-key part, 2 items per thread instead of 4;
     fp8_ds_mla: v2's decode path; bf16: the copy)."""
     compile_cache.clear()
