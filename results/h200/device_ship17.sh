@@ -6,7 +6,7 @@
 #              writes confirm-gate.json and STOPS the script (exit 4) unless every task is >= 0.9 (FORCE=1 goes on)
 #     grid     the RULER-style grid: 3 tasks x 4K/16K/64K x 50 prompts, bf16 + GRID_FORMATS, paired tests vs bf16
 #     kld64    mla-eval kld --ctx 64K on the long held-out documents, every format in KLD_FORMATS, depth buckets to 64K
-#     yarn     96K and 128K cells under --rope-scaling yarn:2 for bf16 + YARN_FORMATS
+#     yarn     96K and 128K cells under --rope-scaling yarn:2 for bf16 + YARN_FORMATS (yarn96 / yarn128: one length)
 #     full     mla-eval run recipes/h200-full.toml (wikitext-2 KLD for nine formats + the pass-key grid)
 # Needs (carried, never committed): .devdata/wiki-long.txt (+ .note; results/long/make_wiki_long.py),
 # .devdata/wiki.test.raw, .devwheels/js; CuTe DSL installed by an earlier call of the same warm machine or by
@@ -75,6 +75,12 @@ kld64)
 yarn)
     needle 96k-yarn2 200 96K "$YARN_FORMATS" --rope-scaling yarn:2
     needle 128k-yarn2 300 128K "$YARN_FORMATS" --rope-scaling yarn:2
+    ;;
+yarn96)  # one length per step, for calls that cannot hold both (about 47 s per format at 96K, 75 s at 128K)
+    needle 96k-yarn2 $((60 + 50 * $(echo "bf16,$YARN_FORMATS" | tr ',' '\n' | wc -l))) 96K "$YARN_FORMATS" --rope-scaling yarn:2
+    ;;
+yarn128)
+    needle 128k-yarn2 $((60 + 80 * $(echo "bf16,$YARN_FORMATS" | tr ',' '\n' | wc -l))) 128K "$YARN_FORMATS" --rope-scaling yarn:2
     ;;
 full)
     step "mla-eval run recipes/h200-full.toml"
