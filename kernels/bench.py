@@ -1,13 +1,14 @@
 """Benchmark of the cache writer and MLA attention kernels, with ceilings measured in the same run.
 
     python -m mla_eval_kernels.bench [--formats nvfp4,bf16] [--out results/kernels] [--quick] [--variants]
-        [--shapes writer,a,b,c,d]
+        [--shapes writer,a,b,c,d] [--heads 128]
 
 Shapes (issue 4; d: issue 14):
-  (a) sparse decode, DeepSeek-V3.2: h=128, top-k 2048, batch 64 and 128 (compute-bound)
+  (a) sparse decode, DeepSeek-V3.2: h=128 (or --heads), top-k 2048, batch 64 and 128 (compute-bound)
   (b) dense decode, h=16, context 8K / 32K / 64K, batch 32 (memory-bound)
   (c) teacher-forced prefill-as-decode: 2048 queries, causal over 2048 slots, h=8 (the default model)
-  (d) dense decode, h=128, context 8K / 32K, batch 32 (issue 14's dense h=128 target; not in the default --shapes)
+  (d) dense decode, h=128 (or --heads), context 8K / 32K, batch 32 (issue 14's dense h=128 target; not in the
+      default --shapes); the shape is named d_dense_decode_h<heads>
   writer: 65536 tokens
 Reported: median time over timed runs (CUDA events; rotating cache copies so the L2 holds none),
 cache GB/s (record bytes read), TFLOP/s (2 * (576 + 512) per query, head, key), ratios to the
@@ -50,6 +51,8 @@ from pathlib import Path
 
 import torch
 
+from mla_eval import provenance
+from mla_eval.atomic_io import write_json_atomic
 from mla_eval.formats import all_formats, get_format
 
 SLOTS_A = 1 << 18
@@ -196,8 +199,9 @@ def _dense_problem(spec, batch: int, heads: int, ctx: int, gen):
     return q, table, lens, cache
 
 
-def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "writer,a,b,c") -> list[dict]:
-    """All measurements of one format (called in a worker process); `shapes` picks writer / a / b / c."""
+def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "writer,a,b,c", heads: int = 128) -> list[dict]:
+    """All measurements of one format (called in a worker process); `shapes` picks writer / a / b / c / d; `heads`
+    is the head count of shapes (a) and (d) (128: DeepSeek-V3's; 64 / 32: the same model on 2 / 4 GPUs of TP)."""
     from mla_eval.attention import dispatch
     from mla_eval_kernels import mla_attention as kernel
     from mla_eval_kernels.attention_tuning import (
@@ -256,7 +260,7 @@ def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "wr
     # (a) sparse decode
     caches = _random_caches(spec, SLOTS_A, 4) if shapes & {"a", "c"} else None
     for n in () if "a" not in shapes else (64,) if quick else (64, 128):
-        q = torch.randn(n, 128, 576, device="cuda", dtype=torch.bfloat16, generator=gen)
+        q = torch.randn(n, heads, 576, device="cuda", dtype=torch.bfloat16, generator=gen)
         idx = torch.argsort(torch.rand(n, SLOTS_A, device="cuda", generator=gen), dim=1)[:, :2048].to(torch.int32)
 
         def fa(i, q=q, idx=idx):
@@ -272,14 +276,14 @@ def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "wr
         ref = ref_a if name == "nvfp4" and n == 64 else None
         todo.append(
             (
-                "a_sparse_decode", dict(batch=n, heads=128, topk=2048, kernel=ran(True, 128)), fa,
-                n * 2048 * spec.record_bytes, flops(n, 128, 2048), ref,
+                "a_sparse_decode", dict(batch=n, heads=heads, topk=2048, kernel=ran(True, heads)), fa,
+                n * 2048 * spec.record_bytes, flops(n, heads, 2048), ref,
             )
         )
         if variants:  # v3 beside the default (v2): sparse lists, 16- and 32-head tiles
             v3_tile_rows(
-                "a_sparse_decode", dict(batch=n, heads=128, topk=2048), 128, True, n * 2048 * spec.record_bytes,
-                flops(n, 128, 2048), lambda i, q=q, idx=idx: dict(q=q, cache=caches[i % 4], indices=idx),
+                "a_sparse_decode", dict(batch=n, heads=heads, topk=2048), heads, True, n * 2048 * spec.record_bytes,
+                flops(n, heads, 2048), lambda i, q=q, idx=idx: dict(q=q, cache=caches[i % 4], indices=idx),
             )
 
     # (b) dense decode, memory-bound
@@ -369,9 +373,10 @@ def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "wr
                     )
                 )
 
-    # (d) dense decode at h = 128: the default launch (v2) and v3 per head tile
+    # (d) dense decode at h = `heads` (128 unless asked): the default launch and v3 per head tile
+    d_shape = f"d_dense_decode_h{heads}"
     for ctx in () if "d" not in shapes else (8192,) if quick else (8192, 32768):
-        q, table, lens, dcache = _dense_problem(spec, batch, 128, ctx, gen)
+        q, table, lens, dcache = _dense_problem(spec, batch, heads, ctx, gen)
 
         def fd(i, q=q, table=table, lens=lens, dcache=dcache, ctx=ctx):
             return dispatch.mla_attention_dense(
@@ -379,11 +384,11 @@ def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "wr
                 max_seq_len=ctx, backend="kernel",
             )
 
-        dparams = dict(batch=batch, heads=128, context=ctx)
-        nbytes, nflop = batch * ctx * spec.record_bytes, flops(batch, 128, ctx)
-        todo.append(("d_dense_decode_h128", dict(dparams, kernel=ran(False, 128)), fd, nbytes, nflop, None))
+        dparams = dict(batch=batch, heads=heads, context=ctx)
+        nbytes, nflop = batch * ctx * spec.record_bytes, flops(batch, heads, ctx)
+        todo.append((d_shape, dict(dparams, kernel=ran(False, heads)), fd, nbytes, nflop, None))
         v3_tile_rows(
-            "d_dense_decode_h128", dparams, 128, False, nbytes, nflop,
+            d_shape, dparams, heads, False, nbytes, nflop,
             lambda i, q=q, table=table, lens=lens, dcache=dcache, ctx=ctx: dict(
                 q=q, cache=dcache, block_table=table, seq_lens=lens, max_seq_len=ctx
             ),
@@ -466,6 +471,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")
     ap.add_argument("--variants", action="store_true", help="v1 / v2 / v3 and probe variants side by side at (a), (b)")
     ap.add_argument("--shapes", default="writer,a,b,c", help="comma-separated subset of writer,a,b,c,d")
+    ap.add_argument("--heads", type=int, default=128,
+                    help="query heads of shapes (a) and (d) (default 128, DeepSeek-V3; 64 / 32 for 2 / 4 GPUs of TP)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.formats is None:
@@ -474,8 +481,15 @@ def main(argv=None) -> int:
     if bad:
         print(f"error: --shapes: unknown {','.join(sorted(bad))} (expected writer,a,b,c,d)", file=sys.stderr)
         return 2
+    if not 16 < args.heads <= 128 or args.heads % 16:
+        print(f"error: --heads {args.heads}: shapes (a) and (d) time more than one 16-head tile; give a multiple of 16 "
+              "in 32..128", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("error: the benchmark times CUDA kernels and sees no CUDA GPU; run it on one (e.g. the H200)", file=sys.stderr)
+        return 2
     if args.worker:
-        run_format(args.worker, args.quick, args.variants, args.shapes)
+        run_format(args.worker, args.quick, args.variants, args.shapes, args.heads)
         return 0
 
     gpu = torch.cuda.get_device_name()
@@ -488,7 +502,7 @@ def main(argv=None) -> int:
     for name in args.formats.split(","):
         cmd = [sys.executable, "-m", "mla_eval_kernels.bench", "--worker", name] + (["--quick"] if args.quick else [])
         cmd += ["--variants"] if args.variants else []
-        cmd += ["--shapes", args.shapes]
+        cmd += ["--shapes", args.shapes, "--heads", str(args.heads)]
         procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     rows, failed = [], []
     for name, p in procs.items():
@@ -500,12 +514,15 @@ def main(argv=None) -> int:
         r["copy_ratio"] = r["cache_gb_s"] / (ceil["copy_tb_s"] * 1e3)
         if r.get("tflop_s"):
             r["matmul_ratio"] = r["tflop_s"] / ceil["bf16_matmul_tflop_s"]
+    # what computed these numbers: the command, the code (commit or source digest), CuTe DSL
     doc = {"gpu": gpu, "capability": list(torch.cuda.get_device_capability()), "ceilings": ceil, "rows": rows,
-           "failed_formats": failed, "torch": torch.__version__}
+           "failed_formats": failed, "torch": torch.__version__, "cutlass_dsl": provenance.cutlass_dsl_version(),
+           "command": ["python", "-m", "mla_eval_kernels.bench", *(sys.argv[1:] if argv is None else argv)],
+           "code": provenance.code_identity()}
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"bench-{gpu.replace(' ', '_')}.json"
-    path.write_text(json.dumps(doc, indent=2) + "\n")
+    write_json_atomic(path, doc)
     print(f"\n{'format':18} {'shape':20} {'kernel':16} {'params':34} "
           f"{'ms':>9} {'GB/s':>7} {'%copy':>6} {'TFLOP/s':>8} {'%mm':>5} {'x ref':>6}")
     for r in rows:

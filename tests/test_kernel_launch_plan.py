@@ -569,6 +569,17 @@ def test_bench_shapes_include_the_dense_h128_decode(capsys):
     assert "(d) dense decode, h=128" in bench.__doc__
 
 
+@pytest.mark.parametrize("heads", ["8", "16", "20", "136", "0"])
+def test_bench_heads_of_the_multi_tile_shapes_are_checked_before_any_gpu_work(heads, capsys):
+    """--heads sets shapes (a) and (d)'s head count (DeepSeek-V3 on 1 / 2 / 4 GPUs of TP: 128 / 64 / 32): a count
+    that is not several 16-head tiles up to 128 is one line naming the range, exit 2, before CUDA is touched."""
+    from mla_eval_kernels import bench
+
+    assert bench.main(["--heads", heads, "--formats", "nvfp4"]) == 2
+    err = capsys.readouterr().err
+    assert f"--heads {heads}" in err and "multiple of 16 in 32..128" in err and "\n" == err[-1] and err.count("\n") == 1
+
+
 def test_bench_h128_rows_add_the_two_producer_32_head_tile_with_variants(monkeypatch):
     """Shapes (a) / (d) at h = 128: v3-t16 and v3-t32, and with --variants the 32-head tile with the other producer
     warpgroup count: v3-t32-p1 since two are the default (session 10); while `V3_TILE_32_TWO_PRODUCERS` is listed the

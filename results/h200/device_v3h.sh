@@ -13,6 +13,8 @@
 #   bench    (a) sparse decode h=128 topk 2048 batch 64/128 with --variants and (d) dense decode h=128 batch 32, 8K /
 #            32K: default row (v2), v3-t16, v3-t32, v3-t32-p2 (marked v3_held while held), for bf16, nvfp4, fp8_ds_mla,
 #            nvfp4_fp8_ds_mla
+#   benchmore (a) and (d) at h=128 for fp8_ds_mla_pow2, fp8_e4m3 and the other E2M1 records, then at h=64 and h=32 (--heads)
+#            for the four formats of `bench`: what V3_WIDE_DEFAULT may add, by measurement
 # If kernp2 passes: delete V3_LAUNCHES_AWAITING_GPU_TESTS["head_tile_32_two_producers"] (commit with the logs); make two
 # producer warpgroups the 32-head tile's default (V3_WIDE_PRODUCER_WGS = 2) only where v3-t32-p2 beats v3-t32; the
 # default policy (generation_for: v2 for sparse lists and h > 16) changes only where a v3 row beats the default row.
@@ -38,7 +40,14 @@ bench)
     step "bench (a) variants and (d): v2, v3-t16, v3-t32, v3-t32-p2 at h=128"
     gpu_bench 550 bench-v3h --shapes a,d --variants --formats bf16,nvfp4,fp8_ds_mla,nvfp4_fp8_ds_mla
     ;;
-*) echo "unknown step $w (kern, kernp2, kernfull, bench)"; exit 2 ;;
+benchmore)
+    step "bench (a)/(d) at h=128 for the v3 formats session 10 did not time there, then h=64 and h=32"
+    gpu_bench 300 bench-v3h-more --shapes a,d --variants --formats fp8_ds_mla_pow2,fp8_e4m3,nvfp4_fp8rope,nvfp4_fp8rope_st,mxfp4
+    for h in 64 32; do
+        gpu_bench 300 "bench-v3h-h$h" --shapes a,d --variants --heads "$h" --formats bf16,nvfp4,fp8_ds_mla,nvfp4_fp8_ds_mla
+    done
+    ;;
+*) echo "unknown step $w (kern, kernp2, kernfull, bench, benchmore)"; exit 2 ;;
 esac
 done
 step "done"
