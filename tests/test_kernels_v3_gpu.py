@@ -279,13 +279,15 @@ def test_v3_raw_ring_is_in_the_compile_key(monkeypatch):
     nvfp4 = plan_for(get_format("nvfp4"))
     assert "heads=16" in key("nvfp4") and "sparse=False" in key("nvfp4")
     wide = mla_attention_v3.compile_key(nvfp4, False, False, False, None, heads=32)
-    assert "heads=32" in wide and "raw=5x16" in wide and wide[7] == 1 and key("nvfp4")[7] == 2, wide
+    assert "heads=32" in wide and "raw=5x16" in wide and wide[7] == 2 and key("nvfp4")[7] == 2, wide
     sparse = mla_attention_v3.compile_key(nvfp4, False, False, False, None, sparse=True)
     assert "sparse=True" in sparse and len({key("nvfp4"), wide, sparse}) == 3
-    # two producer warpgroups at the 32-head tile: per-role registers, named in the key; nowhere else
-    wide2 = mla_attention_v3.compile_key(nvfp4, False, False, False, None, producer_wgs=2, heads=32)
-    assert wide2[7] == 2 and "setmaxnreg=232/136" in wide2 and wide2 != wide, wide2
-    assert "setmaxnreg=none" in wide and "setmaxnreg=none" in key("nvfp4") and "setmaxnreg=none" in sparse
+    # two producer warpgroups at the 32-head tile (its default since session 10): per-role registers, named in the
+    # key; one producer (the v3-t32-p1 probe) and the 16-head tile have none
+    assert "setmaxnreg=232/136" in wide, wide
+    wide1 = mla_attention_v3.compile_key(nvfp4, False, False, False, None, producer_wgs=1, heads=32)
+    assert wide1[7] == 1 and "setmaxnreg=none" in wide1 and wide1 != wide, wide1
+    assert "setmaxnreg=none" in key("nvfp4") and "setmaxnreg=none" in sparse
     assert "setmaxnreg=none" in mla_attention_v3.compile_key(nvfp4, False, False, False, None, producer_wgs=1)
 
 
@@ -612,11 +614,12 @@ def test_compile_check_reads_registers_from_the_cubin_and_checks_the_ptx(tmp_pat
     broken = ptx.replace("wgmma.mma_async.sync.aligned.m64n16k16", "wgmma.mma_async.sync.aligned.m64n8k16", 1)
     assert "67 m64n16k16 wgmma (expected 68)" in compile_check.check_v3_ptx(broken)
     assert "expected one CTA-wide barrier" in compile_check.check_v3_ptx(ptx + "\n\tbar.sync \t0;\n")
-    # the 32-head tile with sparse lists: m64n32k16 wgmma, one producer warpgroup (256 threads) whose registers fit
-    # the SM without a stack frame (O^T [512, 32] is 128 fp32 registers per consumer thread)
+    # the 32-head tile with sparse lists and one producer warpgroup (the v3-t32-p1 probe; two are the default, with
+    # per-role registers: another test): m64n32k16 wgmma, 256 threads whose registers fit the SM without a stack
+    # frame (O^T [512, 32] is 128 fp32 registers per consumer thread)
     wide = tmp_path / "wide"
     wide.mkdir()
-    kern = MlaAttentionV3(plan, True, True, False, heads=32, sparse=True)
+    kern = MlaAttentionV3(plan, True, True, False, heads=32, sparse=True, producer_wgs=1)
     assert kern.pt == 128 and kern.slot_cols == 4
     cute.compile(kern, *a, options=f"--keep-ptx --keep-cubin --dump-dir={wide}")
     use = compile_check.cubin_usage(str(next(wide.glob("*.cubin"))))
