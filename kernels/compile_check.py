@@ -102,9 +102,10 @@ def cubin_usage(path: str) -> dict:
     return out
 
 
-def check_v3_ptx(ptx: str, heads: int = 16, regs: tuple[int, int] | None = None) -> list[str]:
+def check_v3_ptx(ptx: str, heads: int = 16, regs: tuple[int, int] | None = None, tile_copies: int = 1) -> list[str]:
     """What the v3 design promises, read from its PTX: 36 + 32 wgmma per key tile (S^T over 576
-    dims, O^T over 8 x 4 m64nNk16 steps, N = `heads`, the head tile), mbarrier waits (the K ring), named
+    dims, O^T over 8 x 4 m64nNk16 steps, N = `heads`, the head tile) in each of the consumer's `tile_copies` copies
+    of its tile code (`MlaAttentionV3.tile_copies`: consumer rev 2 unrolls the tile loop), mbarrier waits (the K ring), named
     warpgroup barriers, and exactly one CTA-wide barrier (after the mbarrier init). `regs` (consumer, producer):
     one `setmaxnreg.inc` to the first and one `.dec` to the second, with `.minnctapersm 1` (without which ptxas
     ignores them); None: no `setmaxnreg` at all."""
@@ -116,8 +117,8 @@ def check_v3_ptx(ptx: str, heads: int = 16, regs: tuple[int, int] | None = None)
     if regs and not re.search(r"^\s*\.minnctapersm\s+1\s*$", ptx, re.M):
         problems.append("setmaxnreg without .minnctapersm 1 (ptxas ignores it)")
     n_wgmma = len(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{heads}k16\.f32\.bf16\.bf16", ptx))
-    if n_wgmma != 68:
-        problems.append(f"{n_wgmma} m64n{heads}k16 wgmma (expected 68)")
+    if n_wgmma != 68 * tile_copies:
+        problems.append(f"{n_wgmma} m64n{heads}k16 wgmma (expected {68 * tile_copies})")
     if "mbarrier.try_wait" not in ptx and "mbarrier.test_wait" not in ptx:
         problems.append("no mbarrier wait")
     if len(re.findall(r"bar(?:rier)?\.sync(?:\.aligned)?\s+0\s*;", ptx)) != 1:
@@ -158,8 +159,12 @@ def compile_v3(plan, name: str, stream, heads_list=(16,), cuobjdump: str | None 
     """Compile every v3 specialisation of one format (dense 16-head tile: every (outer, sink, split) and the
     bench's probes; each head tile `heads_list` selects, sparse and dense: split with and without, the sink on
     the unsplit one, the outer scale where the format has one; the 32-head tile also with two producer warpgroups,
-    the bench's v3-t32-p2); returns the number of failures."""
+    the bench's v3-t32-p2), all with the default consumer (`V3_CONSUMER_REV`), and every one but the probes with the
+    other consumer revisions too (`V3_CONSUMER_REVS`: the bench's v3-c<rev> rows, the GPU tests' comparison); returns
+    the number of failures."""
     from mla_eval_kernels.attention_tuning import (  # noqa: PLC0415
+        V3_CONSUMER_REV,
+        V3_CONSUMER_REVS,
         V3_HEADS,
         V3_L2_PREFETCH,
         V3_L2_PREFETCH_PROBE,
@@ -185,9 +190,9 @@ def compile_v3(plan, name: str, stream, heads_list=(16,), cuobjdump: str | None 
     probe = plan.outer_allowed, False, True
     ring = v3_raw_ring(plan)
     cases = [(*c, ring, V3_HEADS, False) for c in cases]
-    cases += [(*probe, V3_L2_PREFETCH_PROBE, pwg, ring, V3_HEADS, False)]
-    cases += [(*probe, V3_L2_PREFETCH, 3 - pwg, ring, V3_HEADS, False)]
-    cases += [(*probe, V3_L2_PREFETCH, pwg, r, V3_HEADS, False) for r in v3_raw_rings(plan)[1:]]  # bench v3-r<S>x<K>
+    probes = [(*probe, V3_L2_PREFETCH_PROBE, pwg, ring, V3_HEADS, False)]
+    probes += [(*probe, V3_L2_PREFETCH, 3 - pwg, ring, V3_HEADS, False)]
+    probes += [(*probe, V3_L2_PREFETCH, pwg, r, V3_HEADS, False) for r in v3_raw_rings(plan)[1:]]  # bench v3-r<S>x<K>
     # the launches of session 9: sparse top-k lists and the 32-head tile (held off until their GPU tests pass)
     tiles = sorted({v3_head_tile(plan, h, sparse, gated=False)[0] for h in heads_list for sparse in (False, True)})
     for tile in tiles:
@@ -200,18 +205,23 @@ def compile_v3(plan, name: str, stream, heads_list=(16,), cuobjdump: str | None 
                 for wgs in counts:
                     cases.append((plan.outer_allowed, sink, split, V3_L2_PREFETCH, wgs, v3_raw_ring(plan, tile, sparse), tile,
                                   sparse))
-    for outer, sink, split, l2pf, wgs, raw_ring, tile, sparse in cases:
+    revs = [V3_CONSUMER_REV] + [r for r in V3_CONSUMER_REVS if r != V3_CONSUMER_REV]
+    cases = [(*c, V3_CONSUMER_REV) for c in cases + probes] + [(*c, r) for r in revs[1:] for c in cases]
+    for outer, sink, split, l2pf, wgs, raw_ring, tile, sparse, crev in cases:
         t = time.time()
         dump = tempfile.mkdtemp()
         a = attention_args(16, stream)
         try:
             opts = f"--keep-ptx --keep-cubin --dump-dir={dump}"
-            kern = MlaAttentionV3(plan, sink, outer, split, l2pf, wgs, raw_ring=raw_ring, heads=tile, sparse=sparse)
+            kern = MlaAttentionV3(
+                plan, sink, outer, split, l2pf, wgs, raw_ring=raw_ring, heads=tile, sparse=sparse, consumer_rev=crev
+            )
             cute.compile(kern, *a, options=opts)
             cubin = max(glob.glob(f"{dump}/*.cubin"), key=os.path.getmtime)
             use = cubin_usage(cubin)
             regs = v3_reg_budget(tile, wgs)
-            problems = check_v3_ptx(open(max(glob.glob(f"{dump}/*.ptx"), key=os.path.getmtime)).read(), tile, regs)
+            ptx = open(max(glob.glob(f"{dump}/*.ptx"), key=os.path.getmtime)).read()
+            problems = check_v3_ptx(ptx, tile, regs, kern.tile_copies)
             if use.get("frame", 0) or use.get("stack", 0):
                 problems.append("register spills (stack frame)")
             threads = 128 * (1 + wgs)
@@ -228,7 +238,7 @@ def compile_v3(plan, name: str, stream, heads_list=(16,), cuobjdump: str | None 
         lists = "sparse" if sparse else "dense "
         print(
             f"attention {name:18} v3           {lists} tile={tile} outer={outer!s:5} sink={sink!s:5} split={split!s:5} "
-            f"l2pf={l2pf} producer_wgs={wgs} raw={raw_ring[0]}x{raw_ring[1]} "
+            f"l2pf={l2pf} producer_wgs={wgs} raw={raw_ring[0]}x{raw_ring[1]} consumer={crev} "
             f"{time.time() - t:5.1f}s {status}",
             flush=True,
         )

@@ -140,6 +140,9 @@ class MlaAttentionV3(MlaAttention):
         if consumer_rev not in V3_CONSUMER_REVS:
             raise ValueError(f"consumer_rev must be one of {V3_CONSUMER_REVS}, not {consumer_rev}")
         self.consumer_rev = consumer_rev  # the consumer's per-tile code (`attention_tuning.V3_CONSUMER_REV`)
+        # copies of the consumer's tile code in the kernel: rev 2 unrolls the tile loop by the K ring's stages (a loop
+        # body of V3_K_STAGES tiles, then up to V3_K_STAGES - 1 remainder tiles); compile_check counts wgmma by it
+        self.tile_copies = 1 if consumer_rev == 1 else 2 * V3_K_STAGES - 1
         # benchmark only, wrong output: "nodec" leaves the K tile undecoded (the producer still copies and
         # hands over each tile), "nomma" drops the consumer's 68 wgmma per tile (softmax on zeros)
         self.probe = timing_probe

@@ -686,3 +686,82 @@ def test_sass_role_registers_reads_each_role_after_its_setmaxnreg():
     swapped = sass.replace("DEALLOC", "TMP").replace("TRY_ALLOC", "DEALLOC").replace("TMP", "TRY_ALLOC")
     assert sass_role_registers(swapped) == {}
     assert sass_role_registers(line(0x10, "MOV R1, c[0x0][0x28]")) == {}
+
+
+# consumer rev 2 (`attention_tuning.V3_CONSUMER_REV`, held at 1 until this passes on an H200 and a bench times it)
+CONSUMER_FORMATS = ["nvfp4", "bf16", "fp8_ds_mla", "mxfp4"]
+# dense lengths: 0 keys, 1 .. 4 + 1 tiles (even and odd tile counts: rev 2 runs tiles in pairs, then the remainder),
+# one short of / past the 64-key tile, and 33 tiles (long runs where no head's running max moves: the skipped rescale)
+CONSUMER_LENGTHS = [0, *LENGTHS, 4 * BLOCK + 1, 33 * BLOCK - 5]
+
+
+@needs_cuda
+@pytest.mark.parametrize("launch", ["dense h=16", "dense h=32", "sparse h=16", "sparse h=128"])
+@pytest.mark.parametrize("fmt", CONSUMER_FORMATS)
+def test_v3_consumer_rev2_bitwise_equals_rev1(fmt, launch):
+    """Consumer rev 2 (tile loop unrolled by the K ring's stages, lazy O^T rescale) computes every value as rev 1 does:
+    outputs and lse bit-identical to rev 1 (NaN-poisoned outputs and split partials), and within the reference bound;
+    dense h = 16 (the 16-head tile) and h = 32 (the 32-head tile), sparse h = 16 and 128 (topk 777: -1 padding, an
+    all-invalid row, out-of-range ids), a sink, the split heuristic, one CTA per query and 3 forced splits (empty
+    splits and odd / even tile counts per split)."""
+    compile_cache.clear()
+    heads = int(launch.split("=")[1])
+    if launch.startswith("sparse"):
+        spec, q, cache, scale, sink_t, s_l, idx, ref_out, ref_lse, bound = _sparse_case(fmt, heads, 777, 21)
+        lists, rows = dict(indices=idx), slice(None)
+    else:
+        blocks = -(-max(CONSUMER_LENGTHS) // BLOCK) + 4
+        spec, q, cache, scale, sink_t, s_l, lists, ref_out, ref_lse, bound = _case(
+            fmt, heads, CONSUMER_LENGTHS, 21, blocks=blocks, sink=True
+        )
+        rows = slice(1, None)  # row 0 has no key: out 0, lse -inf (checked below)
+    tile = 16 if heads <= 16 else 32
+    for splits in (None, 1, 3):
+        one, lse1 = _v3(spec, q, cache, scale, sink=sink_t, outer_scale=s_l, num_splits=splits, head_tile=tile,
+                        consumer_rev=1, **lists)
+        two, lse2 = _v3(spec, q, cache, scale, sink=sink_t, outer_scale=s_l, num_splits=splits, head_tile=tile,
+                        consumer_rev=2, **lists)
+        _check(two[rows], lse2[rows], ref_out[rows], ref_lse[rows], bound, f"v3 consumer rev 2 {fmt} {launch} splits={splits}")
+        assert torch.equal(two, one) and torch.equal(lse2, lse1), (fmt, launch, splits)
+        if rows.start == 1:
+            assert torch.all(two[0] == 0) and torch.all(torch.isneginf(lse2[0]))
+    got = {x for k in compile_cache.keys() if k[0] == "mla_attention_v3" for x in k if str(x).startswith("consumer=")}
+    assert got == {"consumer=1", "consumer=2"}, got
+
+
+@pytest.mark.parametrize("launch", ["dense h=16", "sparse h=32"])
+def test_v3_consumer_rev2_compiles_and_is_in_the_compile_key(launch, tmp_path, monkeypatch):
+    """No GPU needed: consumer rev 2 compiles for sm_90a without a stack frame, its PTX holds the tile code
+    `tile_copies` times (68 wgmma each: the loop body of two tiles and the remainder tile); rev 1, the default, once;
+    the revision is a specialisation the compile key names; another revision is refused."""
+    import os
+
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    import cutlass.cute as cute
+
+    from mla_eval_kernels import compile_check, mla_attention_v3
+    from mla_eval_kernels.mla_attention_v3 import MlaAttentionV3
+
+    heads, sparse = int(launch.split("=")[1]), launch.startswith("sparse")
+    a = compile_check.attention_args(heads)
+    plan = plan_for(get_format("nvfp4"))
+    for rev, copies in ((1, 1), (2, 3)):
+        kern = MlaAttentionV3(plan, True, True, True, heads=heads, sparse=sparse, consumer_rev=rev)
+        assert kern.tile_copies == copies
+        dump = tmp_path / f"c{rev}"
+        dump.mkdir()
+        cute.compile(kern, *a, options=f"--keep-ptx --keep-cubin --dump-dir={dump}")
+        use = compile_check.cubin_usage(str(next(dump.glob("*.cubin"))))
+        assert use.get("frame", 0) == 0 and use.get("stack", 0) == 0, (rev, use)
+        ptx = next(dump.glob("*.ptx")).read_text()
+        assert compile_check.check_v3_ptx(ptx, heads, None, copies) == [], rev
+        if rev == 2:
+            assert compile_check.check_v3_ptx(ptx, heads) == [f"{68 * copies} m64n{heads}k16 wgmma (expected 68)"]
+            assert "vote.sync.any.pred" in ptx  # the warp-uniform decision of the lazy rescale
+    monkeypatch.setattr(mla_attention_v3, "arch_tag", lambda device: "sm_90")
+    key = mla_attention_v3.compile_key(plan, False, False, False, None)
+    assert f"consumer={attention_tuning.V3_CONSUMER_REV}" in key
+    two = mla_attention_v3.compile_key(plan, False, False, False, None, consumer_rev=2)
+    assert "consumer=2" in two and two != mla_attention_v3.compile_key(plan, False, False, False, None, consumer_rev=1)
+    with pytest.raises(ValueError, match="consumer_rev"):
+        MlaAttentionV3(plan, False, True, True, consumer_rev=3)
