@@ -11,13 +11,15 @@ per-role registers, `setmaxnreg`: the bench's v3-t32-p2 probe); their registers 
 cubin itself (`cubin_usage`, no CUDA toolkit needed), and the PTX is checked for what the design
 promises (wgmma of the tile's N, mbarriers, no CTA-wide barrier inside the loops, registers that fit the CTA,
 `setmaxnreg` exactly where `v3_reg_budget` asks for it). `--cuobjdump` (with nvdisasm beside it or on PATH) also
-reads the registers each role of a `setmaxnreg` kernel uses from its SASS (`sass_role_registers`); the cubin's own
-count is the launch's even share.
+reads the registers each role of a `setmaxnreg` kernel uses from its SASS (`sass_role_registers`; the cubin's own
+count is the launch's even share) and the consumer's SASS per key tile (`sass_consumer_tiles`: "438(+64) 517(+64)" =
+two tiles per loop trip, each with the O^T rescale block it skips when no running max moved).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import glob
 import os
 import re
@@ -147,6 +149,62 @@ def sass_role_registers(sass: str) -> dict[str, int]:
     return {"entry": top(lines[: marks[0]]), "producer": top(lines[marks[0] : marks[1]]), "consumer": top(lines[marks[1] :])}
 
 
+def _sass_lines(sass: str) -> list[tuple[int, str]]:
+    """(address, instruction without its ';') of each instruction of a `cuobjdump -sass` listing."""
+    return [(int(m.group(1), 16), m.group(2).strip()) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+
+
+def _branch_target(ins: str) -> int | None:
+    m = re.search(r"\bBRA (0x[0-9a-f]+)", ins)
+    return int(m.group(1), 16) if m else None
+
+
+def sass_consumer_tiles(sass: str) -> list[tuple[collections.Counter, collections.Counter]]:
+    """Static opcode counts of a v3 kernel's consumer per key tile, from its SASS (the metric of session 10's consumer
+    work): the consumer loop is the largest conditional backward branch whose body holds HGMMA (unconditional
+    backward branches are ptxas' out-of-line mbarrier retries), cut into tiles after each SYNCS.ARRIVE (the stage
+    release; consumer rev 2 runs 2 tiles per trip, the loop's own overhead goes to the last). Per tile: (every
+    instruction in line, predicated ones too: they issue either way; the block a VOTE.ANY branch skips, rev 2's O^T
+    rescale, run only when a head's running max moved). [] without such a loop."""
+    ins = _sass_lines(sass)
+
+    def op(t):
+        return re.sub(r"^@!?U?P\w+\s+", "", t).split()[0]
+
+    back = [(_branch_target(t), a) for a, t in ins if t.startswith("@") and (_branch_target(t) or a) < a]
+    loops = [(lo, hi) for lo, hi in back if any("HGMMA" in t for a, t in ins if lo <= a <= hi)]
+    if not loops:
+        return []
+    lo, hi = max(loops, key=lambda loop: loop[1] - loop[0])
+    tiles, cur, lazy, skip_to, since_vote = [], collections.Counter(), collections.Counter(), None, 99
+    for a, t in ins:
+        if not lo <= a <= hi:
+            continue
+        if skip_to is not None and a >= skip_to:
+            skip_to = None
+        if since_vote <= 4 and skip_to is None and (_branch_target(t) or 0) > a:
+            skip_to = _branch_target(t)  # the branch past the skipped block
+            cur[op(t)] += 1
+        else:
+            (lazy if skip_to is not None else cur)[op(t)] += 1
+        since_vote = 0 if "VOTE.ANY" in t else since_vote + 1
+        if "SYNCS.ARRIVE.TRANS64" in t:
+            tiles.append((cur, lazy))
+            cur, lazy = collections.Counter(), collections.Counter()
+    if tiles and cur:
+        tiles[-1][0].update(cur)
+    return tiles
+
+
+def _consumer_tiles(cuobjdump: str | None, cubin: str) -> str:
+    if not cuobjdump:
+        return ""
+    tiles = sass_consumer_tiles(subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True).stdout)
+    return " consumer SASS/tile " + " ".join(
+        f"{sum(c.values())}" + (f"(+{sum(skip.values())})" if skip else "") for c, skip in tiles
+    )
+
+
 def _role_registers(cuobjdump: str | None, cubin: str) -> str:
     if not cuobjdump:
         return ""
@@ -230,6 +288,7 @@ def compile_v3(plan, name: str, stream, heads_list=(16,), cuobjdump: str | None 
             status = "ok " if not problems else "FAILED " + "; ".join(problems) + " "
             failures += bool(problems)
             status += f"regs={use.get('regs')} frame={use.get('frame', 0)}B stack={use.get('stack', 0)}B"
+            status += _consumer_tiles(cuobjdump, cubin)
             if regs:
                 status += f" setmaxnreg consumer={regs[0]} producer={regs[1]}" + _role_registers(cuobjdump, cubin)
         except Exception as exc:  # noqa: BLE001 - report every variant

@@ -765,3 +765,32 @@ def test_v3_consumer_rev2_compiles_and_is_in_the_compile_key(launch, tmp_path, m
     assert "consumer=2" in two and two != mla_attention_v3.compile_key(plan, False, False, False, None, consumer_rev=1)
     with pytest.raises(ValueError, match="consumer_rev"):
         MlaAttentionV3(plan, False, True, True, consumer_rev=3)
+
+
+def test_sass_consumer_tiles_counts_each_tile_and_the_skipped_rescale():
+    """No GPU needed: the consumer's per-tile SASS counts compile_check prints (with --cuobjdump), from a listing in
+    ptxas' layout: the loop is the conditional backward branch around the HGMMA (not an out-of-line retry stub's
+    unconditional one, nor the producer's loop without HGMMA), tiles end at the stage release (SYNCS.ARRIVE), the
+    block a VOTE.ANY branch jumps over is counted apart, predicated instructions count."""
+    from mla_eval_kernels.compile_check import sass_consumer_tiles
+
+    def line(addr, text):
+        return f"        /*{addr:04x}*/                   {text} ;   /* 0x0000000000000000 */"
+
+    body = [
+        "LDS R1, [R2]", "@!P0 BRA 0x10",  # the producer's loop: no HGMMA
+        "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R9+URZ], R3", "@!P0 BRA 0x300",  # tile 0 starts at 0x30
+        "HGMMA.64x16x16.F32.BF16 R24, gdesc[UR12], R24", "FMNMX R4, R4, R5, !PT", "VOTE.ANY P0, P0", "FSEL R6, R5, RZ, !P2",
+        "@!P0 BRA 0xc0", "FMUL R88, R88, R7", "FMUL R89, R89, R7",  # skipped when no max moved
+        "HGMMA.64x16x16.F32.BF16 R88, gdesc[UR16].tnspA, R88", "SYNCS.ARRIVE.TRANS64.A1T0 RZ, [UR5+0x10], RZ",
+        "HGMMA.64x16x16.F32.BF16 R24, gdesc[UR12], R24", "SYNCS.ARRIVE.TRANS64.A1T0 RZ, [UR5+0x18], RZ",
+        "@P1 BRA 0x30", "EXIT", "BRA 0x40",  # the back edge, then the retry stub (unconditional)
+    ]
+    tiles = sass_consumer_tiles("\n".join(line(0x10 * (i + 1), t) for i, t in enumerate(body)))
+    assert [dict(c) for c, _ in tiles] == [
+        {"SYNCS.PHASECHK.TRANS64.TRYWAIT": 1, "BRA": 2, "HGMMA.64x16x16.F32.BF16": 2, "FMNMX": 1, "VOTE.ANY": 1, "FSEL": 1,
+         "SYNCS.ARRIVE.TRANS64.A1T0": 1},
+        {"HGMMA.64x16x16.F32.BF16": 1, "SYNCS.ARRIVE.TRANS64.A1T0": 1, "BRA": 1},
+    ]
+    assert [dict(skip) for _, skip in tiles] == [{"FMUL": 2}, {}]
+    assert sass_consumer_tiles(line(0x10, "MOV R1, c[0x0][0x28]")) == []
