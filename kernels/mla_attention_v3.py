@@ -140,9 +140,6 @@ class MlaAttentionV3(MlaAttention):
         if consumer_rev not in V3_CONSUMER_REVS:
             raise ValueError(f"consumer_rev must be one of {V3_CONSUMER_REVS}, not {consumer_rev}")
         self.consumer_rev = consumer_rev  # the consumer's per-tile code (`attention_tuning.V3_CONSUMER_REV`)
-        # copies of the consumer's tile code in the kernel: rev 2 unrolls the tile loop by the K ring's stages (a loop
-        # body of V3_K_STAGES tiles, then up to V3_K_STAGES - 1 remainder tiles); compile_check counts wgmma by it
-        self.tile_copies = 1 if consumer_rev == 1 else 2 * V3_K_STAGES - 1
         # benchmark only, wrong output: "nodec" leaves the K tile undecoded (the producer still copies and
         # hands over each tile), "nomma" drops the consumer's 68 wgmma per tile (softmax on zeros)
         self.probe = timing_probe
@@ -158,6 +155,13 @@ class MlaAttentionV3(MlaAttention):
         # of the registers does not hold the roles, their `setmaxnreg` budgets (consumer, producer; `v3_reg_budget`)
         self.producer_wgs = producer_wgs or v3_producer_wgs(plan, heads)
         self.regs = v3_reg_budget(heads, self.producer_wgs)
+        # rev 2 unrolls the tile loop by the K ring's stages, except under `setmaxnreg` budgets: the 32-head tile with two
+        # producer warpgroups then kept Q's descriptors in vector registers and spilled them (bf16: 8-32 B of stack at
+        # the consumer's 232); it runs rev 1's loop with rev 2's other changes (lazy rescale, the exchange layout)
+        self.unroll = consumer_rev >= 2 and self.regs is None
+        # copies of the consumer's tile code in the kernel: unrolled, a loop body of V3_K_STAGES tiles, then up to
+        # V3_K_STAGES - 1 remainder tiles; compile_check counts wgmma by it
+        self.tile_copies = 2 * V3_K_STAGES - 1 if self.unroll else 1
         self.pt = WG * self.producer_wgs  # producer threads
         self.bn = V3_BN
         self.nh = heads  # the head tile: wgmma's N (`attention_tuning.v3_head_tile`)
@@ -747,7 +751,7 @@ class MlaAttentionV3(MlaAttention):
             tOrP=tOrP, tScS=tScS, row_max=row_max, row_sum=row_sum, alpha=alpha, sRed=sRed, sSlot=sSlot, sP_addr=sP_addr,
             scale_log2=scale_log2, fold=fold, t_begin=t_begin, num_keys=num_keys, warp=warp, lane=lane,
         )
-        if cutlass.const_expr(self.consumer_rev == 1):
+        if cutlass.const_expr(not self.unroll):
             cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.k_stages)
             for it in range(n_local):
                 self.consume_tile(kpipe, cons, cons.index, it, tile)

@@ -703,7 +703,7 @@ def test_v3_consumer_rev2_bitwise_equals_rev1(fmt, launch):
     outputs and lse bit-identical to rev 1 (NaN-poisoned outputs and split partials), and within the reference bound;
     dense h = 16 (the 16-head tile) and h = 32 (the 32-head tile), sparse h = 16 and 128 (topk 777: -1 padding, an
     all-invalid row, out-of-range ids), a sink, the split heuristic, one CTA per query and 3 forced splits (empty
-    splits and odd / even tile counts per split)."""
+    splits and odd / even tile counts per split); the 32-head tile with one and with two producer warpgroups."""
     compile_cache.clear()
     heads = int(launch.split("=")[1])
     if launch.startswith("sparse"):
@@ -716,24 +716,27 @@ def test_v3_consumer_rev2_bitwise_equals_rev1(fmt, launch):
         )
         rows = slice(1, None)  # row 0 has no key: out 0, lse -inf (checked below)
     tile = 16 if heads <= 16 else 32
-    for splits in (None, 1, 3):
-        one, lse1 = _v3(spec, q, cache, scale, sink=sink_t, outer_scale=s_l, num_splits=splits, head_tile=tile,
-                        consumer_rev=1, **lists)
-        two, lse2 = _v3(spec, q, cache, scale, sink=sink_t, outer_scale=s_l, num_splits=splits, head_tile=tile,
-                        consumer_rev=2, **lists)
-        _check(two[rows], lse2[rows], ref_out[rows], ref_lse[rows], bound, f"v3 consumer rev 2 {fmt} {launch} splits={splits}")
-        assert torch.equal(two, one) and torch.equal(lse2, lse1), (fmt, launch, splits)
-        if rows.start == 1:
-            assert torch.all(two[0] == 0) and torch.all(torch.isneginf(lse2[0]))
+    # the 32-head tile with one producer warpgroup (rev 2 unrolled) and two (per-role registers: rev 2 not unrolled)
+    for wgs in (None,) if tile == 16 else (1, 2):
+        kw = dict(sink=sink_t, outer_scale=s_l, head_tile=tile, producer_wgs=wgs, **lists)
+        for splits in (None, 1, 3):
+            one, lse1 = _v3(spec, q, cache, scale, num_splits=splits, consumer_rev=1, **kw)
+            two, lse2 = _v3(spec, q, cache, scale, num_splits=splits, consumer_rev=2, **kw)
+            what = f"v3 consumer rev 2 {fmt} {launch} producers={wgs} splits={splits}"
+            _check(two[rows], lse2[rows], ref_out[rows], ref_lse[rows], bound, what)
+            assert torch.equal(two, one) and torch.equal(lse2, lse1), what
+            if rows.start == 1:
+                assert torch.all(two[0] == 0) and torch.all(torch.isneginf(lse2[0]))
     got = {x for k in compile_cache.keys() if k[0] == "mla_attention_v3" for x in k if str(x).startswith("consumer=")}
     assert got == {"consumer=1", "consumer=2"}, got
 
 
-@pytest.mark.parametrize("launch", ["dense h=16", "sparse h=32"])
+@pytest.mark.parametrize("launch", ["dense h=16", "sparse h=32", "dense h=32 p2"])
 def test_v3_consumer_rev2_compiles_and_is_in_the_compile_key(launch, tmp_path, monkeypatch):
     """No GPU needed: consumer rev 2 compiles for sm_90a without a stack frame, its PTX holds the tile code
-    `tile_copies` times (68 wgmma each: the loop body of two tiles and the remainder tile); rev 1, the default, once;
-    the revision is a specialisation the compile key names; another revision is refused."""
+    `tile_copies` times (68 wgmma each: the loop body of two tiles and the remainder tile), except under `setmaxnreg`
+    budgets (the 32-head tile with two producer warpgroups, "p2": not unrolled, once); rev 1, the default, once; the
+    vote of the lazy rescale is there; the revision is a specialisation the compile key names; another is refused."""
     import os
 
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
@@ -742,22 +745,25 @@ def test_v3_consumer_rev2_compiles_and_is_in_the_compile_key(launch, tmp_path, m
     from mla_eval_kernels import compile_check, mla_attention_v3
     from mla_eval_kernels.mla_attention_v3 import MlaAttentionV3
 
-    heads, sparse = int(launch.split("=")[1]), launch.startswith("sparse")
+    heads, sparse = int(launch.split("=")[1].split()[0]), launch.startswith("sparse")
+    wgs = 2 if launch.endswith("p2") else None
     a = compile_check.attention_args(heads)
     plan = plan_for(get_format("nvfp4"))
-    for rev, copies in ((1, 1), (2, 3)):
-        kern = MlaAttentionV3(plan, True, True, True, heads=heads, sparse=sparse, consumer_rev=rev)
-        assert kern.tile_copies == copies
+    for rev in (1, 2):
+        kern = MlaAttentionV3(plan, True, True, True, producer_wgs=wgs, heads=heads, sparse=sparse, consumer_rev=rev)
+        copies = kern.tile_copies
+        assert copies == (2 * attention_tuning.V3_K_STAGES - 1 if rev == 2 and kern.regs is None else 1), (rev, kern.regs)
+        assert (kern.regs is not None) == (wgs == 2)
         dump = tmp_path / f"c{rev}"
         dump.mkdir()
         cute.compile(kern, *a, options=f"--keep-ptx --keep-cubin --dump-dir={dump}")
         use = compile_check.cubin_usage(str(next(dump.glob("*.cubin"))))
         assert use.get("frame", 0) == 0 and use.get("stack", 0) == 0, (rev, use)
         ptx = next(dump.glob("*.ptx")).read_text()
-        assert compile_check.check_v3_ptx(ptx, heads, None, copies) == [], rev
-        if rev == 2:
-            assert compile_check.check_v3_ptx(ptx, heads) == [f"{68 * copies} m64n{heads}k16 wgmma (expected 68)"]
-            assert "vote.sync.any.pred" in ptx  # the warp-uniform decision of the lazy rescale
+        assert compile_check.check_v3_ptx(ptx, heads, kern.regs, copies) == [], rev
+        if copies > 1:
+            assert compile_check.check_v3_ptx(ptx, heads, kern.regs) == [f"{68 * copies} m64n{heads}k16 wgmma (expected 68)"]
+        assert ("vote.sync.any.pred" in ptx) == (rev == 2)  # the warp-uniform decision of the lazy rescale
     monkeypatch.setattr(mla_attention_v3, "arch_tag", lambda device: "sm_90")
     key = mla_attention_v3.compile_key(plan, False, False, False, None)
     assert f"consumer={attention_tuning.V3_CONSUMER_REV}" in key
