@@ -753,7 +753,7 @@ def test_v3_consumer_rev2_compiles_and_is_in_the_compile_key(launch, tmp_path, m
         kern = MlaAttentionV3(plan, True, True, True, producer_wgs=wgs, heads=heads, sparse=sparse, consumer_rev=rev)
         copies = kern.tile_copies
         assert copies == (2 * attention_tuning.V3_K_STAGES - 1 if rev == 2 and kern.regs is None else 1), (rev, kern.regs)
-        assert (kern.regs is not None) == (wgs == 2)
+        assert kern.regs is not None or wgs != 2  # two producer warpgroups at the 32-head tile: per-role registers
         dump = tmp_path / f"c{rev}"
         dump.mkdir()
         cute.compile(kern, *a, options=f"--keep-ptx --keep-cubin --dump-dir={dump}")
