@@ -182,8 +182,9 @@ def sass_consumer_tiles(sass: str) -> list[tuple[collections.Counter, collection
             continue
         if skip_to is not None and a >= skip_to:
             skip_to = None
-        if since_vote <= 4 and skip_to is None and (_branch_target(t) or 0) > a:
-            skip_to = _branch_target(t)  # the branch past the skipped block
+        if since_vote <= 16 and skip_to is None and t.startswith("@") and (_branch_target(t) or 0) > a:
+            skip_to = _branch_target(t)  # the vote's branch past the skipped block (ptxas schedules other work between)
+            since_vote = 99
             cur[op(t)] += 1
         else:
             (lazy if skip_to is not None else cur)[op(t)] += 1
