@@ -231,12 +231,12 @@ def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "wr
         from mla_eval_kernels.mla_attention_v3 import mla_attention_v3
 
         plan = plan_for(spec)
-        rows = []
+        tile_rows = []
         for row, tile, wgs, held in v3_tile_variants(plan, heads, sparse, variants):
-            rows.append((row, tile, wgs, held, V3_CONSUMER_REV))
+            tile_rows.append((row, tile, wgs, held, V3_CONSUMER_REV))
             if variants and wgs is None:  # the other consumer revision (v3-t<tile>-c<rev>), same output bit for bit
-                rows.append((f"{row}-c{other_consumer}", tile, wgs, held, other_consumer))
-        for row, tile, wgs, held, crev in rows:
+                tile_rows.append((f"{row}-c{other_consumer}", tile, wgs, held, other_consumer))
+        for row, tile, wgs, held, crev in tile_rows:
             mark = dict(v3_held=held) if held else {}
 
             def f3(i, tile=tile, wgs=wgs, crev=crev):
