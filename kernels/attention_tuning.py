@@ -67,6 +67,14 @@ V3_RAW_PREFERRED = (2, V3_BN // 2)
 # V3_L2_PREFETCH_PROBE keeps the prefetch measurable (bench row v3-pf).
 V3_L2_PREFETCH = 0
 V3_L2_PREFETCH_PROBE = 2
+# The consumer warpgroup's per-tile code (issue 14, session 10): rev 1 is the GPU-tested consumer; rev 2 forms the K /
+# V^T wgmma descriptors from a warp-uniform ring stage (one uniform add per wgmma instead of ~4 vector instructions
+# and two R2UR), skips the O^T rescale when no head's running max moved (alpha is exactly 1.0: bit-identical), and
+# masks keys only on a tile that reaches past the query's length (kernels/NOTES.md, session 10). Rev 2 is compiled and
+# held off until tests/test_kernels_v3_gpu.py::test_v3_consumer_rev2_bitwise_equals_rev1 passes on an H200 and a
+# bench (rows v3-c2) times it; the default then becomes 2. Part of the compile key (`mla_attention_v3.compile_key`).
+V3_CONSUMER_REV = 1
+V3_CONSUMER_REVS = (1, 2)
 V3_DECODE_PRODUCER_WGS = 2  # producer warpgroups of a v3 CTA, every format (`v3_producer_wgs`; bench: v3-p1 has one)
 V3_PRODUCER_WGS_CHOICES = (1, 2)  # what a launch may ask for (bench probes, tests); more would not fit the registers
 # The 32-head tile's default: two producer warpgroups with per-role registers (`v3_reg_budget`). Session 10's H200

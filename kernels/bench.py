@@ -25,7 +25,9 @@ At (b), every format the v3 kernel covers (`attention_tuning.v3_blocker`) gets b
 `--variants`, at 64K also v3-pf (L2 prefetch of records on, `V3_L2_PREFETCH_PROBE` tiles ahead), v3-p1 /
 v3-p2 (producer warpgroups) and, for the decoded formats, the timing probes v3-nodec / v3-nomma (wrong
 output: no decode / no wgmma), which tell which side bounds v3, and v3-r<S>x<K> for each raw ring that fits
-other than the default (`attention_tuning.v3_raw_rings`: the fp8 records' part-tile rings). Formats that v3 runs but
+other than the default (`attention_tuning.v3_raw_rings`: the fp8 records' part-tile rings), and v3-c<rev>: the other
+consumer revision than `attention_tuning.V3_CONSUMER_REV` (rev 2: fewer SASS per tile, the same output bit for bit;
+at h = 128 also v3-t16-c<rev> / v3-t32-c<rev> beside v3-t16 / v3-t32). Formats that v3 runs but
 `attention_tuning.V3_AWAITING_GPU_TESTS` still holds on v2 (the fp8 records and their part-tile raw rings) get
 their v3 rows with `--variants` only, marked `v3_held` (the reason): run their GPU tests first.
 At h = 128 ((a) with `--variants`, and (d) always) v3 runs once per head tile: rows v3-t16 and v3-t32
@@ -205,6 +207,8 @@ def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "wr
     from mla_eval.attention import dispatch
     from mla_eval_kernels import mla_attention as kernel
     from mla_eval_kernels.attention_tuning import (
+        V3_CONSUMER_REV,
+        V3_CONSUMER_REVS,
         V3_L2_PREFETCH_PROBE,
         generation_for,
         is_bf16_plan,
@@ -221,6 +225,7 @@ def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "wr
 
     spec = get_format(name)
     s_l = 0.05 if spec.outer_scale is not None else None
+    other_consumer = next(r for r in V3_CONSUMER_REVS if r != V3_CONSUMER_REV)  # bench rows v3-c<rev>
     reps = 5 if quick else 20
     rows, todo = [], []
 
@@ -230,14 +235,19 @@ def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "wr
         from mla_eval_kernels.mla_attention_v3 import mla_attention_v3
 
         plan = plan_for(spec)
+        tile_rows = []
         for row, tile, wgs, held in v3_tile_variants(plan, heads, sparse, variants):
+            tile_rows.append((row, tile, wgs, held, V3_CONSUMER_REV))
+            if variants and wgs is None:  # the other consumer revision (v3-t<tile>-c<rev>), same output bit for bit
+                tile_rows.append((f"{row}-c{other_consumer}", tile, wgs, held, other_consumer))
+        for row, tile, wgs, held, crev in tile_rows:
             mark = dict(v3_held=held) if held else {}
 
-            def f3(i, tile=tile, wgs=wgs):
+            def f3(i, tile=tile, wgs=wgs, crev=crev):
                 return mla_attention_v3(
                     plan, lists(i)["q"], lists(i)["cache"], softmax_scale=0.0417, block_table=lists(i).get("block_table"),
                     seq_lens=lists(i).get("seq_lens"), indices=lists(i).get("indices"), sink=None, outer_scale=s_l,
-                    max_seq_len=lists(i).get("max_seq_len"), head_tile=tile, producer_wgs=wgs,
+                    max_seq_len=lists(i).get("max_seq_len"), head_tile=tile, producer_wgs=wgs, consumer_rev=crev,
                 )
 
             todo.append((shape, dict(params, kernel=row, **mark), f3, nbytes, nflop, None))
@@ -337,6 +347,8 @@ def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "wr
                 # warpgroup are worth
                 pwg = v3_producer_wgs(plan_for(spec))
                 probes = [("v3-pf", dict(l2_prefetch=V3_L2_PREFETCH_PROBE)), (f"v3-p{3 - pwg}", dict(producer_wgs=3 - pwg))]
+                # the other consumer revision (`V3_CONSUMER_REV`; rev 2: fewer SASS per tile, same output bit for bit)
+                probes += [(f"v3-c{other_consumer}", dict(consumer_rev=other_consumer))]
                 if not is_bf16_plan(plan_for(spec)):
                     # timing probes (wrong output): the producer's decode left out; the consumer's wgmma left out
                     probes += [("v3-nodec", dict(timing_probe="nodec")), ("v3-nomma", dict(timing_probe="nomma"))]

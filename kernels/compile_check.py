@@ -11,13 +11,15 @@ per-role registers, `setmaxnreg`: the bench's v3-t32-p2 probe); their registers 
 cubin itself (`cubin_usage`, no CUDA toolkit needed), and the PTX is checked for what the design
 promises (wgmma of the tile's N, mbarriers, no CTA-wide barrier inside the loops, registers that fit the CTA,
 `setmaxnreg` exactly where `v3_reg_budget` asks for it). `--cuobjdump` (with nvdisasm beside it or on PATH) also
-reads the registers each role of a `setmaxnreg` kernel uses from its SASS (`sass_role_registers`); the cubin's own
-count is the launch's even share.
+reads the registers each role of a `setmaxnreg` kernel uses from its SASS (`sass_role_registers`; the cubin's own
+count is the launch's even share) and the consumer's SASS per key tile (`sass_consumer_tiles`: "438(+64) 517(+64)" =
+two tiles per loop trip, each with the O^T rescale block it skips when no running max moved).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import glob
 import os
 import re
@@ -102,9 +104,10 @@ def cubin_usage(path: str) -> dict:
     return out
 
 
-def check_v3_ptx(ptx: str, heads: int = 16, regs: tuple[int, int] | None = None) -> list[str]:
+def check_v3_ptx(ptx: str, heads: int = 16, regs: tuple[int, int] | None = None, tile_copies: int = 1) -> list[str]:
     """What the v3 design promises, read from its PTX: 36 + 32 wgmma per key tile (S^T over 576
-    dims, O^T over 8 x 4 m64nNk16 steps, N = `heads`, the head tile), mbarrier waits (the K ring), named
+    dims, O^T over 8 x 4 m64nNk16 steps, N = `heads`, the head tile) in each of the consumer's `tile_copies` copies
+    of its tile code (`MlaAttentionV3.tile_copies`: consumer rev 2 unrolls the tile loop), mbarrier waits (the K ring), named
     warpgroup barriers, and exactly one CTA-wide barrier (after the mbarrier init). `regs` (consumer, producer):
     one `setmaxnreg.inc` to the first and one `.dec` to the second, with `.minnctapersm 1` (without which ptxas
     ignores them); None: no `setmaxnreg` at all."""
@@ -116,8 +119,8 @@ def check_v3_ptx(ptx: str, heads: int = 16, regs: tuple[int, int] | None = None)
     if regs and not re.search(r"^\s*\.minnctapersm\s+1\s*$", ptx, re.M):
         problems.append("setmaxnreg without .minnctapersm 1 (ptxas ignores it)")
     n_wgmma = len(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{heads}k16\.f32\.bf16\.bf16", ptx))
-    if n_wgmma != 68:
-        problems.append(f"{n_wgmma} m64n{heads}k16 wgmma (expected 68)")
+    if n_wgmma != 68 * tile_copies:
+        problems.append(f"{n_wgmma} m64n{heads}k16 wgmma (expected {68 * tile_copies})")
     if "mbarrier.try_wait" not in ptx and "mbarrier.test_wait" not in ptx:
         problems.append("no mbarrier wait")
     if len(re.findall(r"bar(?:rier)?\.sync(?:\.aligned)?\s+0\s*;", ptx)) != 1:
@@ -146,6 +149,63 @@ def sass_role_registers(sass: str) -> dict[str, int]:
     return {"entry": top(lines[: marks[0]]), "producer": top(lines[marks[0] : marks[1]]), "consumer": top(lines[marks[1] :])}
 
 
+def _sass_lines(sass: str) -> list[tuple[int, str]]:
+    """(address, instruction without its ';') of each instruction of a `cuobjdump -sass` listing."""
+    return [(int(m.group(1), 16), m.group(2).strip()) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+
+
+def _branch_target(ins: str) -> int | None:
+    m = re.search(r"\bBRA (0x[0-9a-f]+)", ins)
+    return int(m.group(1), 16) if m else None
+
+
+def sass_consumer_tiles(sass: str) -> list[tuple[collections.Counter, collections.Counter]]:
+    """Static opcode counts of a v3 kernel's consumer per key tile, from its SASS (the metric of session 10's consumer
+    work): the consumer loop is the largest conditional backward branch whose body holds HGMMA (unconditional
+    backward branches are ptxas' out-of-line mbarrier retries), cut into tiles after each SYNCS.ARRIVE (the stage
+    release; consumer rev 2 runs 2 tiles per trip, the loop's own overhead goes to the last). Per tile: (every
+    instruction in line, predicated ones too: they issue either way; the block a VOTE.ANY branch skips, rev 2's O^T
+    rescale, run only when a head's running max moved). [] without such a loop."""
+    ins = _sass_lines(sass)
+
+    def op(t):
+        return re.sub(r"^@!?U?P\w+\s+", "", t).split()[0]
+
+    back = [(_branch_target(t), a) for a, t in ins if t.startswith("@") and (_branch_target(t) or a) < a]
+    loops = [(lo, hi) for lo, hi in back if any("HGMMA" in t for a, t in ins if lo <= a <= hi)]
+    if not loops:
+        return []
+    lo, hi = max(loops, key=lambda loop: loop[1] - loop[0])
+    tiles, cur, lazy, skip_to, since_vote = [], collections.Counter(), collections.Counter(), None, 99
+    for a, t in ins:
+        if not lo <= a <= hi:
+            continue
+        if skip_to is not None and a >= skip_to:
+            skip_to = None
+        if since_vote <= 16 and skip_to is None and t.startswith("@") and (_branch_target(t) or 0) > a:
+            skip_to = _branch_target(t)  # the vote's branch past the skipped block (ptxas schedules other work between)
+            since_vote = 99
+            cur[op(t)] += 1
+        else:
+            (lazy if skip_to is not None else cur)[op(t)] += 1
+        since_vote = 0 if "VOTE.ANY" in t else since_vote + 1
+        if "SYNCS.ARRIVE.TRANS64" in t:
+            tiles.append((cur, lazy))
+            cur, lazy = collections.Counter(), collections.Counter()
+    if tiles and cur:
+        tiles[-1][0].update(cur)
+    return tiles
+
+
+def _consumer_tiles(cuobjdump: str | None, cubin: str) -> str:
+    if not cuobjdump:
+        return ""
+    tiles = sass_consumer_tiles(subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True).stdout)
+    return " consumer SASS/tile " + " ".join(
+        f"{sum(c.values())}" + (f"(+{sum(skip.values())})" if skip else "") for c, skip in tiles
+    )
+
+
 def _role_registers(cuobjdump: str | None, cubin: str) -> str:
     if not cuobjdump:
         return ""
@@ -158,8 +218,12 @@ def compile_v3(plan, name: str, stream, heads_list=(16,), cuobjdump: str | None 
     """Compile every v3 specialisation of one format (dense 16-head tile: every (outer, sink, split) and the
     bench's probes; each head tile `heads_list` selects, sparse and dense: split with and without, the sink on
     the unsplit one, the outer scale where the format has one; the 32-head tile also with two producer warpgroups,
-    the bench's v3-t32-p2); returns the number of failures."""
+    the bench's v3-t32-p2), all with the default consumer (`V3_CONSUMER_REV`), and every one but the probes with the
+    other consumer revisions too (`V3_CONSUMER_REVS`: the bench's v3-c<rev> rows, the GPU tests' comparison); returns
+    the number of failures."""
     from mla_eval_kernels.attention_tuning import (  # noqa: PLC0415
+        V3_CONSUMER_REV,
+        V3_CONSUMER_REVS,
         V3_HEADS,
         V3_L2_PREFETCH,
         V3_L2_PREFETCH_PROBE,
@@ -185,9 +249,9 @@ def compile_v3(plan, name: str, stream, heads_list=(16,), cuobjdump: str | None 
     probe = plan.outer_allowed, False, True
     ring = v3_raw_ring(plan)
     cases = [(*c, ring, V3_HEADS, False) for c in cases]
-    cases += [(*probe, V3_L2_PREFETCH_PROBE, pwg, ring, V3_HEADS, False)]
-    cases += [(*probe, V3_L2_PREFETCH, 3 - pwg, ring, V3_HEADS, False)]
-    cases += [(*probe, V3_L2_PREFETCH, pwg, r, V3_HEADS, False) for r in v3_raw_rings(plan)[1:]]  # bench v3-r<S>x<K>
+    probes = [(*probe, V3_L2_PREFETCH_PROBE, pwg, ring, V3_HEADS, False)]
+    probes += [(*probe, V3_L2_PREFETCH, 3 - pwg, ring, V3_HEADS, False)]
+    probes += [(*probe, V3_L2_PREFETCH, pwg, r, V3_HEADS, False) for r in v3_raw_rings(plan)[1:]]  # bench v3-r<S>x<K>
     # the launches of session 9: sparse top-k lists and the 32-head tile (held off until their GPU tests pass)
     tiles = sorted({v3_head_tile(plan, h, sparse, gated=False)[0] for h in heads_list for sparse in (False, True)})
     for tile in tiles:
@@ -200,18 +264,23 @@ def compile_v3(plan, name: str, stream, heads_list=(16,), cuobjdump: str | None 
                 for wgs in counts:
                     cases.append((plan.outer_allowed, sink, split, V3_L2_PREFETCH, wgs, v3_raw_ring(plan, tile, sparse), tile,
                                   sparse))
-    for outer, sink, split, l2pf, wgs, raw_ring, tile, sparse in cases:
+    revs = [V3_CONSUMER_REV] + [r for r in V3_CONSUMER_REVS if r != V3_CONSUMER_REV]
+    cases = [(*c, V3_CONSUMER_REV) for c in cases + probes] + [(*c, r) for r in revs[1:] for c in cases]
+    for outer, sink, split, l2pf, wgs, raw_ring, tile, sparse, crev in cases:
         t = time.time()
         dump = tempfile.mkdtemp()
         a = attention_args(16, stream)
         try:
             opts = f"--keep-ptx --keep-cubin --dump-dir={dump}"
-            kern = MlaAttentionV3(plan, sink, outer, split, l2pf, wgs, raw_ring=raw_ring, heads=tile, sparse=sparse)
+            kern = MlaAttentionV3(
+                plan, sink, outer, split, l2pf, wgs, raw_ring=raw_ring, heads=tile, sparse=sparse, consumer_rev=crev
+            )
             cute.compile(kern, *a, options=opts)
             cubin = max(glob.glob(f"{dump}/*.cubin"), key=os.path.getmtime)
             use = cubin_usage(cubin)
             regs = v3_reg_budget(tile, wgs)
-            problems = check_v3_ptx(open(max(glob.glob(f"{dump}/*.ptx"), key=os.path.getmtime)).read(), tile, regs)
+            ptx = open(max(glob.glob(f"{dump}/*.ptx"), key=os.path.getmtime)).read()
+            problems = check_v3_ptx(ptx, tile, regs, kern.tile_copies)
             if use.get("frame", 0) or use.get("stack", 0):
                 problems.append("register spills (stack frame)")
             threads = 128 * (1 + wgs)
@@ -220,6 +289,7 @@ def compile_v3(plan, name: str, stream, heads_list=(16,), cuobjdump: str | None 
             status = "ok " if not problems else "FAILED " + "; ".join(problems) + " "
             failures += bool(problems)
             status += f"regs={use.get('regs')} frame={use.get('frame', 0)}B stack={use.get('stack', 0)}B"
+            status += _consumer_tiles(cuobjdump, cubin)
             if regs:
                 status += f" setmaxnreg consumer={regs[0]} producer={regs[1]}" + _role_registers(cuobjdump, cubin)
         except Exception as exc:  # noqa: BLE001 - report every variant
@@ -228,7 +298,7 @@ def compile_v3(plan, name: str, stream, heads_list=(16,), cuobjdump: str | None 
         lists = "sparse" if sparse else "dense "
         print(
             f"attention {name:18} v3           {lists} tile={tile} outer={outer!s:5} sink={sink!s:5} split={split!s:5} "
-            f"l2pf={l2pf} producer_wgs={wgs} raw={raw_ring[0]}x{raw_ring[1]} "
+            f"l2pf={l2pf} producer_wgs={wgs} raw={raw_ring[0]}x{raw_ring[1]} consumer={crev} "
             f"{time.time() - t:5.1f}s {status}",
             flush=True,
         )

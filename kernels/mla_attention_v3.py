@@ -62,6 +62,8 @@ from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from mla_eval_kernels import e2m1_bits, ptx
 from mla_eval_kernels.attention_tuning import (
     V3_BN,
+    V3_CONSUMER_REV,
+    V3_CONSUMER_REVS,
     V3_HEAD_TILES,
     V3_HEADS,
     V3_K_STAGES,
@@ -129,12 +131,15 @@ class MlaAttentionV3(MlaAttention):
     def __init__(
         self, plan: RecordPlan, has_sink: bool, has_outer: bool, split: bool, l2_prefetch: int = V3_L2_PREFETCH,
         producer_wgs: int | None = None, timing_probe: str = "", raw_ring: tuple[int, int] | None = None,
-        heads: int = V3_HEADS, sparse: bool = False,
+        heads: int = V3_HEADS, sparse: bool = False, consumer_rev: int = V3_CONSUMER_REV,
     ):
         if timing_probe not in TIMING_PROBES:
             raise ValueError(f"timing_probe must be one of {TIMING_PROBES}, not {timing_probe!r}")
         if heads not in V3_HEAD_TILES:
             raise ValueError(f"heads (the head tile) must be one of {V3_HEAD_TILES}, not {heads}")
+        if consumer_rev not in V3_CONSUMER_REVS:
+            raise ValueError(f"consumer_rev must be one of {V3_CONSUMER_REVS}, not {consumer_rev}")
+        self.consumer_rev = consumer_rev  # the consumer's per-tile code (`attention_tuning.V3_CONSUMER_REV`)
         # benchmark only, wrong output: "nodec" leaves the K tile undecoded (the producer still copies and
         # hands over each tile), "nomma" drops the consumer's 68 wgmma per tile (softmax on zeros)
         self.probe = timing_probe
@@ -150,6 +155,13 @@ class MlaAttentionV3(MlaAttention):
         # of the registers does not hold the roles, their `setmaxnreg` budgets (consumer, producer; `v3_reg_budget`)
         self.producer_wgs = producer_wgs or v3_producer_wgs(plan, heads)
         self.regs = v3_reg_budget(heads, self.producer_wgs)
+        # rev 2 unrolls the tile loop by the K ring's stages, except under `setmaxnreg` budgets: the 32-head tile with two
+        # producer warpgroups then kept Q's descriptors in vector registers and spilled them (bf16: 8-32 B of stack at
+        # the consumer's 232); it runs rev 1's loop with rev 2's other changes (lazy rescale, the exchange layout)
+        self.unroll = consumer_rev >= 2 and self.regs is None
+        # copies of the consumer's tile code in the kernel: unrolled, a loop body of V3_K_STAGES tiles, then up to
+        # V3_K_STAGES - 1 remainder tiles; compile_check counts wgmma by it
+        self.tile_copies = 2 * V3_K_STAGES - 1 if self.unroll else 1
         self.pt = WG * self.producer_wgs  # producer threads
         self.bn = V3_BN
         self.nh = heads  # the head tile: wgmma's N (`attention_tuning.v3_head_tile`)
@@ -572,6 +584,98 @@ class MlaAttentionV3(MlaAttention):
         return key0 + key < num_keys
 
     @cute.jit
+    def consume_tile(self, kpipe, state, stage, it: Int32, t: dict):
+        """One key tile of the consumer warpgroup: wait for K stage `stage` (`state`: its mbarrier index and phase), S^T,
+        the online softmax, P^T to shared memory, O^T += V^T P^T, release the stage. `stage` is `state.index` (rev 1)
+        or the same value as a compile-time constant (rev 2, `V3_CONSUMER_REV`); `t` holds the consumer's tensors."""
+        bn, nh = self.bn, self.nh
+        hsl = nh // 4
+        rev2 = self.consumer_rev >= 2
+        mma_s, mma_o, acc_lat, acc_rope, acc_O = t["mma_s"], t["mma_o"], t["acc_lat"], t["acc_rope"], t["acc_O"]
+        tSrK, tSrQ, tOrVt, tOrP, tScS = t["tSrK"], t["tSrQ"], t["tOrVt"], t["tOrP"], t["tScS"]
+        row_max, row_sum, alpha, sRed, sSlot = t["row_max"], t["row_sum"], t["alpha"], t["sRed"], t["sSlot"]
+        sP_addr, scale_log2, fold, num_keys = t["sP_addr"], t["scale_log2"], t["fold"], t["num_keys"]
+        warp, lane = t["warp"], t["lane"]
+        n_s = cute.size(acc_lat)
+        n_k = cute.size(tSrK, mode=[2])
+        n_k_latent = n_k * D_V // D_QK
+        n_kv = cute.size(tOrP, mode=[2])
+        kpipe.consumer_wait(state)
+        # ---- S^T = K Q^T (latent and rope k-steps in separate accumulators when folding) ----
+        acc_lat.fill(0.0)
+        acc_rope.fill(0.0)
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(0 if self.probe == "nomma" else n_k):
+            if cutlass.const_expr(self.fold and k >= n_k_latent):
+                cute.gemm(mma_s, acc_rope, tSrK[None, None, k, stage], tSrQ[None, None, k], acc_rope)
+            else:
+                cute.gemm(mma_s, acc_lat, tSrK[None, None, k, stage], tSrQ[None, None, k], acc_lat)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+
+        # ---- online softmax along the key rows ----
+        key0 = (t["t_begin"] + it) * bn
+        buf = it % 2
+        for i in cutlass.range_constexpr(n_s):
+            s = acc_lat[i]
+            if cutlass.const_expr(self.fold):
+                s = acc_lat[i] * fold + acc_rope[i]
+            valid = self.key_valid(sSlot, stage, key0, tScS[i][0], num_keys)
+            acc_lat[i] = s if valid else -ptx.FLT_MAX
+        for hs in cutlass.range_constexpr(hsl):
+            v0 = hs % 2 + 4 * (hs // 2)
+            mx = ptx.max_f32(acc_lat[v0], acc_lat[v0 + 2])
+            mx = ptx.max_f32(mx, cute.arch.shuffle_sync_bfly(mx, offset=4))
+            mx = ptx.max_f32(mx, cute.arch.shuffle_sync_bfly(mx, offset=8))
+            mx = ptx.max_f32(mx, cute.arch.shuffle_sync_bfly(mx, offset=16))
+            if lane < 4:
+                sRed[tScS[v0][1], warp, buf] = mx
+        cute.arch.barrier(barrier_id=BAR_CONSUMER, number_of_threads=WG)
+        for hs in cutlass.range_constexpr(hsl):
+            v0 = hs % 2 + 4 * (hs // 2)
+            head = tScS[v0][1]
+            m_new = row_max[hs]
+            for w in cutlass.range_constexpr(4):
+                m_new = ptx.max_f32(m_new, sRed[head, w, buf])
+            alpha[hs] = cute.math.exp2((row_max[hs] - m_new) * scale_log2, fastmath=True)
+            m_scaled = m_new * scale_log2
+            psum = Float32(0.0)
+            for j in cutlass.range_constexpr(2):
+                v = v0 + 2 * j
+                key = tScS[v][0]
+                p = cute.math.exp2(acc_lat[v] * scale_log2 - m_scaled, fastmath=True)
+                p = p if self.key_valid(sSlot, stage, key0, key, num_keys) else Float32(0.0)
+                psum = psum + p
+                _st_shared_bf16(sP_addr + 2 * swizzled_offset(head, key, nh), p)
+            row_sum[hs] = row_sum[hs] * alpha[hs] + psum
+            row_max[hs] = m_new
+        if cutlass.const_expr(rev2):
+            # lazy rescale: where every alpha of the warp is exactly 1.0 (no head's running max moved; NaN or any
+            # other value rescales), O^T * 1.0f == O^T bit for bit (mul.f32, no ftz), so the 64 multiplies are
+            # skipped; one vote keeps the branch warp-uniform (all 4 warps hold the same heads: same outcome)
+            moved = alpha[0] != Float32(1.0)
+            for hs in cutlass.range_constexpr(1, hsl):
+                moved = moved | (alpha[hs] != Float32(1.0))
+            if cute.arch.vote_any_sync(moved):
+                for i in cutlass.range_constexpr(cute.size(acc_O)):
+                    v = i % n_s
+                    acc_O[i] = acc_O[i] * alpha[v % 2 + 2 * (v // 4)]
+        else:
+            for i in cutlass.range_constexpr(cute.size(acc_O)):
+                v = i % n_s
+                acc_O[i] = acc_O[i] * alpha[v % 2 + 2 * (v // 4)]
+        cute.arch.fence_view_async_shared()  # P^T stores -> visible to wgmma
+        cute.arch.barrier(barrier_id=BAR_CONSUMER, number_of_threads=WG)
+
+        # ---- O^T += V^T P^T ----
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(0 if self.probe == "nomma" else n_kv):
+            cute.gemm(mma_o, acc_O, tOrVt[None, None, k, stage], tOrP[None, None, k], acc_O)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)  # K stage and P^T read: the stage may be refilled, P rewritten
+        kpipe.consumer_release(state)
+
+    @cute.jit
     def consumer(
         self, storage, kpipe, q_ptr: cute.Pointer, sink_ptr: cute.Pointer, out_ptr: cute.Pointer, lse_ptr: cute.Pointer,
         num_queries: Int32, num_heads: Int32, softmax_scale: Float32, s_l: Float32, num_splits: Int32, split_idx: Int32,
@@ -588,7 +692,10 @@ class MlaAttentionV3(MlaAttention):
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sVt = storage.sK.get_tensor(sVt_outer, swizzle=sw)
         sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
-        sRed = storage.red.get_tensor(cute.make_layout((nh, 4, 2), stride=(1, nh, 4 * nh)))
+        # the 4-warp exchange [head, warp, buffer]: rev 2 puts the 4 warps of a head side by side (16 bytes, aligned), so a
+        # thread reads a head's 4 partial maxima (and, in the epilogue, sums) with one 16-byte load instead of 4
+        red_stride = (4, 1, 4 * nh) if self.consumer_rev >= 2 else (1, nh, 4 * nh)
+        sRed = storage.red.get_tensor(cute.make_layout((nh, 4, 2), stride=red_stride))
         sQ_addr = storage.sQ.data_ptr().toint()
         sP_addr = storage.sP.data_ptr().toint()
 
@@ -622,9 +729,6 @@ class MlaAttentionV3(MlaAttention):
         mma_s.set(warpgroup.Field.ACCUMULATE, True)
         mma_o.set(warpgroup.Field.ACCUMULATE, True)
         n_s = cute.size(acc_lat)  # nh / 2 values: keys r, r + 8 x heads c, c + 1 of each 8-head block
-        n_k = cute.size(tSrK, mode=[2])
-        n_k_latent = n_k * D_V // D_QK
-        n_kv = cute.size(tOrP, mode=[2])
         # (key, head) of each S^T value; (dim, head) of each O^T value (identity partitions)
         tScS = thr_s.partition_C(cute.make_identity_tensor((bn, nh)))
         tOcO = thr_o.partition_C(cute.make_identity_tensor((D_V, nh)))
@@ -641,72 +745,34 @@ class MlaAttentionV3(MlaAttention):
         if cutlass.const_expr(self.has_outer):
             fold = fold * s_l
 
-        cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.k_stages)
-        for it in range(n_local):
-            kpipe.consumer_wait(cons)
-            stage = cons.index
-            # ---- S^T = K Q^T (latent and rope k-steps in separate accumulators when folding) ----
-            acc_lat.fill(0.0)
-            acc_rope.fill(0.0)
-            warpgroup.fence()
-            for k in cutlass.range_constexpr(0 if self.probe == "nomma" else n_k):
-                if cutlass.const_expr(self.fold and k >= n_k_latent):
-                    cute.gemm(mma_s, acc_rope, tSrK[None, None, k, stage], tSrQ[None, None, k], acc_rope)
-                else:
-                    cute.gemm(mma_s, acc_lat, tSrK[None, None, k, stage], tSrQ[None, None, k], acc_lat)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
-
-            # ---- online softmax along the key rows ----
-            key0 = (t_begin + it) * bn
-            buf = it % 2
-            for i in cutlass.range_constexpr(n_s):
-                s = acc_lat[i]
-                if cutlass.const_expr(self.fold):
-                    s = acc_lat[i] * fold + acc_rope[i]
-                valid = self.key_valid(sSlot, stage, key0, tScS[i][0], num_keys)
-                acc_lat[i] = s if valid else -ptx.FLT_MAX
-            for hs in cutlass.range_constexpr(hsl):
-                v0 = hs % 2 + 4 * (hs // 2)
-                mx = ptx.max_f32(acc_lat[v0], acc_lat[v0 + 2])
-                mx = ptx.max_f32(mx, cute.arch.shuffle_sync_bfly(mx, offset=4))
-                mx = ptx.max_f32(mx, cute.arch.shuffle_sync_bfly(mx, offset=8))
-                mx = ptx.max_f32(mx, cute.arch.shuffle_sync_bfly(mx, offset=16))
-                if lane < 4:
-                    sRed[tScS[v0][1], warp, buf] = mx
-            cute.arch.barrier(barrier_id=BAR_CONSUMER, number_of_threads=WG)
-            for hs in cutlass.range_constexpr(hsl):
-                v0 = hs % 2 + 4 * (hs // 2)
-                head = tScS[v0][1]
-                m_new = row_max[hs]
-                for w in cutlass.range_constexpr(4):
-                    m_new = ptx.max_f32(m_new, sRed[head, w, buf])
-                alpha[hs] = cute.math.exp2((row_max[hs] - m_new) * scale_log2, fastmath=True)
-                m_scaled = m_new * scale_log2
-                psum = Float32(0.0)
-                for j in cutlass.range_constexpr(2):
-                    v = v0 + 2 * j
-                    key = tScS[v][0]
-                    p = cute.math.exp2(acc_lat[v] * scale_log2 - m_scaled, fastmath=True)
-                    p = p if self.key_valid(sSlot, stage, key0, key, num_keys) else Float32(0.0)
-                    psum = psum + p
-                    _st_shared_bf16(sP_addr + 2 * swizzled_offset(head, key, nh), p)
-                row_sum[hs] = row_sum[hs] * alpha[hs] + psum
-                row_max[hs] = m_new
-            for i in cutlass.range_constexpr(cute.size(acc_O)):
-                v = i % n_s
-                acc_O[i] = acc_O[i] * alpha[v % 2 + 2 * (v // 4)]
-            cute.arch.fence_view_async_shared()  # P^T stores -> visible to wgmma
-            cute.arch.barrier(barrier_id=BAR_CONSUMER, number_of_threads=WG)
-
-            # ---- O^T += V^T P^T ----
-            warpgroup.fence()
-            for k in cutlass.range_constexpr(0 if self.probe == "nomma" else n_kv):
-                cute.gemm(mma_o, acc_O, tOrVt[None, None, k, stage], tOrP[None, None, k], acc_O)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)  # K stage and P^T read: the stage may be refilled, P rewritten
-            kpipe.consumer_release(cons)
-            cons.advance()
+        # the per-tile state and constants `consume_tile` reads (one body for both consumer revisions)
+        tile = dict(
+            mma_s=mma_s, mma_o=mma_o, acc_lat=acc_lat, acc_rope=acc_rope, acc_O=acc_O, tSrK=tSrK, tSrQ=tSrQ, tOrVt=tOrVt,
+            tOrP=tOrP, tScS=tScS, row_max=row_max, row_sum=row_sum, alpha=alpha, sRed=sRed, sSlot=sSlot, sP_addr=sP_addr,
+            scale_log2=scale_log2, fold=fold, t_begin=t_begin, num_keys=num_keys, warp=warp, lane=lane,
+        )
+        if cutlass.const_expr(not self.unroll):
+            cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.k_stages)
+            for it in range(n_local):
+                self.consume_tile(kpipe, cons, cons.index, it, tile)
+                cons.advance()
+        else:
+            # rev 2: the tile loop unrolled by the ring's stages, so each tile's K stage is a compile-time constant. With
+            # the stage a loop-carried run-time value (rev 1), ptxas formed every K / V^T wgmma descriptor in vector
+            # registers (an add, a move of the constant high word, two R2UR: ~280 of ~700 SASS per tile); with it
+            # constant, a descriptor is the stage's base plus a constant, as Q's always were (uniform 64-bit adds).
+            # Tile it sits in stage it % S with mbarrier phase (it // S) % 2 (what `PipelineState.advance` counts). The
+            # trips hold whole rounds of S tiles; the last n_local % S tiles follow (a branch inside the loop for them
+            # cost ptxas ~100 more uniform moves per tile in the second copy).
+            ks = self.k_stages
+            rounds = n_local // ks
+            for r in range(rounds):
+                for st in cutlass.range_constexpr(ks):
+                    self.consume_tile(kpipe, pipeline.PipelineState(ks, r * ks + st, Int32(st), r % 2), st, r * ks + st, tile)
+            for st in cutlass.range_constexpr(ks - 1):
+                if rounds * ks + st < n_local:
+                    it = rounds * ks + st
+                    self.consume_tile(kpipe, pipeline.PipelineState(ks, it, Int32(st), rounds % 2), st, it, tile)
 
         # ---- epilogue: row sums over the 8 lanes and 4 warps of each head, normalise, store ----
         for hs in cutlass.range_constexpr(hsl):
@@ -755,11 +821,12 @@ class MlaAttentionV3(MlaAttention):
 def compile_key(
     plan: RecordPlan, has_sink: bool, has_outer: bool, split: bool, device, l2_prefetch: int = V3_L2_PREFETCH,
     producer_wgs: int | None = None, timing_probe: str = "", raw_ring: tuple[int, int] | None = None,
-    heads: int = V3_HEADS, sparse: bool = False,
+    heads: int = V3_HEADS, sparse: bool = False, consumer_rev: int = V3_CONSUMER_REV,
 ) -> tuple:
     """Every specialisation of a compiled v3 kernel: `heads` is the head tile (the head count, lengths, scales are
     run-time), `sparse` the slot lists (index lists or block_table); the per-role register budgets follow from the
-    tile and the producer warpgroups (`v3_reg_budget`) and are named too."""
+    tile and the producer warpgroups (`v3_reg_budget`) and are named too; `consumer_rev` the consumer's per-tile code
+    (`attention_tuning.V3_CONSUMER_REV`)."""
     stages, keys = raw_ring or v3_raw_ring(plan, heads, sparse)
     wgs = int(producer_wgs or v3_producer_wgs(plan, heads))
     regs = v3_reg_budget(heads, wgs)
@@ -767,7 +834,7 @@ def compile_key(
         "mla_attention_v3", 1, plan, bool(has_sink), bool(has_outer), bool(split), int(l2_prefetch),
         wgs, f"probe={timing_probe}", f"raw={stages}x{keys}",
         f"heads={int(heads)}", f"sparse={bool(sparse)}", f"setmaxnreg={'%d/%d' % regs if regs else 'none'}",
-        "q=bf16", "acc=f32", arch_tag(device),
+        f"consumer={int(consumer_rev)}", "q=bf16", "acc=f32", arch_tag(device),
     )
 
 
@@ -792,6 +859,7 @@ def mla_attention_v3(
     timing_probe: str = "",
     raw_ring: tuple[int, int] | None = None,
     head_tile: int | None = None,
+    consumer_rev: int = V3_CONSUMER_REV,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch of the v3 kernel, dense (`block_table`, `seq_lens`) or sparse (`indices [N, topk]`: global slot ids,
     invalid outside [0, slots)); arguments as `mla_attention.mla_attention` (which calls this when
@@ -799,7 +867,8 @@ def mla_attention_v3(
     `l2_prefetch` (key tiles, 0 = none, the default) and `producer_wgs` (default `attention_tuning.v3_producer_wgs`;
     1 or 2, two at the 32-head tile with per-role registers: a probe, held for dispatch by `v3_producers_held`)
     are for the benchmark's comparison, as is `timing_probe` ("nodec", "nomma": wrong output) and `raw_ring`
-    ((stages, keys per stage), default `attention_tuning.v3_raw_ring`; another of `v3_raw_rings` for the comparison)."""
+    ((stages, keys per stage), default `attention_tuning.v3_raw_ring`; another of `v3_raw_rings` for the comparison),
+    as is `consumer_rev` (`attention_tuning.V3_CONSUMER_REVS`; the other one than `V3_CONSUMER_REV`: bench v3-c<rev>)."""
     n, h = q.shape[0], q.shape[1]
     dev = q.device
     if out is None:
@@ -857,10 +926,12 @@ def mla_attention_v3(
         stream,
     )
     key = compile_key(
-        plan, has_sink, has_outer, split, dev, l2_prefetch, producer_wgs, timing_probe, raw_ring, head_tile, sparse
+        plan, has_sink, has_outer, split, dev, l2_prefetch, producer_wgs, timing_probe, raw_ring, head_tile, sparse,
+        consumer_rev,
     )
     kern = MlaAttentionV3(
-        plan, has_sink, has_outer, split, l2_prefetch, producer_wgs, timing_probe, raw_ring, head_tile, sparse
+        plan, has_sink, has_outer, split, l2_prefetch, producer_wgs, timing_probe, raw_ring, head_tile, sparse,
+        consumer_rev,
     )
     fn = compiled(key, lambda: cute.compile(kern, *args))
     fn(*args)

@@ -7,6 +7,8 @@
 h=16, batch 32, every query sees the whole context through a random block table (as in bench.py);
 the kernel generation is the environment's (MLA_EVAL_ATTENTION_KERNEL). One attention launch per
 format (so `--launch-count` = number of formats); `--time` adds a second launch and prints its time.
+`--consumer-rev N` launches v3 itself with that consumer revision (`attention_tuning.V3_CONSUMER_REVS`) instead of
+what dispatch runs: the SASS of two revisions side by side in ncu.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=65536)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--time", action="store_true")
+    ap.add_argument("--consumer-rev", type=int, help="launch v3 with this consumer revision (default: what dispatch runs)")
     args = ap.parse_args(argv)
     from mla_eval_kernels.attention_tuning import generation_for
     from mla_eval_kernels.bench import _random_caches
@@ -40,12 +43,21 @@ def main(argv=None) -> int:
         q = torch.randn(args.batch, 16, 576, device="cuda", dtype=torch.bfloat16)
 
         def run():
+            if args.consumer_rev is not None:
+                from mla_eval_kernels.mla_attention_v3 import mla_attention_v3
+
+                return mla_attention_v3(
+                    plan_for(spec), q, cache, softmax_scale=0.0417, block_table=table, seq_lens=lens, sink=None,
+                    outer_scale=s_l, max_seq_len=args.context, consumer_rev=args.consumer_rev,
+                )
             return dispatch.mla_attention_dense(
                 spec, q, cache, block_table=table, seq_lens=lens, softmax_scale=0.0417, outer_scale=s_l,
                 max_seq_len=args.context, backend="kernel",
             )
 
         version = generation_for(plan_for(spec), sparse=False, heads=16)[0]  # what dispatch runs for this launch
+        if args.consumer_rev is not None:
+            version = f"v3 consumer rev {args.consumer_rev}"
         run()  # compiles; the profiled launch
         torch.cuda.synchronize()
         if not args.time:

@@ -689,3 +689,117 @@ def test_sass_role_registers_reads_each_role_after_its_setmaxnreg():
     swapped = sass.replace("DEALLOC", "TMP").replace("TRY_ALLOC", "DEALLOC").replace("TMP", "TRY_ALLOC")
     assert sass_role_registers(swapped) == {}
     assert sass_role_registers(line(0x10, "MOV R1, c[0x0][0x28]")) == {}
+
+
+# consumer rev 2 (`attention_tuning.V3_CONSUMER_REV`, held at 1 until this passes on an H200 and a bench times it)
+CONSUMER_FORMATS = ["nvfp4", "bf16", "fp8_ds_mla", "mxfp4"]
+# dense lengths: 0 keys, 1 .. 4 + 1 tiles (even and odd tile counts: rev 2 runs tiles in pairs, then the remainder),
+# one short of / past the 64-key tile, and 33 tiles (long runs where no head's running max moves: the skipped rescale)
+CONSUMER_LENGTHS = [0, *LENGTHS, 4 * BLOCK + 1, 33 * BLOCK - 5]
+
+
+@needs_cuda
+@pytest.mark.parametrize("launch", ["dense h=16", "dense h=32", "sparse h=16", "sparse h=128"])
+@pytest.mark.parametrize("fmt", CONSUMER_FORMATS)
+def test_v3_consumer_rev2_bitwise_equals_rev1(fmt, launch):
+    """Consumer rev 2 (tile loop unrolled by the K ring's stages, lazy O^T rescale) computes every value as rev 1 does:
+    outputs and lse bit-identical to rev 1 (NaN-poisoned outputs and split partials), and within the reference bound;
+    dense h = 16 (the 16-head tile) and h = 32 (the 32-head tile), sparse h = 16 and 128 (topk 777: -1 padding, an
+    all-invalid row, out-of-range ids), a sink, the split heuristic, one CTA per query and 3 forced splits (empty
+    splits and odd / even tile counts per split); the 32-head tile with one and with two producer warpgroups."""
+    compile_cache.clear()
+    heads = int(launch.split("=")[1])
+    if launch.startswith("sparse"):
+        spec, q, cache, scale, sink_t, s_l, idx, ref_out, ref_lse, bound = _sparse_case(fmt, heads, 777, 21)
+        lists, rows = dict(indices=idx), slice(None)
+    else:
+        blocks = -(-max(CONSUMER_LENGTHS) // BLOCK) + 4
+        spec, q, cache, scale, sink_t, s_l, lists, ref_out, ref_lse, bound = _case(
+            fmt, heads, CONSUMER_LENGTHS, 21, blocks=blocks, sink=True
+        )
+        rows = slice(1, None)  # row 0 has no key: out 0, lse -inf (checked below)
+    tile = 16 if heads <= 16 else 32
+    # the 32-head tile with one producer warpgroup (rev 2 unrolled) and two (per-role registers: rev 2 not unrolled)
+    for wgs in (None,) if tile == 16 else (1, 2):
+        kw = dict(sink=sink_t, outer_scale=s_l, head_tile=tile, producer_wgs=wgs, **lists)
+        for splits in (None, 1, 3):
+            one, lse1 = _v3(spec, q, cache, scale, num_splits=splits, consumer_rev=1, **kw)
+            two, lse2 = _v3(spec, q, cache, scale, num_splits=splits, consumer_rev=2, **kw)
+            what = f"v3 consumer rev 2 {fmt} {launch} producers={wgs} splits={splits}"
+            _check(two[rows], lse2[rows], ref_out[rows], ref_lse[rows], bound, what)
+            assert torch.equal(two, one) and torch.equal(lse2, lse1), what
+            if rows.start == 1:
+                assert torch.all(two[0] == 0) and torch.all(torch.isneginf(lse2[0]))
+    got = {x for k in compile_cache.keys() if k[0] == "mla_attention_v3" for x in k if str(x).startswith("consumer=")}
+    assert got == {"consumer=1", "consumer=2"}, got
+
+
+@pytest.mark.parametrize("launch", ["dense h=16", "sparse h=32", "dense h=32 p2"])
+def test_v3_consumer_rev2_compiles_and_is_in_the_compile_key(launch, tmp_path, monkeypatch):
+    """No GPU needed: consumer rev 2 compiles for sm_90a without a stack frame, its PTX holds the tile code
+    `tile_copies` times (68 wgmma each: the loop body of two tiles and the remainder tile), except under `setmaxnreg`
+    budgets (the 32-head tile with two producer warpgroups, "p2": not unrolled, once); rev 1, the default, once; the
+    vote of the lazy rescale is there; the revision is a specialisation the compile key names; another is refused."""
+    import os
+
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    import cutlass.cute as cute
+
+    from mla_eval_kernels import compile_check, mla_attention_v3
+    from mla_eval_kernels.mla_attention_v3 import MlaAttentionV3
+
+    heads, sparse = int(launch.split("=")[1].split()[0]), launch.startswith("sparse")
+    wgs = 2 if launch.endswith("p2") else None
+    a = compile_check.attention_args(heads)
+    plan = plan_for(get_format("nvfp4"))
+    for rev in (1, 2):
+        kern = MlaAttentionV3(plan, True, True, True, producer_wgs=wgs, heads=heads, sparse=sparse, consumer_rev=rev)
+        copies = kern.tile_copies
+        assert copies == (2 * attention_tuning.V3_K_STAGES - 1 if rev == 2 and kern.regs is None else 1), (rev, kern.regs)
+        assert kern.regs is not None or wgs != 2  # two producer warpgroups at the 32-head tile: per-role registers
+        dump = tmp_path / f"c{rev}"
+        dump.mkdir()
+        cute.compile(kern, *a, options=f"--keep-ptx --keep-cubin --dump-dir={dump}")
+        use = compile_check.cubin_usage(str(next(dump.glob("*.cubin"))))
+        assert use.get("frame", 0) == 0 and use.get("stack", 0) == 0, (rev, use)
+        ptx = next(dump.glob("*.ptx")).read_text()
+        assert compile_check.check_v3_ptx(ptx, heads, kern.regs, copies) == [], rev
+        if copies > 1:
+            assert compile_check.check_v3_ptx(ptx, heads, kern.regs) == [f"{68 * copies} m64n{heads}k16 wgmma (expected 68)"]
+        assert ("vote.sync.any.pred" in ptx) == (rev == 2)  # the warp-uniform decision of the lazy rescale
+    monkeypatch.setattr(mla_attention_v3, "arch_tag", lambda device: "sm_90")
+    key = mla_attention_v3.compile_key(plan, False, False, False, None)
+    assert f"consumer={attention_tuning.V3_CONSUMER_REV}" in key
+    two = mla_attention_v3.compile_key(plan, False, False, False, None, consumer_rev=2)
+    assert "consumer=2" in two and two != mla_attention_v3.compile_key(plan, False, False, False, None, consumer_rev=1)
+    with pytest.raises(ValueError, match="consumer_rev"):
+        MlaAttentionV3(plan, False, True, True, consumer_rev=3)
+
+
+def test_sass_consumer_tiles_counts_each_tile_and_the_skipped_rescale():
+    """No GPU needed: the consumer's per-tile SASS counts compile_check prints (with --cuobjdump), from a listing in
+    ptxas' layout: the loop is the conditional backward branch around the HGMMA (not an out-of-line retry stub's
+    unconditional one, nor the producer's loop without HGMMA), tiles end at the stage release (SYNCS.ARRIVE), the
+    block a VOTE.ANY branch jumps over is counted apart, predicated instructions count."""
+    from mla_eval_kernels.compile_check import sass_consumer_tiles
+
+    def line(addr, text):
+        return f"        /*{addr:04x}*/                   {text} ;   /* 0x0000000000000000 */"
+
+    body = [
+        "LDS R1, [R2]", "@!P0 BRA 0x10",  # the producer's loop: no HGMMA
+        "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R9+URZ], R3", "@!P0 BRA 0x300",  # tile 0 starts at 0x30
+        "HGMMA.64x16x16.F32.BF16 R24, gdesc[UR12], R24", "FMNMX R4, R4, R5, !PT", "VOTE.ANY P0, P0", "FSEL R6, R5, RZ, !P2",
+        "@!P0 BRA 0xc0", "FMUL R88, R88, R7", "FMUL R89, R89, R7",  # skipped when no max moved
+        "HGMMA.64x16x16.F32.BF16 R88, gdesc[UR16].tnspA, R88", "SYNCS.ARRIVE.TRANS64.A1T0 RZ, [UR5+0x10], RZ",
+        "HGMMA.64x16x16.F32.BF16 R24, gdesc[UR12], R24", "SYNCS.ARRIVE.TRANS64.A1T0 RZ, [UR5+0x18], RZ",
+        "@P1 BRA 0x30", "EXIT", "BRA 0x40",  # the back edge, then the retry stub (unconditional)
+    ]
+    tiles = sass_consumer_tiles("\n".join(line(0x10 * (i + 1), t) for i, t in enumerate(body)))
+    assert [dict(c) for c, _ in tiles] == [
+        {"SYNCS.PHASECHK.TRANS64.TRYWAIT": 1, "BRA": 2, "HGMMA.64x16x16.F32.BF16": 2, "FMNMX": 1, "VOTE.ANY": 1, "FSEL": 1,
+         "SYNCS.ARRIVE.TRANS64.A1T0": 1},
+        {"HGMMA.64x16x16.F32.BF16": 1, "SYNCS.ARRIVE.TRANS64.A1T0": 1, "BRA": 1},
+    ]
+    assert [dict(skip) for _, skip in tiles] == [{"FMUL": 2}, {}]
+    assert sass_consumer_tiles(line(0x10, "MOV R1, c[0x0][0x28]")) == []
