@@ -167,6 +167,17 @@ def is_bf16_plan(plan) -> bool:
     )
 
 
+def v3_decode_rev(plan, requested: int | None = None) -> int:
+    """The E2M1 decode revision a v3 kernel of `plan` compiles: `requested` (a probe: bench v3-d2, the GPU tests) or
+    `V3_DECODE_REV` where the fold decode runs (`fast_e2m1_eligible`); 1 elsewhere, whose kernels rev 2 does not
+    touch (one definition for the kernel and its compile key)."""
+    if requested is not None and requested not in V3_DECODE_REVS:
+        raise ValueError(f"decode_rev must be one of {V3_DECODE_REVS}, not {requested}")
+    if not fast_e2m1_eligible(plan):
+        return 1
+    return requested or V3_DECODE_REV
+
+
 def smem_bytes(plan, m: int, bn: int, wn: int, prefetch: int = 1) -> int:
     """Shared memory of one CTA: Q, K (two stages for the bf16 copy), P, the raw record ring
     (prefetch + 1 tiles; none for bf16), slot ids (prefetch + 2 tiles), row reductions, 4 KB slack."""

@@ -164,6 +164,7 @@ def compile_v3(plan, name: str, stream, heads_list=(16,), cuobjdump: str | None 
         V3_L2_PREFETCH,
         V3_L2_PREFETCH_PROBE,
         V3_WIDE_HEADS,
+        v3_decode_rev,
         v3_head_tile,
         v3_producer_wgs,
         v3_raw_ring,
@@ -200,13 +201,18 @@ def compile_v3(plan, name: str, stream, heads_list=(16,), cuobjdump: str | None 
                 for wgs in counts:
                     cases.append((plan.outer_allowed, sink, split, V3_L2_PREFETCH, wgs, v3_raw_ring(plan, tile, sparse), tile,
                                   sparse))
-    for outer, sink, split, l2pf, wgs, raw_ring, tile, sparse in cases:
+    # decode rev 2 (held by `V3_DECODE_REV`): every case again where the fold decode runs
+    revs = (1, 2) if v3_decode_rev(plan, 2) == 2 else (v3_decode_rev(plan),)
+    cases = [(*c, rev) for c in cases for rev in revs]
+    for outer, sink, split, l2pf, wgs, raw_ring, tile, sparse, rev in cases:
         t = time.time()
         dump = tempfile.mkdtemp()
         a = attention_args(16, stream)
         try:
             opts = f"--keep-ptx --keep-cubin --dump-dir={dump}"
-            kern = MlaAttentionV3(plan, sink, outer, split, l2pf, wgs, raw_ring=raw_ring, heads=tile, sparse=sparse)
+            kern = MlaAttentionV3(
+                plan, sink, outer, split, l2pf, wgs, raw_ring=raw_ring, heads=tile, sparse=sparse, decode_rev=rev
+            )
             cute.compile(kern, *a, options=opts)
             cubin = max(glob.glob(f"{dump}/*.cubin"), key=os.path.getmtime)
             use = cubin_usage(cubin)
@@ -228,7 +234,7 @@ def compile_v3(plan, name: str, stream, heads_list=(16,), cuobjdump: str | None 
         lists = "sparse" if sparse else "dense "
         print(
             f"attention {name:18} v3           {lists} tile={tile} outer={outer!s:5} sink={sink!s:5} split={split!s:5} "
-            f"l2pf={l2pf} producer_wgs={wgs} raw={raw_ring[0]}x{raw_ring[1]} "
+            f"l2pf={l2pf} producer_wgs={wgs} raw={raw_ring[0]}x{raw_ring[1]} decode_rev={rev} "
             f"{time.time() - t:5.1f}s {status}",
             flush=True,
         )

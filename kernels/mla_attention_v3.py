@@ -62,14 +62,13 @@ from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from mla_eval_kernels import e2m1_bits, ptx
 from mla_eval_kernels.attention_tuning import (
     V3_BN,
-    V3_DECODE_REV,
-    V3_DECODE_REVS,
     V3_HEAD_TILES,
     V3_HEADS,
     V3_K_STAGES,
     V3_L2_PREFETCH,
     fast_e2m1_eligible,
     is_bf16_plan,
+    v3_decode_rev,
     v3_head_tile,
     v3_producer_wgs,
     v3_raw_ring,
@@ -172,10 +171,8 @@ class MlaAttentionV3(MlaAttention):
         # one per K stage: the ids of the keys in that stage, which the consumer masks by (an index of -1 or out of
         # range has no record: p = 0 exactly, as v2 masks by its slot ids), handed over with the stage's mbarrier
         self.slot_cols = 2 + (self.k_stages if sparse else 0)
-        # the E2M1 latent decode's revision (`attention_tuning.V3_DECODE_REV`; another is a probe: bench v3-d2, tests)
-        self.decode_rev = decode_rev or V3_DECODE_REV
-        if self.decode_rev not in V3_DECODE_REVS:
-            raise ValueError(f"decode_rev must be one of {V3_DECODE_REVS}, not {decode_rev}")
+        # the E2M1 latent decode's revision (`attention_tuning.v3_decode_rev`; another is a probe: bench v3-d2, tests)
+        self.decode_rev = v3_decode_rev(plan, decode_rev)
 
     @cute.jit
     def __call__(
@@ -431,7 +428,12 @@ class MlaAttentionV3(MlaAttention):
             if nxt >= 0 and ptid < 2 * bn:
                 _prefetch_l2(cache_addr + Int64(nxt) * Int64(self.plan.record_bytes), self.plan.record_bytes)
         t = it + 1 + la_ahead
-        return self.slot_of(m_idx, (t_begin + t) * bn + la_key, num_keys, num_slots, block_size, t < n_local)
+        live = t < n_local
+        if cutlass.const_expr(self.decode_rev == 2 and self.l2_prefetch == 0):
+            # decode rev 2: only the BN threads that write slot ids need the next one (the others' value is unused
+            # without the L2 prefetch); warp-uniform, it saves the block_table load and the division in 6 of 8 warps
+            live = live & (ptid < bn)
+        return self.slot_of(m_idx, (t_begin + t) * bn + la_key, num_keys, num_slots, block_size, live)
 
     @cute.jit
     def stage_slots(self, sSlot: cute.Tensor, slot_buf: Int32, stage: Int32, ptid: Int32):
@@ -816,11 +818,12 @@ class MlaAttentionV3(MlaAttention):
 def compile_key(
     plan: RecordPlan, has_sink: bool, has_outer: bool, split: bool, device, l2_prefetch: int = V3_L2_PREFETCH,
     producer_wgs: int | None = None, timing_probe: str = "", raw_ring: tuple[int, int] | None = None,
-    heads: int = V3_HEADS, sparse: bool = False,
+    heads: int = V3_HEADS, sparse: bool = False, decode_rev: int | None = None,
 ) -> tuple:
     """Every specialisation of a compiled v3 kernel: `heads` is the head tile (the head count, lengths, scales are
     run-time), `sparse` the slot lists (index lists or block_table); the per-role register budgets follow from the
-    tile and the producer warpgroups (`v3_reg_budget`) and are named too."""
+    tile and the producer warpgroups (`v3_reg_budget`) and are named too, as is the E2M1 decode's revision
+    (`v3_decode_rev`)."""
     stages, keys = raw_ring or v3_raw_ring(plan, heads, sparse)
     wgs = int(producer_wgs or v3_producer_wgs(plan, heads))
     regs = v3_reg_budget(heads, wgs)
@@ -828,7 +831,7 @@ def compile_key(
         "mla_attention_v3", 1, plan, bool(has_sink), bool(has_outer), bool(split), int(l2_prefetch),
         wgs, f"probe={timing_probe}", f"raw={stages}x{keys}",
         f"heads={int(heads)}", f"sparse={bool(sparse)}", f"setmaxnreg={'%d/%d' % regs if regs else 'none'}",
-        "q=bf16", "acc=f32", arch_tag(device),
+        f"decode_rev={v3_decode_rev(plan, decode_rev)}", "q=bf16", "acc=f32", arch_tag(device),
     )
 
 
@@ -853,6 +856,7 @@ def mla_attention_v3(
     timing_probe: str = "",
     raw_ring: tuple[int, int] | None = None,
     head_tile: int | None = None,
+    decode_rev: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch of the v3 kernel, dense (`block_table`, `seq_lens`) or sparse (`indices [N, topk]`: global slot ids,
     invalid outside [0, slots)); arguments as `mla_attention.mla_attention` (which calls this when
@@ -860,7 +864,8 @@ def mla_attention_v3(
     `l2_prefetch` (key tiles, 0 = none, the default) and `producer_wgs` (default `attention_tuning.v3_producer_wgs`;
     1 or 2, two at the 32-head tile with per-role registers: a probe, held for dispatch by `v3_producers_held`)
     are for the benchmark's comparison, as is `timing_probe` ("nodec", "nomma": wrong output) and `raw_ring`
-    ((stages, keys per stage), default `attention_tuning.v3_raw_ring`; another of `v3_raw_rings` for the comparison)."""
+    ((stages, keys per stage), default `attention_tuning.v3_raw_ring`; another of `v3_raw_rings` for the comparison), and
+    `decode_rev` (the E2M1 decode's revision, default `attention_tuning.v3_decode_rev`; 2 while held: bench v3-d2)."""
     n, h = q.shape[0], q.shape[1]
     dev = q.device
     if out is None:
@@ -918,10 +923,11 @@ def mla_attention_v3(
         stream,
     )
     key = compile_key(
-        plan, has_sink, has_outer, split, dev, l2_prefetch, producer_wgs, timing_probe, raw_ring, head_tile, sparse
+        plan, has_sink, has_outer, split, dev, l2_prefetch, producer_wgs, timing_probe, raw_ring, head_tile, sparse,
+        decode_rev,
     )
     kern = MlaAttentionV3(
-        plan, has_sink, has_outer, split, l2_prefetch, producer_wgs, timing_probe, raw_ring, head_tile, sparse
+        plan, has_sink, has_outer, split, l2_prefetch, producer_wgs, timing_probe, raw_ring, head_tile, sparse, decode_rev
     )
     fn = compiled(key, lambda: cute.compile(kern, *args))
     fn(*args)
