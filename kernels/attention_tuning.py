@@ -91,6 +91,13 @@ V3_WIDE_PRODUCER_WGS = 2
 # producers .dec to 136 first, the consumer .inc to 232: 232 x 128 + 136 x 256 = 64,512 = 168 x 384, the CTA's own
 # registers moved between roles (`setmaxnreg.inc` waits until the .dec has returned them).
 V3_REG_SPLIT = (232, 136)  # (consumer, producer) registers per thread
+# The producer's E2M1 latent decode (`MlaAttentionV3.decode_latent`, the fold formats): rev 1 is the GPU-tested one; rev 2
+# writes the same bf16 K bytes in fewer instructions (`e2m1_bits`: one prmt, multiply and and per bf16x2 pair instead
+# of a prmt, two shifts and two ands; store addresses and the hi-first word order per thread, not per item). Rev 2
+# was written without a device (session 10): it stays off until tests/test_kernels_v3_gpu.py compares it bitwise with
+# rev 1 on an H200 and bench (b) times it (`v3-d2`); then set 2 here. The revision is in the compile key.
+V3_DECODE_REV = 1
+V3_DECODE_REVS = (1, 2)
 # Formats whose dense decode launches run v3 by default: those where an H200 run measured v3 faster than v2 at
 # every context timed (results/kernels/bench-NVIDIA_H200-2026-12-04-session8.json, dense decode h=16, batch 32,
 # v3 without L2 prefetch; ms at 8K / 32K / 64K, v2 -> v3):
@@ -182,6 +189,17 @@ def is_bf16_plan(plan) -> bool:
         and plan.record_bytes == 2 * D_QK
         and not plan.outer_allowed
     )
+
+
+def v3_decode_rev(plan, requested: int | None = None) -> int:
+    """The E2M1 decode revision a v3 kernel of `plan` compiles: `requested` (a probe: bench v3-d2, the GPU tests) or
+    `V3_DECODE_REV` where the fold decode runs (`fast_e2m1_eligible`); 1 elsewhere, whose kernels rev 2 does not
+    touch (one definition for the kernel and its compile key)."""
+    if requested is not None and requested not in V3_DECODE_REVS:
+        raise ValueError(f"decode_rev must be one of {V3_DECODE_REVS}, not {requested}")
+    if not fast_e2m1_eligible(plan):
+        return 1
+    return requested or V3_DECODE_REV
 
 
 def smem_bytes(plan, m: int, bn: int, wn: int, prefetch: int = 1) -> int:

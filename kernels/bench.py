@@ -35,6 +35,9 @@ At h = 128 ((a) with `--variants`, and (d) always) v3 runs once per head tile: r
 32-head tile) or `V3_AWAITING_GPU_TESTS` keeps dispatch off them; the default row beside them says what dispatch runs.
 With `--variants`, also the 32-head tile with the other producer warpgroup count there: v3-t32-p1 (the default is two,
 with per-role registers, `setmaxnreg`; v3-t32-p2, marked `v3_held`, while `V3_TILE_32_TWO_PRODUCERS` is listed).
+For the formats of the fold decode (`attention_tuning.v3_decode_rev`), rows v3-d2 at (b) and <tile row>-d2 at (d)
+(and (a) with `--variants`) run the E2M1 decode rev 2 (the same output bits), marked `v3_held` while
+`V3_DECODE_REV` is 1; once the default is 2, they run rev 1 as v3-d1.
 
 Compiling every kernel takes seconds each, so one worker process per format compiles and warms
 up in parallel; the timed part runs under an exclusive file lock, one worker at a time.
@@ -209,10 +212,12 @@ def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "wr
     from mla_eval_kernels.attention_tuning import (
         V3_CONSUMER_REV,
         V3_CONSUMER_REVS,
+        V3_DECODE_REV,
         V3_L2_PREFETCH_PROBE,
         generation_for,
         is_bf16_plan,
         v3_blocker,
+        v3_decode_rev,
         v3_producer_wgs,
         v3_raw_rings,
     )
@@ -228,6 +233,10 @@ def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "wr
     other_consumer = next(r for r in V3_CONSUMER_REVS if r != V3_CONSUMER_REV)  # bench rows v3-c<rev>
     reps = 5 if quick else 20
     rows, todo = [], []
+    # the E2M1 decode revision the default does not run (`V3_DECODE_REV`), as rows v3-d<rev> beside v3 at (b) and
+    # beside each head tile at (d) (also (a) with --variants); held while the default is rev 1 (rev 2's GPU test)
+    other_rev = (3 - V3_DECODE_REV) if v3_decode_rev(plan_for(spec), 2) == 2 else None
+    rev_mark = dict(v3_held="decode rev 2 waits for its GPU test (V3_DECODE_REV)") if other_rev == 2 else {}
 
     def v3_tile_rows(shape, params, heads, sparse, nbytes, nflop, lists):
         """v3 rows of an h > 16 launch, one per head tile its CTA fits (`lists(i)`: the launch's slot lists for
@@ -251,6 +260,16 @@ def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "wr
                 )
 
             todo.append((shape, dict(params, kernel=row, **mark), f3, nbytes, nflop, None))
+            if other_rev:
+
+                def f3d(i, tile=tile, wgs=wgs):
+                    return mla_attention_v3(
+                        plan, lists(i)["q"], lists(i)["cache"], softmax_scale=0.0417, block_table=lists(i).get("block_table"),
+                        seq_lens=lists(i).get("seq_lens"), indices=lists(i).get("indices"), sink=None, outer_scale=s_l,
+                        max_seq_len=lists(i).get("max_seq_len"), head_tile=tile, producer_wgs=wgs, decode_rev=other_rev,
+                    )
+
+                todo.append((shape, dict(params, kernel=f"{row}-d{other_rev}", **(mark or rev_mark)), f3d, nbytes, nflop, None))
     gen = torch.Generator(device="cuda").manual_seed(0)
 
     # writer
@@ -342,6 +361,16 @@ def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "wr
                     batch * ctx * spec.record_bytes, flops(batch, 16, ctx), None,
                 )
             )
+            if other_rev:  # the other E2M1 decode revision, same output bits (tests/test_kernels_v3_gpu.py)
+
+                def fb3d(i, q=q, table=table, lens=lens, bcache=bcache, ctx=ctx):
+                    return mla_attention_v3(
+                        plan_for(spec), q, bcache, softmax_scale=0.0417, block_table=table, seq_lens=lens, sink=None,
+                        outer_scale=s_l, max_seq_len=ctx, decode_rev=other_rev,
+                    )
+
+                params = dict(batch=batch, heads=16, context=ctx, kernel=f"v3-d{other_rev}", **(mark or rev_mark))
+                todo.append(("b_dense_decode", params, fb3d, batch * ctx * spec.record_bytes, flops(batch, 16, ctx), None))
             if variants and (ctx == 65536 or quick):
                 # what the L2 prefetch of records (off by default) and the second (or a second) producer
                 # warpgroup are worth
@@ -349,6 +378,8 @@ def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "wr
                 probes = [("v3-pf", dict(l2_prefetch=V3_L2_PREFETCH_PROBE)), (f"v3-p{3 - pwg}", dict(producer_wgs=3 - pwg))]
                 # the other consumer revision (`V3_CONSUMER_REV`; rev 2: fewer SASS per tile, same output bit for bit)
                 probes += [(f"v3-c{other_consumer}", dict(consumer_rev=other_consumer))]
+                if other_rev:  # both held revisions together (session 10's two instruction cuts: consumer and decode)
+                    probes += [(f"v3-c{other_consumer}-d{other_rev}", dict(consumer_rev=other_consumer, decode_rev=other_rev))]
                 if not is_bf16_plan(plan_for(spec)):
                     # timing probes (wrong output): the producer's decode left out; the consumer's wgmma left out
                     probes += [("v3-nodec", dict(timing_probe="nodec")), ("v3-nomma", dict(timing_probe="nomma"))]

@@ -218,9 +218,10 @@ def compile_v3(plan, name: str, stream, heads_list=(16,), cuobjdump: str | None 
     """Compile every v3 specialisation of one format (dense 16-head tile: every (outer, sink, split) and the
     bench's probes; each head tile `heads_list` selects, sparse and dense: split with and without, the sink on
     the unsplit one, the outer scale where the format has one; the 32-head tile also with two producer warpgroups,
-    the bench's v3-t32-p2), all with the default consumer (`V3_CONSUMER_REV`), and every one but the probes with the
-    other consumer revisions too (`V3_CONSUMER_REVS`: the bench's v3-c<rev> rows, the GPU tests' comparison); returns
-    the number of failures."""
+    the bench's v3-t32-p1 / -p2), all with the default consumer (`V3_CONSUMER_REV`) and decode (`v3_decode_rev`), and
+    every one but the probes with the other consumer revision (`V3_CONSUMER_REVS`: the bench's v3-c<rev> rows) and,
+    for the fold formats, the other decode revision (v3-d<rev>), one revision changed at a time; returns the number
+    of failures."""
     from mla_eval_kernels.attention_tuning import (  # noqa: PLC0415
         V3_CONSUMER_REV,
         V3_CONSUMER_REVS,
@@ -228,6 +229,7 @@ def compile_v3(plan, name: str, stream, heads_list=(16,), cuobjdump: str | None 
         V3_L2_PREFETCH,
         V3_L2_PREFETCH_PROBE,
         V3_WIDE_HEADS,
+        v3_decode_rev,
         v3_head_tile,
         v3_producer_wgs,
         v3_raw_ring,
@@ -264,16 +266,22 @@ def compile_v3(plan, name: str, stream, heads_list=(16,), cuobjdump: str | None 
                 for wgs in counts:
                     cases.append((plan.outer_allowed, sink, split, V3_L2_PREFETCH, wgs, v3_raw_ring(plan, tile, sparse), tile,
                                   sparse))
-    revs = [V3_CONSUMER_REV] + [r for r in V3_CONSUMER_REVS if r != V3_CONSUMER_REV]
-    cases = [(*c, V3_CONSUMER_REV) for c in cases + probes] + [(*c, r) for r in revs[1:] for c in cases]
-    for outer, sink, split, l2pf, wgs, raw_ring, tile, sparse, crev in cases:
+    # the other consumer revision (`V3_CONSUMER_REVS`) and decode revision (`v3_decode_rev`: the fold formats only) of
+    # every non-probe case, one revision changed at a time
+    d0 = v3_decode_rev(plan)
+    crevs = [r for r in V3_CONSUMER_REVS if r != V3_CONSUMER_REV]
+    drevs = [r for r in ((1, 2) if v3_decode_rev(plan, 2) == 2 else ()) if r != d0]
+    cases = ([(*c, V3_CONSUMER_REV, d0) for c in cases + probes] + [(*c, r, d0) for r in crevs for c in cases]
+             + [(*c, V3_CONSUMER_REV, r) for r in drevs for c in cases])
+    for outer, sink, split, l2pf, wgs, raw_ring, tile, sparse, crev, drev in cases:
         t = time.time()
         dump = tempfile.mkdtemp()
         a = attention_args(16, stream)
         try:
             opts = f"--keep-ptx --keep-cubin --dump-dir={dump}"
             kern = MlaAttentionV3(
-                plan, sink, outer, split, l2pf, wgs, raw_ring=raw_ring, heads=tile, sparse=sparse, consumer_rev=crev
+                plan, sink, outer, split, l2pf, wgs, raw_ring=raw_ring, heads=tile, sparse=sparse, consumer_rev=crev,
+                decode_rev=drev,
             )
             cute.compile(kern, *a, options=opts)
             cubin = max(glob.glob(f"{dump}/*.cubin"), key=os.path.getmtime)
@@ -298,7 +306,7 @@ def compile_v3(plan, name: str, stream, heads_list=(16,), cuobjdump: str | None 
         lists = "sparse" if sparse else "dense "
         print(
             f"attention {name:18} v3           {lists} tile={tile} outer={outer!s:5} sink={sink!s:5} split={split!s:5} "
-            f"l2pf={l2pf} producer_wgs={wgs} raw={raw_ring[0]}x{raw_ring[1]} consumer={crev} "
+            f"l2pf={l2pf} producer_wgs={wgs} raw={raw_ring[0]}x{raw_ring[1]} consumer={crev} decode_rev={drev} "
             f"{time.time() - t:5.1f}s {status}",
             flush=True,
         )

@@ -16,6 +16,16 @@ multiplies the latent part of each score and the output rows by FOLD * s_l in fl
 
 `e2m1_byte_to_bf16x2_bits` is the word the kernel computes, written in Python; the CPU test checks
 it against the codec's E2M1 table for all 256 bytes.
+
+Decode rev 2 (`attention_tuning.V3_DECODE_REV`, held until its GPU test): the same bf16x2 words in fewer
+instructions (ncu, session 10: rev 1 issued ~6 SASS per pair, the producer is issue-bound). Per 32-bit word of
+8 codes, once: the even codes (low nibbles) and the odd codes (high nibbles, shifted down) each masked to clean
+bytes (`NIBBLES`). Per pair i: one `prmt` puts even code 2i in byte 0 and odd code 2i + 1 in byte 2 and zeros in
+bytes 1 and 3 (a selector nibble with bit 3 set replicates the selected byte's bit 7, which is 0 in a clean
+byte: `R2_SELECTORS`); one multiply by `SPREAD` = 2^6 + 2^12 adds the code shifted by 6 (magnitude at bits
+8..6) and by 12 (sign at bit 15) in each half (the two copies do not overlap, so the sum is their OR); one
+`and` with `FIELDS` keeps the magnitude and the sign. Same word as rev 1, then the same `mul.rn.bf16x2`.
+`e2m1_word_to_bf16x2_bits_r2` is that sequence in Python.
 """
 
 from __future__ import annotations
@@ -26,14 +36,24 @@ SIGN_MASK = 0x80008000  # (y << 12): the two signs at bit 15 of each half
 SCALE_BIAS_LOG2 = 117
 FOLD_LOG2 = 126 - SCALE_BIAS_LOG2  # 9: scores and outputs are multiplied by 2^9 * s_l
 
+# decode rev 2 (module docstring): clean code bytes, one prmt, one multiply and one and per pair
+NIBBLES = 0x0F0F0F0F  # one code per byte: w & NIBBLES (even codes), (w >> 4) & NIBBLES (odd codes)
+R2_SELECTORS = tuple(i | (8 | i) << 4 | (4 + i) << 8 | (8 | i) << 12 for i in range(4))  # 0x8480, 0x9591, ...
+SPREAD = (1 << 6) | (1 << 12)  # code << 6 (magnitude to bits 8..6) + code << 12 (sign to bit 15)
+FIELDS = MAG_MASK | SIGN_MASK
+
 
 def prmt(a: int, b: int, selector: int) -> int:
-    """PTX `prmt.b32` in its default mode (no sign replication used: selector nibbles are 0..7)."""
+    """PTX `prmt.b32` in its default mode: selector nibble j picks byte (nibble & 7) of b:a for result byte j;
+    with the nibble's bit 3 set, the picked byte's bit 7 is replicated over the result byte (PTX ISA, prmt)."""
     pool = (a & 0xFFFFFFFF) | ((b & 0xFFFFFFFF) << 32)
     out = 0
     for j in range(4):
-        src = (selector >> (4 * j)) & 0x7
-        out |= ((pool >> (8 * src)) & 0xFF) << (8 * j)
+        nib = (selector >> (4 * j)) & 0xF
+        byte = (pool >> (8 * (nib & 0x7))) & 0xFF
+        if nib & 0x8:
+            byte = 0xFF if byte & 0x80 else 0x00
+        out |= byte << (8 * j)
     return out
 
 
@@ -45,3 +65,11 @@ def e2m1_word_to_bf16x2_bits(word: int, pair: int) -> int:
 
 def e2m1_byte_to_bf16x2_bits(byte: int) -> int:
     return e2m1_word_to_bf16x2_bits(byte & 0xFF, 0)
+
+
+def e2m1_word_to_bf16x2_bits_r2(word: int, pair: int) -> int:
+    """Decode rev 2's instruction sequence for pair `pair` of a code word (the same bits as rev 1's)."""
+    word &= 0xFFFFFFFF
+    even, odd = word & NIBBLES, (word >> 4) & NIBBLES
+    t = prmt(even, odd, R2_SELECTORS[pair])
+    return ((t * SPREAD) & 0xFFFFFFFF) & FIELDS

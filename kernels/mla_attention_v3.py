@@ -70,6 +70,7 @@ from mla_eval_kernels.attention_tuning import (
     V3_L2_PREFETCH,
     fast_e2m1_eligible,
     is_bf16_plan,
+    v3_decode_rev,
     v3_head_tile,
     v3_producer_wgs,
     v3_raw_ring,
@@ -88,6 +89,7 @@ from mla_eval_kernels.mla_attention import (
     MlaAttention,
     _cp_async_16,
     _ld_shared_u8,
+    _ld_shared_u32,
     _ptr,
     _st_shared_v4,
     choose_splits,
@@ -131,7 +133,7 @@ class MlaAttentionV3(MlaAttention):
     def __init__(
         self, plan: RecordPlan, has_sink: bool, has_outer: bool, split: bool, l2_prefetch: int = V3_L2_PREFETCH,
         producer_wgs: int | None = None, timing_probe: str = "", raw_ring: tuple[int, int] | None = None,
-        heads: int = V3_HEADS, sparse: bool = False, consumer_rev: int = V3_CONSUMER_REV,
+        heads: int = V3_HEADS, sparse: bool = False, consumer_rev: int = V3_CONSUMER_REV, decode_rev: int | None = None,
     ):
         if timing_probe not in TIMING_PROBES:
             raise ValueError(f"timing_probe must be one of {TIMING_PROBES}, not {timing_probe!r}")
@@ -181,6 +183,8 @@ class MlaAttentionV3(MlaAttention):
         # one per K stage: the ids of the keys in that stage, which the consumer masks by (an index of -1 or out of
         # range has no record: p = 0 exactly, as v2 masks by its slot ids), handed over with the stage's mbarrier
         self.slot_cols = 2 + (self.k_stages if sparse else 0)
+        # the E2M1 latent decode's revision (`attention_tuning.v3_decode_rev`; another is a probe: bench v3-d2, tests)
+        self.decode_rev = v3_decode_rev(plan, decode_rev)
 
     @cute.jit
     def __call__(
@@ -436,7 +440,12 @@ class MlaAttentionV3(MlaAttention):
             if nxt >= 0 and ptid < 2 * bn:
                 _prefetch_l2(cache_addr + Int64(nxt) * Int64(self.plan.record_bytes), self.plan.record_bytes)
         t = it + 1 + la_ahead
-        return self.slot_of(m_idx, (t_begin + t) * bn + la_key, num_keys, num_slots, block_size, t < n_local)
+        live = t < n_local
+        if cutlass.const_expr(self.decode_rev == 2 and self.l2_prefetch == 0):
+            # decode rev 2: only the BN threads that write slot ids need the next one (the others' value is unused
+            # without the L2 prefetch); warp-uniform, it saves the block_table load and the division in 6 of 8 warps
+            live = live & (ptid < bn)
+        return self.slot_of(m_idx, (t_begin + t) * bn + la_key, num_keys, num_slots, block_size, live)
 
     @cute.jit
     def stage_slots(self, sSlot: cute.Tensor, slot_buf: Int32, stage: Int32, ptid: Int32):
@@ -470,7 +479,10 @@ class MlaAttentionV3(MlaAttention):
             entry = (16 * blk) // lat.group
             if cutlass.const_expr(lat.scale_order == ORDER_8X4):
                 entry = 8 * (entry & 3) + (entry >> 2)
-            self.decode_latent(raw, kbase, ptid, blk, entry, key0, nkeys)
+            if cutlass.const_expr(self.decode_rev == 2):
+                self.decode_latent_r2(raw, kbase, ptid, blk, entry, key0, nkeys)
+            else:
+                self.decode_latent(raw, kbase, ptid, blk, entry, key0, nkeys)
             n_rope = nkeys * 8  # items of 8 rope values; a 16-key part with 256 threads has fewer than threads
             for u in cutlass.range_constexpr((n_rope + self.pt - 1) // self.pt):
                 i = u * self.pt + ptid
@@ -526,6 +538,57 @@ class MlaAttentionV3(MlaAttention):
             b0, b1, b2, b3 = ptx.e2m1x8_scaled_bf16x2(second, s2)
             _st_shared_v4(kbase + 2 * swizzled_offset(key, 16 * blk + 8 * half, self.bn), a0, a1, a2, a3)
             _st_shared_v4(kbase + 2 * swizzled_offset(key, 16 * blk + 8 - 8 * half, self.bn), b0, b1, b2, b3)
+
+    @cute.jit
+    def decode_latent_r2(
+        self, raw: Int32, kbase: Int32, ptid: Int32, blk: Int32, entry: Int32, key0: cutlass.Constexpr, nkeys: cutlass.Constexpr,
+    ):
+        """`decode_latent` (same bytes, same loads-then-stores order, same bank-conflict-free store order) in decode
+        rev 2 (`attention_tuning.V3_DECODE_REV`): the pairs through `ptx.e2m1x8_scaled_bf16x2_r2`; the word a lane
+        converts and stores first (its upper 8 values where blk & 4) read by its own 4-byte load instead of a select
+        per item; the store addresses worked out per thread, not per item. Item u is raw key u * kpp + w (kpp = keys
+        per pass = producer threads / 32, w = ptid // 32 < kpp) and K row key0 + u * kpp + w: with key0 and u * kpp
+        multiples of kpp (8 or 4), row & 7 = (K & 7) + w and row >> 3 = K >> 3 for K = key0 + u * kpp, so the swizzle
+        (`swizzled_offset`) is a per-thread constant for each value of K & 7 (one with 256 producer threads, two
+        with 128) plus 512 elements per 8 rows, an immediate in the store."""
+        lat = self.plan.latent
+        rec = self.plan.record_bytes
+        bn = self.bn
+        kpp = self.pt // 32
+        if cutlass.const_expr(key0 % 8 != 0 or 8 % kpp != 0):  # the row arithmetic above
+            raise ValueError(f"decode rev 2 needs key0 % 8 == 0 and 8 % kpp == 0 (key0 {key0}, kpp {kpp})")
+        w = ptid // 32
+        half = (blk >> 2) & 1  # 1: this lane converts and stores its upper 8 values first
+        ld_first = raw + w * rec + lat.data_offset + 8 * blk + 4 * half
+        ld_second = raw + w * rec + lat.data_offset + 8 * blk + 4 - 4 * half
+        ld_scale = raw + w * rec + lat.scale_offset + entry
+        chunk_first = ((2 * blk + half) & 7) ^ w  # 16-byte chunk (of 8) before the row's own XOR part K & 7
+        chunk_second = ((2 * blk + 1 - half) & 7) ^ w
+        col_block = (blk >> 2) * (bn // 8) * 512  # 64-column block of the first 8 rows, in elements
+        items = []
+        for u in cutlass.range_constexpr(nkeys * 32 // self.pt):
+            off = u * kpp * rec
+            w0 = _ld_shared_u32(ld_first + off)
+            w1 = _ld_shared_u32(ld_second + off)
+            code = _ld_shared_u8(ld_scale + off)
+            items.append((key0 + u * kpp, w0, w1, code))
+        # per thread, once per value of K & 7 (hoisted out of the tile loop by ptxas)
+        bases = {
+            kk: (
+                kbase + 2 * (col_block + (kk + w) * 64 + ((chunk_first ^ kk) << 3)),
+                kbase + 2 * (col_block + (kk + w) * 64 + ((chunk_second ^ kk) << 3)),
+            )
+            for kk in sorted({it[0] & 7 for it in items})
+        }
+        for u in cutlass.range_constexpr(len(items)):
+            k, w0, w1, code = items[u]
+            st_first, st_second = bases[k & 7]
+            f = ptx.e4m3_to_f32(code) * Float32(2.0**e2m1_bits.SCALE_BIAS_LOG2)
+            s2 = ptx.bf16x2(f, f)
+            a0, a1, a2, a3 = ptx.e2m1x8_scaled_bf16x2_r2(w0, s2)
+            b0, b1, b2, b3 = ptx.e2m1x8_scaled_bf16x2_r2(w1, s2)
+            _st_shared_v4(st_first + 1024 * (k >> 3), a0, a1, a2, a3)
+            _st_shared_v4(st_second + 1024 * (k >> 3), b0, b1, b2, b3)
 
     @cute.jit
     def load_raw(
@@ -821,12 +884,12 @@ class MlaAttentionV3(MlaAttention):
 def compile_key(
     plan: RecordPlan, has_sink: bool, has_outer: bool, split: bool, device, l2_prefetch: int = V3_L2_PREFETCH,
     producer_wgs: int | None = None, timing_probe: str = "", raw_ring: tuple[int, int] | None = None,
-    heads: int = V3_HEADS, sparse: bool = False, consumer_rev: int = V3_CONSUMER_REV,
+    heads: int = V3_HEADS, sparse: bool = False, consumer_rev: int = V3_CONSUMER_REV, decode_rev: int | None = None,
 ) -> tuple:
     """Every specialisation of a compiled v3 kernel: `heads` is the head tile (the head count, lengths, scales are
     run-time), `sparse` the slot lists (index lists or block_table); the per-role register budgets follow from the
     tile and the producer warpgroups (`v3_reg_budget`) and are named too; `consumer_rev` the consumer's per-tile code
-    (`attention_tuning.V3_CONSUMER_REV`)."""
+    (`attention_tuning.V3_CONSUMER_REV`), `decode_rev` the E2M1 decode's revision (`v3_decode_rev`)."""
     stages, keys = raw_ring or v3_raw_ring(plan, heads, sparse)
     wgs = int(producer_wgs or v3_producer_wgs(plan, heads))
     regs = v3_reg_budget(heads, wgs)
@@ -834,7 +897,8 @@ def compile_key(
         "mla_attention_v3", 1, plan, bool(has_sink), bool(has_outer), bool(split), int(l2_prefetch),
         wgs, f"probe={timing_probe}", f"raw={stages}x{keys}",
         f"heads={int(heads)}", f"sparse={bool(sparse)}", f"setmaxnreg={'%d/%d' % regs if regs else 'none'}",
-        f"consumer={int(consumer_rev)}", "q=bf16", "acc=f32", arch_tag(device),
+        f"consumer={int(consumer_rev)}", f"decode_rev={v3_decode_rev(plan, decode_rev)}", "q=bf16", "acc=f32",
+        arch_tag(device),
     )
 
 
@@ -860,6 +924,7 @@ def mla_attention_v3(
     raw_ring: tuple[int, int] | None = None,
     head_tile: int | None = None,
     consumer_rev: int = V3_CONSUMER_REV,
+    decode_rev: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch of the v3 kernel, dense (`block_table`, `seq_lens`) or sparse (`indices [N, topk]`: global slot ids,
     invalid outside [0, slots)); arguments as `mla_attention.mla_attention` (which calls this when
@@ -868,7 +933,8 @@ def mla_attention_v3(
     1 or 2, two at the 32-head tile with per-role registers: a probe, held for dispatch by `v3_producers_held`)
     are for the benchmark's comparison, as is `timing_probe` ("nodec", "nomma": wrong output) and `raw_ring`
     ((stages, keys per stage), default `attention_tuning.v3_raw_ring`; another of `v3_raw_rings` for the comparison),
-    as is `consumer_rev` (`attention_tuning.V3_CONSUMER_REVS`; the other one than `V3_CONSUMER_REV`: bench v3-c<rev>)."""
+    `consumer_rev` (`attention_tuning.V3_CONSUMER_REVS`; the other one than `V3_CONSUMER_REV`: bench v3-c<rev>) and
+    `decode_rev` (the E2M1 decode's revision, default `attention_tuning.v3_decode_rev`; 2 while held: bench v3-d2)."""
     n, h = q.shape[0], q.shape[1]
     dev = q.device
     if out is None:
@@ -927,11 +993,11 @@ def mla_attention_v3(
     )
     key = compile_key(
         plan, has_sink, has_outer, split, dev, l2_prefetch, producer_wgs, timing_probe, raw_ring, head_tile, sparse,
-        consumer_rev,
+        consumer_rev, decode_rev,
     )
     kern = MlaAttentionV3(
         plan, has_sink, has_outer, split, l2_prefetch, producer_wgs, timing_probe, raw_ring, head_tile, sparse,
-        consumer_rev,
+        consumer_rev, decode_rev,
     )
     fn = compiled(key, lambda: cute.compile(kern, *args))
     fn(*args)

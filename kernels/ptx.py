@@ -209,3 +209,20 @@ def e2m1x8_scaled_bf16x2(word, scale2):
         write_only_types=[Uint32, Uint32, Uint32, Uint32],
         read_only_args=[Uint32(word), Uint32(scale2)],
     )
+
+
+def e2m1x8_scaled_bf16x2_r2(word, scale2):
+    """`e2m1x8_scaled_bf16x2`'s four words (the same bits) in decode rev 2's sequence (`e2m1_bits`, its Python model):
+    two masks and a shift per word, then per pair one prmt, one multiply, one and and the `mul.rn.bf16x2`."""
+    sel = e2m1_bits.R2_SELECTORS
+    body = " ".join(
+        f"prmt.b32 t, e, o, {sel[i]:#x}; mul.lo.u32 t, t, {e2m1_bits.SPREAD:#x}; and.b32 t, t, {e2m1_bits.FIELDS:#x};"
+        f" mul.rn.bf16x2 {{$w{i}}}, t, {{$r1}};"
+        for i in range(4)
+    )
+    return cute.arch.inline_ptx(
+        f"{{ .reg .b32 e, o, t; and.b32 e, {{$r0}}, {e2m1_bits.NIBBLES:#x}; shr.b32 o, {{$r0}}, 4;"
+        f" and.b32 o, o, {e2m1_bits.NIBBLES:#x}; " + body + " }",
+        write_only_types=[Uint32, Uint32, Uint32, Uint32],
+        read_only_args=[Uint32(word), Uint32(scale2)],
+    )

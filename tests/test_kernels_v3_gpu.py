@@ -803,3 +803,87 @@ def test_sass_consumer_tiles_counts_each_tile_and_the_skipped_rescale():
     ]
     assert [dict(skip) for _, skip in tiles] == [{"FMUL": 2}, {}]
     assert sass_consumer_tiles(line(0x10, "MOV R1, c[0x0][0x28]")) == []
+
+
+# ---------------------------------------------------------------------------------- decode rev 2 (session 10, held)
+DECODE_REV2_FORMATS = [f for f in V3_FORMATS if attention_tuning.v3_decode_rev(plan_for(get_format(f)), 2) == 2]
+# (sparse, heads, head tile, producer warpgroups): 256 producer threads (8 keys per pass: one store base per thread)
+# and 128 (4 keys per pass: two, by the key's parity of 4), whole tiles and the 32-head tile's 16 / 32-key parts
+REV2_LAUNCHES = {
+    "dense h=16": (False, 16, None, None),
+    "dense h=16 p1": (False, 16, None, 1),
+    "sparse h=16": (True, 16, None, None),
+    "dense h=32": (False, 32, 32, None),
+    "dense h=128 p2": (False, 128, 32, 2),
+    "sparse h=128": (True, 128, 32, None),
+}
+
+
+@needs_cuda
+@pytest.mark.parametrize("launch", list(REV2_LAUNCHES))
+@pytest.mark.parametrize("fmt", DECODE_REV2_FORMATS)
+def test_v3_decode_rev2_matches_reference_and_rev1_bitwise(fmt, launch):
+    """The E2M1 decode rev 2 (`attention_tuning.V3_DECODE_REV`, held at 1 until this passes on an H200): NaN-poisoned
+    outputs against the reference, unsplit and 3 splits, and bit for bit (int32 views: signed zeros, lse included) the
+    outputs of rev 1, the GPU-tested decode, on the same launch: it writes the same bf16 K tiles. Every fold format
+    (the outer scale where the format has one), dense and sparse lists, the 16-head tile (one and two producer
+    warpgroups) and the 32-head tile (one producer; two with per-role registers)."""
+    compile_cache.clear()
+    sparse, heads, tile, wgs = REV2_LAUNCHES[launch]
+    if sparse:
+        spec, q, cache, scale, sink_t, s_l, idx, ref_out, ref_lse, bound = _sparse_case(fmt, heads, 777, 7)
+        lists = dict(indices=idx)
+    else:
+        spec, q, cache, scale, sink_t, s_l, lists, ref_out, ref_lse, bound = _case(fmt, heads, LENGTHS, 17, sink=True)
+    kw = dict(head_tile=tile, producer_wgs=wgs)
+    for splits in (1, 3):
+        out2, lse2 = _v3(spec, q, cache, scale, sink=sink_t, outer_scale=s_l, num_splits=splits, decode_rev=2, **kw, **lists)
+        _check(out2, lse2, ref_out, ref_lse, bound, f"v3 decode rev 2 {fmt} {launch} splits={splits}")
+        out1, lse1 = _v3(spec, q, cache, scale, sink=sink_t, outer_scale=s_l, num_splits=splits, decode_rev=1, **kw, **lists)
+        assert torch.equal(out2.view(torch.int32), out1.view(torch.int32)), (fmt, launch, splits)
+        assert torch.equal(lse2.view(torch.int32), lse1.view(torch.int32)), (fmt, launch, splits)
+    revs = {k[14] for k in compile_cache.keys() if k[0] == "mla_attention_v3"}
+    assert revs == {"decode_rev=1", "decode_rev=2"}, revs
+
+
+@pytest.mark.parametrize("pt", [128, 256])
+def test_v3_decode_rev2_store_addresses_are_the_swizzled_offsets(pt):
+    """No GPU needed: `decode_latent_r2`'s per-thread store bases (one per value of K & 7) plus 512 elements per 8 rows
+    are `swizzled_offset` of the key row and the lane's two 16-byte chunks (upper 8 values first where blk & 4), for
+    every part key0 the rings give, item u, warp w = ptid // 32 and block; and its 4-byte loads are the words rev 1
+    selected from its 8-byte load."""
+    from mla_eval_kernels.mla_attention import swizzled_offset
+
+    bn, kpp = 64, pt // 32
+    for nkeys in (64, 32, 16):
+        for key0 in range(0, bn, nkeys):
+            for u in range(nkeys * 32 // pt):
+                k = key0 + u * kpp
+                kk = k & 7
+                for w in range(kpp):
+                    for blk in range(32):
+                        half = (blk >> 2) & 1
+                        chunk_first = ((2 * blk + half) & 7) ^ w
+                        chunk_second = ((2 * blk + 1 - half) & 7) ^ w
+                        col_block = (blk >> 2) * (bn // 8) * 512
+                        first = col_block + (kk + w) * 64 + ((chunk_first ^ kk) << 3) + 512 * (k >> 3)
+                        second = col_block + (kk + w) * 64 + ((chunk_second ^ kk) << 3) + 512 * (k >> 3)
+                        row = k + w
+                        assert first == swizzled_offset(row, 16 * blk + 8 * half, bn), (pt, key0, u, w, blk)
+                        assert second == swizzled_offset(row, 16 * blk + 8 - 8 * half, bn), (pt, key0, u, w, blk)
+                        # rev 1's `first` word: w1 (bytes 4..7 of the block) where blk & 4, else w0
+                        assert 4 * half == (4 if blk & 4 else 0)
+
+
+def test_v3_decode_rev_is_in_the_compile_key(monkeypatch):
+    """No GPU needed: the decode revision is a specialisation where the fold decode runs; elsewhere always 1."""
+    from mla_eval_kernels import mla_attention_v3
+
+    monkeypatch.setattr(mla_attention_v3, "arch_tag", lambda device: "sm_90")
+    nvfp4 = plan_for(get_format("nvfp4"))
+    one = mla_attention_v3.compile_key(nvfp4, False, False, False, None, decode_rev=1)
+    two = mla_attention_v3.compile_key(nvfp4, False, False, False, None, decode_rev=2)
+    assert one != two and one[14] == "decode_rev=1" and two[14] == "decode_rev=2"
+    assert mla_attention_v3.compile_key(nvfp4, False, False, False, None)[14] == f"decode_rev={attention_tuning.V3_DECODE_REV}"
+    bf16 = plan_for(get_format("bf16"))  # no fold decode: rev 2 changes nothing there, so the key says 1
+    assert mla_attention_v3.compile_key(bf16, False, False, False, None, decode_rev=2)[14] == "decode_rev=1"
