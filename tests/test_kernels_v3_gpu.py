@@ -846,6 +846,29 @@ def test_v3_decode_rev2_matches_reference_and_rev1_bitwise(fmt, launch):
     assert revs == {"decode_rev=1", "decode_rev=2"}, revs
 
 
+@needs_cuda
+@pytest.mark.parametrize("launch", ["dense h=16", "sparse h=16", "dense h=128 p2", "sparse h=128"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "nvfp4_fp8_ds_mla"])
+def test_v3_consumer_rev2_with_decode_rev2_bitwise_equals_the_default(fmt, launch):
+    """Both held revisions of session 10 together (the bench's v3-c2-d2 row: consumer rev 2 and the E2M1 decode rev 2,
+    written on separate branches, each tested alone above): outputs and lse bit for bit those of the default kernel
+    (rev 1 / rev 1), and within the reference bound, unsplit and 3 splits, NaN-poisoned outputs."""
+    compile_cache.clear()
+    sparse, heads, tile, wgs = REV2_LAUNCHES[launch]
+    if sparse:
+        spec, q, cache, scale, sink_t, s_l, idx, ref_out, ref_lse, bound = _sparse_case(fmt, heads, 777, 9)
+        lists = dict(indices=idx)
+    else:
+        spec, q, cache, scale, sink_t, s_l, lists, ref_out, ref_lse, bound = _case(fmt, heads, LENGTHS, 19, sink=True)
+    kw = dict(sink=sink_t, outer_scale=s_l, head_tile=tile, producer_wgs=wgs, **lists)
+    for splits in (1, 3):
+        new, lse_new = _v3(spec, q, cache, scale, num_splits=splits, consumer_rev=2, decode_rev=2, **kw)
+        _check(new, lse_new, ref_out, ref_lse, bound, f"v3 consumer rev 2 + decode rev 2 {fmt} {launch} splits={splits}")
+        old, lse_old = _v3(spec, q, cache, scale, num_splits=splits, consumer_rev=1, decode_rev=1, **kw)
+        assert torch.equal(new.view(torch.int32), old.view(torch.int32)), (fmt, launch, splits)
+        assert torch.equal(lse_new.view(torch.int32), lse_old.view(torch.int32)), (fmt, launch, splits)
+
+
 @pytest.mark.parametrize("pt", [128, 256])
 def test_v3_decode_rev2_store_addresses_are_the_swizzled_offsets(pt):
     """No GPU needed: `decode_latent_r2`'s per-thread store bases (one per value of K & 7) plus 512 elements per 8 rows
