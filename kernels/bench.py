@@ -244,32 +244,24 @@ def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "wr
         from mla_eval_kernels.mla_attention_v3 import mla_attention_v3
 
         plan = plan_for(spec)
-        tile_rows = []
+        tile_rows = []  # (row, head tile, producer warpgroups, held mark, revision keywords)
         for row, tile, wgs, held in v3_tile_variants(plan, heads, sparse, variants):
-            tile_rows.append((row, tile, wgs, held, V3_CONSUMER_REV))
-            if variants and wgs is None:  # the other consumer revision (v3-t<tile>-c<rev>), same output bit for bit
-                tile_rows.append((f"{row}-c{other_consumer}", tile, wgs, held, other_consumer))
-        for row, tile, wgs, held, crev in tile_rows:
             mark = dict(v3_held=held) if held else {}
+            tile_rows.append((row, tile, wgs, mark, {}))
+            if variants and wgs is None:  # the other consumer revision (v3-t<tile>-c<rev>), same output bit for bit
+                tile_rows.append((f"{row}-c{other_consumer}", tile, wgs, mark, dict(consumer_rev=other_consumer)))
+            if other_rev:  # the other E2M1 decode revision (<row>-d<rev>), same output bit for bit
+                tile_rows.append((f"{row}-d{other_rev}", tile, wgs, mark or rev_mark, dict(decode_rev=other_rev)))
+        for row, tile, wgs, mark, revs in tile_rows:
 
-            def f3(i, tile=tile, wgs=wgs, crev=crev):
+            def f3(i, tile=tile, wgs=wgs, revs=revs):
                 return mla_attention_v3(
                     plan, lists(i)["q"], lists(i)["cache"], softmax_scale=0.0417, block_table=lists(i).get("block_table"),
                     seq_lens=lists(i).get("seq_lens"), indices=lists(i).get("indices"), sink=None, outer_scale=s_l,
-                    max_seq_len=lists(i).get("max_seq_len"), head_tile=tile, producer_wgs=wgs, consumer_rev=crev,
+                    max_seq_len=lists(i).get("max_seq_len"), head_tile=tile, producer_wgs=wgs, **revs,
                 )
 
             todo.append((shape, dict(params, kernel=row, **mark), f3, nbytes, nflop, None))
-            if other_rev:
-
-                def f3d(i, tile=tile, wgs=wgs):
-                    return mla_attention_v3(
-                        plan, lists(i)["q"], lists(i)["cache"], softmax_scale=0.0417, block_table=lists(i).get("block_table"),
-                        seq_lens=lists(i).get("seq_lens"), indices=lists(i).get("indices"), sink=None, outer_scale=s_l,
-                        max_seq_len=lists(i).get("max_seq_len"), head_tile=tile, producer_wgs=wgs, decode_rev=other_rev,
-                    )
-
-                todo.append((shape, dict(params, kernel=f"{row}-d{other_rev}", **(mark or rev_mark)), f3d, nbytes, nflop, None))
     gen = torch.Generator(device="cuda").manual_seed(0)
 
     # writer
@@ -361,16 +353,9 @@ def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "wr
                     batch * ctx * spec.record_bytes, flops(batch, 16, ctx), None,
                 )
             )
-            if other_rev:  # the other E2M1 decode revision, same output bits (tests/test_kernels_v3_gpu.py)
-
-                def fb3d(i, q=q, table=table, lens=lens, bcache=bcache, ctx=ctx):
-                    return mla_attention_v3(
-                        plan_for(spec), q, bcache, softmax_scale=0.0417, block_table=table, seq_lens=lens, sink=None,
-                        outer_scale=s_l, max_seq_len=ctx, decode_rev=other_rev,
-                    )
-
-                params = dict(batch=batch, heads=16, context=ctx, kernel=f"v3-d{other_rev}", **(mark or rev_mark))
-                todo.append(("b_dense_decode", params, fb3d, batch * ctx * spec.record_bytes, flops(batch, 16, ctx), None))
+            # v3 rows by keywords of `mla_attention_v3`: the other E2M1 decode revision at every context (same output
+            # bits, tests/test_kernels_v3_gpu.py), and with --variants at 64K the probes
+            v3_rows = [(f"v3-d{other_rev}", dict(decode_rev=other_rev), mark or rev_mark)] if other_rev else []
             if variants and (ctx == 65536 or quick):
                 # what the L2 prefetch of records (off by default) and the second (or a second) producer
                 # warpgroup are worth
@@ -385,20 +370,21 @@ def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "wr
                     probes += [("v3-nodec", dict(timing_probe="nodec")), ("v3-nomma", dict(timing_probe="nomma"))]
                 # the other raw rings that fit (fp8 records: fewer keys in flight, or larger stages), same output
                 probes += [(f"v3-r{r[0]}x{r[1]}", dict(raw_ring=r)) for r in v3_raw_rings(plan_for(spec))[1:]]
-                for vname, kw in probes:
+                v3_rows += [(vname, kw, mark) for vname, kw in probes]
+            for vname, kw, vmark in v3_rows:
 
-                    def fb3v(i, q=q, table=table, lens=lens, bcache=bcache, ctx=ctx, kw=kw):
-                        return mla_attention_v3(
-                            plan_for(spec), q, bcache, softmax_scale=0.0417, block_table=table, seq_lens=lens, sink=None,
-                            outer_scale=s_l, max_seq_len=ctx, **kw,
-                        )
-
-                    todo.append(
-                        (
-                            "b_dense_decode", dict(batch=batch, heads=16, context=ctx, kernel=vname, **mark), fb3v,
-                            batch * ctx * spec.record_bytes, flops(batch, 16, ctx), None,
-                        )
+                def fb3v(i, q=q, table=table, lens=lens, bcache=bcache, ctx=ctx, kw=kw):
+                    return mla_attention_v3(
+                        plan_for(spec), q, bcache, softmax_scale=0.0417, block_table=table, seq_lens=lens, sink=None,
+                        outer_scale=s_l, max_seq_len=ctx, **kw,
                     )
+
+                todo.append(
+                    (
+                        "b_dense_decode", dict(batch=batch, heads=16, context=ctx, kernel=vname, **vmark), fb3v,
+                        batch * ctx * spec.record_bytes, flops(batch, 16, ctx), None,
+                    )
+                )
         if variants and (ctx == 65536 or quick):
             plan = plan_for(spec)
             for vname, vtile, tuning in probe_variants(plan):

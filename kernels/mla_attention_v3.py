@@ -647,6 +647,14 @@ class MlaAttentionV3(MlaAttention):
         return key0 + key < num_keys
 
     @cute.jit
+    def rescale_o(self, acc_O, alpha, n_s: cutlass.Constexpr):
+        """O^T *= the softmax correction of each value's head (`alpha`: one per head slot of the thread; value i of
+        O^T holds head slot v % 2 + 2 (v // 4) of S^T's value v = i % n_s)."""
+        for i in cutlass.range_constexpr(cute.size(acc_O)):
+            v = i % n_s
+            acc_O[i] = acc_O[i] * alpha[v % 2 + 2 * (v // 4)]
+
+    @cute.jit
     def consume_tile(self, kpipe, state, stage, it: Int32, t: dict):
         """One key tile of the consumer warpgroup: wait for K stage `stage` (`state`: its mbarrier index and phase), S^T,
         the online softmax, P^T to shared memory, O^T += V^T P^T, release the stage. `stage` is `state.index` (rev 1)
@@ -720,13 +728,9 @@ class MlaAttentionV3(MlaAttention):
             for hs in cutlass.range_constexpr(1, hsl):
                 moved = moved | (alpha[hs] != Float32(1.0))
             if cute.arch.vote_any_sync(moved):
-                for i in cutlass.range_constexpr(cute.size(acc_O)):
-                    v = i % n_s
-                    acc_O[i] = acc_O[i] * alpha[v % 2 + 2 * (v // 4)]
+                self.rescale_o(acc_O, alpha, n_s)
         else:
-            for i in cutlass.range_constexpr(cute.size(acc_O)):
-                v = i % n_s
-                acc_O[i] = acc_O[i] * alpha[v % 2 + 2 * (v // 4)]
+            self.rescale_o(acc_O, alpha, n_s)
         cute.arch.fence_view_async_shared()  # P^T stores -> visible to wgmma
         cute.arch.barrier(barrier_id=BAR_CONSUMER, number_of_threads=WG)
 

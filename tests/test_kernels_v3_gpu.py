@@ -819,6 +819,19 @@ REV2_LAUNCHES = {
 }
 
 
+def _rev2_case(fmt, launch, sparse_seed, dense_seed):
+    """A case of `REV2_LAUNCHES` for the held revisions' tests: (spec, q, cache, scale, launch keywords of `_v3` (sink,
+    outer scale, head tile, producer warpgroups, slot lists), reference out / lse, error bound)."""
+    sparse, heads, tile, wgs = REV2_LAUNCHES[launch]
+    if sparse:
+        spec, q, cache, scale, sink_t, s_l, idx, ref_out, ref_lse, bound = _sparse_case(fmt, heads, 777, sparse_seed)
+        lists = dict(indices=idx)
+    else:
+        spec, q, cache, scale, sink_t, s_l, lists, ref_out, ref_lse, bound = _case(fmt, heads, LENGTHS, dense_seed, sink=True)
+    kw = dict(sink=sink_t, outer_scale=s_l, head_tile=tile, producer_wgs=wgs, **lists)
+    return spec, q, cache, scale, kw, ref_out, ref_lse, bound
+
+
 @needs_cuda
 @pytest.mark.parametrize("launch", list(REV2_LAUNCHES))
 @pytest.mark.parametrize("fmt", DECODE_REV2_FORMATS)
@@ -829,17 +842,11 @@ def test_v3_decode_rev2_matches_reference_and_rev1_bitwise(fmt, launch):
     (the outer scale where the format has one), dense and sparse lists, the 16-head tile (one and two producer
     warpgroups) and the 32-head tile (one producer; two with per-role registers)."""
     compile_cache.clear()
-    sparse, heads, tile, wgs = REV2_LAUNCHES[launch]
-    if sparse:
-        spec, q, cache, scale, sink_t, s_l, idx, ref_out, ref_lse, bound = _sparse_case(fmt, heads, 777, 7)
-        lists = dict(indices=idx)
-    else:
-        spec, q, cache, scale, sink_t, s_l, lists, ref_out, ref_lse, bound = _case(fmt, heads, LENGTHS, 17, sink=True)
-    kw = dict(head_tile=tile, producer_wgs=wgs)
+    spec, q, cache, scale, kw, ref_out, ref_lse, bound = _rev2_case(fmt, launch, 7, 17)
     for splits in (1, 3):
-        out2, lse2 = _v3(spec, q, cache, scale, sink=sink_t, outer_scale=s_l, num_splits=splits, decode_rev=2, **kw, **lists)
+        out2, lse2 = _v3(spec, q, cache, scale, num_splits=splits, decode_rev=2, **kw)
         _check(out2, lse2, ref_out, ref_lse, bound, f"v3 decode rev 2 {fmt} {launch} splits={splits}")
-        out1, lse1 = _v3(spec, q, cache, scale, sink=sink_t, outer_scale=s_l, num_splits=splits, decode_rev=1, **kw, **lists)
+        out1, lse1 = _v3(spec, q, cache, scale, num_splits=splits, decode_rev=1, **kw)
         assert torch.equal(out2.view(torch.int32), out1.view(torch.int32)), (fmt, launch, splits)
         assert torch.equal(lse2.view(torch.int32), lse1.view(torch.int32)), (fmt, launch, splits)
     revs = {k[14] for k in compile_cache.keys() if k[0] == "mla_attention_v3"}
@@ -854,13 +861,7 @@ def test_v3_consumer_rev2_with_decode_rev2_bitwise_equals_the_default(fmt, launc
     written on separate branches, each tested alone above): outputs and lse bit for bit those of the default kernel
     (rev 1 / rev 1), and within the reference bound, unsplit and 3 splits, NaN-poisoned outputs."""
     compile_cache.clear()
-    sparse, heads, tile, wgs = REV2_LAUNCHES[launch]
-    if sparse:
-        spec, q, cache, scale, sink_t, s_l, idx, ref_out, ref_lse, bound = _sparse_case(fmt, heads, 777, 9)
-        lists = dict(indices=idx)
-    else:
-        spec, q, cache, scale, sink_t, s_l, lists, ref_out, ref_lse, bound = _case(fmt, heads, LENGTHS, 19, sink=True)
-    kw = dict(sink=sink_t, outer_scale=s_l, head_tile=tile, producer_wgs=wgs, **lists)
+    spec, q, cache, scale, kw, ref_out, ref_lse, bound = _rev2_case(fmt, launch, 9, 19)
     for splits in (1, 3):
         new, lse_new = _v3(spec, q, cache, scale, num_splits=splits, consumer_rev=2, decode_rev=2, **kw)
         _check(new, lse_new, ref_out, ref_lse, bound, f"v3 consumer rev 2 + decode rev 2 {fmt} {launch} splits={splits}")

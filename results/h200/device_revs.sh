@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# GPU validation and timing of session 10's two held instruction cuts in v3 (issue 14; kernels/NOTES.md, session 10):
+# consumer rev 2 (`attention_tuning.V3_CONSUMER_REV` = 1 holds it: the tile loop unrolled by the K ring's stages, the
+# lazy O^T rescale, the 16-byte max / sum exchange) and the E2M1 decode rev 2 (`V3_DECODE_REV` = 1 holds it: fewer
+# producer instructions per bf16x2 pair; nvfp4, nvfp4_fp8rope, nvfp4_fp8_ds_mla). Both write the same output bits.
+# After device_setup's wheel calls (results/h200/README.md; model stashed, carry .devwheels/b .devwheels/js):
+#   bash results/h200/device_revs.sh kern   then, the machine still warm:   bash results/h200/device_revs.sh bench [ncu]
+#   kern   tests/test_kernels_v3_gpu.py -k "consumer or decode_rev": each revision bitwise against rev 1 and against the
+#          reference (NaN-poisoned outputs, 1 / 3 / heuristic splits, dense and sparse, 16- and 32-head tiles, one and
+#          two producer warpgroups), both together against the default kernel, and the CPU compile / SASS-reader cases
+#   bench  (b) dense decode h=16 batch 32, 8K / 32K / 64K, --variants (rows v3, v3-d2 at every context; v3-c2, v3-c2-d2
+#          at 64K) and (d) dense h=128 (v3-t16 / v3-t32 and their -c2 / -d2 rows)
+#   ncu    `ncu --set full` of one nvfp4 launch at (b) 64K per consumer revision: details and SASS source pages
+# Flip a default (V3_CONSUMER_REV / V3_DECODE_REV = 2) only where its tests pass and its rows are faster at every (b)
+# context; commit with the logs and the bench JSON.
+. "$(dirname "$0")/device_setup.sh"  # log, step timer, CuTe DSL + jsonschema
+mkdir -p "$OUT/runs"
+for w in "$@"; do
+case "$w" in
+kern)
+    step "v3 consumer rev 2 and decode rev 2: bitwise vs rev 1 and the default kernel, vs the reference"
+    gpu_pytest 550 revs -n 8 tests/test_kernels_v3_gpu.py -k "consumer or decode_rev"
+    ;;
+bench)
+    step "bench (b) and (d) with variants: v3 and its -c2 / -d2 / -c2-d2 rows"
+    gpu_bench 550 bench-revs --shapes b,d --variants --formats nvfp4,nvfp4_fp8rope,nvfp4_fp8_ds_mla,bf16,fp8_ds_mla,mxfp4
+    ;;
+ncu)
+    command -v ncu > /dev/null || { echo "no ncu on this machine"; continue; }
+    for rev in 1 2; do
+        step "ncu --set full, v3 nvfp4 (b) 64K, consumer rev $rev"
+        rep="$OUT/runs/ncu-v3c$rev-nvfp4-b64k"
+        timeout 250 ncu --clock-control none -k regex:MlaAttentionV3 -c 1 --set full --import-source no -o "$rep" \
+            python3 -m mla_eval_kernels.profile_dense --formats nvfp4 --consumer-rev "$rev" > "$rep-run.log" 2>&1
+        echo "ncu rc=$?"; tail -2 "$rep-run.log"
+        ncu -i "$rep.ncu-rep" --page details > "$rep-details.txt" 2>&1
+        ncu -i "$rep.ncu-rep" --page source --csv --print-source sass > "$rep-sass.csv" 2>&1
+        grep -E "Duration|Issue Slots Busy|Eligible Warps|Executed Ipc A" "$rep-details.txt" | head -8
+    done
+    ;;
+*) echo "unknown step $w (kern, bench, ncu)"; exit 2 ;;
+esac
+done
+step "done"
