@@ -719,7 +719,7 @@ def test_v3_consumer_rev2_bitwise_equals_rev1(fmt, launch):
         )
         rows = slice(1, None)  # row 0 has no key: out 0, lse -inf (checked below)
     tile = 16 if heads <= 16 else 32
-    # the 32-head tile with one producer warpgroup (rev 2 unrolled) and two (per-role registers: rev 2 not unrolled)
+    # the 32-head tile with one producer warpgroup and two (per-role registers, `setmaxnreg`; unrolled there since session 11)
     for wgs in (None,) if tile == 16 else (1, 2):
         kw = dict(sink=sink_t, outer_scale=s_l, head_tile=tile, producer_wgs=wgs, **lists)
         for splits in (None, 1, 3):
