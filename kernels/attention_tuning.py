@@ -69,10 +69,11 @@ V3_L2_PREFETCH = 0
 V3_L2_PREFETCH_PROBE = 2
 # The consumer warpgroup's per-tile code (issue 14, session 10): rev 1 is the GPU-tested consumer; rev 2 runs the tile
 # loop unrolled by the K ring's stages, so the K / V^T wgmma descriptors come from a compile-time stage in uniform
-# registers (about 2.6-3.6 uniform instructions per wgmma instead of ~4 vector ones and two R2UR; not under
-# `setmaxnreg`, where the unrolled loop spilled), skips the O^T rescale when no head's running max moved (alpha is
-# exactly 1.0: bit-identical), and reads the 4-warp max / sum exchange with one 16-byte load per head
-# (kernels/NOTES.md, session 10: 707 -> 438 / 517 SASS per tile for nvfp4 at h = 16). Rev 2 is compiled and
+# registers (uniform adds instead of ~4 vector instructions and two R2UR per wgmma; the second copy of a trip reads Q's
+# descriptors from an opaque base, which also keeps the 32-head tile under `setmaxnreg` free of spills: session 11),
+# skips the O^T rescale when no head's running max moved (alpha is exactly 1.0: bit-identical), and reads the 4-warp
+# max / sum exchange with one 16-byte load per head (kernels/NOTES.md, sessions 10 and 11: nvfp4 707 -> 454 / 416 SASS
+# per tile at h = 16, 957 -> 641 / 658 at the two-producer 32-head tile). Rev 2 is compiled and
 # held off until tests/test_kernels_v3_gpu.py::test_v3_consumer_rev2_bitwise_equals_rev1 passes on an H200 and a
 # bench (rows v3-c2) times it; the default then becomes 2. Part of the compile key (`mla_attention_v3.compile_key`).
 V3_CONSUMER_REV = 1

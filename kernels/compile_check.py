@@ -12,7 +12,7 @@ cubin itself (`cubin_usage`, no CUDA toolkit needed), and the PTX is checked for
 promises (wgmma of the tile's N, mbarriers, no CTA-wide barrier inside the loops, registers that fit the CTA,
 `setmaxnreg` exactly where `v3_reg_budget` asks for it). `--cuobjdump` (with nvdisasm beside it or on PATH) also
 reads the registers each role of a `setmaxnreg` kernel uses from its SASS (`sass_role_registers`; the cubin's own
-count is the launch's even share) and the consumer's SASS per key tile (`sass_consumer_tiles`: "438(+64) 517(+64)" =
+count is the launch's even share) and the consumer's SASS per key tile (`sass_consumer_tiles`: "454(+64) 416(+64)" =
 two tiles per loop trip, each with the O^T rescale block it skips when no running max moved).
 """
 

@@ -157,10 +157,10 @@ class MlaAttentionV3(MlaAttention):
         # of the registers does not hold the roles, their `setmaxnreg` budgets (consumer, producer; `v3_reg_budget`)
         self.producer_wgs = producer_wgs or v3_producer_wgs(plan, heads)
         self.regs = v3_reg_budget(heads, self.producer_wgs)
-        # rev 2 unrolls the tile loop by the K ring's stages, except under `setmaxnreg` budgets: the 32-head tile with two
-        # producer warpgroups then kept Q's descriptors in vector registers and spilled them (bf16: 8-32 B of stack at
-        # the consumer's 232); it runs rev 1's loop with rev 2's other changes (lazy rescale, the exchange layout)
-        self.unroll = consumer_rev >= 2 and self.regs is None
+        # rev 2 unrolls the tile loop by the K ring's stages, with every tile shape and register budget: the copies after
+        # the first of a loop trip read Q's descriptors from a base ptxas cannot merge with the first copy's
+        # (`q_descriptors`), without which the 32-head tile under `setmaxnreg` spilled them (kernels/NOTES.md, session 11)
+        self.unroll = consumer_rev >= 2
         # copies of the consumer's tile code in the kernel: unrolled, a loop body of V3_K_STAGES tiles, then up to
         # V3_K_STAGES - 1 remainder tiles; compile_check counts wgmma by it
         self.tile_copies = 2 * V3_K_STAGES - 1 if self.unroll else 1
@@ -655,10 +655,25 @@ class MlaAttentionV3(MlaAttention):
             acc_O[i] = acc_O[i] * alpha[v % 2 + 2 * (v // 4)]
 
     @cute.jit
-    def consume_tile(self, kpipe, state, stage, it: Int32, t: dict):
+    def q_descriptors(self, it: Int32, t: dict):
+        """Q's wgmma B operands (descriptors, as `t["tSrQ"]`) for a copy of the tile code after the first of an unrolled
+        loop trip (rev 2): the same shared-memory bytes, but at sQ's address + `ptx.opaque_zero(it)` (0: `it` >= 0).
+        Built from the one address, every copy's 36 Q descriptors are the same values; ptxas then computed them once per
+        trip and kept them from the first copy to the next, in vector registers where the uniform ones ran out (two
+        R2UR per use), which at the 32-head tile under `setmaxnreg` (consumer 232) spilled 24-32 B even at 256. Per copy
+        it costs one `min` and the descriptors' uniform adds, which the first copy pays anyway (kernels/NOTES.md,
+        session 11: fewer SASS per tile at both head tiles, no stack frame)."""
+        addr = t["sQ_addr"] + ptx.opaque_zero(it)
+        base = cute.make_ptr(BFloat16, addr, cute.AddressSpace.smem, assumed_align=1024)  # sQ: Align 1024
+        sQ = cute.make_tensor(cute.recast_ptr(base, t["sQ_layout"].inner, dtype=BFloat16), t["sQ_layout"].outer)
+        return t["mma_s"].make_fragment_B(t["thr_s"].partition_B(sQ))
+
+    @cute.jit
+    def consume_tile(self, kpipe, state, stage, it: Int32, t: dict, fresh_q: cutlass.Constexpr = False):
         """One key tile of the consumer warpgroup: wait for K stage `stage` (`state`: its mbarrier index and phase), S^T,
         the online softmax, P^T to shared memory, O^T += V^T P^T, release the stage. `stage` is `state.index` (rev 1)
-        or the same value as a compile-time constant (rev 2, `V3_CONSUMER_REV`); `t` holds the consumer's tensors."""
+        or the same value as a compile-time constant (rev 2, `V3_CONSUMER_REV`); `t` holds the consumer's tensors;
+        `fresh_q` (rev 2, copies after the first of a loop trip): Q's descriptors from `q_descriptors`."""
         bn, nh = self.bn, self.nh
         hsl = nh // 4
         rev2 = self.consumer_rev >= 2
@@ -671,6 +686,8 @@ class MlaAttentionV3(MlaAttention):
         n_k = cute.size(tSrK, mode=[2])
         n_k_latent = n_k * D_V // D_QK
         n_kv = cute.size(tOrP, mode=[2])
+        if cutlass.const_expr(fresh_q):
+            tSrQ = self.q_descriptors(it, t)
         kpipe.consumer_wait(state)
         # ---- S^T = K Q^T (latent and rope k-steps in separate accumulators when folding) ----
         acc_lat.fill(0.0)
@@ -817,6 +834,7 @@ class MlaAttentionV3(MlaAttention):
             mma_s=mma_s, mma_o=mma_o, acc_lat=acc_lat, acc_rope=acc_rope, acc_O=acc_O, tSrK=tSrK, tSrQ=tSrQ, tOrVt=tOrVt,
             tOrP=tOrP, tScS=tScS, row_max=row_max, row_sum=row_sum, alpha=alpha, sRed=sRed, sSlot=sSlot, sP_addr=sP_addr,
             scale_log2=scale_log2, fold=fold, t_begin=t_begin, num_keys=num_keys, warp=warp, lane=lane,
+            sQ_addr=sQ_addr, sQ_layout=sQ_layout, thr_s=thr_s,
         )
         if cutlass.const_expr(not self.unroll):
             cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.k_stages)
@@ -830,16 +848,18 @@ class MlaAttentionV3(MlaAttention):
             # constant, a descriptor is the stage's base plus a constant, as Q's always were (uniform 64-bit adds).
             # Tile it sits in stage it % S with mbarrier phase (it // S) % 2 (what `PipelineState.advance` counts). The
             # trips hold whole rounds of S tiles; the last n_local % S tiles follow (a branch inside the loop for them
-            # cost ptxas ~100 more uniform moves per tile in the second copy).
+            # cost ptxas ~100 more uniform moves per tile in the second copy). Copies after the first of a trip (or of the
+            # remainder) take Q's descriptors from `q_descriptors`.
             ks = self.k_stages
             rounds = n_local // ks
             for r in range(rounds):
                 for st in cutlass.range_constexpr(ks):
-                    self.consume_tile(kpipe, pipeline.PipelineState(ks, r * ks + st, Int32(st), r % 2), st, r * ks + st, tile)
+                    state = pipeline.PipelineState(ks, r * ks + st, Int32(st), r % 2)
+                    self.consume_tile(kpipe, state, st, r * ks + st, tile, fresh_q=st > 0)
             for st in cutlass.range_constexpr(ks - 1):
                 if rounds * ks + st < n_local:
                     it = rounds * ks + st
-                    self.consume_tile(kpipe, pipeline.PipelineState(ks, it, Int32(st), rounds % 2), st, it, tile)
+                    self.consume_tile(kpipe, pipeline.PipelineState(ks, it, Int32(st), rounds % 2), st, it, tile, fresh_q=st > 0)
 
         # ---- epilogue: row sums over the 8 lanes and 4 warps of each head, normalise, store ----
         for hs in cutlass.range_constexpr(hsl):

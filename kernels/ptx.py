@@ -172,6 +172,13 @@ def warp_max(x, width: int) -> Float32:
     return x
 
 
+def opaque_zero(n) -> Int32:
+    """0 for any n >= 0 (min(n, 0)), computed at run time by one `min.s32`: neither the DSL's MLIR passes (the inline PTX
+    is opaque to them) nor ptxas (which does not fold it) know it is 0, so two values offset by it from different n are
+    not merged into one (`MlaAttentionV3.q_descriptors`)."""
+    return cute.arch.inline_ptx("min.s32 {$w0}, {$r0}, 0;", write_only_types=[Int32], read_only_args=[Int32(n)])
+
+
 def shfl_idx(x, src_lane):
     return cute.arch.shuffle_sync(x, offset=src_lane)
 

@@ -719,7 +719,7 @@ def test_v3_consumer_rev2_bitwise_equals_rev1(fmt, launch):
         )
         rows = slice(1, None)  # row 0 has no key: out 0, lse -inf (checked below)
     tile = 16 if heads <= 16 else 32
-    # the 32-head tile with one producer warpgroup (rev 2 unrolled) and two (per-role registers: rev 2 not unrolled)
+    # the 32-head tile with one producer warpgroup and two (per-role registers, `setmaxnreg`; unrolled there since session 11)
     for wgs in (None,) if tile == 16 else (1, 2):
         kw = dict(sink=sink_t, outer_scale=s_l, head_tile=tile, producer_wgs=wgs, **lists)
         for splits in (None, 1, 3):
@@ -734,12 +734,15 @@ def test_v3_consumer_rev2_bitwise_equals_rev1(fmt, launch):
     assert got == {"consumer=1", "consumer=2"}, got
 
 
-@pytest.mark.parametrize("launch", ["dense h=16", "sparse h=32", "dense h=32 p2"])
+@pytest.mark.parametrize(
+    "launch", ["nvfp4 dense h=16", "nvfp4 sparse h=32", "nvfp4 dense h=32 p2", "bf16 dense h=32 p2", "fp8_ds_mla sparse h=32 p2"]
+)
 def test_v3_consumer_rev2_compiles_and_is_in_the_compile_key(launch, tmp_path, monkeypatch):
     """No GPU needed: consumer rev 2 compiles for sm_90a without a stack frame, its PTX holds the tile code
-    `tile_copies` times (68 wgmma each: the loop body of two tiles and the remainder tile), except under `setmaxnreg`
-    budgets (the 32-head tile with two producer warpgroups, "p2": not unrolled, once); rev 1, the default, once; the
-    vote of the lazy rescale is there; the revision is a specialisation the compile key names; another is refused."""
+    `tile_copies` times (68 wgmma each: the loop body of two tiles and the remainder tile), also under `setmaxnreg`
+    budgets (the 32-head tile with two producer warpgroups, "p2", where bf16 spilled before session 11); rev 1, the
+    default, once; the vote of the lazy rescale is there; the revision is a specialisation the compile key names;
+    another is refused."""
     import os
 
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
@@ -748,14 +751,17 @@ def test_v3_consumer_rev2_compiles_and_is_in_the_compile_key(launch, tmp_path, m
     from mla_eval_kernels import compile_check, mla_attention_v3
     from mla_eval_kernels.mla_attention_v3 import MlaAttentionV3
 
-    heads, sparse = int(launch.split("=")[1].split()[0]), launch.startswith("sparse")
+    fmt, lists, tile = launch.split()[:3]
+    heads, sparse = int(tile.split("=")[1]), lists == "sparse"
     wgs = 2 if launch.endswith("p2") else None
     a = compile_check.attention_args(heads)
-    plan = plan_for(get_format("nvfp4"))
+    plan = plan_for(get_format(fmt))
     for rev in (1, 2):
-        kern = MlaAttentionV3(plan, True, True, True, producer_wgs=wgs, heads=heads, sparse=sparse, consumer_rev=rev)
+        kern = MlaAttentionV3(
+            plan, True, plan.outer_allowed, True, producer_wgs=wgs, heads=heads, sparse=sparse, consumer_rev=rev
+        )
         copies = kern.tile_copies
-        assert copies == (2 * attention_tuning.V3_K_STAGES - 1 if rev == 2 and kern.regs is None else 1), (rev, kern.regs)
+        assert copies == (2 * attention_tuning.V3_K_STAGES - 1 if rev == 2 else 1), (rev, kern.regs)
         assert kern.regs is not None or wgs != 2  # two producer warpgroups at the 32-head tile: per-role registers
         dump = tmp_path / f"c{rev}"
         dump.mkdir()
@@ -819,15 +825,19 @@ REV2_LAUNCHES = {
 }
 
 
-def _rev2_case(fmt, launch, sparse_seed, dense_seed):
+def _rev2_case(fmt, launch, sparse_seed, dense_seed, lengths=LENGTHS):
     """A case of `REV2_LAUNCHES` for the held revisions' tests: (spec, q, cache, scale, launch keywords of `_v3` (sink,
-    outer scale, head tile, producer warpgroups, slot lists), reference out / lse, error bound)."""
+    outer scale, head tile, producer warpgroups, slot lists), reference out / lse, error bound); dense lists of the
+    query `lengths`."""
     sparse, heads, tile, wgs = REV2_LAUNCHES[launch]
     if sparse:
         spec, q, cache, scale, sink_t, s_l, idx, ref_out, ref_lse, bound = _sparse_case(fmt, heads, 777, sparse_seed)
         lists = dict(indices=idx)
     else:
-        spec, q, cache, scale, sink_t, s_l, lists, ref_out, ref_lse, bound = _case(fmt, heads, LENGTHS, dense_seed, sink=True)
+        blocks = max(24, -(-max(lengths) // BLOCK) + 4)
+        spec, q, cache, scale, sink_t, s_l, lists, ref_out, ref_lse, bound = _case(
+            fmt, heads, lengths, dense_seed, blocks=blocks, sink=True
+        )
     kw = dict(sink=sink_t, outer_scale=s_l, head_tile=tile, producer_wgs=wgs, **lists)
     return spec, q, cache, scale, kw, ref_out, ref_lse, bound
 
@@ -868,6 +878,33 @@ def test_v3_consumer_rev2_with_decode_rev2_bitwise_equals_the_default(fmt, launc
         old, lse_old = _v3(spec, q, cache, scale, num_splits=splits, consumer_rev=1, decode_rev=1, **kw)
         assert torch.equal(new.view(torch.int32), old.view(torch.int32)), (fmt, launch, splits)
         assert torch.equal(lse_new.view(torch.int32), lse_old.view(torch.int32)), (fmt, launch, splits)
+
+
+@needs_cuda
+@pytest.mark.parametrize("launch", ["dense h=128 p2", "sparse h=128"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "bf16", "fp8_ds_mla"])
+def test_v3_consumer_rev2_unrolled_at_the_two_producer_32_head_tile(fmt, launch):
+    """Consumer rev 2's unrolled tile loop at the 32-head tile with two producer warpgroups and per-role registers
+    (`setmaxnreg`; session 11: Q's descriptors of the trip's second copy from `q_descriptors`, no spill): h = 128 (4
+    head tiles), dense lists (`CONSUMER_LENGTHS`: 0 keys, odd and even tile counts, a 33-tile query) and sparse (topk
+    777: -1 padding, an all-invalid row, out-of-range ids), a sink, the split heuristic, 1 and 3 splits, NaN-poisoned
+    outputs: within the reference bound and bit for bit (int32 views) rev 1, the GPU-tested consumer."""
+    compile_cache.clear()
+    spec, q, cache, scale, kw, ref_out, ref_lse, bound = _rev2_case(fmt, launch, 13, 23, lengths=CONSUMER_LENGTHS)
+    kw["producer_wgs"] = 2  # sparse h=128 runs the default count; two here whatever V3_WIDE_PRODUCER_WGS says
+    assert attention_tuning.v3_reg_budget(kw["head_tile"], kw["producer_wgs"]) is not None  # the setmaxnreg kernel
+    rows = slice(None) if "indices" in kw else slice(1, None)  # dense row 0 has no key: out 0, lse -inf (checked below)
+    for splits in (None, 1, 3):
+        two, lse2 = _v3(spec, q, cache, scale, num_splits=splits, consumer_rev=2, **kw)
+        _check(two[rows], lse2[rows], ref_out[rows], ref_lse[rows], bound, f"v3 consumer rev 2 {fmt} {launch} splits={splits}")
+        one, lse1 = _v3(spec, q, cache, scale, num_splits=splits, consumer_rev=1, **kw)
+        assert torch.equal(two.view(torch.int32), one.view(torch.int32)), (fmt, launch, splits)
+        assert torch.equal(lse2.view(torch.int32), lse1.view(torch.int32)), (fmt, launch, splits)
+        if rows.start == 1:
+            assert torch.all(two[0] == 0) and torch.all(torch.isneginf(lse2[0]))
+    keys = [k for k in compile_cache.keys() if k[0] == "mla_attention_v3"]
+    assert {k[12] for k in keys} == {"setmaxnreg=%d/%d" % attention_tuning.V3_REG_SPLIT}, keys
+    assert {k[13] for k in keys} == {"consumer=1", "consumer=2"}, keys
 
 
 @pytest.mark.parametrize("pt", [128, 256])
