@@ -547,7 +547,7 @@ class MlaAttention:
                 w0, w1, w2, w3 = self.decode8_e2m1_folded(plan.latent, raw + key * rec, d0)
             else:
                 w0, w1, w2, w3 = self.decode8(plan.latent, raw + key * rec, d0, s_l, self.has_outer, True)
-            _st_shared_v4(sK_addr + 2 * swizzled_offset(key0 + key, d0, self.bn), w0, w1, w2, w3)
+            self.store_k(sK_addr + 2 * swizzled_offset(key0 + key, d0, self.bn), w0, w1, w2, w3)
         n_rope = nkeys * 8  # v3's 16-key stages: fewer rope items than producer threads
         for u in cutlass.range_constexpr((n_rope + self.num_threads - 1) // self.num_threads):
             i = u * self.num_threads + tidx
@@ -558,7 +558,11 @@ class MlaAttention:
             w0, w1, w2, w3 = self.decode8(
                 plan.rope, raw + key * rec, d0, s_l, self.has_outer and plan.outer_on_rope, False
             )
-            _st_shared_v4(sK_addr + 2 * swizzled_offset(key0 + key, D_V + d0, self.bn), w0, w1, w2, w3)
+            self.store_k(sK_addr + 2 * swizzled_offset(key0 + key, D_V + d0, self.bn), w0, w1, w2, w3)
+
+    def store_k(self, addr, w0, w1, w2, w3):
+        """16 decoded bytes into the K tile (v3's CTA pair also stores them into its peer's: `MlaAttentionV3.store_k`)."""
+        _st_shared_v4(addr, w0, w1, w2, w3)
 
     @cute.jit
     def decode8_e2m1_folded(self, coding: cutlass.Constexpr, rec: Int32, d0: Int32):
