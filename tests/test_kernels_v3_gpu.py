@@ -18,6 +18,7 @@ records the generation each launch ran.
 
 from __future__ import annotations
 
+import sys
 import time
 import zlib
 
@@ -156,7 +157,9 @@ def _v3(
         start = time.monotonic()
         while not done.query():
             if time.monotonic() - start > deadline_s:
-                pytest.fail(f"v3 launch {probe} did not finish in {deadline_s} s: a deadlock (the GPU context is stuck now)")
+                why = f"v3 launch {probe} did not finish in {deadline_s} s: a deadlock (the GPU context is stuck now)"
+                print(why, file=sys.stderr, flush=True)  # in the log even if the stuck context then hangs the exit
+                pytest.fail(why)
             time.sleep(0.01)
     torch.cuda.synchronize()
     return out, lse
