@@ -7,10 +7,12 @@ Nothing is launched; `cute.compile` runs the whole pipeline down to the cubin. T
 (`mla_attention_v3`, head count a run-time argument) are compiled per format for every (sink, outer scale,
 split) combination of the dense 16-head tile, and, for the head tiles `--heads` selects (`v3_head_tile`: 32 for
 h > 16), sparse and dense lists with and without split (the 32-head tile also with two producer warpgroups and
-per-role registers, `setmaxnreg`: the bench's v3-t32-p2 probe); their registers and stack frame are read from the
+per-role registers, `setmaxnreg`: the bench's v3-t32-p2 probe; and as the CTA pair, `cta_pair.py`, where
+`v3_pair_blocker` allows); their registers and stack frame are read from the
 cubin itself (`cubin_usage`, no CUDA toolkit needed), and the PTX is checked for what the design
 promises (wgmma of the tile's N, mbarriers, no CTA-wide barrier inside the loops, registers that fit the CTA,
-`setmaxnreg` exactly where `v3_reg_budget` asks for it). `--cuobjdump` (with nvdisasm beside it or on PATH) also
+`setmaxnreg` exactly where `v3_reg_budget` asks for it; the CTA pair's cluster protocol, `check_pair_ptx`, and no
+cluster instruction in any other kernel). `--cuobjdump` (with nvdisasm beside it or on PATH) also
 reads the registers each role of a `setmaxnreg` kernel uses from its SASS (`sass_role_registers`; the cubin's own
 count is the launch's even share) and the consumer's SASS per key tile (`sass_consumer_tiles`: "438(+64) 517(+64)" =
 two tiles per loop trip, each with the O^T rescale block it skips when no running max moved).

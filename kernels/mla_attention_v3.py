@@ -46,6 +46,11 @@ says which launches run here; sparse lists and the 32-head tile are held off unt
   whose slot id the producer hands over with the K stage) get p = 0 by a select and never enter the running
   max, whose start value is the finite -FLT_MAX, exactly as in v2 (a query with no valid key: out 0, lse -inf).
 - `split=True`: partial (out / l, lse) per split, merged by `mla_combine` (which applies the sink).
+- `cta_pair=True` (session 11, `attention_tuning.v3_cta_pair`; held by `V3_TILE_32_PAIR` until its GPU tests pass): the
+  two-producer 32-head tile as a cluster of 2 CTAs along grid y (head tiles 2c, 2c + 1: the same keys); each CTA's
+  producers copy and decode half of every raw unit (`v3_pair_keys`; bf16: half of each tile's copy, forwarded) and
+  store every decoded row into both CTAs' K stage, so a record is decoded once per 64 heads; the K ring's barriers
+  count both CTAs' producers and consumers at cluster scope (kernels/cta_pair.py: the protocol and why).
 """
 
 from __future__ import annotations
