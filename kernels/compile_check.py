@@ -201,7 +201,8 @@ def sass_consumer_tiles(sass: str) -> list[tuple[collections.Counter, collection
     """Static opcode counts of a v3 kernel's consumer per key tile, from its SASS (the metric of session 10's consumer
     work): the consumer loop is the largest conditional backward branch whose body holds HGMMA (unconditional
     backward branches are ptxas' out-of-line mbarrier retries), cut into tiles after each SYNCS.ARRIVE (the stage
-    release; consumer rev 2 runs 2 tiles per trip, the loop's own overhead goes to the last). Per tile: (every
+    release; consumer rev 2 runs 2 tiles per trip, the loop's own overhead goes to the last; the CTA pair's second,
+    remote release, SYNCS.ARRIVE...RED, stays in its tile). Per tile: (every
     instruction in line, predicated ones too: they issue either way; the block a VOTE.ANY branch skips, rev 2's O^T
     rescale, run only when a head's running max moved). [] without such a loop."""
     ins = _sass_lines(sass)
@@ -227,7 +228,7 @@ def sass_consumer_tiles(sass: str) -> list[tuple[collections.Counter, collection
         else:
             (lazy if skip_to is not None else cur)[op(t)] += 1
         since_vote = 0 if "VOTE.ANY" in t else since_vote + 1
-        if "SYNCS.ARRIVE.TRANS64" in t:
+        if "SYNCS.ARRIVE.TRANS64" in t and ".RED" not in t:  # (.RED: the CTA pair's release into the peer, same tile)
             tiles.append((cur, lazy))
             cur, lazy = collections.Counter(), collections.Counter()
     if tiles and cur:
