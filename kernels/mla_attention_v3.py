@@ -203,7 +203,8 @@ class MlaAttentionV3(MlaAttention):
             why = v3_pair_blocker(plan, V3_PAIR_CTAS * heads, heads, self.producer_wgs)
             if why:
                 raise ValueError(f"cta_pair: {why}")
-        self.unit_keys = v3_pair_keys(self.bn if self.copy_k else self.raw_keys, 0)[1] if self.pair else self.raw_keys
+        self.pair_unit = self.bn if self.copy_k else self.raw_keys  # what the pair halves: a raw unit (bf16: a tile)
+        self.unit_keys = v3_pair_keys(self.pair_unit, 0)[1] if self.pair else self.raw_keys
 
     @cute.jit
     def __call__(
@@ -382,7 +383,7 @@ class MlaAttentionV3(MlaAttention):
             # multiple of 8: whole 8-row swizzle atoms, `v3_pair_keys`); every decoded row also goes to the peer's stage
             # at the same offset (`store_k`: this thread's address + k_peer)
             rank = cta_pair.cta_rank()
-            koff = v3_pair_keys(self.bn if self.copy_k else self.raw_keys, rank)[0]
+            koff = v3_pair_keys(self.pair_unit, rank)[0]
             kshift = 2 * swizzled_offset(koff, 0, bn)
             self.k_peer = cta_pair.mapa(sK_addr, rank ^ 1) - sK_addr
 
