@@ -47,6 +47,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Uint32
 
+from mla_eval_kernels.attention_tuning import V3_PAIR_CTAS
+
 MBAR_BYTES = 8  # one mbarrier object (.b64)
 
 
@@ -149,8 +151,8 @@ class PairRing:
         cluster barrier (every thread of both CTAs: no remote arrive or store before the peer's barriers exist)."""
         if tidx == 0:
             for s in cutlass.range_constexpr(self.stages):
-                mbar_init(self.full(s), 2 * self.producers)
-                mbar_init(self.empty(s), 2 * self.consumers)
+                mbar_init(self.full(s), V3_PAIR_CTAS * self.producers)
+                mbar_init(self.empty(s), V3_PAIR_CTAS * self.consumers)
         fence_mbar_init_cluster()
         cluster_sync()
 
