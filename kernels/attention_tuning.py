@@ -143,6 +143,17 @@ V3_TILE_32_TWO_PRODUCERS = "head_tile_32_two_producers"
 # The 32-head tile with two producer warpgroups passed in session 10 (tests/test_kernels_v3_gpu.py -k "two_producer or
 # head_tile or sass_role or compile_key": 31 passed; results/h200/session10/).
 V3_LAUNCHES_AWAITING_GPU_TESTS: dict[str, str] = {}
+# The CTA pair (session 11, kernels/cta_pair.py): two 32-head CTAs of a cluster of 2 along grid y decode half of each raw
+# unit's keys each and store every decoded K row into both CTAs' stage. Compiled for sm_90a, not run on a device yet:
+# held until tests/test_kernels_v3_gpu.py's pair cases pass on an H200 (fixture `kernels_under_test` clears it) and
+# bench (a) / (d) time its v3-t32-pair row (results/h200/device_v3h.sh pair); while held, `v3_cta_pair` keeps every
+# launch unpaired and an explicit `cta_pair=True` is a probe.
+V3_TILE_32_PAIR = "head_tile_32_cta_pair"
+V3_LAUNCHES_AWAITING_GPU_TESTS[V3_TILE_32_PAIR] = (
+    "the 32-head tile's CTA pair (a cluster of 2 sharing each tile's decode) has not passed its GPU tests "
+    "(tests/test_kernels_v3_gpu.py -k pair, results/h200/device_v3h.sh pair)"
+)
+V3_PAIR_CTAS = 2  # CTAs of a pair's cluster, along grid y (head tiles 2c, 2c + 1)
 # Launches with more than one head tile (h > 16) that run v3 by default, by format and list kind: where session 10's
 # H200 bench (h = 128, batch 32-128; results/kernels/bench-NVIDIA_H200-2026-12-04-session10-v3h.json; ms, v2 -> v3's
 # 32-head tile, two producer warpgroups) timed v3 faster at every size:
@@ -310,6 +321,54 @@ def v3_producers_held(heads: int, producer_wgs: int) -> str | None:
     if heads > V3_HEADS and producer_wgs > 1 and V3_TILE_32_TWO_PRODUCERS in V3_LAUNCHES_AWAITING_GPU_TESTS:
         return V3_LAUNCHES_AWAITING_GPU_TESTS[V3_TILE_32_TWO_PRODUCERS]
     return None
+
+
+def v3_pair_blocker(plan, heads: int, head_tile: int, producer_wgs: int) -> str | None:
+    """Why a v3 launch of `heads` heads at head tile `head_tile` with `producer_wgs` producer warpgroups cannot run as
+    CTA pairs (kernels/cta_pair.py), or None where it can: the one definition of where the pair applies (ungated;
+    `v3_cta_pair` adds the hold). A pair is the two head tiles 2c, 2c + 1 of one query (cluster [1, 2, 1]), so grid y
+    (h / 32) must be even: h % 64 == 0; the 32-head tile with two producer warpgroups (its registers and shared memory
+    per CTA are that kernel's). Every format v3 runs qualifies: the decoded ones split each raw unit's keys
+    (`v3_pair_keys`; the 16- / 32- / 64-key units halve to multiples of 8 rows, so a half is a whole number of the K
+    tile's 8-row swizzle atoms), bf16 splits each tile's copy and forwards its half from its own stage."""
+    if head_tile != V3_WIDE_HEADS:
+        return f"the CTA pair runs the {V3_WIDE_HEADS}-head tile only, not {head_tile}"
+    if producer_wgs != 2:
+        return f"the CTA pair runs two producer warpgroups per CTA, not {producer_wgs}"
+    if heads % (V3_PAIR_CTAS * V3_WIDE_HEADS):
+        pair_heads = V3_PAIR_CTAS * V3_WIDE_HEADS
+        return f"the CTA pair needs h % {pair_heads} == 0 (pairs of {V3_WIDE_HEADS}-head tiles), not h = {heads}"
+    for _, keys in v3_raw_rings(plan, head_tile):
+        if (keys // V3_PAIR_CTAS) % 8:  # (bf16's nominal ring: 64)
+            return f"{plan.name}: a raw unit of {keys} keys does not halve into whole 8-row K atoms"
+    return None
+
+
+def v3_cta_pair(plan, heads: int, head_tile: int, producer_wgs: int, requested: bool | None = None) -> tuple[bool, str]:
+    """(pair or not, why) of a v3 launch: `requested` True / False (a probe: bench v3-t32-pair, the tests) or, None, the
+    default: a pair wherever `v3_pair_blocker` allows and `V3_TILE_32_PAIR` is not held. A request the launch cannot
+    run raises ValueError naming why."""
+    why = v3_pair_blocker(plan, heads, head_tile, producer_wgs)
+    if requested:
+        if why:
+            raise ValueError(f"cta_pair=True: {why}")
+        return True, "CTA pair (requested)"
+    if requested is not None:
+        return False, "no CTA pair (requested)"
+    if why:
+        return False, f"no CTA pair: {why}"
+    if V3_TILE_32_PAIR in V3_LAUNCHES_AWAITING_GPU_TESTS:
+        return False, f"no CTA pair: {V3_LAUNCHES_AWAITING_GPU_TESTS[V3_TILE_32_PAIR]}"
+    return True, f"CTA pairs of {V3_WIDE_HEADS}-head tiles (each record decoded once per {V3_PAIR_CTAS * V3_WIDE_HEADS} heads)"
+
+
+def v3_pair_keys(unit_keys: int, rank):
+    """(first key, keys) of a raw unit of `unit_keys` keys that CTA `rank` (0 or 1; a kernel value or an int) of a pair
+    copies and decodes: the contiguous half [rank * n / 2, (rank + 1) * n / 2). Contiguous halves keep the kernel's
+    row arithmetic: a half of 8 m rows is m whole 8-row atoms of the swizzled K tile, the same bytes shifted by
+    1024 m (`mla_attention.swizzled_offset`). The one definition for the kernel and its CPU model (tests)."""
+    half = unit_keys // V3_PAIR_CTAS
+    return rank * half, half
 
 
 def v3_reg_budget(heads: int, producer_wgs: int) -> tuple[int, int] | None:

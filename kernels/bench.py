@@ -34,7 +34,9 @@ At h = 128 ((a) with `--variants`, and (d) always) v3 runs once per head tile: r
 (`attention_tuning.V3_HEAD_TILES`), marked `v3_held` while `V3_LAUNCHES_AWAITING_GPU_TESTS` (sparse lists, the
 32-head tile) or `V3_AWAITING_GPU_TESTS` keeps dispatch off them; the default row beside them says what dispatch runs.
 With `--variants`, also the 32-head tile with the other producer warpgroup count there: v3-t32-p1 (the default is two,
-with per-role registers, `setmaxnreg`; v3-t32-p2, marked `v3_held`, while `V3_TILE_32_TWO_PRODUCERS` is listed).
+with per-role registers, `setmaxnreg`; v3-t32-p2, marked `v3_held`, while `V3_TILE_32_TWO_PRODUCERS` is listed), and
+where h % 64 == 0 the CTA pair v3-t32-pair (two CTAs of a cluster share each tile's decode; marked `v3_held` while
+`V3_TILE_32_PAIR` is listed). The v3-t<tile> rows run the unpaired kernel (`cta_pair=False`) either way.
 For the formats of the fold decode (`attention_tuning.v3_decode_rev`), rows v3-d2 at (b) and <tile row>-d2 at (d)
 (and (a) with `--variants`) run the E2M1 decode rev 2 (the same output bits), marked `v3_held` while
 `V3_DECODE_REV` is 1; once the default is 2, they run rev 1 as v3-d1.
@@ -92,17 +94,21 @@ def probe_variants(plan) -> list[tuple[str, tuple | None, object]]:
     return out
 
 
-def v3_tile_variants(plan, heads: int, sparse: bool, variants: bool) -> list[tuple[str, int, int | None, str | None]]:
-    """(row name, head tile, producer warpgroups or None for the default, why held or None) of the v3 rows of an
-    h > 16 launch: one per head tile its CTA fits (v3-t16, v3-t32), each held while dispatch would not run it; with
-    `variants`, the 32-head tile also with the other producer warpgroup count (v3-t32-p2: two, with per-role
-    registers, `attention_tuning.v3_reg_budget`), held while `v3_producers_held` lists it. None where v3 refuses
-    the format."""
+def v3_tile_variants(plan, heads: int, sparse: bool, variants: bool) -> list[tuple[str, int, int | None, bool, str | None]]:
+    """(row name, head tile, producer warpgroups or None for the default, CTA pair, why held or None) of the v3 rows of
+    an h > 16 launch: one per head tile its CTA fits (v3-t16, v3-t32: unpaired), each held while dispatch would not
+    run it; with `variants`, the 32-head tile also with the other producer warpgroup count (v3-t32-p2: two, with
+    per-role registers, `attention_tuning.v3_reg_budget`), held while `v3_producers_held` lists it, and, where the
+    launch can pair (`attention_tuning.v3_pair_blocker`: h % 64 == 0), the CTA pair (v3-t32-pair: two producer
+    warpgroups per CTA), held while `V3_TILE_32_PAIR` is listed. None where v3 refuses the format."""
     from mla_eval_kernels.attention_tuning import (
         V3_HEAD_TILES,
+        V3_LAUNCHES_AWAITING_GPU_TESTS,
+        V3_TILE_32_PAIR,
         V3_WIDE_HEADS,
         v3_blocker,
         v3_head_tile,
+        v3_pair_blocker,
         v3_producer_wgs,
         v3_producers_held,
     )
@@ -115,10 +121,12 @@ def v3_tile_variants(plan, heads: int, sparse: bool, variants: bool) -> list[tup
         held = v3_blocker(plan, sparse=sparse)
         if held is None and v3_head_tile(plan, heads, sparse)[0] != tile:
             held = v3_head_tile(plan, heads, sparse)[1]  # the 32-head tile's hold
-        rows.append((f"v3-t{tile}", tile, None, held))
+        rows.append((f"v3-t{tile}", tile, None, False, held))
         if variants and tile == V3_WIDE_HEADS:
             other = 3 - v3_producer_wgs(plan, tile)
-            rows.append((f"v3-t{tile}-p{other}", tile, other, held or v3_producers_held(tile, other)))
+            rows.append((f"v3-t{tile}-p{other}", tile, other, False, held or v3_producers_held(tile, other)))
+            if v3_pair_blocker(plan, heads, tile, 2) is None:
+                rows.append((f"v3-t{tile}-pair", tile, 2, True, held or V3_LAUNCHES_AWAITING_GPU_TESTS.get(V3_TILE_32_PAIR)))
     return rows
 
 
@@ -244,14 +252,15 @@ def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "wr
         from mla_eval_kernels.mla_attention_v3 import mla_attention_v3
 
         plan = plan_for(spec)
-        tile_rows = []  # (row, head tile, producer warpgroups, held mark, revision keywords)
-        for row, tile, wgs, held in v3_tile_variants(plan, heads, sparse, variants):
+        tile_rows = []  # (row, head tile, producer warpgroups, held mark, revision and pair keywords)
+        for row, tile, wgs, pair, held in v3_tile_variants(plan, heads, sparse, variants):
             mark = dict(v3_held=held) if held else {}
-            tile_rows.append((row, tile, wgs, mark, {}))
+            kw = dict(cta_pair=pair)  # explicit: the v3-t<tile> rows stay the unpaired kernel whatever the default
+            tile_rows.append((row, tile, wgs, mark, kw))
             if variants and wgs is None:  # the other consumer revision (v3-t<tile>-c<rev>), same output bit for bit
-                tile_rows.append((f"{row}-c{other_consumer}", tile, wgs, mark, dict(consumer_rev=other_consumer)))
+                tile_rows.append((f"{row}-c{other_consumer}", tile, wgs, mark, dict(kw, consumer_rev=other_consumer)))
             if other_rev:  # the other E2M1 decode revision (<row>-d<rev>), same output bit for bit
-                tile_rows.append((f"{row}-d{other_rev}", tile, wgs, mark or rev_mark, dict(decode_rev=other_rev)))
+                tile_rows.append((f"{row}-d{other_rev}", tile, wgs, mark or rev_mark, dict(kw, decode_rev=other_rev)))
         for row, tile, wgs, mark, revs in tile_rows:
 
             def f3(i, tile=tile, wgs=wgs, revs=revs):

@@ -7,10 +7,12 @@ Nothing is launched; `cute.compile` runs the whole pipeline down to the cubin. T
 (`mla_attention_v3`, head count a run-time argument) are compiled per format for every (sink, outer scale,
 split) combination of the dense 16-head tile, and, for the head tiles `--heads` selects (`v3_head_tile`: 32 for
 h > 16), sparse and dense lists with and without split (the 32-head tile also with two producer warpgroups and
-per-role registers, `setmaxnreg`: the bench's v3-t32-p2 probe); their registers and stack frame are read from the
+per-role registers, `setmaxnreg`: the bench's v3-t32-p2 probe; and as the CTA pair, `cta_pair.py`, where
+`v3_pair_blocker` allows); their registers and stack frame are read from the
 cubin itself (`cubin_usage`, no CUDA toolkit needed), and the PTX is checked for what the design
 promises (wgmma of the tile's N, mbarriers, no CTA-wide barrier inside the loops, registers that fit the CTA,
-`setmaxnreg` exactly where `v3_reg_budget` asks for it). `--cuobjdump` (with nvdisasm beside it or on PATH) also
+`setmaxnreg` exactly where `v3_reg_budget` asks for it; the CTA pair's cluster protocol, `check_pair_ptx`, and no
+cluster instruction in any other kernel). `--cuobjdump` (with nvdisasm beside it or on PATH) also
 reads the registers each role of a `setmaxnreg` kernel uses from its SASS (`sass_role_registers`; the cubin's own
 count is the launch's even share) and the consumer's SASS per key tile (`sass_consumer_tiles`: "454(+64) 416(+64)" =
 two tiles per loop trip, each with the O^T rescale block it skips when no running max moved).
@@ -104,13 +106,16 @@ def cubin_usage(path: str) -> dict:
     return out
 
 
-def check_v3_ptx(ptx: str, heads: int = 16, regs: tuple[int, int] | None = None, tile_copies: int = 1) -> list[str]:
+def check_v3_ptx(
+    ptx: str, heads: int = 16, regs: tuple[int, int] | None = None, tile_copies: int = 1, pair: bool = False,
+) -> list[str]:
     """What the v3 design promises, read from its PTX: 36 + 32 wgmma per key tile (S^T over 576
     dims, O^T over 8 x 4 m64nNk16 steps, N = `heads`, the head tile) in each of the consumer's `tile_copies` copies
     of its tile code (`MlaAttentionV3.tile_copies`: consumer rev 2 unrolls the tile loop), mbarrier waits (the K ring), named
     warpgroup barriers, and exactly one CTA-wide barrier (after the mbarrier init). `regs` (consumer, producer):
     one `setmaxnreg.inc` to the first and one `.dec` to the second, with `.minnctapersm 1` (without which ptxas
-    ignores them); None: no `setmaxnreg` at all."""
+    ignores them); None: no `setmaxnreg` at all. `pair`: the CTA pair's cluster protocol (`check_pair_ptx`) in place of
+    the CTA-wide barrier; without it, no cluster instruction at all."""
     problems = []
     got = re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)\s*;", ptx)
     want = sorted([("inc", str(regs[0])), ("dec", str(regs[1]))]) if regs else []
@@ -123,12 +128,45 @@ def check_v3_ptx(ptx: str, heads: int = 16, regs: tuple[int, int] | None = None,
         problems.append(f"{n_wgmma} m64n{heads}k16 wgmma (expected {68 * tile_copies})")
     if "mbarrier.try_wait" not in ptx and "mbarrier.test_wait" not in ptx:
         problems.append("no mbarrier wait")
-    if len(re.findall(r"bar(?:rier)?\.sync(?:\.aligned)?\s+0\s*;", ptx)) != 1:
-        problems.append("expected one CTA-wide barrier")
+    cta_wide = len(re.findall(r"bar(?:rier)?\.sync(?:\.aligned)?\s+0\s*;", ptx))
+    if pair:
+        problems += check_pair_ptx(ptx)
+        if cta_wide:
+            problems.append("a CTA-wide barrier in the CTA pair (its init syncs the cluster)")
+    else:
+        if cta_wide != 1:
+            problems.append("expected one CTA-wide barrier")
+        if re.search(r"barrier\.cluster|shared::cluster|\bmapa\b", ptx):
+            problems.append("a cluster instruction outside the CTA pair")
     if not re.search(r"bar(?:rier)?\.sync(?:\.aligned)?\s+1,\s*128", ptx) or not re.search(
         r"bar(?:rier)?\.sync(?:\.aligned)?\s+2,\s*(?:128|256)", ptx
     ):
         problems.append("missing a named warpgroup barrier")
+    return problems
+
+
+PAIR_PTX = {  # what the CTA pair's protocol (kernels/cta_pair.py) puts in the PTX: (pattern, least, most)
+    "cluster barrier": (r"barrier\.cluster\.arrive\s*;", 2, 2),  # after the mbarrier init, before exit
+    "cluster barrier wait": (r"barrier\.cluster\.wait\s*;", 2, 2),
+    "mbarrier init fence": (r"fence\.mbarrier_init\.release\.cluster\s*;", 1, 1),
+    "mapa": (r"mapa\.shared::cluster\.u32", 2, 99),  # the peer's mbarriers, its K ring
+    "remote arrive": (r"mbarrier\.arrive\.release\.cluster\.shared::cluster\.b64\s+_,", 2, 99),  # full, empty
+    "cluster-scope wait": (r"mbarrier\.try_wait\.parity\.acquire\.cluster\.shared::cta\.b64", 2, 99),  # acquire, wait
+    "remote store": (r"st\.shared::cluster\.v4\.b32", 1, 99),
+    "proxy fence": (r"fence\.proxy\.async\.shared::cluster\s*;", 1, 99),
+}
+
+
+def check_pair_ptx(ptx: str) -> list[str]:
+    """The CTA pair's synchronisation, read from its PTX (`PAIR_PTX`), and no mbarrier wait at the default CTA scope
+    (it would not acquire the peer's releases)."""
+    problems = []
+    for what, (pattern, least, most) in PAIR_PTX.items():
+        n = len(re.findall(pattern, ptx))
+        if not least <= n <= most:
+            problems.append(f"{n} x {what} (expected {least}..{most})")
+    if any(".acquire.cluster." not in w for w in re.findall(r"mbarrier\.(?:try|test)_wait[.\w:]*", ptx)):
+        problems.append("an mbarrier wait at CTA scope in the CTA pair")
     return problems
 
 
@@ -163,7 +201,8 @@ def sass_consumer_tiles(sass: str) -> list[tuple[collections.Counter, collection
     """Static opcode counts of a v3 kernel's consumer per key tile, from its SASS (the metric of session 10's consumer
     work): the consumer loop is the largest conditional backward branch whose body holds HGMMA (unconditional
     backward branches are ptxas' out-of-line mbarrier retries), cut into tiles after each SYNCS.ARRIVE (the stage
-    release; consumer rev 2 runs 2 tiles per trip, the loop's own overhead goes to the last). Per tile: (every
+    release; consumer rev 2 runs 2 tiles per trip, the loop's own overhead goes to the last; the CTA pair's second,
+    remote release, SYNCS.ARRIVE...RED, stays in its tile). Per tile: (every
     instruction in line, predicated ones too: they issue either way; the block a VOTE.ANY branch skips, rev 2's O^T
     rescale, run only when a head's running max moved). [] without such a loop."""
     ins = _sass_lines(sass)
@@ -189,7 +228,7 @@ def sass_consumer_tiles(sass: str) -> list[tuple[collections.Counter, collection
         else:
             (lazy if skip_to is not None else cur)[op(t)] += 1
         since_vote = 0 if "VOTE.ANY" in t else since_vote + 1
-        if "SYNCS.ARRIVE.TRANS64" in t:
+        if "SYNCS.ARRIVE.TRANS64" in t and ".RED" not in t:  # (.RED: the CTA pair's release into the peer, same tile)
             tiles.append((cur, lazy))
             cur, lazy = collections.Counter(), collections.Counter()
     if tiles and cur:
@@ -228,9 +267,11 @@ def compile_v3(plan, name: str, stream, heads_list=(16,), cuobjdump: str | None 
         V3_HEADS,
         V3_L2_PREFETCH,
         V3_L2_PREFETCH_PROBE,
+        V3_PAIR_CTAS,
         V3_WIDE_HEADS,
         v3_decode_rev,
         v3_head_tile,
+        v3_pair_blocker,
         v3_producer_wgs,
         v3_raw_ring,
         v3_raw_rings,
@@ -250,10 +291,10 @@ def compile_v3(plan, name: str, stream, heads_list=(16,), cuobjdump: str | None 
     ]
     probe = plan.outer_allowed, False, True
     ring = v3_raw_ring(plan)
-    cases = [(*c, ring, V3_HEADS, False) for c in cases]
-    probes = [(*probe, V3_L2_PREFETCH_PROBE, pwg, ring, V3_HEADS, False)]
-    probes += [(*probe, V3_L2_PREFETCH, 3 - pwg, ring, V3_HEADS, False)]
-    probes += [(*probe, V3_L2_PREFETCH, pwg, r, V3_HEADS, False) for r in v3_raw_rings(plan)[1:]]  # bench v3-r<S>x<K>
+    cases = [(*c, ring, V3_HEADS, False, False) for c in cases]
+    probes = [(*probe, V3_L2_PREFETCH_PROBE, pwg, ring, V3_HEADS, False, False)]
+    probes += [(*probe, V3_L2_PREFETCH, 3 - pwg, ring, V3_HEADS, False, False)]
+    probes += [(*probe, V3_L2_PREFETCH, pwg, r, V3_HEADS, False, False) for r in v3_raw_rings(plan)[1:]]  # bench v3-r<S>x<K>
     # the launches of session 9: sparse top-k lists and the 32-head tile (held off until their GPU tests pass)
     tiles = sorted({v3_head_tile(plan, h, sparse, gated=False)[0] for h in heads_list for sparse in (False, True)})
     for tile in tiles:
@@ -265,7 +306,11 @@ def compile_v3(plan, name: str, stream, heads_list=(16,), cuobjdump: str | None 
             for sink, split in ((True, False), (False, True)):
                 for wgs in counts:
                     cases.append((plan.outer_allowed, sink, split, V3_L2_PREFETCH, wgs, v3_raw_ring(plan, tile, sparse), tile,
-                                  sparse))
+                                  sparse, False))
+                # the CTA pair (held by V3_TILE_32_PAIR: the bench's v3-t32-pair) where the tile and count allow it
+                if v3_pair_blocker(plan, V3_PAIR_CTAS * tile, tile, 2) is None:
+                    cases.append((plan.outer_allowed, sink, split, V3_L2_PREFETCH, 2, v3_raw_ring(plan, tile, sparse), tile,
+                                  sparse, True))
     # the other consumer revision (`V3_CONSUMER_REVS`) and decode revision (`v3_decode_rev`: the fold formats only) of
     # every non-probe case, one revision changed at a time
     d0 = v3_decode_rev(plan)
@@ -273,7 +318,7 @@ def compile_v3(plan, name: str, stream, heads_list=(16,), cuobjdump: str | None 
     drevs = [r for r in ((1, 2) if v3_decode_rev(plan, 2) == 2 else ()) if r != d0]
     cases = ([(*c, V3_CONSUMER_REV, d0) for c in cases + probes] + [(*c, r, d0) for r in crevs for c in cases]
              + [(*c, V3_CONSUMER_REV, r) for r in drevs for c in cases])
-    for outer, sink, split, l2pf, wgs, raw_ring, tile, sparse, crev, drev in cases:
+    for outer, sink, split, l2pf, wgs, raw_ring, tile, sparse, pair, crev, drev in cases:
         t = time.time()
         dump = tempfile.mkdtemp()
         a = attention_args(16, stream)
@@ -281,14 +326,14 @@ def compile_v3(plan, name: str, stream, heads_list=(16,), cuobjdump: str | None 
             opts = f"--keep-ptx --keep-cubin --dump-dir={dump}"
             kern = MlaAttentionV3(
                 plan, sink, outer, split, l2pf, wgs, raw_ring=raw_ring, heads=tile, sparse=sparse, consumer_rev=crev,
-                decode_rev=drev,
+                decode_rev=drev, cta_pair=pair,
             )
             cute.compile(kern, *a, options=opts)
             cubin = max(glob.glob(f"{dump}/*.cubin"), key=os.path.getmtime)
             use = cubin_usage(cubin)
             regs = v3_reg_budget(tile, wgs)
             ptx = open(max(glob.glob(f"{dump}/*.ptx"), key=os.path.getmtime)).read()
-            problems = check_v3_ptx(ptx, tile, regs, kern.tile_copies)
+            problems = check_v3_ptx(ptx, tile, regs, kern.tile_copies, pair)
             if use.get("frame", 0) or use.get("stack", 0):
                 problems.append("register spills (stack frame)")
             threads = 128 * (1 + wgs)
@@ -306,7 +351,7 @@ def compile_v3(plan, name: str, stream, heads_list=(16,), cuobjdump: str | None 
         lists = "sparse" if sparse else "dense "
         print(
             f"attention {name:18} v3           {lists} tile={tile} outer={outer!s:5} sink={sink!s:5} split={split!s:5} "
-            f"l2pf={l2pf} producer_wgs={wgs} raw={raw_ring[0]}x{raw_ring[1]} consumer={crev} decode_rev={drev} "
+            f"l2pf={l2pf} producer_wgs={wgs} raw={raw_ring[0]}x{raw_ring[1]} consumer={crev} decode_rev={drev} pair={pair!s:5} "
             f"{time.time() - t:5.1f}s {status}",
             flush=True,
         )

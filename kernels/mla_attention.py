@@ -547,18 +547,33 @@ class MlaAttention:
                 w0, w1, w2, w3 = self.decode8_e2m1_folded(plan.latent, raw + key * rec, d0)
             else:
                 w0, w1, w2, w3 = self.decode8(plan.latent, raw + key * rec, d0, s_l, self.has_outer, True)
-            _st_shared_v4(sK_addr + 2 * swizzled_offset(key0 + key, d0, self.bn), w0, w1, w2, w3)
+            self.store_k(sK_addr + 2 * swizzled_offset(key0 + key, d0, self.bn), w0, w1, w2, w3)
         n_rope = nkeys * 8  # v3's 16-key stages: fewer rope items than producer threads
         for u in cutlass.range_constexpr((n_rope + self.num_threads - 1) // self.num_threads):
             i = u * self.num_threads + tidx
-            if cutlass.const_expr(n_rope % self.num_threads):
-                i = cutlass.min(i, n_rope - 1)  # a repeated item is harmless (the same bytes to the same address)
-            key = i // 8
-            d0 = (i % 8) * 8
-            w0, w1, w2, w3 = self.decode8(
-                plan.rope, raw + key * rec, d0, s_l, self.has_outer and plan.outer_on_rope, False
-            )
-            _st_shared_v4(sK_addr + 2 * swizzled_offset(key0 + key, D_V + d0, self.bn), w0, w1, w2, w3)
+            if cutlass.const_expr(n_rope % self.num_threads and self.pair):
+                if i < n_rope:  # v3's CTA pair: a repeated item would also repeat its store into the peer CTA
+                    self.decode_rope_item(raw, sK_addr, s_l, i, key0)
+            else:
+                if cutlass.const_expr(n_rope % self.num_threads):
+                    i = cutlass.min(i, n_rope - 1)  # a repeated item is harmless (the same bytes to the same address)
+                self.decode_rope_item(raw, sK_addr, s_l, i, key0)
+
+    @cute.jit
+    def decode_rope_item(self, raw: Int32, sK_addr: Int32, s_l: Float32, i: Int32, key0: cutlass.Constexpr):
+        """Rope item i of `decode_tile` (8 values of raw key i // 8) -> K row key0 + i // 8."""
+        plan = self.plan
+        key = i // 8
+        d0 = (i % 8) * 8
+        rec = raw + key * plan.record_bytes
+        w0, w1, w2, w3 = self.decode8(plan.rope, rec, d0, s_l, self.has_outer and plan.outer_on_rope, False)
+        self.store_k(sK_addr + 2 * swizzled_offset(key0 + key, D_V + d0, self.bn), w0, w1, w2, w3)
+
+    pair = False  # v3's CTA pair (`MlaAttentionV3`) stores decoded rows into two CTAs; v1 / v2 never do
+
+    def store_k(self, addr, w0, w1, w2, w3):
+        """16 decoded bytes into the K tile (v3's CTA pair also stores them into its peer's: `MlaAttentionV3.store_k`)."""
+        _st_shared_v4(addr, w0, w1, w2, w3)
 
     @cute.jit
     def decode8_e2m1_folded(self, coding: cutlass.Constexpr, rec: Int32, d0: Int32):

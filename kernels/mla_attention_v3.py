@@ -46,6 +46,11 @@ says which launches run here; sparse lists and the 32-head tile are held off unt
   whose slot id the producer hands over with the K stage) get p = 0 by a select and never enter the running
   max, whose start value is the finite -FLT_MAX, exactly as in v2 (a query with no valid key: out 0, lse -inf).
 - `split=True`: partial (out / l, lse) per split, merged by `mla_combine` (which applies the sink).
+- `cta_pair=True` (session 11, `attention_tuning.v3_cta_pair`; held by `V3_TILE_32_PAIR` until its GPU tests pass): the
+  two-producer 32-head tile as a cluster of 2 CTAs along grid y (head tiles 2c, 2c + 1: the same keys); each CTA's
+  producers copy and decode half of every raw unit (`v3_pair_keys`; bf16: half of each tile's copy, forwarded) and
+  store every decoded row into both CTAs' K stage, so a record is decoded once per 64 heads; the K ring's barriers
+  count both CTAs' producers and consumers at cluster scope (kernels/cta_pair.py: the protocol and why).
 """
 
 from __future__ import annotations
@@ -59,7 +64,7 @@ import torch
 from cutlass import BFloat16, Float32, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
-from mla_eval_kernels import e2m1_bits, ptx
+from mla_eval_kernels import cta_pair, e2m1_bits, ptx
 from mla_eval_kernels.attention_tuning import (
     V3_BN,
     V3_CONSUMER_REV,
@@ -68,10 +73,14 @@ from mla_eval_kernels.attention_tuning import (
     V3_HEADS,
     V3_K_STAGES,
     V3_L2_PREFETCH,
+    V3_PAIR_CTAS,
     fast_e2m1_eligible,
     is_bf16_plan,
+    v3_cta_pair,
     v3_decode_rev,
     v3_head_tile,
+    v3_pair_blocker,
+    v3_pair_keys,
     v3_producer_wgs,
     v3_raw_ring,
     v3_raw_rings,
@@ -90,6 +99,7 @@ from mla_eval_kernels.mla_attention import (
     _cp_async_16,
     _ld_shared_u8,
     _ld_shared_u32,
+    _ld_shared_v4,
     _ptr,
     _st_shared_v4,
     choose_splits,
@@ -134,6 +144,7 @@ class MlaAttentionV3(MlaAttention):
         self, plan: RecordPlan, has_sink: bool, has_outer: bool, split: bool, l2_prefetch: int = V3_L2_PREFETCH,
         producer_wgs: int | None = None, timing_probe: str = "", raw_ring: tuple[int, int] | None = None,
         heads: int = V3_HEADS, sparse: bool = False, consumer_rev: int = V3_CONSUMER_REV, decode_rev: int | None = None,
+        cta_pair: bool = False,
     ):
         if timing_probe not in TIMING_PROBES:
             raise ValueError(f"timing_probe must be one of {TIMING_PROBES}, not {timing_probe!r}")
@@ -185,6 +196,15 @@ class MlaAttentionV3(MlaAttention):
         self.slot_cols = 2 + (self.k_stages if sparse else 0)
         # the E2M1 latent decode's revision (`attention_tuning.v3_decode_rev`; another is a probe: bench v3-d2, tests)
         self.decode_rev = v3_decode_rev(plan, decode_rev)
+        # the CTA pair (kernels/cta_pair.py, `attention_tuning.v3_cta_pair`): a cluster of 2 CTAs along grid y, each
+        # producing `unit_keys` (half) of every raw unit (bf16: of every tile's copy) into both CTAs' K stage
+        self.pair = bool(cta_pair)
+        if self.pair:
+            why = v3_pair_blocker(plan, V3_PAIR_CTAS * heads, heads, self.producer_wgs)
+            if why:
+                raise ValueError(f"cta_pair: {why}")
+        self.pair_unit = self.bn if self.copy_k else self.raw_keys  # what the pair halves: a raw unit (bf16: a tile)
+        self.unit_keys = v3_pair_keys(self.pair_unit, 0)[1] if self.pair else self.raw_keys
 
     @cute.jit
     def __call__(
@@ -243,7 +263,12 @@ class MlaAttentionV3(MlaAttention):
             num_queries, num_heads, idx_stride, num_slots, block_size,
             softmax_scale, s_l, tiles_per_split, num_splits,
             sQ_layout, sK_layout, sVt_outer, vt_one.inner, sP_layout, mma_s, mma_o, SharedStorage,
-        ).launch(grid=grid, block=[WG + self.pt, 1, 1], stream=stream, **self.launch_bounds())
+        ).launch(grid=grid, block=[WG + self.pt, 1, 1], stream=stream, **self.launch_bounds(), **self.launch_cluster())
+
+    def launch_cluster(self) -> dict:
+        """The CTA pair's cluster (2 CTAs along grid y: head tiles 2c, 2c + 1; grid y is even, `v3_pair_blocker`);
+        nothing for the unpaired kernels, which launch as they were compiled (and GPU-tested)."""
+        return dict(cluster=[1, V3_PAIR_CTAS, 1]) if self.pair else {}
 
     def launch_bounds(self) -> dict:
         """With per-role registers: one CTA per SM (`.minnctapersm 1`), which with `.reqntid` (the block) tells ptxas
@@ -290,14 +315,20 @@ class MlaAttentionV3(MlaAttention):
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
-        # the K ring's full / empty mbarriers: every producer thread arrives on full after its own
-        # copies / decode are visible to the async proxy, every consumer thread on empty after its PV
-        kpipe = pipeline.PipelineAsync.create(
-            barrier_storage=storage.mbar.data_ptr(),
-            num_stages=self.k_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.pt),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, WG),
-        )
+        if cutlass.const_expr(self.pair):
+            # both CTAs' producers fill, both consumers release each stage (kernels/cta_pair.py: why, and the scopes);
+            # the init ends with a cluster-wide barrier, before any thread touches the peer
+            kpipe = cta_pair.PairRing.create(storage.mbar.data_ptr().toint(), self.k_stages, self.pt, WG, cta_pair.cta_rank() ^ 1)
+            kpipe.init(tidx)
+        else:
+            # the K ring's full / empty mbarriers: every producer thread arrives on full after its own
+            # copies / decode are visible to the async proxy, every consumer thread on empty after its PV
+            kpipe = pipeline.PipelineAsync.create(
+                barrier_storage=storage.mbar.data_ptr(),
+                num_stages=self.k_stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.pt),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, WG),
+            )
 
         # ---- this CTA's key range (both roles compute the same): sparse, the list's width (topk), as in v2 ----
         num_keys = idx_stride
@@ -325,6 +356,10 @@ class MlaAttentionV3(MlaAttention):
                 num_splits, split_idx, qi, h0, num_keys, t_begin, n_local, tidx,
                 sQ_layout, sK_layout, sVt_outer, sw, sP_layout, mma_s, mma_o,
             )
+        if cutlass.const_expr(self.pair):
+            # no exit while the peer may still arrive on this CTA's barriers (its consumer's last releases) or store
+            # into its K ring: every thread of both CTAs past its last remote access (kernels/cta_pair.py)
+            cta_pair.cluster_sync()
 
     # ------------------------------------------------------------------ producer warpgroup
     @cute.jit
@@ -341,6 +376,16 @@ class MlaAttentionV3(MlaAttention):
         # this query's block_table row or index list (64-bit offset: N x stride may pass 2^31 entries)
         m_idx = cute.make_tensor(idx_ptr + Int64(qi) * Int64(idx_stride), cute.make_layout(idx_stride))
         acq = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.k_stages)
+        koff, kshift = None, None
+        if cutlass.const_expr(self.pair):
+            # this CTA's half of every raw unit (bf16: of every tile): keys koff .. koff + unit_keys of the unit, i.e. K
+            # rows koff .. of the unit's part, which are the rows 0 .. of the part at K byte offset kshift (koff is a
+            # multiple of 8: whole 8-row swizzle atoms, `v3_pair_keys`); every decoded row also goes to the peer's stage
+            # at the same offset (`store_k`: this thread's address + k_peer)
+            rank = cta_pair.cta_rank()
+            koff = v3_pair_keys(self.pair_unit, rank)[0]
+            kshift = 2 * swizzled_offset(koff, 0, bn)
+            self.k_peer = cta_pair.mapa(sK_addr, rank ^ 1) - sK_addr
 
         # look-ahead, one role per thread: ptid < BN writes the slot id of key ptid of the next tile
         # into the slot ring; ptid >= BN prefetches key (ptid - BN)'s record into L2, `l2_prefetch`
@@ -365,7 +410,7 @@ class MlaAttentionV3(MlaAttention):
             com = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.k_stages)
             if 0 < n_local:
                 kpipe.producer_acquire(acq)
-                self.load_tile(sSlot, 0, acq.index, sK_addr, cache_addr, ptid)
+                self.load_tile(sSlot, 0, acq.index, sK_addr, cache_addr, ptid, koff)
                 self.stage_slots(sSlot, 0, acq.index, ptid)
                 acq.advance()
             cute.arch.cp_async_commit_group()
@@ -377,12 +422,17 @@ class MlaAttentionV3(MlaAttention):
                 cute.arch.barrier(barrier_id=BAR_PRODUCER, number_of_threads=self.pt)
                 if it + 1 < n_local:
                     kpipe.producer_acquire(acq)
-                    self.load_tile(sSlot, (it + 1) % 2, acq.index, sK_addr, cache_addr, ptid)
+                    self.load_tile(sSlot, (it + 1) % 2, acq.index, sK_addr, cache_addr, ptid, koff)
                     self.stage_slots(sSlot, (it + 1) % 2, acq.index, ptid)
                     acq.advance()
                 cute.arch.cp_async_commit_group()
                 cute.arch.cp_async_wait_group(1)  # this thread's copies of tile it have landed
-                cute.arch.fence_view_async_shared()  # ... and are visible to wgmma (async proxy)
+                if cutlass.const_expr(self.pair):
+                    # cp.async writes only this CTA's shared memory: the thread forwards its own chunks to the peer
+                    self.forward_tile(com.index, sK_addr, ptid, koff)
+                    cta_pair.fence_proxy_async_cluster()  # both CTAs' rows visible to wgmma
+                else:
+                    cute.arch.fence_view_async_shared()  # ... and are visible to wgmma (async proxy)
                 kpipe.producer_commit(com)
                 com.advance()
         else:
@@ -395,7 +445,7 @@ class MlaAttentionV3(MlaAttention):
             for j in cutlass.range_constexpr(stages - 1):  # units 0 .. S - 2: parts of tile 0
                 _, part, stage = v3_raw_unit(self.ring, 0, j)
                 if 0 < n_local:
-                    self.load_raw(sSlot, 0, raw_addr + stage * stage_bytes, cache_addr, ptid, part * nk)
+                    self.load_raw(sSlot, 0, raw_addr + stage * stage_bytes, cache_addr, ptid, part * nk, koff)
                 cute.arch.cp_async_commit_group()
             for it in range(n_local):
                 nxt = self.look_ahead(
@@ -410,20 +460,24 @@ class MlaAttentionV3(MlaAttention):
                     j = h + stages - 1  # the unit loaded now: part j % U of tile it + j // U (this tile or the next)
                     tile, part, stage = v3_raw_unit(self.ring, it, j)
                     if cutlass.const_expr(j < units):
-                        self.load_raw(sSlot, it % 2, raw_addr + stage * stage_bytes, cache_addr, ptid, part * nk)
+                        self.load_raw(sSlot, it % 2, raw_addr + stage * stage_bytes, cache_addr, ptid, part * nk, koff)
                     else:
                         if tile < n_local:
-                            self.load_raw(sSlot, tile % 2, raw_addr + stage * stage_bytes, cache_addr, ptid, part * nk)
+                            self.load_raw(sSlot, tile % 2, raw_addr + stage * stage_bytes, cache_addr, ptid, part * nk, koff)
                     cute.arch.cp_async_commit_group()
                     if cutlass.const_expr(h == 0):
                         kpipe.producer_acquire(acq)
                         self.stage_slots(sSlot, it % 2, acq.index, ptid)
                     if cutlass.const_expr(self.probe != "nodec"):
                         _, part, stage = v3_raw_unit(self.ring, it, h)
-                        self.decode_tile_v3(
-                            raw_addr + stage * stage_bytes, sK_addr + 2 * bn * D_QK * acq.index, s_l, ptid, part * nk, nk
-                        )
-                cute.arch.fence_view_async_shared()
+                        kbase = sK_addr + 2 * bn * D_QK * acq.index
+                        if cutlass.const_expr(self.pair):
+                            kbase = kbase + kshift  # this CTA's half of the part (rows part * nk + koff ..)
+                        self.decode_tile_v3(raw_addr + stage * stage_bytes, kbase, s_l, ptid, part * nk, self.unit_keys)
+                if cutlass.const_expr(self.pair):
+                    cta_pair.fence_proxy_async_cluster()  # this thread's rows in both CTAs visible to wgmma
+                else:
+                    cute.arch.fence_view_async_shared()
                 kpipe.producer_commit(acq)
                 acq.advance()
 
@@ -503,7 +557,7 @@ class MlaAttentionV3(MlaAttention):
         rec = raw + key * plan.record_bytes
         w0, w1, w2, w3 = self.decode8(plan.rope, rec, d0, s_l, self.has_outer and plan.outer_on_rope, False)
         row = key + key0 if key0 else key  # (key0 = 0: the whole-tile code exactly as before parts existed)
-        _st_shared_v4(kbase + 2 * swizzled_offset(row, D_V + d0, self.bn), w0, w1, w2, w3)
+        self.store_k(kbase + 2 * swizzled_offset(row, D_V + d0, self.bn), w0, w1, w2, w3)
 
     @cute.jit
     def decode_latent(
@@ -536,8 +590,8 @@ class MlaAttentionV3(MlaAttention):
             second = w0 if hi_first else w1
             a0, a1, a2, a3 = ptx.e2m1x8_scaled_bf16x2(first, s2)
             b0, b1, b2, b3 = ptx.e2m1x8_scaled_bf16x2(second, s2)
-            _st_shared_v4(kbase + 2 * swizzled_offset(key, 16 * blk + 8 * half, self.bn), a0, a1, a2, a3)
-            _st_shared_v4(kbase + 2 * swizzled_offset(key, 16 * blk + 8 - 8 * half, self.bn), b0, b1, b2, b3)
+            self.store_k(kbase + 2 * swizzled_offset(key, 16 * blk + 8 * half, self.bn), a0, a1, a2, a3)
+            self.store_k(kbase + 2 * swizzled_offset(key, 16 * blk + 8 - 8 * half, self.bn), b0, b1, b2, b3)
 
     @cute.jit
     def decode_latent_r2(
@@ -587,19 +641,21 @@ class MlaAttentionV3(MlaAttention):
             s2 = ptx.bf16x2(f, f)
             a0, a1, a2, a3 = ptx.e2m1x8_scaled_bf16x2_r2(w0, s2)
             b0, b1, b2, b3 = ptx.e2m1x8_scaled_bf16x2_r2(w1, s2)
-            _st_shared_v4(st_first + 1024 * (k >> 3), a0, a1, a2, a3)
-            _st_shared_v4(st_second + 1024 * (k >> 3), b0, b1, b2, b3)
+            self.store_k(st_first + 1024 * (k >> 3), a0, a1, a2, a3)
+            self.store_k(st_second + 1024 * (k >> 3), b0, b1, b2, b3)
 
     @cute.jit
     def load_raw(
         self, sSlot: cute.Tensor, slot_buf: Int32, stage_addr: Int32, cache_addr: Int64, ptid: Int32, key0: cutlass.Constexpr,
+        koff=None,
     ):
         """cp.async of the records of keys key0 .. key0 + raw_keys of the tile whose slot ids are in buffer
         `slot_buf` into the raw stage at `stage_addr` (decoded formats): thread ptid copies 16-byte chunk
         ptid % chunks of keys ptid // chunks + g u (g = keys per pass), so the chunk and the addresses are
         worked out once, not per copy; all slot ids are read before the first copy. Zero-filled past the
-        query's keys."""
-        nk = self.raw_keys
+        query's keys. The CTA pair: the unit's keys key0 + koff .. + `unit_keys` (this CTA's half) into records 0 ..
+        of the stage."""
+        nk = self.unit_keys
         rec = self.plan.record_bytes
         chunks = rec // 16
         g = self.pt // chunks  # keys per pass (nvfp4, 256 producer threads: 9 keys, 243 threads)
@@ -611,7 +667,10 @@ class MlaAttentionV3(MlaAttention):
             dst0 = stage_addr + kk * rec + 16 * ch
             slots = []
             for u in cutlass.range_constexpr(passes):
-                slots.append(sSlot[key0 + cutlass.min(kk + g * u, nk - 1), slot_buf])
+                if cutlass.const_expr(koff is None):
+                    slots.append(sSlot[key0 + cutlass.min(kk + g * u, nk - 1), slot_buf])
+                else:
+                    slots.append(sSlot[key0 + koff + cutlass.min(kk + g * u, nk - 1), slot_buf])
             for u in cutlass.range_constexpr(passes):
                 slot = slots[u]
                 src = src0 + Int64(cutlass.max(slot, 0)) * Int64(rec)
@@ -622,20 +681,41 @@ class MlaAttentionV3(MlaAttention):
                     _cp_async_16(dst0 + g * u * rec, src, 16 if slot >= 0 else 0)
 
     @cute.jit
-    def load_tile(self, sSlot: cute.Tensor, slot_buf: Int32, stage: Int32, sK_addr: Int32, cache_addr: Int64, ptid: Int32):
+    def load_tile(
+        self, sSlot: cute.Tensor, slot_buf: Int32, stage: Int32, sK_addr: Int32, cache_addr: Int64, ptid: Int32, koff=None,
+    ):
         """bf16: cp.async the BN records of a tile straight into K ring stage `stage` (zero-filled past the
         query's keys). Consecutive threads take consecutive 16-byte chunks of a record, so a warp reads
-        whole records."""
+        whole records. The CTA pair: this CTA's half, keys koff .. koff + `unit_keys` (`forward_tile` sends them on)."""
         rec = self.plan.record_bytes
         chunks = rec // 16
-        total = self.bn * chunks
+        total = self.unit_keys * chunks
         for i in range(ptid, total, self.pt):
             key = i // chunks
+            if cutlass.const_expr(koff is not None):
+                key = key + koff
             ch = i % chunks
             slot = sSlot[key, slot_buf]
             src = cache_addr + Int64(cutlass.max(slot, 0)) * Int64(rec) + Int64(16 * ch)
             dst = sK_addr + 2 * (stage * (self.bn * D_QK) + swizzled_offset(key, 8 * ch, self.bn))
             _cp_async_16(dst, src, 16 if slot >= 0 else 0)
+
+    @cute.jit
+    def forward_tile(self, stage: Int32, sK_addr: Int32, ptid: Int32, koff: Int32):
+        """bf16, CTA pair: the chunks this thread copied into K stage `stage` (`load_tile`'s, after its
+        cp.async.wait_group: its own copies are visible to it) into the same place of the peer's stage."""
+        chunks = self.plan.record_bytes // 16
+        for i in range(ptid, self.unit_keys * chunks, self.pt):
+            addr = sK_addr + 2 * (stage * (self.bn * D_QK) + swizzled_offset(koff + i // chunks, 8 * (i % chunks), self.bn))
+            w0, w1, w2, w3 = _ld_shared_v4(addr)
+            cta_pair.st_cluster_v4(addr + self.k_peer, w0, w1, w2, w3)
+
+    def store_k(self, addr, w0, w1, w2, w3):
+        """16 decoded bytes into the K tile at `addr`; the CTA pair also into the peer's, at the same offset (`k_peer`:
+        the peer's K ring in the shared::cluster window minus this CTA's, set by `producer`)."""
+        _st_shared_v4(addr, w0, w1, w2, w3)
+        if self.pair:
+            cta_pair.st_cluster_v4(addr + self.k_peer, w0, w1, w2, w3)
 
     # ------------------------------------------------------------------ consumer warpgroup
     def key_valid(self, sSlot: cute.Tensor, stage: Int32, key0: Int32, key: Int32, num_keys: Int32):
@@ -909,11 +989,13 @@ def compile_key(
     plan: RecordPlan, has_sink: bool, has_outer: bool, split: bool, device, l2_prefetch: int = V3_L2_PREFETCH,
     producer_wgs: int | None = None, timing_probe: str = "", raw_ring: tuple[int, int] | None = None,
     heads: int = V3_HEADS, sparse: bool = False, consumer_rev: int = V3_CONSUMER_REV, decode_rev: int | None = None,
+    cta_pair: bool = False,
 ) -> tuple:
     """Every specialisation of a compiled v3 kernel: `heads` is the head tile (the head count, lengths, scales are
     run-time), `sparse` the slot lists (index lists or block_table); the per-role register budgets follow from the
     tile and the producer warpgroups (`v3_reg_budget`) and are named too; `consumer_rev` the consumer's per-tile code
-    (`attention_tuning.V3_CONSUMER_REV`), `decode_rev` the E2M1 decode's revision (`v3_decode_rev`)."""
+    (`attention_tuning.V3_CONSUMER_REV`), `decode_rev` the E2M1 decode's revision (`v3_decode_rev`), `cta_pair` whether
+    two CTAs of a cluster share each tile's decode (`v3_cta_pair`: a cluster launch, another kernel)."""
     stages, keys = raw_ring or v3_raw_ring(plan, heads, sparse)
     wgs = int(producer_wgs or v3_producer_wgs(plan, heads))
     regs = v3_reg_budget(heads, wgs)
@@ -922,7 +1004,7 @@ def compile_key(
         wgs, f"probe={timing_probe}", f"raw={stages}x{keys}",
         f"heads={int(heads)}", f"sparse={bool(sparse)}", f"setmaxnreg={'%d/%d' % regs if regs else 'none'}",
         f"consumer={int(consumer_rev)}", f"decode_rev={v3_decode_rev(plan, decode_rev)}", "q=bf16", "acc=f32",
-        arch_tag(device),
+        f"cta_pair={bool(cta_pair)}", arch_tag(device),
     )
 
 
@@ -949,6 +1031,7 @@ def mla_attention_v3(
     head_tile: int | None = None,
     consumer_rev: int = V3_CONSUMER_REV,
     decode_rev: int | None = None,
+    cta_pair: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch of the v3 kernel, dense (`block_table`, `seq_lens`) or sparse (`indices [N, topk]`: global slot ids,
     invalid outside [0, slots)); arguments as `mla_attention.mla_attention` (which calls this when
@@ -958,7 +1041,9 @@ def mla_attention_v3(
     are for the benchmark's comparison, as is `timing_probe` ("nodec", "nomma": wrong output) and `raw_ring`
     ((stages, keys per stage), default `attention_tuning.v3_raw_ring`; another of `v3_raw_rings` for the comparison),
     `consumer_rev` (`attention_tuning.V3_CONSUMER_REVS`; the other one than `V3_CONSUMER_REV`: bench v3-c<rev>) and
-    `decode_rev` (the E2M1 decode's revision, default `attention_tuning.v3_decode_rev`; 2 while held: bench v3-d2)."""
+    `decode_rev` (the E2M1 decode's revision, default `attention_tuning.v3_decode_rev`; 2 while held: bench v3-d2) and
+    `cta_pair` (None: `attention_tuning.v3_cta_pair`'s default, no pair while `V3_TILE_32_PAIR` is held; True: the pair,
+    a probe while held, bench v3-t32-pair; a launch that cannot pair it raises ValueError)."""
     n, h = q.shape[0], q.shape[1]
     dev = q.device
     if out is None:
@@ -970,6 +1055,7 @@ def mla_attention_v3(
     sparse = indices is not None
     if head_tile is None:
         head_tile = v3_head_tile(plan, h, sparse, smem_per_block(dev))[0]
+    pair = v3_cta_pair(plan, h, head_tile, int(producer_wgs or v3_producer_wgs(plan, head_tile)), cta_pair)[0]
     if sparse:  # as v2: every query's list is `topk` wide (invalid entries masked), seq_lens unused
         idx, seqlen, stride = indices, indices, indices.shape[1]
         max_keys = stride
@@ -1017,11 +1103,11 @@ def mla_attention_v3(
     )
     key = compile_key(
         plan, has_sink, has_outer, split, dev, l2_prefetch, producer_wgs, timing_probe, raw_ring, head_tile, sparse,
-        consumer_rev, decode_rev,
+        consumer_rev, decode_rev, pair,
     )
     kern = MlaAttentionV3(
         plan, has_sink, has_outer, split, l2_prefetch, producer_wgs, timing_probe, raw_ring, head_tile, sparse,
-        consumer_rev, decode_rev,
+        consumer_rev, decode_rev, pair,
     )
     fn = compiled(key, lambda: cute.compile(kern, *args))
     fn(*args)

@@ -18,6 +18,8 @@ records the generation each launch ran.
 
 from __future__ import annotations
 
+import sys
+import time
 import zlib
 
 import pytest
@@ -135,8 +137,11 @@ def test_v3_accumulator_fragments_are_what_the_softmax_assumes(nh):
 
 def _v3(
     spec, q, cache, scale, *, sink=None, outer_scale=None, num_splits=None, block_table=None, seq_lens=None, indices=None,
-    **probe,
+    deadline_s=None, **probe,
 ):
+    """One v3 launch into NaN-poisoned outputs. `deadline_s`: wait for it by polling an event, failing the test after
+    that many seconds (a kernel whose barriers deadlock then fails, not hangs: no pytest-timeout in the test extras;
+    the GPU context stays stuck, so the device script's step timeout ends the run after reporting it)."""
     from mla_eval_kernels.mla_attention_v3 import mla_attention_v3
 
     n, h = q.shape[:2]
@@ -146,6 +151,16 @@ def _v3(
         plan_for(spec), q, cache, softmax_scale=scale, block_table=block_table, seq_lens=seq_lens, indices=indices,
         sink=sink, outer_scale=outer_scale, num_splits=num_splits, out=out, lse=lse, workspace_fill=float("nan"), **probe,
     )
+    if deadline_s is not None:
+        done = torch.cuda.Event()
+        done.record()
+        start = time.monotonic()
+        while not done.query():
+            if time.monotonic() - start > deadline_s:
+                why = f"v3 launch {probe} did not finish in {deadline_s} s: a deadlock (the GPU context is stuck now)"
+                print(why, file=sys.stderr, flush=True)  # in the log even if the stuck context then hangs the exit
+                pytest.fail(why)
+            time.sleep(0.01)
     torch.cuda.synchronize()
     return out, lse
 
@@ -948,3 +963,191 @@ def test_v3_decode_rev_is_in_the_compile_key(monkeypatch):
     assert mla_attention_v3.compile_key(nvfp4, False, False, False, None)[14] == f"decode_rev={attention_tuning.V3_DECODE_REV}"
     bf16 = plan_for(get_format("bf16"))  # no fold decode: rev 2 changes nothing there, so the key says 1
     assert mla_attention_v3.compile_key(bf16, False, False, False, None, decode_rev=2)[14] == "decode_rev=1"
+
+
+# ---- the CTA pair (session 11, kernels/cta_pair.py): held by `V3_TILE_32_PAIR` until the GPU cases below pass ----
+PAIR_FORMATS = ["nvfp4", "mxfp4", "bf16", "fp8_ds_mla", "nvfp4_fp8_ds_mla"]
+PAIR_LAUNCHES = ["dense h=64", "dense h=128", "sparse h=128"]
+PAIR_DEADLINE_S = 60  # the launches below take milliseconds; a barrier that never completes must fail the test
+
+
+def _pair_case(fmt, launch, seed):
+    heads = int(launch.split("=")[1])
+    if launch.startswith("sparse"):  # topk 777 (not a multiple of 64), -1 padding, an all-invalid row, out-of-range ids
+        spec, q, cache, scale, sink_t, s_l, idx, ref_out, ref_lse, bound = _sparse_case(fmt, heads, 777, seed)
+        return spec, q, cache, scale, sink_t, s_l, dict(indices=idx), ref_out, ref_lse, bound
+    return _case(fmt, heads, LENGTHS, seed, sink=True)  # lengths around the 64-key tile and its 16- / 32-key parts
+
+
+@needs_cuda
+@pytest.mark.parametrize("launch", PAIR_LAUNCHES)
+@pytest.mark.parametrize("fmt", PAIR_FORMATS)
+def test_v3_cta_pair_matches_reference_and_the_unpaired_kernel_bitwise(fmt, launch):
+    """The CTA pair (two 32-head CTAs of a cluster, each decoding half of every raw unit into both CTAs' K stage):
+    poisoned outputs against the reference, 1 and 3 splits (partials + combine), dense h = 64 (one pair) and 128 (two;
+    lengths around the tile, a sink) and sparse h = 128; and bit-identical to the unpaired two-producer 32-head kernel,
+    whose K tiles it must reproduce byte for byte (the same decode arithmetic per row, only which CTA runs it differs).
+    A deadlock of the cluster protocol fails after `PAIR_DEADLINE_S`."""
+    compile_cache.clear()
+    spec, q, cache, scale, sink_t, s_l, lists, ref_out, ref_lse, bound = _pair_case(fmt, launch, 21)
+    for splits in (1, 3):
+        kw = dict(sink=sink_t, outer_scale=s_l, num_splits=splits, head_tile=32, producer_wgs=2, **lists)
+        out, lse = _v3(spec, q, cache, scale, cta_pair=True, deadline_s=PAIR_DEADLINE_S, **kw)
+        _check(out, lse, ref_out, ref_lse, bound, f"v3 CTA pair {fmt} {launch} splits={splits}")
+        one, lse1 = _v3(spec, q, cache, scale, cta_pair=False, **kw)
+        assert torch.equal(out, one) and torch.equal(lse, lse1), (fmt, launch, splits)
+    got = {(k[10], k[-2]) for k in compile_cache.keys() if k[0] == "mla_attention_v3"}
+    assert got == {("heads=32", "cta_pair=True"), ("heads=32", "cta_pair=False")}, got
+
+
+@needs_cuda
+@pytest.mark.parametrize("revs", [dict(decode_rev=2), dict(consumer_rev=2), dict(decode_rev=2, consumer_rev=2)])
+@pytest.mark.parametrize("launch", ["dense h=128", "sparse h=128"])
+def test_v3_cta_pair_with_the_held_revisions_equals_their_unpaired_kernel(launch, revs):
+    """The pair with session 10's held revisions (E2M1 decode rev 2, consumer rev 2: each the same bits as rev 1) equals
+    the unpaired kernel of the same revisions bit for bit, and the reference (nvfp4: the fold decode both revisions
+    cover)."""
+    compile_cache.clear()
+    spec, q, cache, scale, sink_t, s_l, lists, ref_out, ref_lse, bound = _pair_case("nvfp4", launch, 23)
+    kw = dict(sink=sink_t, outer_scale=s_l, num_splits=3, head_tile=32, producer_wgs=2, **revs, **lists)
+    out, lse = _v3(spec, q, cache, scale, cta_pair=True, deadline_s=PAIR_DEADLINE_S, **kw)
+    _check(out, lse, ref_out, ref_lse, bound, f"v3 CTA pair nvfp4 {launch} {revs}")
+    one, lse1 = _v3(spec, q, cache, scale, cta_pair=False, **kw)
+    assert torch.equal(out, one) and torch.equal(lse, lse1), (launch, revs)
+
+
+@needs_cuda
+def test_v3_cta_pair_request_that_cannot_pair_is_refused():
+    """`cta_pair=True` where the launch has no pairs of 32-head tiles (h = 96: 3 tiles) is refused by name."""
+    spec, q, cache, scale, sink_t, s_l, lists, *_ = _case("nvfp4", 96, [70, 5], 3)
+    with pytest.raises(ValueError, match="h % 64 == 0"):
+        _v3(spec, q, cache, scale, head_tile=32, cta_pair=True, **lists)
+
+
+def _pair_tile_stores(plan, rank: int, pt: int = 256) -> list[tuple[int, int, int]]:
+    """A model of one pair CTA's producer per key tile (`load_raw` / `load_tile`, `decode_tile_v3` / `decode_tile`,
+    the K base shifted by `v3_pair_keys`' first key): (K row, 16-byte column chunk, tile key of the raw record the
+    row was decoded from) of every store; `store_k` / `forward_tile` send each to both CTAs at the same offset."""
+    from mla_eval_kernels.mla_attention import swizzled_offset
+
+    bn, rec = 64, plan.record_bytes
+    chunks = rec // 16
+    out = []
+    if attention_tuning.is_bf16_plan(plan):  # the copy: this CTA's half of the tile's chunks, forwarded as copied
+        koff, half = attention_tuning.v3_pair_keys(bn, rank)
+        return [(koff + i // chunks, i % chunks, koff + i // chunks) for i in range(half * chunks)]
+    nk = attention_tuning.v3_raw_ring(plan, 32)[1]
+    koff, half = attention_tuning.v3_pair_keys(nk, rank)
+    g = pt // chunks
+    kshift = swizzled_offset(koff, 0, bn)
+    for key0 in range(0, bn, nk):  # the tile's raw units
+        held = {}  # raw record position -> tile key (`load_raw`: chunk ptid % chunks of record ptid // chunks + g u)
+        for ptid in range(g * chunks):
+            for u in range(-(-half // g)):
+                pos = ptid // chunks + g * u
+                if pos < half:
+                    held.setdefault(pos, []).append((key0 + koff + min(pos, half - 1), ptid % chunks))
+        assert sorted(held) == list(range(half)) and all(sorted(c for _, c in v) == list(range(chunks)) for v in held.values())
+        src = {pos: v[0][0] for pos, v in held.items()}
+        items = []  # (raw record, K row relative to the shifted base, first column)
+        if attention_tuning.fast_e2m1_eligible(plan) and (half * 32) % pt == 0:  # `decode_latent`: block ptid % 32
+            items += [(u * (pt // 32) + p // 32, 16 * (p % 32) + 8 * h) for p in range(pt) for u in range(half * 32 // pt)
+                      for h in (0, 1)]
+        else:  # v2's `decode_tile`: 8 values per item
+            items += [(i // 64, (i % 64) * 8) for i in range(half * 64)]
+        items += [(i // 8, 512 + (i % 8) * 8) for i in range(half * 8)]  # rope items, none repeated in the pair
+        for raw_key, col in items:
+            row = key0 + raw_key
+            # the shifted base: row key0 + raw_key of the base at kshift is tile row row + koff (whole 8-row atoms)
+            assert kshift + swizzled_offset(row, col, bn) == swizzled_offset(row + koff, col, bn), (row, col)
+            out.append((row + koff, col // 8, src[raw_key]))
+    return out
+
+
+@pytest.mark.parametrize("fmt", V3_FORMATS)
+def test_v3_cta_pair_decodes_each_key_once_and_both_ctas_receive_the_whole_tile(fmt):
+    """No GPU needed: over the two CTAs of a pair, every (key, 16-byte chunk) of the 64 x 576 K tile is decoded (or
+    copied) exactly once, from that key's own record, and since each store goes to both CTAs (local and peer at the
+    same offset), each CTA's stage receives the whole tile exactly once."""
+    plan = plan_for(get_format(fmt))
+    stores = [_pair_tile_stores(plan, rank) for rank in range(attention_tuning.V3_PAIR_CTAS)]
+    every = [(k, c) for k in range(64) for c in range(72)]
+    for rank_stores in stores:
+        assert all(row == key for row, _, key in rank_stores)
+    received = {cta: sorted((r, c) for rank_stores in stores for r, c, _ in rank_stores) for cta in range(2)}
+    assert received[0] == received[1] == every
+    halves = [{r for r, _, _ in rank_stores} for rank_stores in stores]
+    assert not halves[0] & halves[1] and len(halves[0]) == len(halves[1]) == 32  # balanced, disjoint
+
+
+@pytest.mark.parametrize("fmt,sparse", [("nvfp4", True), ("fp8_ds_mla", False), ("bf16", False)])
+def test_the_cta_pair_compiles_with_its_cluster_protocol(fmt, sparse, tmp_path):
+    """No GPU needed: the pair kernel (E2M1 fast decode, v2's decode path, bf16's copy + forward) compiles for sm_90a
+    with the two-producer tile's registers (168 at launch, setmaxnreg kept) and no stack frame, and its PTX has the
+    cluster protocol (`compile_check.check_pair_ptx`); the checks flag an unpaired PTX checked as a pair, the pair
+    checked as unpaired, and a wait left at CTA scope."""
+    import os
+
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    import cutlass.cute as cute
+
+    from mla_eval_kernels import compile_check
+    from mla_eval_kernels.mla_attention_v3 import MlaAttentionV3
+
+    a = compile_check.attention_args(128)
+    plan = plan_for(get_format(fmt))
+    kern = MlaAttentionV3(plan, True, plan.outer_allowed, False, producer_wgs=2, heads=32, sparse=sparse, cta_pair=True)
+    unit = 64 if fmt == "bf16" else attention_tuning.v3_raw_ring(plan, 32, sparse)[1]
+    assert kern.pair and kern.unit_keys == unit // 2 and kern.launch_cluster() == dict(cluster=[1, 2, 1])
+    cute.compile(kern, *a, options=f"--keep-ptx --keep-cubin --dump-dir={tmp_path}")
+    use = compile_check.cubin_usage(str(next(tmp_path.glob("*.cubin"))))
+    assert use["regs"] == 168 and use.get("frame", 0) == 0 and use.get("stack", 0) == 0, use
+    ptx = next(tmp_path.glob("*.ptx")).read_text()
+    assert compile_check.check_v3_ptx(ptx, 32, kern.regs, pair=True) == []
+    assert {"expected one CTA-wide barrier", "a cluster instruction outside the CTA pair"} <= set(
+        compile_check.check_v3_ptx(ptx, 32, kern.regs)
+    )
+    cta_wait = ptx.replace("try_wait.parity.acquire.cluster.shared::cta", "try_wait.parity.shared::cta", 1)
+    assert "an mbarrier wait at CTA scope in the CTA pair" in compile_check.check_v3_ptx(cta_wait, 32, kern.regs, pair=True)
+    no_exit_sync = ptx.replace("barrier.cluster.arrive;", "", 1)
+    assert "1 x cluster barrier (expected 2..2)" in compile_check.check_v3_ptx(no_exit_sync, 32, kern.regs, pair=True)
+    unpaired = MlaAttentionV3(plan, True, plan.outer_allowed, False, producer_wgs=2, heads=32, sparse=sparse)
+    assert not unpaired.pair and unpaired.launch_cluster() == {}
+    with pytest.raises(ValueError, match="cta_pair: the CTA pair runs the 32-head tile only"):
+        MlaAttentionV3(plan, True, False, False, heads=16, cta_pair=True)
+    with pytest.raises(ValueError, match="cta_pair: the CTA pair runs two producer warpgroups"):
+        MlaAttentionV3(plan, True, False, False, heads=32, producer_wgs=1, cta_pair=True)
+
+
+def test_the_unpaired_kernel_fails_the_pair_checks(tmp_path):
+    """No GPU needed: the unpaired two-producer 32-head kernel's PTX has none of the cluster protocol (checked as a pair,
+    every item is missing) and passes as what it is."""
+    import os
+
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    import cutlass.cute as cute
+
+    from mla_eval_kernels import compile_check
+    from mla_eval_kernels.mla_attention_v3 import MlaAttentionV3
+
+    plan = plan_for(get_format("nvfp4"))
+    kern = MlaAttentionV3(plan, True, True, False, producer_wgs=2, heads=32)
+    cute.compile(kern, *compile_check.attention_args(128), options=f"--keep-ptx --keep-cubin --dump-dir={tmp_path}")
+    ptx = next(tmp_path.glob("*.ptx")).read_text()
+    assert compile_check.check_v3_ptx(ptx, 32, kern.regs) == []
+    problems = compile_check.check_v3_ptx(ptx, 32, kern.regs, pair=True)
+    # (the unpaired kernel's `PipelineAsync` init has the same init fence: its release at cluster scope is the default)
+    missing = {f"0 x {what}" for what in compile_check.PAIR_PTX if what != "mbarrier init fence"}
+    assert {p.split(" (")[0] for p in problems if " x " in p} == missing, problems
+    assert "an mbarrier wait at CTA scope in the CTA pair" in problems and len(problems) == len(missing) + 2, problems
+
+
+def test_v3_cta_pair_is_in_the_compile_key(monkeypatch):
+    """No GPU needed: the pair is another kernel (a cluster launch): the key names it; the default key names none."""
+    from mla_eval_kernels import mla_attention_v3
+
+    monkeypatch.setattr(mla_attention_v3, "arch_tag", lambda device: "sm_90")
+    nvfp4 = plan_for(get_format("nvfp4"))
+    paired = mla_attention_v3.compile_key(nvfp4, True, False, False, None, heads=32, cta_pair=True)
+    plain = mla_attention_v3.compile_key(nvfp4, True, False, False, None, heads=32)
+    assert paired[-2] == "cta_pair=True" and plain[-2] == "cta_pair=False" and paired[:-2] == plain[:-2]

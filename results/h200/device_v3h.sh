@@ -15,6 +15,15 @@
 #            nvfp4_fp8_ds_mla
 #   benchmore (a) and (d) at h=128 for fp8_ds_mla_pow2, fp8_e4m3 and the other E2M1 records, then at h=64 and h=32 (--heads)
 #            for the four formats of `bench`: what V3_WIDE_DEFAULT may add, by measurement
+#   pair     (session 11) the CTA pair, held by V3_LAUNCHES_AWAITING_GPU_TESTS["head_tile_32_cta_pair"]: its GPU tests
+#            (tests/test_kernels_v3_gpu.py -k pair: vs the reference with NaN-poisoned outputs and bit-identical to the
+#            unpaired two-producer kernel, nvfp4 / mxfp4 / bf16 / fp8_ds_mla / nvfp4_fp8_ds_mla x dense h=64/128 and
+#            sparse h=128, 1 and 3 splits; each pair launch fails after 60 s instead of hanging, -x stops there), then
+#            bench (a) and (d) at h=128 with --variants: the default row, v3-t16, v3-t32, v3-t32-p1 and v3-t32-pair
+#            (marked v3_held while held) for bf16, nvfp4, fp8_ds_mla, nvfp4_fp8_ds_mla; then (a)/(d) at h=64
+#   If pair passes: delete V3_LAUNCHES_AWAITING_GPU_TESTS["head_tile_32_cta_pair"] only if v3-t32-pair beats v3-t32 (an
+#   unheld pair is the default of every launch v3_pair_blocker allows: h % 64 == 0 at the 32-head tile); the default
+#   generation (V3_WIDE_DEFAULT: v3 vs v2) changes only where a v3 row beats the default row.
 # If kernp2 passes: delete V3_LAUNCHES_AWAITING_GPU_TESTS["head_tile_32_two_producers"] (commit with the logs); make two
 # producer warpgroups the 32-head tile's default (V3_WIDE_PRODUCER_WGS = 2) only where v3-t32-p2 beats v3-t32; the
 # default policy (generation_for: v2 for sparse lists and h > 16) changes only where a v3 row beats the default row.
@@ -47,7 +56,14 @@ benchmore)
         gpu_bench 300 "bench-v3h-h$h" --shapes a,d --variants --heads "$h" --formats bf16,nvfp4,fp8_ds_mla,nvfp4_fp8_ds_mla
     done
     ;;
-*) echo "unknown step $w (kern, kernp2, kernfull, bench, benchmore)"; exit 2 ;;
+pair)
+    step "v3 CTA pair (session 11): GPU tests (vs the reference, bitwise vs unpaired), its compile and PTX checks"
+    gpu_pytest 400 pair -n 8 -x tests/test_kernels_v3_gpu.py -k "pair"
+    step "bench (a) variants and (d) at h=128: default, v3-t16, v3-t32, v3-t32-p1, v3-t32-pair"
+    gpu_bench 550 bench-pair --shapes a,d --variants --formats bf16,nvfp4,fp8_ds_mla,nvfp4_fp8_ds_mla
+    gpu_bench 300 bench-pair-h64 --shapes a,d --variants --heads 64 --formats nvfp4,fp8_ds_mla
+    ;;
+*) echo "unknown step $w (kern, kernp2, kernfull, bench, benchmore, pair)"; exit 2 ;;
 esac
 done
 step "done"
