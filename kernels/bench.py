@@ -94,13 +94,17 @@ def probe_variants(plan) -> list[tuple[str, tuple | None, object]]:
     return out
 
 
-def v3_tile_variants(plan, heads: int, sparse: bool, variants: bool) -> list[tuple[str, int, int | None, bool, str | None]]:
+def v3_tile_variants(
+    plan, heads: int, sparse: bool, variants: bool, pair: bool = False,
+) -> list[tuple[str, int, int | None, bool, str | None]]:
     """(row name, head tile, producer warpgroups or None for the default, CTA pair, why held or None) of the v3 rows of
     an h > 16 launch: one per head tile its CTA fits (v3-t16, v3-t32: unpaired), each held while dispatch would not
     run it; with `variants`, the 32-head tile also with the other producer warpgroup count (v3-t32-p2: two, with
     per-role registers, `attention_tuning.v3_reg_budget`), held while `v3_producers_held` lists it, and, where the
     launch can pair (`attention_tuning.v3_pair_blocker`: h % 64 == 0), the CTA pair (v3-t32-pair: two producer
-    warpgroups per CTA), held while `V3_TILE_32_PAIR` is listed. None where v3 refuses the format."""
+    warpgroups per CTA), held while `V3_TILE_32_PAIR` is listed; while held, only with `pair` (bench --pair): a
+    cluster-protocol deadlock in an untested pair would hang every other step that times (a) / (d) with --variants.
+    None where v3 refuses the format."""
     from mla_eval_kernels.attention_tuning import (
         V3_HEAD_TILES,
         V3_LAUNCHES_AWAITING_GPU_TESTS,
@@ -125,8 +129,9 @@ def v3_tile_variants(plan, heads: int, sparse: bool, variants: bool) -> list[tup
         if variants and tile == V3_WIDE_HEADS:
             other = 3 - v3_producer_wgs(plan, tile)
             rows.append((f"v3-t{tile}-p{other}", tile, other, False, held or v3_producers_held(tile, other)))
-            if v3_pair_blocker(plan, heads, tile, 2) is None:
-                rows.append((f"v3-t{tile}-pair", tile, 2, True, held or V3_LAUNCHES_AWAITING_GPU_TESTS.get(V3_TILE_32_PAIR)))
+            pair_held = V3_LAUNCHES_AWAITING_GPU_TESTS.get(V3_TILE_32_PAIR)
+            if v3_pair_blocker(plan, heads, tile, 2) is None and (pair or not pair_held):
+                rows.append((f"v3-t{tile}-pair", tile, 2, True, held or pair_held))
     return rows
 
 
@@ -212,7 +217,9 @@ def _dense_problem(spec, batch: int, heads: int, ctx: int, gen):
     return q, table, lens, cache
 
 
-def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "writer,a,b,c", heads: int = 128) -> list[dict]:
+def run_format(
+    name: str, quick: bool, variants: bool = False, shapes: str = "writer,a,b,c", heads: int = 128, pair: bool = False,
+) -> list[dict]:
     """All measurements of one format (called in a worker process); `shapes` picks writer / a / b / c / d; `heads`
     is the head count of shapes (a) and (d) (128: DeepSeek-V3's; 64 / 32: the same model on 2 / 4 GPUs of TP)."""
     from mla_eval.attention import dispatch
@@ -253,9 +260,9 @@ def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "wr
 
         plan = plan_for(spec)
         tile_rows = []  # (row, head tile, producer warpgroups, held mark, revision and pair keywords)
-        for row, tile, wgs, pair, held in v3_tile_variants(plan, heads, sparse, variants):
+        for row, tile, wgs, paired, held in v3_tile_variants(plan, heads, sparse, variants, pair):
             mark = dict(v3_held=held) if held else {}
-            kw = dict(cta_pair=pair)  # explicit: the v3-t<tile> rows stay the unpaired kernel whatever the default
+            kw = dict(cta_pair=paired)  # explicit: the v3-t<tile> rows stay the unpaired kernel whatever the default
             tile_rows.append((row, tile, wgs, mark, kw))
             if variants and wgs is None:  # the other consumer revision (v3-t<tile>-c<rev>), same output bit for bit
                 tile_rows.append((f"{row}-c{other_consumer}", tile, wgs, mark, dict(kw, consumer_rev=other_consumer)))
@@ -511,6 +518,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="writer,a,b,c", help="comma-separated subset of writer,a,b,c,d")
     ap.add_argument("--heads", type=int, default=128,
                     help="query heads of shapes (a) and (d) (default 128, DeepSeek-V3; 64 / 32 for 2 / 4 GPUs of TP)")
+    ap.add_argument("--pair", action="store_true",
+                    help="with --variants: also the v3-t32-pair row while the CTA pair is held (run its GPU tests first)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.formats is None:
@@ -527,7 +536,7 @@ def main(argv=None) -> int:
         print("error: the benchmark times CUDA kernels and sees no CUDA GPU; run it on one (e.g. the H200)", file=sys.stderr)
         return 2
     if args.worker:
-        run_format(args.worker, args.quick, args.variants, args.shapes, args.heads)
+        run_format(args.worker, args.quick, args.variants, args.shapes, args.heads, args.pair)
         return 0
 
     gpu = torch.cuda.get_device_name()
@@ -540,6 +549,7 @@ def main(argv=None) -> int:
     for name in args.formats.split(","):
         cmd = [sys.executable, "-m", "mla_eval_kernels.bench", "--worker", name] + (["--quick"] if args.quick else [])
         cmd += ["--variants"] if args.variants else []
+        cmd += ["--pair"] if args.pair else []
         cmd += ["--shapes", args.shapes, "--heads", str(args.heads)]
         procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     rows, failed = [], []

@@ -610,6 +610,10 @@ def test_bench_h128_rows_add_the_two_producer_32_head_tile_with_variants(monkeyp
     monkeypatch.setattr(attention_tuning, "V3_LAUNCHES_AWAITING_GPU_TESTS", {attention_tuning.V3_TILE_32: "held"})
     rows = bench.v3_tile_variants(nvfp4, 128, False, True)
     assert [r[4] for r in rows] == [None] + 3 * ["16-head tiles: held"], rows
+    # the held pair: its row only when asked for (bench --pair), so that no other step can hit an untested cluster kernel
+    monkeypatch.setattr(attention_tuning, "V3_LAUNCHES_AWAITING_GPU_TESTS", {attention_tuning.V3_TILE_32_PAIR: "untested"})
+    assert [r[0] for r in bench.v3_tile_variants(nvfp4, 128, False, True)] == ["v3-t16", "v3-t32", "v3-t32-p1"]
+    assert bench.v3_tile_variants(nvfp4, 128, False, True, pair=True)[-1] == ("v3-t32-pair", 32, 2, True, "untested")
     assert bench.v3_tile_variants(plan_for(get_format("trtllm_nvfp4_dsa")), 128, True, True) == []
 
 

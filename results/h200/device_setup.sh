@@ -19,13 +19,16 @@ if [ -d .devwheels/js ] && ! python3 -c 'import jsonschema' 2>/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devwheels/js/*.whl 2>&1 | tail -2
 fi
 # gpu_pytest TIMEOUT NAME ARGS...: pytest ARGS (quiet, no cache, failures listed) into $OUT/runs/pytest-NAME.log,
-# then its exit status (124 = timeout) and the summary lines
+# then its exit status (124 = timeout) and the summary lines; returns pytest's status, so that a step can stop after a
+# failure (session 11's CTA pair: a deadlocked launch leaves the GPU context stuck for everything after it)
 gpu_pytest() {
     local limit=$1 name=$2; shift 2
     mkdir -p "$OUT/runs"
     timeout "$limit" python3 -m pytest -q -p no:cacheprovider -rfE "$@" > "$OUT/runs/pytest-$name.log" 2>&1
-    echo "pytest $name rc=$? (124 = timeout)"
+    local rc=$?
+    echo "pytest $name rc=$rc (124 = timeout)"
     grep -E "FAILED|ERROR|passed|failed" "$OUT/runs/pytest-$name.log" | grep -v "^E " | tail -30
+    return $rc
 }
 # gpu_bench TIMEOUT NAME ARGS...: python -m mla_eval_kernels.bench ARGS --out $OUT/runs/NAME into $OUT/runs/NAME.log,
 # then its exit status and the rows and summary lines

@@ -57,11 +57,17 @@ benchmore)
     done
     ;;
 pair)
-    step "v3 CTA pair (session 11): GPU tests (vs the reference, bitwise vs unpaired), its compile and PTX checks"
-    gpu_pytest 400 pair -n 8 -x tests/test_kernels_v3_gpu.py -k "pair"
+    # one launch first, under a short limit: a cluster-protocol deadlock leaves the GPU context stuck, and everything
+    # after it in this call would wait out its own limit; the bench runs only after every pair test passed
+    step "v3 CTA pair (session 11): one launch first (nvfp4, dense h=64)"
+    gpu_pytest 180 pair-smoke -x "tests/test_kernels_v3_gpu.py::test_v3_cta_pair_matches_reference_and_the_unpaired_kernel_bitwise[nvfp4-dense h=64]" \
+        || { echo "pair smoke failed: the rest of the pair step skipped"; continue; }
+    step "v3 CTA pair: GPU tests (vs the reference, bitwise vs unpaired), its compile and PTX checks"
+    gpu_pytest 300 pair -n 8 -x tests/test_kernels_v3_gpu.py -k "pair" \
+        || { echo "pair tests failed: no pair bench"; continue; }
     step "bench (a) variants and (d) at h=128: default, v3-t16, v3-t32, v3-t32-p1, v3-t32-pair"
-    gpu_bench 550 bench-pair --shapes a,d --variants --formats bf16,nvfp4,fp8_ds_mla,nvfp4_fp8_ds_mla
-    gpu_bench 300 bench-pair-h64 --shapes a,d --variants --heads 64 --formats nvfp4,fp8_ds_mla
+    gpu_bench 300 bench-pair --shapes a,d --variants --pair --formats bf16,nvfp4,fp8_ds_mla,nvfp4_fp8_ds_mla
+    gpu_bench 200 bench-pair-h64 --shapes a,d --variants --pair --heads 64 --formats nvfp4,fp8_ds_mla
     ;;
 *) echo "unknown step $w (kern, kernp2, kernfull, bench, benchmore, pair)"; exit 2 ;;
 esac
