@@ -652,3 +652,14 @@ def test_the_cta_pair_splits_each_raw_unit_into_contiguous_halves_of_whole_8_row
     halves = [attention_tuning.v3_pair_keys(unit, rank) for rank in range(attention_tuning.V3_PAIR_CTAS)]
     assert sorted(k for first, n in halves for k in range(first, first + n)) == list(range(unit))
     assert all(first % 8 == 0 and n % 8 == 0 for first, n in halves), halves
+
+
+def test_profile_dense_refuses_a_cta_pair_without_pairs_of_32_head_tiles(capsys):
+    """`profile_dense --cta-pair` (the device step `device_v3h.sh pairncu`) needs h % 64 == 0: a one-line usage error
+    before any launch (no GPU needed)."""
+    from mla_eval_kernels import profile_dense
+
+    with pytest.raises(SystemExit) as exc:
+        profile_dense.main(["--heads", "96", "--cta-pair", "1"])
+    assert exc.value.code == 2
+    assert "--heads a multiple of 64, not 96" in capsys.readouterr().err

@@ -21,6 +21,7 @@
 #            sparse h=128, 1 and 3 splits; each pair launch fails after 60 s instead of hanging, -x stops there), then
 #            bench (a) and (d) at h=128 with --variants: the default row, v3-t16, v3-t32, v3-t32-p1 and v3-t32-pair
 #            (marked v3_held while held) for bf16, nvfp4, fp8_ds_mla, nvfp4_fp8_ds_mla; then (a)/(d) at h=64
+#   pairncu  (after pair passed) ncu --set full of one dense h=128 8K launch per format (nvfp4, fp8_ds_mla), paired and not
 #   If pair passes: delete V3_LAUNCHES_AWAITING_GPU_TESTS["head_tile_32_cta_pair"] only if v3-t32-pair beats v3-t32 (an
 #   unheld pair is the default of every launch v3_pair_blocker allows: h % 64 == 0 at the 32-head tile); the default
 #   generation (V3_WIDE_DEFAULT: v3 vs v2) changes only where a v3 row beats the default row.
@@ -69,7 +70,25 @@ pair)
     gpu_bench 300 bench-pair --shapes a,d --variants --pair --formats bf16,nvfp4,fp8_ds_mla,nvfp4_fp8_ds_mla
     gpu_bench 200 bench-pair-h64 --shapes a,d --variants --pair --heads 64 --formats nvfp4,fp8_ds_mla
     ;;
-*) echo "unknown step $w (kern, kernp2, kernfull, bench, benchmore, pair)"; exit 2 ;;
+pairncu)
+    # after `pair` passed: where the pair's time goes (the MEMBAR.ALL.GPU of each cluster-scope release, the remote
+    # stores), beside the unpaired kernel; dense h=128, batch 32, 8K (shape (d)), one launch each
+    command -v ncu > /dev/null || { echo "no ncu on this machine"; continue; }
+    for fmt in nvfp4 fp8_ds_mla; do
+        for p in 0 1; do
+            step "ncu --set full, v3 32-head tile $fmt (d) 8K, cta_pair=$p"
+            rep="$OUT/runs/ncu-v3t32-pair$p-$fmt-d8k"
+            timeout 200 ncu --clock-control none -k regex:MlaAttentionV3 -c 1 --set full --import-source no -o "$rep" \
+                python3 -m mla_eval_kernels.profile_dense --formats "$fmt" --heads 128 --context 8192 --cta-pair "$p" \
+                > "$rep-run.log" 2>&1
+            echo "ncu rc=$?"; tail -2 "$rep-run.log"
+            ncu -i "$rep.ncu-rep" --page details > "$rep-details.txt" 2>&1
+            ncu -i "$rep.ncu-rep" --page source --csv --print-source sass > "$rep-sass.csv" 2>&1
+            grep -E "Duration|Issue Slots Busy|Eligible Warps|Executed Ipc A" "$rep-details.txt" | head -8
+        done
+    done
+    ;;
+*) echo "unknown step $w (kern, kernp2, kernfull, bench, benchmore, pair, pairncu)"; exit 2 ;;
 esac
 done
 step "done"
