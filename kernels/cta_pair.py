@@ -117,33 +117,36 @@ def mbar_wait_cluster(addr, phase):
 
 
 class PairRing:
-    """The K ring's mbarriers of one CTA of a pair: full[s] at `base` + 8 s, empty[s] at `base` + 8 (stages + s), and
-    the same objects of the peer CTA (`mapa`). The methods take a `pipeline.PipelineState` (index, phase), as
-    `PipelineAsync`'s do, so the producer and consumer code is the same for both kernels."""
+    """The K ring's mbarriers of one CTA of a pair: full[s] at `base` + 8 s, empty[s] at `base` + 8 (stages + s); the
+    peer's are the same objects of the other CTA, addressed by `mapa` at each remote arrive rather than carried: a
+    loop-carried peer address cost the consumer the registers that made consumer rev 2's unrolled loop spill (16 B
+    of stack at nvfp4 dense, session 11); a remote arrive now reads %cluster_ctarank and runs a `mapa`. The methods take a
+    `pipeline.PipelineState` (index, phase), as `PipelineAsync`'s do, so the producer and consumer code is the same for
+    both kernels."""
 
-    def __init__(self, base, peer_base, stages: int, producers: int, consumers: int):
+    def __init__(self, base, stages: int, producers: int, consumers: int):
         self.base = Int32(base)  # this CTA's full[0] (shared::cta address)
-        self.peer_base = Int32(peer_base)  # the peer's full[0] (shared::cluster address)
         self.stages = stages
         self.producers = producers  # producer threads of ONE CTA (each barrier counts both CTAs')
         self.consumers = consumers
 
-    @staticmethod
-    def create(base, stages: int, producers: int, consumers: int, peer) -> PairRing:
-        return PairRing(base, mapa(base, peer), stages, producers, consumers)
-
-    # carried through the kernel's run-time loops as its two addresses (the DSL's protocol for loop values)
+    # carried through the kernel's run-time loops as its address (the DSL's protocol for loop values)
     def __extract_mlir_values__(self):
-        return [self.base.ir_value(), self.peer_base.ir_value()]
+        return [self.base.ir_value()]
 
     def __new_from_mlir_values__(self, values):
-        return PairRing(Int32(values[0]), Int32(values[1]), self.stages, self.producers, self.consumers)
+        return PairRing(Int32(values[0]), self.stages, self.producers, self.consumers)
 
     def full(self, index):
         return self.base + MBAR_BYTES * index
 
     def empty(self, index):
         return self.base + MBAR_BYTES * (self.stages + index)
+
+    @staticmethod
+    def peer(addr):
+        """The same mbarrier of the other CTA of the pair (shared::cluster address)."""
+        return mapa(addr, cta_rank() ^ 1)
 
     @cute.jit
     def init(self, tidx: Int32):
@@ -162,11 +165,11 @@ class PairRing:
     def producer_commit(self, state):
         """After the thread's `fence_proxy_async_cluster` (the producer runs it): this CTA's full barrier, the peer's."""
         mbar_arrive_local(self.full(state.index))
-        mbar_arrive_remote(self.peer_base + MBAR_BYTES * state.index)
+        mbar_arrive_remote(self.peer(self.full(state.index)))
 
     def consumer_wait(self, state):
         mbar_wait_cluster(self.full(state.index), state.phase)
 
     def consumer_release(self, state):
         mbar_arrive_local(self.empty(state.index))
-        mbar_arrive_remote(self.peer_base + MBAR_BYTES * (self.stages + state.index))
+        mbar_arrive_remote(self.peer(self.empty(state.index)))

@@ -318,7 +318,7 @@ class MlaAttentionV3(MlaAttention):
         if cutlass.const_expr(self.pair):
             # both CTAs' producers fill, both consumers release each stage (kernels/cta_pair.py: why, and the scopes);
             # the init ends with a cluster-wide barrier, before any thread touches the peer
-            kpipe = cta_pair.PairRing.create(storage.mbar.data_ptr().toint(), self.k_stages, self.pt, WG, cta_pair.cta_rank() ^ 1)
+            kpipe = cta_pair.PairRing(storage.mbar.data_ptr().toint(), self.k_stages, self.pt, WG)
             kpipe.init(tidx)
         else:
             # the K ring's full / empty mbarriers: every producer thread arrives on full after its own
