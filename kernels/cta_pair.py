@@ -64,6 +64,11 @@ def mapa(addr, rank) -> Int32:
     )
 
 
+def peer_addr(addr) -> Int32:
+    """The shared::cluster address of shared::cta address `addr` in the other CTA of the pair (rank 0 <-> 1)."""
+    return mapa(addr, cta_rank() ^ 1)
+
+
 def st_cluster_v4(addr, a, b, c, d):
     """16 bytes into (any CTA of the cluster's) shared memory at shared::cluster address `addr`."""
     cute.arch.inline_ptx(
@@ -146,7 +151,7 @@ class PairRing:
     @staticmethod
     def peer(addr):
         """The same mbarrier of the other CTA of the pair (shared::cluster address)."""
-        return mapa(addr, cta_rank() ^ 1)
+        return peer_addr(addr)
 
     @cute.jit
     def init(self, tidx: Int32):

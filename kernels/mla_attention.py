@@ -561,7 +561,8 @@ class MlaAttention:
 
     @cute.jit
     def decode_rope_item(self, raw: Int32, sK_addr: Int32, s_l: Float32, i: Int32, key0: cutlass.Constexpr):
-        """Rope item i of `decode_tile` (8 values of raw key i // 8) -> K row key0 + i // 8."""
+        """Rope item i (8 values of raw key i // 8) -> K row key0 + i // 8: of `decode_tile`, and of v3's fast E2M1
+        decode, which leaves its rope items to this path (`MlaAttentionV3.decode_tile_v3`)."""
         plan = self.plan
         key = i // 8
         d0 = (i % 8) * 8

@@ -385,7 +385,7 @@ class MlaAttentionV3(MlaAttention):
             rank = cta_pair.cta_rank()
             koff = v3_pair_keys(self.pair_unit, rank)[0]
             kshift = 2 * swizzled_offset(koff, 0, bn)
-            self.k_peer = cta_pair.mapa(sK_addr, rank ^ 1) - sK_addr
+            self.k_peer = cta_pair.peer_addr(sK_addr) - sK_addr
 
         # look-ahead, one role per thread: ptid < BN writes the slot id of key ptid of the next tile
         # into the slot ring; ptid >= BN prefetches key (ptid - BN)'s record into L2, `l2_prefetch`
@@ -541,23 +541,12 @@ class MlaAttentionV3(MlaAttention):
             for u in cutlass.range_constexpr((n_rope + self.pt - 1) // self.pt):
                 i = u * self.pt + ptid
                 if cutlass.const_expr((u + 1) * self.pt <= n_rope):
-                    self.decode_rope8(raw, kbase, s_l, i, key0)
+                    self.decode_rope_item(raw, kbase, s_l, i, key0)
                 else:
                     if i < n_rope:
-                        self.decode_rope8(raw, kbase, s_l, i, key0)
+                        self.decode_rope_item(raw, kbase, s_l, i, key0)
         else:
             self.decode_tile(raw, kbase, s_l, ptid, key0, nkeys)
-
-    @cute.jit
-    def decode_rope8(self, raw: Int32, kbase: Int32, s_l: Float32, i: Int32, key0: cutlass.Constexpr):
-        """Rope item i (8 values of raw key i // 8) -> K row key0 + i // 8 (v2's `decode8`)."""
-        plan = self.plan
-        key = i // 8
-        d0 = (i % 8) * 8
-        rec = raw + key * plan.record_bytes
-        w0, w1, w2, w3 = self.decode8(plan.rope, rec, d0, s_l, self.has_outer and plan.outer_on_rope, False)
-        row = key + key0 if key0 else key  # (key0 = 0: the whole-tile code exactly as before parts existed)
-        self.store_k(kbase + 2 * swizzled_offset(row, D_V + d0, self.bn), w0, w1, w2, w3)
 
     @cute.jit
     def decode_latent(

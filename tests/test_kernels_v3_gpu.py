@@ -557,7 +557,7 @@ def test_v3_copies_cover_each_chunk_once_and_stores_are_conflict_free(fmt, pt):
         assert sorted(seen) == [(k, c) for k in range(bn) for c in range(chunks)], nk
         if attention_tuning.fast_e2m1_eligible(plan) and (nk * 32) % pt == 0:
             # the E2M1 latent decode per part (`decode_latent`): item u of thread ptid is block ptid % 32 of raw key
-            # u (pt / 32) + ptid // 32 -> K row key0 + that key; the rope (`decode_rope8`): item i < nk * 8 is 8
+            # u (pt / 32) + ptid // 32 -> K row key0 + that key; the rope (`decode_rope_item`): item i < nk * 8 is 8
             # values of raw key i // 8. Over the parts: every (key, block) and (key, rope item) once
             lat, rope = [], []
             for key0 in range(0, bn, nk):

@@ -33,16 +33,9 @@ bench32)
     gpu_bench 550 bench-revs-t32 --shapes a,d --variants --formats nvfp4,bf16,fp8_ds_mla
     ;;
 ncu)
-    command -v ncu > /dev/null || { echo "no ncu on this machine"; continue; }
     for rev in 1 2; do
         step "ncu --set full, v3 nvfp4 (b) 64K, consumer rev $rev"
-        rep="$OUT/runs/ncu-v3c$rev-nvfp4-b64k"
-        timeout 250 ncu --clock-control none -k regex:MlaAttentionV3 -c 1 --set full --import-source no -o "$rep" \
-            python3 -m mla_eval_kernels.profile_dense --formats nvfp4 --consumer-rev "$rev" > "$rep-run.log" 2>&1
-        echo "ncu rc=$?"; tail -2 "$rep-run.log"
-        ncu -i "$rep.ncu-rep" --page details > "$rep-details.txt" 2>&1
-        ncu -i "$rep.ncu-rep" --page source --csv --print-source sass > "$rep-sass.csv" 2>&1
-        grep -E "Duration|Issue Slots Busy|Eligible Warps|Executed Ipc A" "$rep-details.txt" | head -8
+        gpu_ncu 250 "ncu-v3c$rev-nvfp4-b64k" --formats nvfp4 --consumer-rev "$rev"
     done
     ;;
 *) echo "unknown step $w (kern, bench, bench32, ncu)"; exit 2 ;;

@@ -39,3 +39,17 @@ gpu_bench() {
     echo "bench $name rc=$? (124 = timeout)"
     grep -E "^GPU|dense|sparse|prefill|saved|Error|error" "$OUT/runs/$name.log" | tail -80
 }
+# gpu_ncu TIMEOUT NAME ARGS...: `ncu --set full` of one v3 launch of `python -m mla_eval_kernels.profile_dense ARGS` into
+# $OUT/runs/NAME.ncu-rep, then its details page and SASS source page (CSV) beside it and the headline metrics
+gpu_ncu() {
+    local limit=$1 name=$2; shift 2
+    command -v ncu > /dev/null || { echo "no ncu on this machine"; return 1; }
+    mkdir -p "$OUT/runs"
+    local rep="$OUT/runs/$name"
+    timeout "$limit" ncu --clock-control none -k regex:MlaAttentionV3 -c 1 --set full --import-source no -o "$rep" \
+        python3 -m mla_eval_kernels.profile_dense "$@" > "$rep-run.log" 2>&1
+    echo "ncu $name rc=$?"; tail -2 "$rep-run.log"
+    ncu -i "$rep.ncu-rep" --page details > "$rep-details.txt" 2>&1
+    ncu -i "$rep.ncu-rep" --page source --csv --print-source sass > "$rep-sass.csv" 2>&1
+    grep -E "Duration|Issue Slots Busy|Eligible Warps|Executed Ipc A" "$rep-details.txt" | head -8
+}

@@ -73,18 +73,10 @@ pair)
 pairncu)
     # after `pair` passed: where the pair's time goes (the MEMBAR.ALL.GPU of each cluster-scope release, the remote
     # stores), beside the unpaired kernel; dense h=128, batch 32, 8K (shape (d)), one launch each
-    command -v ncu > /dev/null || { echo "no ncu on this machine"; continue; }
     for fmt in nvfp4 fp8_ds_mla; do
         for p in 0 1; do
             step "ncu --set full, v3 32-head tile $fmt (d) 8K, cta_pair=$p"
-            rep="$OUT/runs/ncu-v3t32-pair$p-$fmt-d8k"
-            timeout 200 ncu --clock-control none -k regex:MlaAttentionV3 -c 1 --set full --import-source no -o "$rep" \
-                python3 -m mla_eval_kernels.profile_dense --formats "$fmt" --heads 128 --context 8192 --cta-pair "$p" \
-                > "$rep-run.log" 2>&1
-            echo "ncu rc=$?"; tail -2 "$rep-run.log"
-            ncu -i "$rep.ncu-rep" --page details > "$rep-details.txt" 2>&1
-            ncu -i "$rep.ncu-rep" --page source --csv --print-source sass > "$rep-sass.csv" 2>&1
-            grep -E "Duration|Issue Slots Busy|Eligible Warps|Executed Ipc A" "$rep-details.txt" | head -8
+            gpu_ncu 200 "ncu-v3t32-pair$p-$fmt-d8k" --formats "$fmt" --heads 128 --context 8192 --cta-pair "$p"
         done
     done
     ;;
