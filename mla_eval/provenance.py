@@ -160,7 +160,7 @@ def gpus(devices=None) -> list[dict[str, Any]]:
     if not torch.cuda.is_available():
         return []
     try:
-        from mla_eval_kernels.device_limits import arch_name, smem_per_block  # noqa: PLC0415 - torch only
+        from mla_eval_kernels.plan.device_limits import arch_name, smem_per_block  # noqa: PLC0415 - torch only
     except ImportError:
         # A source checkout run as `python -m mla_eval` without installing has no `mla_eval_kernels`; the
         # evaluation itself falls back to the torch reference, and its result must not be lost at the last

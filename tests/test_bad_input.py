@@ -411,7 +411,7 @@ def test_unvalidated_kernel_generation_is_said_and_recorded(monkeypatch):
     import warnings
 
     from mla_eval.attention import dispatch
-    from mla_eval_kernels import attention_tuning
+    from mla_eval_kernels.plan import tuning as attention_tuning
 
     monkeypatch.setitem(attention_tuning.UNVALIDATED, "v3", "compiles but has not yet run its GPU tests")
     monkeypatch.setenv("MLA_EVAL_ATTENTION_KERNEL", "v3")

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from mla_eval.formats import decode, get_format
-from mla_eval_kernels import attention_tuning, e2m1_bits
-from mla_eval_kernels.record_plan import ORDER_8X4, plan_for
+from mla_eval_kernels.plan import e2m1_bits
+from mla_eval_kernels.plan import tuning as attention_tuning
+from mla_eval_kernels.plan.record_plan import ORDER_8X4, plan_for
 
 FOLD_FORMATS = ("nvfp4", "nvfp4_fp8rope", "nvfp4_fp8_ds_mla")
 

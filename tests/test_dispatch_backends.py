@@ -199,9 +199,9 @@ def test_cli_shows_a_library_warning_as_one_line(monkeypatch, capsys):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_device_shared_memory_keeps_hopper_tiles():
     """On the H200: the limits read from the device are Hopper's, so the tiles did not change."""
-    from mla_eval_kernels import device_limits
-    from mla_eval_kernels.mla_attention import tile_config
-    from mla_eval_kernels.record_plan import plan_for
+    from mla_eval_kernels.cute.mla_attention import tile_config
+    from mla_eval_kernels.plan import device_limits
+    from mla_eval_kernels.plan.record_plan import plan_for
 
     dev = torch.device("cuda", 0)
     if device_limits.arch_name(dev) != "sm_90":
@@ -217,7 +217,7 @@ def test_device_shared_memory_keeps_hopper_tiles():
 def test_sglang_fp4_e2m1_goes_to_the_kernels_without_a_fallback_warning(gpu, monkeypatch, no_env):
     """SGLang's KVFP4 record (ties-away E2M1, E8M0 ceiling scales) is in the kernels' scope: auto takes them for
     both the writer and the attention on sm_90, and no fallback is said or recorded."""
-    from mla_eval_kernels import record_plan
+    from mla_eval_kernels.plan import record_plan
 
     monkeypatch.setattr(dispatch, "_cutlass_importable", lambda: None)
     monkeypatch.delitem(record_plan.AWAITING_GPU_TESTS, "sglang_fp4_e2m1", raising=False)  # as once validated
@@ -235,7 +235,7 @@ def test_sglang_fp4_e2m1_goes_to_the_kernels_without_a_fallback_warning(gpu, mon
 def test_kernels_awaiting_their_gpu_tests_stay_on_the_reference_and_say_so(gpu, monkeypatch, no_env):
     """A format listed in AWAITING_GPU_TESTS compiles but is unchecked on a GPU: auto keeps it on the torch
     reference with a stated, recorded reason; forcing the kernels is a one-line error naming the reason."""
-    from mla_eval_kernels import record_plan
+    from mla_eval_kernels.plan import record_plan
 
     monkeypatch.setattr(dispatch, "_cutlass_importable", lambda: None)
     monkeypatch.setitem(record_plan.AWAITING_GPU_TESTS, "mxfp4", "its kernels have not passed their GPU tests")

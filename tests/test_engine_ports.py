@@ -600,7 +600,7 @@ def test_specs_name_the_engines_ported_here():
 def test_trtllm_residual_script_with_rcp_rn_reproduces_the_codec():
     """kernels/measure_trtllm_nvfp4_residual.py ports the writer with the GPU's rcp.approx; given rcp.rn in its
     place it must give the codec's bytes, so any mismatch it reports on the GPU is the instruction's alone."""
-    from mla_eval_kernels.measure_trtllm_nvfp4_residual import engine_records
+    from tools.measure.trtllm_nvfp4_residual import engine_records
 
     x = torch.cat([_inputs(k).bfloat16().float() for k in ("normal", "heavy_tailed", "tiny", "mixed")])
     x[0, 3] = 0.0

@@ -13,9 +13,10 @@ import torch
 
 from mla_eval.formats import get_format
 from mla_eval.formats.numerics import e2m1_decode
-from mla_eval_kernels import attention_tuning, e2m1_bits
-from mla_eval_kernels.launch_grid import MAX_GRID_X, MAX_GRID_YZ, attention_grid, cta_coords
-from mla_eval_kernels.record_plan import plan_for, record_chunk
+from mla_eval_kernels.plan import e2m1_bits
+from mla_eval_kernels.plan import tuning as attention_tuning
+from mla_eval_kernels.plan.launch_grid import MAX_GRID_X, MAX_GRID_YZ, attention_grid, cta_coords
+from mla_eval_kernels.plan.record_plan import plan_for, record_chunk
 
 
 # ---------------------------------------------------------------------------------- launch grid
@@ -135,7 +136,7 @@ def test_kernel_version_from_the_environment(monkeypatch):
 
 
 def test_prefetch_is_the_deepest_ring_that_fits_the_shared_memory():
-    from mla_eval_kernels.device_limits import HOPPER_SMEM_PER_BLOCK
+    from mla_eval_kernels.plan.device_limits import HOPPER_SMEM_PER_BLOCK
 
     for name in ("nvfp4", "fp8_ds_mla", "nvfp4_fp8_ds_mla", "mxfp4", "fp8_e4m3"):
         plan = plan_for(get_format(name))
@@ -176,7 +177,7 @@ def test_v2_at_h16_takes_the_narrow_tile_where_two_ctas_fit_an_sm(monkeypatch):
 
 
 def test_benchmark_probe_variants_are_named_once_and_v2_is_what_dispatch_runs():
-    from mla_eval_kernels.bench import probe_variants
+    from benchmarks.kernel_bench import probe_variants
 
     for name in ("bf16", "fp8_ds_mla", "nvfp4", "nvfp4_fp8rope_st"):
         plan = plan_for(get_format(name))
@@ -564,7 +565,7 @@ def test_v3_raw_ring_schedule(ring):
 def test_bench_shapes_include_the_dense_h128_decode(capsys):
     """Shape d (dense decode h = 128, issue 14's dense target) is one the bench knows; an unknown one is refused
     before any GPU work, naming the shapes it knows."""
-    from mla_eval_kernels import bench
+    from benchmarks import kernel_bench as bench
 
     assert bench.main(["--shapes", "d,e", "--formats", "nvfp4"]) == 2
     err = capsys.readouterr().err
@@ -576,7 +577,7 @@ def test_bench_shapes_include_the_dense_h128_decode(capsys):
 def test_bench_heads_of_the_multi_tile_shapes_are_checked_before_any_gpu_work(heads, capsys):
     """--heads sets shapes (a) and (d)'s head count (DeepSeek-V3 on 1 / 2 / 4 GPUs of TP: 128 / 64 / 32): a count
     that is not several 16-head tiles up to 128 is one line naming the range, exit 2, before CUDA is touched."""
-    from mla_eval_kernels import bench
+    from benchmarks import kernel_bench as bench
 
     assert bench.main(["--heads", heads, "--formats", "nvfp4"]) == 2
     err = capsys.readouterr().err
@@ -588,7 +589,7 @@ def test_bench_h128_rows_add_the_two_producer_32_head_tile_with_variants(monkeyp
     warpgroup count: v3-t32-p1 since two are the default (session 10); while `V3_TILE_32_TWO_PRODUCERS` is listed the
     default is one and the probe v3-t32-p2, marked held; the row of the tile dispatch would not pick carries the
     reason; formats v3 refuses get no v3 row."""
-    from mla_eval_kernels import bench
+    from benchmarks import kernel_bench as bench
 
     hold = attention_tuning.V3_TILE_32_TWO_PRODUCERS
     monkeypatch.setattr(attention_tuning, "V3_LAUNCHES_AWAITING_GPU_TESTS", {hold: "not yet GPU-tested"})
@@ -657,7 +658,7 @@ def test_the_cta_pair_splits_each_raw_unit_into_contiguous_halves_of_whole_8_row
 def test_profile_dense_refuses_a_cta_pair_without_pairs_of_32_head_tiles(capsys):
     """`profile_dense --cta-pair` (the device step `device_v3h.sh pairncu`) needs h % 64 == 0: a one-line usage error
     before any launch (no GPU needed)."""
-    from mla_eval_kernels import profile_dense
+    from benchmarks import profile_dense
 
     with pytest.raises(SystemExit) as exc:
         profile_dense.main(["--heads", "96", "--cta-pair", "1"])

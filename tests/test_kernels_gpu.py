@@ -27,8 +27,9 @@ from format_fixtures import ODD_GROUP  # noqa: E402
 
 from mla_eval.attention import reference  # noqa: E402
 from mla_eval.formats import all_formats, decode, encode, get_format  # noqa: E402
-from mla_eval_kernels import attention_tuning, compile_cache  # noqa: E402
-from mla_eval_kernels.record_plan import UnsupportedFormat, plan_for  # noqa: E402
+from mla_eval_kernels.cute import compile_cache  # noqa: E402
+from mla_eval_kernels.plan import tuning as attention_tuning  # noqa: E402
+from mla_eval_kernels.plan.record_plan import UnsupportedFormat, plan_for  # noqa: E402
 
 
 def needs_cuda(fn):
@@ -44,7 +45,7 @@ def kernels_under_test(monkeypatch):
     the 32-head tile), run their kernels here. Except the CTA pair (`V3_TILE_32_PAIR`): a cluster-protocol deadlock
     would hang every h % 64 == 0 test without a deadline, so its own tests ask for it explicitly and fail after a
     deadline (tests/test_kernels_v3_gpu.py); once they pass and its hold is deleted, every test here runs it."""
-    from mla_eval_kernels import record_plan
+    from mla_eval_kernels.plan import record_plan
 
     monkeypatch.setattr(record_plan, "AWAITING_GPU_TESTS", {})
     monkeypatch.setattr(attention_tuning, "V3_AWAITING_GPU_TESTS", {})
@@ -71,7 +72,7 @@ def test_swizzled_offset_matches_the_cute_layout():
     """The kernels address K/Q tiles by hand; the address must be the layout's (no GPU needed)."""
     import cutlass.cute as cute
 
-    from mla_eval_kernels.mla_attention import _swizzle_atom, swizzled_offset
+    from mla_eval_kernels.cute.mla_attention import _swizzle_atom, swizzled_offset
 
     got = {}
 
@@ -371,7 +372,7 @@ def _check(out, lse, ref_out, ref_lse, bound, label):
 
 
 def _run(spec, q, cache, scale, *, sink=None, outer_scale=None, num_splits=None, tile=None, tuning=None, **lists):
-    from mla_eval_kernels import mla_attention as kernel
+    from mla_eval_kernels.cute import mla_attention as kernel
 
     n, h = q.shape[:2]
     out = torch.full((n, h, 512), float("nan"), device="cuda")
@@ -476,7 +477,7 @@ def test_attention_all_invalid_with_and_without_sink():
 def test_scale_mode_or_s_l_change_never_reuses_a_kernel():
     """A kernel compiled for one scale setting must never serve another (the s_l = 1.0 bug)."""
     from mla_eval.attention import dispatch
-    from mla_eval_kernels import cache_writer
+    from mla_eval_kernels.cute import cache_writer
 
     gen = torch.Generator().manual_seed(7)
     lat, rope = _inputs("random", 64, gen)

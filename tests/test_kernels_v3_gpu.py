@@ -42,9 +42,10 @@ from test_kernels_gpu import (  # noqa: E402
 
 from mla_eval.attention import reference  # noqa: E402
 from mla_eval.formats import get_format  # noqa: E402
-from mla_eval_kernels import attention_tuning, compile_cache  # noqa: E402
-from mla_eval_kernels.device_limits import HOPPER_SMEM_PER_BLOCK  # noqa: E402
-from mla_eval_kernels.record_plan import plan_for  # noqa: E402
+from mla_eval_kernels.cute import compile_cache  # noqa: E402
+from mla_eval_kernels.plan import tuning as attention_tuning  # noqa: E402
+from mla_eval_kernels.plan.device_limits import HOPPER_SMEM_PER_BLOCK  # noqa: E402
+from mla_eval_kernels.plan.record_plan import plan_for  # noqa: E402
 
 # what v3 can run, including formats held on v2 by V3_AWAITING_GPU_TESTS (these tests are what clears them:
 # fixture `kernels_under_test`)
@@ -72,7 +73,7 @@ def test_v3_shared_layouts_are_the_hand_written_offsets():
     from cutlass import BFloat16
     from cutlass.cute.nvgpu import warpgroup
 
-    from mla_eval_kernels.mla_attention import swizzled_offset
+    from mla_eval_kernels.cute.mla_attention import swizzled_offset
 
     got = {}
     coords = [(0, 0, 0), (1, 8, 0), (9, 70, 0), (63, 575, 0), (5, 130, 1), (17, 300, 1), (23, 511, 1), (40, 200, 1), (62, 63, 1)]
@@ -142,7 +143,7 @@ def _v3(
     """One v3 launch into NaN-poisoned outputs. `deadline_s`: wait for it by polling an event, failing the test after
     that many seconds (a kernel whose barriers deadlock then fails, not hangs: no pytest-timeout in the test extras;
     the GPU context stays stuck, so the device script's step timeout ends the run after reporting it)."""
-    from mla_eval_kernels.mla_attention_v3 import mla_attention_v3
+    from mla_eval_kernels.cute.mla_attention_v3 import mla_attention_v3
 
     n, h = q.shape[:2]
     out = torch.full((n, h, 512), float("nan"), device="cuda")
@@ -277,7 +278,7 @@ def test_v3_part_tile_raw_rings(fmt):
 def test_v3_raw_ring_is_in_the_compile_key(monkeypatch):
     """No GPU needed: the raw ring (stages x keys per stage), the head tile and sparse lists are specialisations;
     the key says them."""
-    from mla_eval_kernels import mla_attention_v3
+    from mla_eval_kernels.cute import mla_attention_v3
 
     monkeypatch.setattr(mla_attention_v3, "arch_tag", lambda device: "sm_90")
     assert V3_PART_RING == ["fp8_ds_mla", "fp8_ds_mla_pow2", "fp8_e4m3"]
@@ -539,7 +540,7 @@ def test_v3_copies_cover_each_chunk_once_and_stores_are_conflict_free(fmt, pt):
     (key, chunk) of the 64-key tile once, nothing past a stage. Latent stores: per quarter warp (8 lanes x
     16 bytes, one key row) the 8 chunks land in 8 distinct 16-byte bank groups (without the half swap:
     4, 2 wavefronts)."""
-    from mla_eval_kernels.mla_attention import swizzled_offset
+    from mla_eval_kernels.cute.mla_attention import swizzled_offset
 
     plan = plan_for(get_format(fmt))
     rec = plan.record_bytes
@@ -595,8 +596,8 @@ def test_v3_timing_probes_compile(probe, fmt, tmp_path):
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     import cutlass.cute as cute
 
-    from mla_eval_kernels import compile_check
-    from mla_eval_kernels.mla_attention_v3 import MlaAttentionV3
+    from mla_eval_kernels.cute.mla_attention_v3 import MlaAttentionV3
+    from tools import compile_check
 
     a = compile_check.attention_args(16)
     plan = plan_for(get_format(fmt))
@@ -616,8 +617,8 @@ def test_compile_check_reads_registers_from_the_cubin_and_checks_the_ptx(tmp_pat
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     import cutlass.cute as cute
 
-    from mla_eval_kernels import compile_check
-    from mla_eval_kernels.mla_attention_v3 import MlaAttentionV3
+    from mla_eval_kernels.cute.mla_attention_v3 import MlaAttentionV3
+    from tools import compile_check
 
     a = compile_check.attention_args(16)
     plan = plan_for(get_format("nvfp4"))
@@ -657,8 +658,8 @@ def test_the_two_producer_32_head_tile_compiles_with_per_role_registers(sparse, 
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     import cutlass.cute as cute
 
-    from mla_eval_kernels import compile_check
-    from mla_eval_kernels.mla_attention_v3 import MlaAttentionV3
+    from mla_eval_kernels.cute.mla_attention_v3 import MlaAttentionV3
+    from tools import compile_check
 
     a = compile_check.attention_args(128)
     plan = plan_for(get_format("nvfp4"))
@@ -690,7 +691,7 @@ def test_sass_role_registers_reads_each_role_after_its_setmaxnreg():
     """No GPU needed: the per-role register count compile_check prints (with --cuobjdump) from a SASS listing in
     ptxas' layout (entry, the producers' DEALLOC, the consumer's ALLOC); RZ is not a register; a listing without that
     layout gives nothing rather than a wrong split."""
-    from mla_eval_kernels.compile_check import sass_role_registers
+    from tools.compile_check import sass_role_registers
 
     def line(addr, text):
         return f"        /*{addr:04x}*/                   {text} ;   /* 0x0000000000000000 */"
@@ -763,8 +764,9 @@ def test_v3_consumer_rev2_compiles_and_is_in_the_compile_key(launch, tmp_path, m
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     import cutlass.cute as cute
 
-    from mla_eval_kernels import compile_check, mla_attention_v3
-    from mla_eval_kernels.mla_attention_v3 import MlaAttentionV3
+    from mla_eval_kernels.cute import mla_attention_v3
+    from mla_eval_kernels.cute.mla_attention_v3 import MlaAttentionV3
+    from tools import compile_check
 
     fmt, lists, tile = launch.split()[:3]
     heads, sparse = int(tile.split("=")[1]), lists == "sparse"
@@ -802,7 +804,7 @@ def test_sass_consumer_tiles_counts_each_tile_and_the_skipped_rescale():
     ptxas' layout: the loop is the conditional backward branch around the HGMMA (not an out-of-line retry stub's
     unconditional one, nor the producer's loop without HGMMA), tiles end at the stage release (SYNCS.ARRIVE), the
     block a VOTE.ANY branch jumps over is counted apart, predicated instructions count."""
-    from mla_eval_kernels.compile_check import sass_consumer_tiles
+    from tools.compile_check import sass_consumer_tiles
 
     def line(addr, text):
         return f"        /*{addr:04x}*/                   {text} ;   /* 0x0000000000000000 */"
@@ -928,7 +930,7 @@ def test_v3_decode_rev2_store_addresses_are_the_swizzled_offsets(pt):
     are `swizzled_offset` of the key row and the lane's two 16-byte chunks (upper 8 values first where blk & 4), for
     every part key0 the rings give, item u, warp w = ptid // 32 and block; and its 4-byte loads are the words rev 1
     selected from its 8-byte load."""
-    from mla_eval_kernels.mla_attention import swizzled_offset
+    from mla_eval_kernels.cute.mla_attention import swizzled_offset
 
     bn, kpp = 64, pt // 32
     for nkeys in (64, 32, 16):
@@ -953,7 +955,7 @@ def test_v3_decode_rev2_store_addresses_are_the_swizzled_offsets(pt):
 
 def test_v3_decode_rev_is_in_the_compile_key(monkeypatch):
     """No GPU needed: the decode revision is a specialisation where the fold decode runs; elsewhere always 1."""
-    from mla_eval_kernels import mla_attention_v3
+    from mla_eval_kernels.cute import mla_attention_v3
 
     monkeypatch.setattr(mla_attention_v3, "arch_tag", lambda device: "sm_90")
     nvfp4 = plan_for(get_format("nvfp4"))
@@ -1028,7 +1030,7 @@ def _pair_tile_stores(plan, rank: int, pt: int = 256) -> list[tuple[int, int, in
     """A model of one pair CTA's producer per key tile (`load_raw` / `load_tile`, `decode_tile_v3` / `decode_tile`,
     the K base shifted by `v3_pair_keys`' first key): (K row, 16-byte column chunk, tile key of the raw record the
     row was decoded from) of every store; `store_k` / `forward_tile` send each to both CTAs at the same offset."""
-    from mla_eval_kernels.mla_attention import swizzled_offset
+    from mla_eval_kernels.cute.mla_attention import swizzled_offset
 
     bn, rec = 64, plan.record_bytes
     chunks = rec // 16
@@ -1091,8 +1093,8 @@ def test_the_cta_pair_compiles_with_its_cluster_protocol(fmt, sparse, tmp_path):
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     import cutlass.cute as cute
 
-    from mla_eval_kernels import compile_check
-    from mla_eval_kernels.mla_attention_v3 import MlaAttentionV3
+    from mla_eval_kernels.cute.mla_attention_v3 import MlaAttentionV3
+    from tools import compile_check
 
     a = compile_check.attention_args(128)
     plan = plan_for(get_format(fmt))
@@ -1127,8 +1129,8 @@ def test_the_unpaired_kernel_fails_the_pair_checks(tmp_path):
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     import cutlass.cute as cute
 
-    from mla_eval_kernels import compile_check
-    from mla_eval_kernels.mla_attention_v3 import MlaAttentionV3
+    from mla_eval_kernels.cute.mla_attention_v3 import MlaAttentionV3
+    from tools import compile_check
 
     plan = plan_for(get_format("nvfp4"))
     kern = MlaAttentionV3(plan, True, True, False, producer_wgs=2, heads=32)
@@ -1144,7 +1146,7 @@ def test_the_unpaired_kernel_fails_the_pair_checks(tmp_path):
 
 def test_v3_cta_pair_is_in_the_compile_key(monkeypatch):
     """No GPU needed: the pair is another kernel (a cluster launch): the key names it; the default key names none."""
-    from mla_eval_kernels import mla_attention_v3
+    from mla_eval_kernels.cute import mla_attention_v3
 
     monkeypatch.setattr(mla_attention_v3, "arch_tag", lambda device: "sm_90")
     nvfp4 = plan_for(get_format("nvfp4"))

@@ -191,7 +191,7 @@ def test_library_default_is_auto_and_quiet():
 
 def test_forward_bench_times_both_kld_paths_beside_stock(tmp_path):
     """The benchmark's structure on CPU (the figures that matter come from the H200)."""
-    from mla_eval.evals import forward_bench
+    from benchmarks import forward_bench
 
     out = tmp_path / "bench.json"
     args = ["--device", "cpu", "--parts", "kld", "--ctx", "32", "--kld-batch", "1", "--repeats", "1", "--formats", "nvfp4"]
@@ -210,7 +210,7 @@ def test_forward_bench_times_both_kld_paths_beside_stock(tmp_path):
 def test_forward_bench_profiles_the_kld_window(tmp_path):
     """--profile-kld writes one profiler table per forward: stock, then the first format through each path asked
     for, and the mha table shows the mha path's SDPA (the absorbed path runs no SDPA over the cache)."""
-    from mla_eval.evals import forward_bench
+    from benchmarks import forward_bench
 
     prof = tmp_path / "kld-profile.txt"
     args = ["--device", "cpu", "--parts", "kld", "--ctx", "32", "--kld-batch", "1", "--repeats", "1",

@@ -29,9 +29,18 @@ def test_transformers_does_not_mistake_our_folder_for_hf_kernels():
 
 
 def test_kernel_package_importable_under_its_own_name():
+    """A regular package whose folder has its import name (kernels/mla_eval_kernels), so import-graph tools map it."""
     import mla_eval_kernels
 
-    assert any(Path(p).resolve() == (ROOT / "kernels").resolve() for p in mla_eval_kernels.__path__)
+    assert Path(mla_eval_kernels.__file__).resolve() == (ROOT / "kernels" / "mla_eval_kernels" / "__init__.py").resolve()
+
+
+def test_training_and_benchmarks_are_not_installed():
+    """The default model's training, the benchmarks and the tools run from a checkout; the wheel holds the runtime."""
+    import tomllib
+
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    assert not [p for p in packages if p.split(".")[0] in ("tools", "benchmarks") or p.endswith(".train")]
 
 
 def test_version_flag():

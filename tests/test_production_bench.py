@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from mla_eval.evals import production_bench as pb
+from benchmarks import production_bench as pb
 
 
 def test_window_count():

@@ -266,7 +266,7 @@ def test_gpus_are_described_without_the_kernels_package(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: f"Fake GPU {i}")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: (9, 0))
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
-    monkeypatch.setitem(sys.modules, "mla_eval_kernels.device_limits", None)  # import -> ImportError
+    monkeypatch.setitem(sys.modules, "mla_eval_kernels.plan.device_limits", None)  # import -> ImportError
     assert provenance.gpus(["cuda:1"]) == [
         {"device": "cuda:1", "name": "Fake GPU 1", "capability": "sm_90", "shared_memory_per_block_optin": 232448}
     ]

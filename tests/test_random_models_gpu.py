@@ -10,8 +10,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 def test_random_glm52_builds_on_the_gpu_and_selects_sparsely_through_the_kernels():
     pytest.importorskip("cutlass")
+    from benchmarks.production_bench import _logp
     from mla_eval.attention import dispatch
-    from mla_eval.evals.production_bench import _logp
     from mla_eval.model.loader import load_model
 
     torch.cuda.reset_peak_memory_stats()

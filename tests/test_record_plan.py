@@ -8,7 +8,7 @@ from format_fixtures import ODD_GROUP
 
 from mla_eval.formats import Field, ScaleRule, VectorCoding, all_formats
 from mla_eval.formats import spec as spec_mod
-from mla_eval_kernels import record_plan as rp
+from mla_eval_kernels.plan import record_plan as rp
 
 
 def _check_coding(plan: rp.CodingPlan, coding: VectorCoding) -> None:

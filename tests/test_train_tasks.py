@@ -12,8 +12,8 @@ pytest.importorskip("tokenizers")
 
 from mla_eval.evals import needle_tasks  # noqa: E402
 from mla_eval.model_home import default_model_path  # noqa: E402
-from mla_eval.train.data import NeedleMaker  # noqa: E402
-from mla_eval.train.recipe import load_recipe  # noqa: E402
+from tools.train.data import NeedleMaker  # noqa: E402
+from tools.train.recipe import load_recipe  # noqa: E402
 
 TOK = default_model_path() / "tokenizer.json"
 TEXT = " ".join(f"Sentence number {i} tells of the {w} near the river." for i, w in enumerate(["hill", "town", "lake"] * 400))

@@ -8,7 +8,7 @@ reference (same signatures; the writer's bytes are identical, attention agrees w
 
 Slot lists and the math are documented in `mla_eval.attention.reference`. `backend` picks the path:
 "auto" (kernel for CUDA tensors when `nvidia-cutlass-dsl` is installed, the GPU's architecture is
-one the kernels were compiled and tested for (`mla_eval_kernels.device_limits.TESTED_ARCHS`) and
+one the kernels were compiled and tested for (`mla_eval_kernels.plan.device_limits.TESTED_ARCHS`) and
 the format is within the kernels' scope, else reference), "kernel" (UserError naming why, if the
 kernel cannot run) or "reference".
 A call's "auto" defers to the enclosing `with use_backend(name) as log:` scope (the library's
@@ -149,7 +149,7 @@ def _cutlass_importable() -> str | None:
     try:
         import cutlass  # noqa: F401, PLC0415 - GPU-only dependency, imported on first use
 
-        import mla_eval_kernels.cache_writer  # noqa: F401, PLC0415
+        import mla_eval_kernels.cute.cache_writer  # noqa: F401, PLC0415
     except ImportError as exc:
         return f"CuTe DSL kernels unavailable ({exc}); install nvidia-cutlass-dsl"
     return None
@@ -162,7 +162,7 @@ def _device_reason(device: torch.device) -> str | None:
     why = _kernels_package_reason()
     if why is not None:
         return why
-    from mla_eval_kernels.device_limits import untested_arch_reason  # noqa: PLC0415 - torch only
+    from mla_eval_kernels.plan.device_limits import untested_arch_reason  # noqa: PLC0415 - torch only
 
     return untested_arch_reason(device) or _cutlass_importable()
 
@@ -184,7 +184,7 @@ def kernel_status(spec, device: torch.device | str) -> tuple[bool, str]:
     device = torch.device(device)
     if device.type != "cuda" or _kernels_package_reason() is not None:
         return False, _device_reason(device)
-    from mla_eval_kernels.record_plan import AWAITING_GPU_TESTS, UnsupportedFormat, plan_for  # noqa: PLC0415
+    from mla_eval_kernels.plan.record_plan import AWAITING_GPU_TESTS, UnsupportedFormat, plan_for  # noqa: PLC0415
 
     spec = get_format(spec)
     name = spec.name
@@ -205,11 +205,11 @@ def _kernel_error(source: str, why: str) -> UserError:
 
 def kernel_generation() -> str | None:
     """The CuTe attention kernel generation MLA_EVAL_ATTENTION_KERNEL forces, "default" when it is unset
-    (`attention_tuning.generation_for` picks per launch), or None where the kernels package is missing;
+    (`tuning.generation_for` picks per launch), or None where the kernels package is missing;
     a value that names no generation is a one-line UserError."""
     if _kernels_package_reason() is not None:
         return None
-    from mla_eval_kernels.attention_tuning import ENV, VERSIONS, forced_generation  # noqa: PLC0415 - pure Python
+    from mla_eval_kernels.plan.tuning import ENV, VERSIONS, forced_generation  # noqa: PLC0415 - pure Python
 
     try:
         return forced_generation() or "default"
@@ -226,7 +226,7 @@ def preflight(backend: str | None, devices: Iterable[torch.device | str]) -> str
     said in a warning line (results record the generation: environment.attention.kernel_version)."""
     generation = kernel_generation()
     if generation is not None:
-        from mla_eval_kernels.attention_tuning import ENV, UNVALIDATED  # noqa: PLC0415 - pure Python
+        from mla_eval_kernels.plan.tuning import ENV, UNVALIDATED  # noqa: PLC0415 - pure Python
 
         # unset, the default may pick v2 or v3 per launch: either one unvalidated is worth the warning
         for gen in ("v2", "v3") if generation == "default" else (generation,):
@@ -319,8 +319,8 @@ def write_cache(
     if check_finite and not bool(torch.isfinite(latent).all() & torch.isfinite(rope).all()):
         require_finite(latent.float(), "latent", layer)
         require_finite(rope.float(), "rope", layer)
-    from mla_eval_kernels import cache_writer  # noqa: PLC0415 - CUDA-only import
-    from mla_eval_kernels.record_plan import plan_for  # noqa: PLC0415
+    from mla_eval_kernels.cute import cache_writer  # noqa: PLC0415 - CUDA-only import
+    from mla_eval_kernels.plan.record_plan import plan_for  # noqa: PLC0415
 
     rope = rope.to(latent.dtype)
     cache_writer.write_cache(
@@ -353,7 +353,7 @@ def mla_attention(
     """out [N, H, 512] float32 and lse [N, H] float32; dense (block_table + seq_lens) or sparse (indices).
 
     `queries_per_seq`: how many of the N queries read each sequence's keys (1: a decode step; T: the
-    prefill-as-decode path); it picks the kernel generation (`attention_tuning.generation_for`).
+    prefill-as-decode path); it picks the kernel generation (`tuning.generation_for`).
     `max_seq_len` (dense) spares the kernel path a device sync to find the longest list;
     `num_splits` overrides the split-KV heuristic (kernel path only). `math` is the attention math
     (`mla_eval.attention.semantics.MATHS`): fp8 Q is quantised here, once, for both paths -- the
@@ -376,10 +376,10 @@ def mla_attention(
             spec, q, cache, softmax_scale=softmax_scale, block_table=block_table, seq_lens=seq_lens,
             indices=indices, sink=sink, outer_scale=outer_scale, p_fp8=math.p_fp8,
         )
-    from mla_eval_kernels import mla_attention as kernel  # noqa: PLC0415 - CUDA-only import
-    from mla_eval_kernels.attention_tuning import generation_for  # noqa: PLC0415
-    from mla_eval_kernels.device_limits import smem_per_block  # noqa: PLC0415
-    from mla_eval_kernels.record_plan import plan_for  # noqa: PLC0415
+    from mla_eval_kernels.cute import mla_attention as kernel  # noqa: PLC0415 - CUDA-only import
+    from mla_eval_kernels.plan.device_limits import smem_per_block  # noqa: PLC0415
+    from mla_eval_kernels.plan.record_plan import plan_for  # noqa: PLC0415
+    from mla_eval_kernels.plan.tuning import generation_for  # noqa: PLC0415
 
     s_l = _outer_scale_value(spec, outer_scale)
     dev = cache.device

@@ -2,7 +2,7 @@
 
 Tasks (the task family of RULER, NVIDIA/RULER `scripts/data/synthetic/niah.py` and
 `variable_tracking.py`: facts only, our own phrasing, which follows what the default model was
-trained on, see mla_eval/train/data.py):
+trained on, see tools/train/data.py):
 - passkey:    a pass key in a noise haystack of repeated filler sentences (data-free default)
 - single:     one "special magic" value in a text haystack (--haystack FILE|DIR)
 - multikey:   N key-value needles (default 4); the question asks for one key, the other N-1 are
@@ -60,7 +60,7 @@ def vt_name(r: random.Random) -> str:
 
 
 # The sentence templates of the tasks, defined once: the prompts here and the default model's training
-# documents (mla_eval/train/data.py NeedleMaker.task_plan) both read them.
+# documents (tools/train/data.py NeedleMaker.task_plan) both read them.
 def magic_sentence(kind: str, key: str, value: str) -> str:
     return f" The special magic {kind} for {key} is: {value}."
 

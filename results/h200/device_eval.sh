@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The H200 evaluation of the kld and needle issues in one device call (after the five calls that
-# copy the CuTe DSL wheel parts, see kernels/device_check.sh):
+# copy the CuTe DSL wheel parts, see tools/device/device_check.sh):
 #   bash results/h200/device_eval.sh [tests] [bench] [recipe]
 #     (always) install CuTe DSL + the jsonschema wheels carried in .devwheels/js
 #     tests    the GPU tests (tests/test_kernels_gpu.py, tests/test_decode_steps_gpu.py; KEXPR=expr selects)
-#     bench    python -m mla_eval.evals.forward_bench: kld window and 64K needle cell vs stock SDPA
+#     bench    python -m benchmarks.forward_bench: kld window and 64K needle cell vs stock SDPA
 #              (BENCH_ARGS are added to its command line)
 #     recipe   mla-eval run recipes/h200-full.toml + mla-eval report, packed as one .tgz
 #              (a call returns at most 8 files)
@@ -16,11 +16,11 @@ for what in "${@:-bench}"; do
 case "$what" in
 tests)
     step "kernel GPU tests"
-    bash kernels/device_check.sh tests "${KEXPR:-}" > "$OUT/kernel_tests.log" 2>&1; echo "kernel tests rc=$?"; tail -4 "$OUT/kernel_tests.log"
+    bash tools/device/device_check.sh tests "${KEXPR:-}" > "$OUT/kernel_tests.log" 2>&1; echo "kernel tests rc=$?"; tail -4 "$OUT/kernel_tests.log"
     ;;
 bench)
     step "forward benchmark (kld window and 64K needle cell vs stock SDPA)"
-    timeout ${BENCH_TIMEOUT:-200} python3 -m mla_eval.evals.forward_bench --out "$OUT/forward-bench-h200.json" --profile "$OUT/profile-needle-64k.txt" ${BENCH_ARGS:-}
+    timeout ${BENCH_TIMEOUT:-200} python3 -m benchmarks.forward_bench --out "$OUT/forward-bench-h200.json" --profile "$OUT/profile-needle-64k.txt" ${BENCH_ARGS:-}
     ;;
 recipe)
     step "mla-eval run recipes/h200-full.toml"

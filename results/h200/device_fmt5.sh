@@ -18,7 +18,7 @@ for what in $w; do
 case "$what" in
 residual)
     step "measure_trtllm_nvfp4_residual"
-    timeout 150 python3 -m mla_eval_kernels.measure_trtllm_nvfp4_residual --out "$OUT/runs/trtllm_nvfp4_residual.json" 2>&1 | tail -30
+    timeout 150 python3 -m tools.measure.trtllm_nvfp4_residual --out "$OUT/runs/trtllm_nvfp4_residual.json" 2>&1 | tail -30
     echo "exit $?"
     ;;
 tests)

@@ -19,7 +19,7 @@ for w in "${steps[@]}"; do
 case "$w" in
 tests)
     step "v3 compile on the device (registers, stack, PTX checks)"
-    timeout 60 python3 -m mla_eval_kernels.compile_check --versions v3 --formats bf16,nvfp4 --heads 16 2>&1 \
+    timeout 60 python3 -m tools.compile_check --versions v3 --formats bf16,nvfp4 --heads 16 2>&1 \
         | grep -E "v3|FAILED" > "$OUT/compile-v3.log"; grep -c " ok " "$OUT/compile-v3.log"; grep FAILED "$OUT/compile-v3.log" | head
     step "v3 GPU tests + the v3 cases of the existing kernel tests (MLA_EVAL_ATTENTION_KERNEL=v3)"
     timeout 200 python3 -m pytest tests/test_kernels_v3_gpu.py tests/test_kernels_gpu.py -k "v3" -q -n 8 \
@@ -28,7 +28,7 @@ tests)
     ;;
 bench)
     step "bench (b): v2 (default) and v3 side by side"
-    timeout 120 python3 -m mla_eval_kernels.bench --shapes b --formats bf16,nvfp4,fp8_ds_mla ${VARIANTS:+--variants} \
+    timeout 120 python3 -m benchmarks.kernel_bench --shapes b --formats bf16,nvfp4,fp8_ds_mla ${VARIANTS:+--variants} \
         --out "$OUT/bench" > "$OUT/bench-v3.log" 2>&1
     echo "bench rc=$?"; grep -E "^GPU|b_dense|saved|Error|error" "$OUT/bench-v3.log" | tail -30
     ;;
@@ -38,7 +38,7 @@ profile)
             step "ncu v3 (b) 64K $f"
             MLA_EVAL_ATTENTION_KERNEL=v3 timeout 240 ncu --clock-control none -k regex:MlaAttentionV3 -c 1 \
                 --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
-                --section LaunchStats python3 -m mla_eval_kernels.profile_dense --formats "$f" > "$OUT/ncu-v3-$f.txt" 2>&1
+                --section LaunchStats python3 -m benchmarks.profile_dense --formats "$f" > "$OUT/ncu-v3-$f.txt" 2>&1
             echo "ncu rc=$?"; grep -E "Duration|DRAM Throughput|Registers Per|Achieved Occupancy|Compute \(SM\)" "$OUT/ncu-v3-$f.txt" | head
         done
     else

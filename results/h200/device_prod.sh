@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The H200 run of the production-path work (issue 12) and the engine-exact formats (issue 15), one
-# device call after the CuTe DSL wheel halves were copied (see kernels/device_check.sh):
+# device call after the CuTe DSL wheel halves were copied (see tools/device/device_check.sh):
 #   bash results/h200/device_prod.sh [tests] [prodbench] [presets] [formats]
 #     tests      GPU tests (kernels incl. new formats, decode steps, backends, random preset models)
-#     prodbench  python -m mla_eval.evals.production_bench: cost per layer and format at every preset
+#     prodbench  python -m benchmarks.production_bench: cost per layer and format at every preset
 #                geometry, kernel-vs-reference KLD, projection of full-depth runs
 #     presets    mla-eval kld on every preset geometry (random:<preset>:layers=3), --backend kernel and
 #                --backend reference, wikitext-2 test windows of 4096 (> index_topk 2048)
@@ -18,13 +18,13 @@ for what in "${@:-tests}"; do
 case "$what" in
 tests)
     step "GPU tests"
-    bash kernels/device_check.sh tests "${KEXPR:-}" > "$OUT/runs/gpu_tests.log" 2>&1; echo "GPU tests rc=$?"
+    bash tools/device/device_check.sh tests "${KEXPR:-}" > "$OUT/runs/gpu_tests.log" 2>&1; echo "GPU tests rc=$?"
     cp "$OUT/pytest.log" "$OUT/runs/pytest-gpu.log" 2>/dev/null; rm -f "$OUT/pytest.log"
     grep -E "passed|failed" "$OUT/runs/gpu_tests.log" | tail -3
     ;;
 prodbench)
     step "production bench"
-    timeout ${PRODBENCH_TIMEOUT:-300} python3 -m mla_eval.evals.production_bench --out "$OUT/runs/production-bench.json" \
+    timeout ${PRODBENCH_TIMEOUT:-300} python3 -m benchmarks.production_bench --out "$OUT/runs/production-bench.json" \
         ${PRODBENCH_ARGS:-} 2>&1 | tail -40
     echo "production bench exit $?"
     ;;

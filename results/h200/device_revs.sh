@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU validation and timing of session 10's two held instruction cuts in v3 (issue 14; kernels/NOTES.md, session 10):
+# GPU validation and timing of session 10's two held instruction cuts in v3 (issue 14; docs/kernels.md, session 10):
 # consumer rev 2 (`attention_tuning.V3_CONSUMER_REV` = 1 holds it: the tile loop unrolled by the K ring's stages, the
 # lazy O^T rescale, the 16-byte max / sum exchange) and the E2M1 decode rev 2 (`V3_DECODE_REV` = 1 holds it: fewer
 # producer instructions per bf16x2 pair; nvfp4, nvfp4_fp8rope, nvfp4_fp8_ds_mla). Both write the same output bits.
@@ -13,7 +13,7 @@
 #   ncu    `ncu --set full` of one nvfp4 launch at (b) 64K per consumer revision: details and SASS source pages
 #   bench32  (a) sparse top-2048 h=128 batch 64 / 128 and (d) dense h=128 8K / 32K, --variants, nvfp4 / bf16 / fp8_ds_mla:
 #          rows v3-t32 (two producer warpgroups, `setmaxnreg`, rev 1) beside v3-t32-c2 (rev 2's unrolled loop there since
-#          session 11, kernels/NOTES.md) and v3-t32-p1; kern covers it (test_v3_consumer_rev2_unrolled_at_the_two_...)
+#          session 11, docs/kernels.md) and v3-t32-p1; kern covers it (test_v3_consumer_rev2_unrolled_at_the_two_...)
 # Flip a default (V3_CONSUMER_REV / V3_DECODE_REV = 2) only where its tests pass and its rows are faster at every (b)
 # context; commit with the logs and the bench JSON.
 . "$(dirname "$0")/device_setup.sh"  # log, step timer, CuTe DSL + jsonschema

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The H200 run of issue 16 (attention semantics and math), one device call after the CuTe DSL wheel
-# halves were copied (see kernels/device_check.sh):
+# halves were copied (see tools/device/device_check.sh):
 #   bash results/h200/device_semantics.sh [tests] [default] [prod] [qp]
 #     tests    GPU tests of fp8-q math and the engine chunk attention, kernel vs reference
 #              (tests/test_semantics_gpu.py) and the CPU semantics tests on this machine

@@ -20,7 +20,7 @@ ncu)
     step "ncu --set full, v3 nvfp4 (b) 64K"
     rep="$OUT/runs/ncu-v3-nvfp4-b64k"
     timeout 300 ncu --clock-control none -k regex:MlaAttentionV3 -c 1 --set full --import-source no -o "$rep" \
-        python3 -m mla_eval_kernels.profile_dense --formats nvfp4 > "$OUT/runs/ncu-run.log" 2>&1
+        python3 -m benchmarks.profile_dense --formats nvfp4 > "$OUT/runs/ncu-run.log" 2>&1
     echo "ncu rc=$?"; tail -3 "$OUT/runs/ncu-run.log"
     ncu -i "$rep.ncu-rep" --page details > "$rep-details.txt" 2>&1
     grep -E "Duration|DRAM Throughput|Registers Per|Achieved Occupancy|Compute \(SM\)|Issue Slots|Stall" "$rep-details.txt" | head -20

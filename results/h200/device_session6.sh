@@ -24,7 +24,7 @@ kern)
     ;;
 bench)
     step "bench (b) with variants: $KFORMATS"
-    timeout 220 python3 -m mla_eval_kernels.bench --shapes b --formats "$KFORMATS" --variants --out "$OUT/runs/bench" \
+    timeout 220 python3 -m benchmarks.kernel_bench --shapes b --formats "$KFORMATS" --variants --out "$OUT/runs/bench" \
         > "$OUT/runs/bench.log" 2>&1
     echo "bench rc=$?"; grep -E "^GPU|b_dense|saved|Error|error" "$OUT/runs/bench.log" | tail -60
     ;;

@@ -30,7 +30,7 @@ model)
     step "kld mha window path vs the absorbed kernel path (GPU test)"
     gpu_pytest 200 mha-window tests/test_semantics_gpu.py -k mha_window
     step "forward_bench --parts kld"
-    timeout 200 python3 -m mla_eval.evals.forward_bench --parts kld --out "$OUT/runs/forward-bench-kld.json" 2>&1 | tail -25
+    timeout 200 python3 -m benchmarks.forward_bench --parts kld --out "$OUT/runs/forward-bench-kld.json" 2>&1 | tail -25
     step "decode steps under v3 forced (CUDA graphs; the pending default would run v2)"
     MLA_EVAL_ATTENTION_KERNEL=v3 gpu_pytest 200 decode-steps tests/test_decode_steps_gpu.py
     ;;

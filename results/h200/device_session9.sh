@@ -26,11 +26,11 @@ bench)
     ;;
 fwd)
     step "forward_bench --parts kld, random:deepseek-v3, 8 x 2048 tokens"
-    timeout 300 python3 -m mla_eval.evals.forward_bench --parts kld --model random:deepseek-v3 \
+    timeout 300 python3 -m benchmarks.forward_bench --parts kld --model random:deepseek-v3 \
         --formats nvfp4,fp8_ds_mla,bf16 --out "$OUT/runs/forward-bench-kld-dsv3.json" \
         --profile-kld "$OUT/runs/profile-kld-dsv3.txt" 2>&1 | grep -v USDT | tail -12
     step "forward_bench --parts kld, embedded model, profile"
-    timeout 150 python3 -m mla_eval.evals.forward_bench --parts kld --formats nvfp4 \
+    timeout 150 python3 -m benchmarks.forward_bench --parts kld --formats nvfp4 \
         --out "$OUT/runs/forward-bench-kld-default.json" --profile-kld "$OUT/runs/profile-kld-default.txt" 2>&1 \
         | grep -v USDT | tail -6
     ;;

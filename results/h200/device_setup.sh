@@ -12,7 +12,7 @@ trap pack_runs EXIT
 # session 8, which would silently take the mha path under --no-layer-stats.
 export PYTHONUNBUFFERED=1
 step "install"
-bash kernels/device_check.sh install > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 3; }
+bash tools/device/device_check.sh install > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 3; }
 tail -2 "$OUT/install.log"
 export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
 if [ -d .devwheels/js ] && ! python3 -c 'import jsonschema' 2>/dev/null; then
@@ -30,16 +30,16 @@ gpu_pytest() {
     grep -E "FAILED|ERROR|passed|failed" "$OUT/runs/pytest-$name.log" | grep -v "^E " | tail -30
     return $rc
 }
-# gpu_bench TIMEOUT NAME ARGS...: python -m mla_eval_kernels.bench ARGS --out $OUT/runs/NAME into $OUT/runs/NAME.log,
+# gpu_bench TIMEOUT NAME ARGS...: python -m benchmarks.kernel_bench ARGS --out $OUT/runs/NAME into $OUT/runs/NAME.log,
 # then its exit status and the rows and summary lines
 gpu_bench() {
     local limit=$1 name=$2; shift 2
     mkdir -p "$OUT/runs"
-    timeout "$limit" python3 -m mla_eval_kernels.bench "$@" --out "$OUT/runs/$name" > "$OUT/runs/$name.log" 2>&1
+    timeout "$limit" python3 -m benchmarks.kernel_bench "$@" --out "$OUT/runs/$name" > "$OUT/runs/$name.log" 2>&1
     echo "bench $name rc=$? (124 = timeout)"
     grep -E "^GPU|dense|sparse|prefill|saved|Error|error" "$OUT/runs/$name.log" | tail -80
 }
-# gpu_ncu TIMEOUT NAME ARGS...: `ncu --set full` of one v3 launch of `python -m mla_eval_kernels.profile_dense ARGS` into
+# gpu_ncu TIMEOUT NAME ARGS...: `ncu --set full` of one v3 launch of `python -m benchmarks.profile_dense ARGS` into
 # $OUT/runs/NAME.ncu-rep, then its details page and SASS source page (CSV) beside it and the headline metrics
 gpu_ncu() {
     local limit=$1 name=$2; shift 2
@@ -47,7 +47,7 @@ gpu_ncu() {
     mkdir -p "$OUT/runs"
     local rep="$OUT/runs/$name"
     timeout "$limit" ncu --clock-control none -k regex:MlaAttentionV3 -c 1 --set full --import-source no -o "$rep" \
-        python3 -m mla_eval_kernels.profile_dense "$@" > "$rep-run.log" 2>&1
+        python3 -m benchmarks.profile_dense "$@" > "$rep-run.log" 2>&1
     echo "ncu $name rc=$?"; tail -2 "$rep-run.log"
     ncu -i "$rep.ncu-rep" --page details > "$rep-details.txt" 2>&1
     ncu -i "$rep.ncu-rep" --page source --csv --print-source sass > "$rep-sass.csv" 2>&1

@@ -7,7 +7,7 @@
 #   call 2, model carried, carry [".train_data/eval", ".devwheels/js"] (eval_docs.txt.xz, words.json,
 #   wiki.test.raw; the jsonschema wheels for `check`):
 #       TRAIN_S=480 bash results/h200/device_train_tasks.sh train check
-#     train: `python -m mla_eval.train train` from mla_eval/default_model (or, machine still warm, from the
+#     train: `python -m tools.train train` from mla_eval/default_model (or, machine still warm, from the
 #            full checkpoint of the previous call: phases longer than one call resume there; fresh AdamW, 30-step
 #            re-warm-up, the recipe's phases from the first); the bf16 export comes back as
 #            model.safetensors.partNN + meta.tar (config, trainer state), the log as train_log.jsonl
@@ -15,7 +15,7 @@
 #            needle grid of the RULER-style tasks at 4K/16K/64K (`mla-eval needle --formats bf16`,
 #            3 depths x 4 trials: a first read of whether the curriculum worked, not the committed grid)
 # .train_data/a and .train_data/eval: see results/default_model/COMMANDS.md (hard links into
-# .train_data/text made by `python -m mla_eval.train prepare`).
+# .train_data/text made by `python -m tools.train prepare`).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 exec > >(tee -a "$OUT/log") 2>&1
@@ -35,14 +35,14 @@ tok)
     mkdir -p "$W/shards" && cp ${SHARDS:-.train_data/a}/train_*.txt.xz "$W/shards/" && ls "$W/shards"
     python3 -c "
 from pathlib import Path
-from mla_eval.train.trainer import TokenStore
+from tools.train.trainer import TokenStore
 TokenStore(['$W/shards'], Path('mla_eval/default_model/tokenizer.json'), Path('$W/tok'))" 2>&1 | tail -8
     ;;
 train)
     step "train: $RECIPE from $INIT, budget ${TRAIN_S:-480} s"
     [ -d "$W/tok" ] || { echo "no tokenised shards in $W/tok: run the 'tok' call first (machine went cold?)"; exit 3; }
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
-    python3 -m mla_eval.train train --recipe "$RECIPE" --data "$W/shards" .train_data/eval --words .train_data/eval/words.json \
+    python3 -m tools.train train --recipe "$RECIPE" --data "$W/shards" .train_data/eval --words .train_data/eval/words.json \
         --work "$W" --init "$INIT" --init-state "$INIT_STATE" --restart-curriculum \
         --budget-s "${TRAIN_S:-480}" --export "$E" --log "$OUT/train_log.jsonl" 2>&1 | grep -v "Writing model shards"
     echo "train rc=$?"
@@ -59,7 +59,7 @@ check)
         export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
     fi
     step "check: wikitext-2 perplexity + pass key 4K/64K (recipe evaluator)"
-    timeout 120 python3 -m mla_eval.train eval --model "$E" --wikitext .train_data/eval/wiki.test.raw \
+    timeout 120 python3 -m tools.train eval --model "$E" --wikitext .train_data/eval/wiki.test.raw \
         --haystack-docs .train_data/eval/eval_docs.txt.xz --words .train_data/eval/words.json --lengths 4096,65536 \
         --beyond "" --depths 3 --trials 2 --out "$OUT/quality_bf16_tasks.json" 2>&1 | grep -v "Loading weights" | tail -6
     step "check: bf16 needle tasks 4K/16K/64K (3 depths x 4 trials)"

@@ -1,7 +1,7 @@
 """Build the long-document text of the long-context KLD runs (issue 17), never committed.
 
 The default model's own held-out Wikipedia articles: the 400 articles that
-`mla_eval.train.data.prepare_text` sets aside (recipe seed 1234, eval_docs 400: the same shuffle of
+`tools.train.data.prepare_text` sets aside (recipe seed 1234, eval_docs 400: the same shuffle of
 the same archives, so the model never trained on them), concatenated in that held-out order with a
 blank line between articles until the output holds `--tokens` tokens. A window of 64K therefore spans
 many articles: depth is distance in tokens, not within one article.
@@ -18,7 +18,7 @@ import argparse
 import random
 from pathlib import Path
 
-from mla_eval.train.data import HELD_OUT_TITLES, read_archive
+from tools.train.data import HELD_OUT_TITLES, read_archive
 
 SEED, EVAL_DOCS = 1234, 400  # recipes/train-default-model.toml [text]
 

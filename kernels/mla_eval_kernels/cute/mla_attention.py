@@ -1,0 +1,860 @@
+"""MLA attention over the paged quantised cache (absorbed form), every format, dense or sparse.
+
+Problem, per query n (`q [N, H, 576]` bf16 = latent-space q_nope 512 + q_pe 64): the keys are the
+decoded cache records K_j [576] of its slot list, the values their first 512 dims (the latent):
+    s_hj = softmax_scale * q_h . K_j,  out_h = sum_j p_hj K_j[:512] / (sum_j e^{s_hj} + e^{sink_h})
+    lse_h = log sum_j e^{s_hj}   (natural log, over valid keys only: the sink is not in it)
+Slot lists: dense causal (`block_table [N, max_blocks]` int32 per query, `seq_lens [N]` int32:
+keys 0..seq_lens[n]-1, key j in slot block_table[n, j // block_size] * block_size + j % block_size)
+or sparse (`indices [N, topk]` int32 global slot ids; ids outside [0, num_slots) are invalid).
+A query with no valid key gets out = 0 and lse = -inf, never NaN.
+
+Kernel (FlashAttention-2 style, bf16 `mma.sync.m16n8k16` with fp32 accumulation, sm_80+):
+- CTA = (KV split, head tile of M heads, query); M = 16 / 32 / 64 rows (heads padded with zero
+  rows); 8 warps form an R x C grid (R = M / 16 rows of 16, C = 8 / R column groups): h <= 16
+  -> 1 x 8, h <= 32 -> 2 x 4, more heads -> 4 x 2 per 64-head tile (`tile_config`).
+- Key tiles of BN slots: slot ids computed P + 1 tiles ahead into shared memory; the raw records
+  of the next P tiles (`Tuning.prefetch`, a ring of P + 1 stages) are copied with 16-byte
+  `cp.async` (zero-filled for invalid slots) while the current tile is decoded in shared memory
+  into bf16 K [BN, 576] (E2M1 x E4M3 block scale x s_t x s_l, E4M3 x fp32 group scale, E2M1 x E8M0
+  (mxfp4's latent, SGLang's latent and rope), bf16 copy; TensorRT-LLM's E2M1 x (E4M3 x dequant), or its
+  residual rope fma(q2, s2 D, q1 s1 D), rounded to E4M3, as its reader's fp8 copy). Records
+  that are not a multiple of 16 B (324 B) are copied in 8- or 4-byte chunks (`record_chunk`). For
+  the bf16 format the records are the K rows and are copied straight into a double-buffered K tile
+  (P = 1).
+- Kernel generations (`tuning`): v1 (P = 1, Q re-read from shared memory per tile, one
+  S chain, E2M1 decoded per value in fp32) stays selectable; v2 adds the deeper ring, Q held in
+  registers at h <= 16, two S chains, and E2M1 x E4M3 decoded a byte at a time into exact bf16x2
+  (`e2m1_bits`) with 2^9 * s_l applied to the latent part of each score and to the output.
+- Launch grid: x = queries x KV splits, y = head tiles (`launch_grid`; any number of queries).
+- S = Q K^T: warp (r, c) computes rows 16r.. and a 1/C share of the BN keys; row maxima are
+  combined across the C warps of a row through shared memory; P (bf16) goes through shared
+  memory so that each warp multiplies the whole P row block by its 512/C columns of V = K[:, :512].
+- Online softmax in fp32 (exp2 with log2(e) folded into the scale); masked keys get p = 0 by a
+  select and never enter the running max, whose start value is the finite -FLT_MAX.
+- `split=True`: each CTA covers `tiles_per_split` key tiles and writes a partial (out / l, lse)
+  that `mla_combine` merges (and applies the sink); `split=False` writes the final result.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import BFloat16, Float32, Int32, Int64, Uint32
+from cutlass.cute.nvgpu import warp
+
+from mla_eval_kernels.cute import ptx
+from mla_eval_kernels.cute.compile_cache import arch_tag, compiled
+from mla_eval_kernels.cute.mla_combine import MlaCombine
+from mla_eval_kernels.plan import e2m1_bits
+from mla_eval_kernels.plan.device_limits import smem_per_block, smem_per_sm
+from mla_eval_kernels.plan.launch_grid import attention_grid
+from mla_eval_kernels.plan.record_plan import ORDER_8X4, RecordPlan, record_chunk
+from mla_eval_kernels.plan.tuning import (
+    Tuning,
+    default_tuning,
+    fast_e2m1_eligible,
+    generation_for,
+    is_bf16_plan,
+    launch_choice,
+    smem_bytes,
+)
+
+D_QK = 576
+D_V = 512
+LOG2_E = 1.4426950408889634
+LN_2 = 0.6931471805599453
+
+
+def tile_config(plan: RecordPlan, num_heads: int, smem_limit: int) -> tuple[int, int, int, int]:
+    """(M rows per CTA, warps along M, warps along N, key tile BN) for a format and head count, the
+    largest key tile whose shared memory fits `smem_limit` bytes per CTA (the device's opt-in limit)."""
+    if num_heads <= 16:
+        m, wm, wn = 16, 1, 8
+    elif num_heads <= 32:
+        m, wm, wn = 32, 2, 4
+    else:
+        m, wm, wn = 64, 4, 2
+    for bn in (64, 32):
+        if smem_bytes(plan, m, bn, wn) <= smem_limit:
+            return m, wm, wn, bn
+    raise ValueError(f"no tile fits {smem_limit} bytes of shared memory per CTA for {plan.name}")
+
+
+def _swizzle_atom(cols: int):
+    bits = 3 if cols == 64 else 2
+    return cute.make_composed_layout(cute.make_swizzle(bits, 3, 3), 0, cute.make_layout((8, cols), stride=(cols, 1)))
+
+
+def swizzled_offset(r, c, rows: int):
+    """Element offset of (r, c) in a [rows, 576] bf16 tile of `_swizzle_atom(64)` atoms, (0, 1) order.
+
+    Equals `cute.crd2idx((r, c), layout)` of that layout (checked in tests); used to address
+    16-byte chunks (8 consecutive columns) with cp.async / st.shared.
+    """
+    return (
+        ((r >> 3) + (c >> 6) * (rows // 8)) * 512
+        + (r & 7) * 64
+        + ((((c >> 3) & 7) ^ (r & 7)) << 3)
+        + (c & 7)
+    )
+
+
+def _cp_async_16(smem_addr, gmem_addr, src_bytes):
+    cute.arch.inline_ptx(
+        "cp.async.cg.shared.global [{$r0}], [{$r1}], 16, {$r2};",
+        read_only_args=[Int32(smem_addr), Int64(gmem_addr), Int32(src_bytes)],
+    )
+
+
+def _cp_async_small(smem_addr, gmem_addr, nbytes: int, src_bytes):
+    """cp.async of 4 or 8 bytes (records whose size is not a multiple of 16 B: only .ca takes these sizes)."""
+    cute.arch.inline_ptx(
+        f"cp.async.ca.shared.global [{{$r0}}], [{{$r1}}], {nbytes}, {{$r2}};",
+        read_only_args=[Int32(smem_addr), Int64(gmem_addr), Int32(src_bytes)],
+    )
+
+
+def _ld_shared_u32(addr) -> Uint32:
+    return cute.arch.inline_ptx("ld.shared.b32 {$w0}, [{$r0}];", write_only_types=[Uint32], read_only_args=[Int32(addr)])
+
+
+def _ld_shared_u8(addr) -> Uint32:
+    return cute.arch.inline_ptx("ld.shared.u8 {$w0}, [{$r0}];", write_only_types=[Uint32], read_only_args=[Int32(addr)])
+
+
+def _ld_shared_v4(addr):
+    return cute.arch.inline_ptx(
+        "ld.shared.v4.b32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+        write_only_types=[Uint32, Uint32, Uint32, Uint32],
+        read_only_args=[Int32(addr)],
+    )
+
+
+def _st_shared_v4(addr, a, b, c, d):
+    cute.arch.inline_ptx(
+        "st.shared.v4.b32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};",
+        read_only_args=[Int32(addr), Uint32(a), Uint32(b), Uint32(c), Uint32(d)],
+    )
+
+
+class MlaAttention:
+    """One compiled attention kernel per (plan, tile, mode, sink, outer scale, split).
+
+    The head count is a run-time argument; it selects the tile (`tile_config`), which is part
+    of the compile key.
+    """
+
+    def __init__(
+        self, plan: RecordPlan, tile: tuple[int, int, int, int], sparse: bool, has_sink: bool, has_outer: bool, split: bool,
+        tuning: Tuning = Tuning(),
+    ):
+        self.plan = plan
+        self.tuning = tuning
+        # E2M1 latent with E4M3 block scales, no per-token scale, s_l not on the rope: the latent is
+        # decoded exactly into bf16 up to 2^-9 (e2m1_bits) and 2^9 * s_l is folded into scores and output
+        self.fold = bool(tuning.fast_e2m1 and fast_e2m1_eligible(plan))
+        self.sparse = sparse
+        self.has_sink = has_sink
+        self.has_outer = has_outer
+        self.split = split
+        self.m, self.wm, self.wn, self.bn = tile
+        self.num_threads = 32 * self.wm * self.wn
+        self.copy_k = is_bf16_plan(plan)
+        self.k_stages = 2 if self.copy_k else 1
+        # tiles of records in flight ahead of the one being decoded (the bf16 path copies into K: 1)
+        self.prefetch = 1 if self.copy_k else tuning.prefetch
+        self.raw_stages = self.prefetch + 1
+        self.slot_bufs = self.prefetch + 2
+        assert (self.bn * 64) % self.num_threads == 0 and (self.bn * 8) % self.num_threads == 0
+        assert self.bn % ((16 if self.bn % (16 * self.wn) == 0 else 8) * self.wn) == 0
+
+    @cute.jit
+    def __call__(
+        self,
+        q_ptr: cute.Pointer,
+        cache_ptr: cute.Pointer,
+        idx_ptr: cute.Pointer,
+        seqlen_ptr: cute.Pointer,
+        sink_ptr: cute.Pointer,
+        out_ptr: cute.Pointer,
+        lse_ptr: cute.Pointer,
+        num_queries: Int32,
+        num_heads: Int32,
+        idx_stride: Int32,
+        num_slots: Int32,
+        block_size: Int32,
+        softmax_scale: Float32,
+        s_l: Float32,
+        tiles_per_split: Int32,
+        num_splits: Int32,
+        stream: cuda.CUstream,
+    ):
+        m, bn = self.m, self.bn
+        atom = _swizzle_atom(64)
+        sQ_layout = cute.tile_to_shape(atom, (m, D_QK), (0, 1))
+        sK_layout = cute.tile_to_shape(atom, (bn, D_QK, self.k_stages), (0, 1, 2))
+        sP_layout = cute.tile_to_shape(_swizzle_atom(bn), (m, bn), (0, 1))
+        raw_bytes = 16 if self.copy_k else self.raw_stages * bn * self.plan.record_bytes
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sK_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sP_layout)], 1024]
+            raw: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, raw_bytes], 128]
+            slots: cute.struct.Align[cute.struct.MemRange[Int32, self.slot_bufs * bn], 16]
+            red: cute.struct.Align[cute.struct.MemRange[Float32, self.wn * m], 16]
+
+        tiled_mma = cute.make_tiled_mma(
+            warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)),
+            (self.wm, self.wn, 1),
+            permutation_mnk=(16 * self.wm, (16 if self.bn % (16 * self.wn) == 0 else 8) * self.wn, 16),
+        )
+        # queries and splits share grid x (launch_grid.attention_grid; y and z stop at 65535)
+        grid = (num_queries * num_splits, (num_heads + m - 1) // m, 1)
+        self.kernel(
+            q_ptr, cache_ptr, idx_ptr, seqlen_ptr, sink_ptr, out_ptr, lse_ptr,
+            num_queries, num_heads, idx_stride, num_slots, block_size,
+            softmax_scale, s_l, tiles_per_split, num_splits,
+            sQ_layout, sK_layout, sP_layout, tiled_mma, SharedStorage,
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(
+        self,
+        q_ptr: cute.Pointer,
+        cache_ptr: cute.Pointer,
+        idx_ptr: cute.Pointer,
+        seqlen_ptr: cute.Pointer,
+        sink_ptr: cute.Pointer,
+        out_ptr: cute.Pointer,
+        lse_ptr: cute.Pointer,
+        num_queries: Int32,
+        num_heads: Int32,
+        idx_stride: Int32,
+        num_slots: Int32,
+        block_size: Int32,
+        softmax_scale: Float32,
+        s_l: Float32,
+        tiles_per_split: Int32,
+        num_splits: Int32,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sP_layout: cute.ComposedLayout,
+        tiled_mma: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        m, bn = self.m, self.bn
+        rec = self.plan.record_bytes
+        tidx, _, _ = cute.arch.thread_idx()
+        block_x, head_tile, _ = cute.arch.block_idx()
+        split_idx = block_x % num_splits  # launch_grid.cta_coords
+        qi = block_x // num_splits
+        warp_n = (tidx // 32) // self.wm
+        lane = tidx % 32
+        h0 = head_tile * m
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        sQ = storage.sQ.get_tensor(sQ_layout)
+        sK = storage.sK.get_tensor(sK_layout)
+        sP = storage.sP.get_tensor(sP_layout)
+        sSlot = storage.slots.get_tensor(cute.make_layout((bn, self.slot_bufs), stride=(1, bn)))
+        sRed = storage.red.get_tensor(cute.make_layout((m, self.wn), stride=(1, m)))
+        sQ_addr = storage.sQ.data_ptr().toint()
+        sK_addr = storage.sK.data_ptr().toint()
+        raw_addr = storage.raw.data_ptr().toint()
+        cache_addr = cache_ptr.toint()
+
+        # ---- this CTA's key range ----
+        num_keys = idx_stride
+        if cutlass.const_expr(not self.sparse):
+            num_keys = cute.make_tensor(seqlen_ptr, cute.make_layout(num_queries))[qi]
+        num_tiles = (num_keys + bn - 1) // bn
+        t_begin = split_idx * tiles_per_split
+        t_end = cutlass.min(t_begin + tiles_per_split, num_tiles)
+        n_local = cutlass.max(t_end - t_begin, 0)
+        # this query's row of the slot lists (64-bit offset: N x stride may pass 2^31 entries)
+        m_idx = cute.make_tensor(idx_ptr + Int64(qi) * Int64(idx_stride), cute.make_layout(idx_stride))
+
+        # ---- prologue: Q, slot ids of the first P + 1 tiles, records of the first P (one group each) ----
+        pf = self.prefetch
+        self.load_q(q_ptr, sQ_addr, qi, h0, num_heads, tidx)
+        cute.arch.cp_async_commit_group()
+        if tidx < bn:
+            for t in cutlass.range_constexpr(pf + 1):
+                sSlot[tidx, t] = self.slot_of(m_idx, (t_begin + t) * bn + tidx, num_keys, num_slots, block_size, t < n_local)
+        cute.arch.barrier()
+        for t in cutlass.range_constexpr(pf):
+            if t < n_local:
+                self.load_tile(sSlot, t, t, raw_addr, sK_addr, cache_addr, tidx)
+            cute.arch.cp_async_commit_group()
+
+        # ---- MMA partitions ----
+        thr_mma = tiled_mma.get_slice(tidx)
+        sVt = cute.composition(sK, cute.make_layout((D_V, bn, self.k_stages), stride=(bn, 1, bn * D_QK)))
+        tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
+        tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK[None, None, 0]))
+        tOrP = thr_mma.make_fragment_A(thr_mma.partition_A(sP))
+        tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(sVt[None, None, 0]))
+        acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((m, D_V)), Float32)
+        acc_O.fill(0.0)
+
+        ldsm = warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4)
+        ldsm_t = warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4)
+        copy_Q = cute.make_tiled_copy_A(cute.make_copy_atom(ldsm, BFloat16), tiled_mma)
+        copy_K = cute.make_tiled_copy_B(cute.make_copy_atom(ldsm, BFloat16), tiled_mma)
+        copy_P = cute.make_tiled_copy_A(cute.make_copy_atom(ldsm, BFloat16), tiled_mma)
+        copy_V = cute.make_tiled_copy_B(cute.make_copy_atom(ldsm_t, BFloat16), tiled_mma)
+        thr_copy_Q = copy_Q.get_slice(tidx)
+        thr_copy_K = copy_K.get_slice(tidx)
+        thr_copy_P = copy_P.get_slice(tidx)
+        thr_copy_V = copy_V.get_slice(tidx)
+        tSsQ = thr_copy_Q.partition_S(sQ)
+        tSrQ_v = thr_copy_Q.retile(tSrQ)
+        tSsK = thr_copy_K.partition_S(sK)
+        tSrK_v = thr_copy_K.retile(tSrK)
+        tOsP = thr_copy_P.partition_S(sP)
+        tOrP_v = thr_copy_P.retile(tOrP)
+        tOsVt = thr_copy_V.partition_S(sVt)
+        tOrVt_v = thr_copy_V.retile(tOrVt)
+
+        store_P = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16), tiled_mma)
+        thr_store_P = store_P.get_slice(tidx)
+        tPsP = thr_store_P.partition_D(sP)
+
+        # coordinates of this thread's accumulator elements: (row in tile, key in tile)
+        tScS = thr_mma.partition_C(cute.make_identity_tensor((m, bn)))
+        tScS_mn = self.mn_view(tScS)
+        n_rows = cute.size(tScS_mn, mode=[0])
+        n_cols = cute.size(tScS_mn, mode=[1])
+        row_max = cute.make_rmem_tensor((n_rows,), Float32)
+        row_sum = cute.make_rmem_tensor((n_rows,), Float32)
+        row_max.fill(-ptx.FLT_MAX)
+        row_sum.fill(0.0)
+        scale_log2 = softmax_scale * Float32(LOG2_E)
+        n_k = cute.size(tSsQ.shape[2])
+        n_k_latent = n_k * D_V // D_QK  # k-steps over the latent dims; the rest cover the rope
+        chains = self.tuning.s_chains
+        # factor of the latent part of each score and of the output (see e2m1_bits)
+        fold = Float32(2.0**e2m1_bits.FOLD_LOG2)
+        if cutlass.const_expr(self.has_outer):
+            fold = fold * s_l
+        if cutlass.const_expr(self.tuning.q_regs):
+            cute.arch.cp_async_wait_group(pf)  # the Q group (the first tiles' records may still be in flight)
+            cute.arch.barrier()
+            for k in cutlass.range_constexpr(n_k):
+                cute.copy(copy_Q, tSsQ[None, None, k], tSrQ_v[None, None, k])
+
+        # ---- main loop over this CTA's key tiles ----
+        # P = prefetch tiles of records in flight: tile `it` arrives in raw stage it % (P + 1) while
+        # tiles it + 1 .. it + P load; its slot ids sit in buffer it % (P + 2), written one tile earlier
+        for it in range(n_local):
+            stage = it % self.raw_stages
+            cute.arch.cp_async_wait_group(pf - 1)  # tile it's group is complete (one group per tile)
+            cute.arch.barrier()
+            # the stage refilled here was decoded in the previous iteration, before its barrier
+            if it + pf < n_local:
+                self.load_tile(
+                    sSlot, (it + pf) % self.slot_bufs, (it + pf) % self.raw_stages, raw_addr, sK_addr, cache_addr, tidx
+                )
+            cute.arch.cp_async_commit_group()
+            if tidx < bn:
+                sSlot[tidx, (it + pf + 1) % self.slot_bufs] = self.slot_of(
+                    m_idx, (t_begin + it + pf + 1) * bn + tidx, num_keys, num_slots, block_size, it + pf + 1 < n_local
+                )
+            k_stage = 0
+            if cutlass.const_expr(self.copy_k):
+                k_stage = stage
+            else:
+                if cutlass.const_expr(not self.tuning.skip_decode):
+                    self.decode_tile(raw_addr + stage * (bn * rec), sK_addr, s_l, tidx)
+                cute.arch.barrier()
+
+            # S = Q K^T, k-step k into chain k % chains (independent MMA chains, summed below)
+            accs = []
+            for c in cutlass.range_constexpr(chains):
+                accs.append(cute.make_rmem_tensor(thr_mma.partition_shape_C((m, bn)), Float32))
+                accs[c].fill(0.0)
+            for k in cutlass.range_constexpr(n_k):
+                if cutlass.const_expr(not self.tuning.q_regs):
+                    cute.copy(copy_Q, tSsQ[None, None, k], tSrQ_v[None, None, k])
+                cute.copy(copy_K, tSsK[None, None, k, k_stage], tSrK_v[None, None, k])
+                acc = accs[k % chains]
+                cute.gemm(tiled_mma, acc, tSrQ[None, None, k], tSrK[None, None, k], acc)
+                if cutlass.const_expr(self.fold and k == n_k_latent - 1):
+                    # the latent part of the score times 2^9 * s_l, before the rope part is added
+                    for c in cutlass.range_constexpr(1, chains):
+                        accs[0].store(accs[0].load() + accs[c].load())
+                        accs[c].fill(0.0)
+                    accs[0].store(accs[0].load() * fold)
+            acc_S = accs[0]
+            for c in cutlass.range_constexpr(1, chains):
+                acc_S.store(acc_S.load() + accs[c].load())
+
+            # online softmax; the running max is shared by the C warps of a row
+            acc_S_mn = self.mn_view(acc_S)
+            slot_col = it % self.slot_bufs
+            for r in cutlass.range_constexpr(n_rows):
+                mx = Float32(-ptx.FLT_MAX)
+                for c in cutlass.range_constexpr(n_cols):
+                    valid = sSlot[tScS_mn[0, c][1], slot_col] >= 0
+                    if valid:
+                        mx = ptx.max_f32(mx, acc_S_mn[r, c])
+                mx = self.quad_max(mx)
+                if lane % 4 == 0:
+                    sRed[tScS_mn[r, 0][0], warp_n] = mx
+            cute.arch.barrier()
+            for r in cutlass.range_constexpr(n_rows):
+                row = tScS_mn[r, 0][0]
+                m_new = row_max[r]
+                for c in cutlass.range_constexpr(self.wn):
+                    m_new = ptx.max_f32(m_new, sRed[row, c])
+                alpha = cute.math.exp2((row_max[r] - m_new) * scale_log2, fastmath=True)
+                m_scaled = m_new * scale_log2
+                s = Float32(0.0)
+                for c in cutlass.range_constexpr(n_cols):
+                    p = cute.math.exp2(acc_S_mn[r, c] * scale_log2 - m_scaled, fastmath=True)
+                    valid = sSlot[tScS_mn[0, c][1], slot_col] >= 0
+                    p = p if valid else Float32(0.0)
+                    acc_S_mn[r, c] = p
+                    s = s + p
+                row_sum[r] = row_sum[r] * alpha + s
+                row_max[r] = m_new
+                self.scale_row(acc_O, r, alpha)
+            rP = cute.make_fragment_like(acc_S, BFloat16)
+            rP.store(acc_S.load().to(BFloat16))
+            cute.copy(store_P, thr_store_P.retile(rP), tPsP)
+            cute.arch.barrier()
+
+            # O += P V
+            for k in cutlass.range_constexpr(cute.size(tOsP.shape[2])):
+                cute.copy(copy_P, tOsP[None, None, k], tOrP_v[None, None, k])
+                cute.copy(copy_V, tOsVt[None, None, k, k_stage], tOrVt_v[None, None, k])
+                cute.gemm(tiled_mma, acc_O, tOrP[None, None, k], tOrVt[None, None, k], acc_O)
+
+        # ---- epilogue: combine the C partial row sums, normalise, store ----
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.barrier()
+        for r in cutlass.range_constexpr(n_rows):
+            l_sum = self.quad_sum(row_sum[r])
+            if lane % 4 == 0:
+                sRed[tScS_mn[r, 0][0], warp_n] = l_sum
+        cute.arch.barrier()
+
+        base_row = qi * num_heads + h0
+        if cutlass.const_expr(self.split):
+            base_row = (split_idx * num_queries + qi) * num_heads + h0
+        gO = cute.make_tensor(out_ptr + Int64(base_row) * Int64(D_V), cute.make_layout((m, D_V), stride=(D_V, 1)))
+        tOgO_mn = self.mn_view(thr_mma.partition_C(gO))
+        acc_O_mn = self.mn_view(acc_O)
+        m_lse = cute.make_tensor(lse_ptr + Int64(base_row), cute.make_layout(m))
+        rows_valid = cutlass.min(num_heads - h0, m)
+        for r in cutlass.range_constexpr(n_rows):
+            row = tScS_mn[r, 0][0]
+            l_sum = Float32(0.0)
+            for c in cutlass.range_constexpr(self.wn):
+                l_sum = l_sum + sRed[row, c]
+            denom = l_sum
+            if cutlass.const_expr(self.has_sink and not self.split):
+                sink = cute.make_tensor(sink_ptr, cute.make_layout(num_heads))[cutlass.min(h0 + row, num_heads - 1)]
+                denom = l_sum + cute.math.exp2(sink * Float32(LOG2_E) - row_max[r] * scale_log2, fastmath=True)
+            inv = Float32(0.0)
+            if l_sum > Float32(0.0):
+                inv = Float32(1.0) / denom
+                if cutlass.const_expr(self.fold):
+                    inv = inv * fold  # V = K[:, :512] was decoded up to 2^9 * s_l
+            lse = -Float32.inf
+            if l_sum > Float32(0.0):
+                lse = row_max[r] * softmax_scale + cute.math.log2(l_sum, fastmath=False) * Float32(LN_2)
+            if row < rows_valid:
+                for c in cutlass.range_constexpr(cute.size(tOgO_mn, mode=[1])):
+                    tOgO_mn[r, c] = acc_O_mn[r, c] * inv
+                if lane % 4 == 0 and warp_n == 0:
+                    m_lse[row] = lse
+
+    # ------------------------------------------------------------------ helpers (inlined)
+    @cute.jit
+    def slot_of(self, m_idx: cute.Tensor, j: Int32, num_keys: Int32, num_slots: Int32, block_size: Int32, live) -> Int32:
+        """Global slot id of key j of this CTA's query (`m_idx`: its row), or -1 (past the end,
+        invalid index, tile not used)."""
+        slot = Int32(-1)
+        if live and j < num_keys:
+            if cutlass.const_expr(self.sparse):
+                s = m_idx[j]
+                if s >= 0 and s < num_slots:
+                    slot = s
+            else:
+                slot = m_idx[j // block_size] * block_size + j % block_size
+        return slot
+
+    @cute.jit
+    def load_q(self, q_ptr: cute.Pointer, sQ_addr: Int32, qi: Int32, h0: Int32, num_heads: Int32, tidx: Int32):
+        """Q rows h0..h0+M of query qi into sQ by 16-byte cp.async; rows past the heads are zeros."""
+        q_addr = q_ptr.toint()
+        chunks = D_QK // 8
+        total = self.m * chunks
+        for u in cutlass.range_constexpr((total + self.num_threads - 1) // self.num_threads):
+            i = cutlass.min(u * self.num_threads + tidx, total - 1)  # a repeated chunk is harmless
+            r = i // chunks
+            c = (i % chunks) * 8
+            h = h0 + r
+            ok = h < num_heads
+            src = q_addr + (Int64(qi) * Int64(num_heads) + Int64(cutlass.min(h, num_heads - 1))) * Int64(2 * D_QK) + Int64(2 * c)
+            _cp_async_16(sQ_addr + 2 * swizzled_offset(r, c, self.m), src, 16 if ok else 0)
+
+    @cute.jit
+    def load_tile(
+        self, sSlot: cute.Tensor, slot_buf: Int32, stage: Int32, raw_addr: Int32, sK_addr: Int32, cache_addr: Int64, tidx: Int32
+    ):
+        """cp.async the BN records of a tile: into the raw stage, or straight into K (bf16 format)."""
+        rec = self.plan.record_bytes
+        size = record_chunk(rec)
+        chunks = rec // size
+        total = self.bn * chunks
+        for i in range(tidx, total, self.num_threads):
+            key = i // chunks
+            ch = i % chunks
+            slot = sSlot[key, slot_buf]
+            ok = slot >= 0
+            src = cache_addr + Int64(cutlass.max(slot, 0)) * Int64(rec) + Int64(size * ch)
+            dst = raw_addr + stage * (self.bn * rec) + key * rec + size * ch
+            if cutlass.const_expr(self.copy_k):
+                dst = sK_addr + 2 * (stage * (self.bn * D_QK) + swizzled_offset(key, 8 * ch, self.bn))
+            if cutlass.const_expr(size == 16):
+                _cp_async_16(dst, src, 16 if ok else 0)
+            else:
+                _cp_async_small(dst, src, size, size if ok else 0)
+
+    @cute.jit
+    def decode_tile(
+        self, raw: Int32, sK_addr: Int32, s_l: Float32, tidx: Int32, key0: cutlass.Constexpr = 0,
+        nkeys: cutlass.Constexpr = None,
+    ):
+        """Raw records of one tile (shared memory) -> bf16 K [BN, 576], 8 values per work item. v3 decodes
+        part of a tile at a time: `nkeys` records at `raw` (default BN) into K rows key0.. key0 + nkeys."""
+        plan = self.plan
+        rec = plan.record_bytes
+        nkeys = self.bn if nkeys is None else nkeys
+        assert nkeys * 64 % self.num_threads == 0
+        for u in cutlass.range_constexpr(nkeys * 64 // self.num_threads):
+            i = u * self.num_threads + tidx
+            key = i // 64
+            d0 = (i % 64) * 8
+            if cutlass.const_expr(self.fold):
+                w0, w1, w2, w3 = self.decode8_e2m1_folded(plan.latent, raw + key * rec, d0)
+            else:
+                w0, w1, w2, w3 = self.decode8(plan.latent, raw + key * rec, d0, s_l, self.has_outer, True)
+            self.store_k(sK_addr + 2 * swizzled_offset(key0 + key, d0, self.bn), w0, w1, w2, w3)
+        n_rope = nkeys * 8  # v3's 16-key stages: fewer rope items than producer threads
+        for u in cutlass.range_constexpr((n_rope + self.num_threads - 1) // self.num_threads):
+            i = u * self.num_threads + tidx
+            if cutlass.const_expr(n_rope % self.num_threads and self.pair):
+                if i < n_rope:  # v3's CTA pair: a repeated item would also repeat its store into the peer CTA
+                    self.decode_rope_item(raw, sK_addr, s_l, i, key0)
+            else:
+                if cutlass.const_expr(n_rope % self.num_threads):
+                    i = cutlass.min(i, n_rope - 1)  # a repeated item is harmless (the same bytes to the same address)
+                self.decode_rope_item(raw, sK_addr, s_l, i, key0)
+
+    @cute.jit
+    def decode_rope_item(self, raw: Int32, sK_addr: Int32, s_l: Float32, i: Int32, key0: cutlass.Constexpr):
+        """Rope item i (8 values of raw key i // 8) -> K row key0 + i // 8: of `decode_tile`, and of v3's fast E2M1
+        decode, which leaves its rope items to this path (`MlaAttentionV3.decode_tile_v3`)."""
+        plan = self.plan
+        key = i // 8
+        d0 = (i % 8) * 8
+        rec = raw + key * plan.record_bytes
+        w0, w1, w2, w3 = self.decode8(plan.rope, rec, d0, s_l, self.has_outer and plan.outer_on_rope, False)
+        self.store_k(sK_addr + 2 * swizzled_offset(key0 + key, D_V + d0, self.bn), w0, w1, w2, w3)
+
+    pair = False  # v3's CTA pair (`MlaAttentionV3`) stores decoded rows into two CTAs; v1 / v2 never do
+
+    def store_k(self, addr, w0, w1, w2, w3):
+        """16 decoded bytes into the K tile (v3's CTA pair also stores them into its peer's: `MlaAttentionV3.store_k`)."""
+        _st_shared_v4(addr, w0, w1, w2, w3)
+
+    @cute.jit
+    def decode8_e2m1_folded(self, coding: cutlass.Constexpr, rec: Int32, d0: Int32):
+        """Latent values d0..d0+8 as E2M1 * E4M3 block scale * 2^-9, exact bf16 (e2m1_bits)."""
+        word = _ld_shared_u32(rec + coding.data_offset + d0 // 2)
+        entry = d0 // coding.group
+        if cutlass.const_expr(coding.scale_order == ORDER_8X4):
+            entry = 8 * (entry & 3) + (entry >> 2)
+        f = ptx.e4m3_to_f32(_ld_shared_u8(rec + coding.scale_offset + entry)) * Float32(2.0**e2m1_bits.SCALE_BIAS_LOG2)
+        return ptx.e2m1x8_scaled_bf16x2(word, ptx.bf16x2(f, f))
+
+    @cute.jit
+    def decode8(
+        self, coding: cutlass.Constexpr, rec: Int32, d0: Int32, s_l: Float32, outer: cutlass.Constexpr,
+        is_latent: cutlass.Constexpr,
+    ):
+        """Values d0..d0+8 of one vector of the record at shared address `rec`, as 4 bf16x2 words."""
+        if cutlass.const_expr(coding.elem == "bf16" and not outer):
+            a, b, c, d = _ld_shared_v4(rec + coding.data_offset + 2 * d0)
+            return a, b, c, d
+        else:
+            v = cute.make_rmem_tensor((8,), Float32)
+            if cutlass.const_expr(coding.residual):
+                self.residual8(coding, rec, d0, v)
+            elif cutlass.const_expr(coding.elem == "e2m1"):
+                word = _ld_shared_u32(rec + coding.data_offset + d0 // 2)
+                for i in cutlass.range_constexpr(8):
+                    v[i] = ptx.e2m1_nibble_to_f32(word, i)
+            elif cutlass.const_expr(coding.elem == "e4m3"):
+                for h in cutlass.range_constexpr(2):
+                    x0, x1, x2, x3 = ptx.e4m3x4_to_f32x4(_ld_shared_u32(rec + coding.data_offset + d0 + 4 * h))
+                    v[4 * h] = x0
+                    v[4 * h + 1] = x1
+                    v[4 * h + 2] = x2
+                    v[4 * h + 3] = x3
+            else:
+                for h in cutlass.range_constexpr(4):
+                    word = _ld_shared_u32(rec + coding.data_offset + 2 * d0 + 4 * h)
+                    v[2 * h] = ptx.bits_f32(word << Uint32(16))
+                    v[2 * h + 1] = ptx.bits_f32(word & Uint32(0xFFFF0000))
+            f = Float32(1.0)
+            entry = d0 // coding.group  # the scale entry of this group (its position, when permuted)
+            if cutlass.const_expr(coding.scale_order == ORDER_8X4):
+                entry = 8 * (entry & 3) + (entry >> 2)
+            if cutlass.const_expr(coding.residual):
+                pass  # both scales (and the global dequant) are applied in residual8
+            elif cutlass.const_expr(coding.scale_dtype == "fp32"):
+                f = ptx.bits_f32(_ld_shared_u32(rec + coding.scale_offset + 4 * entry))
+            elif cutlass.const_expr(coding.scale_dtype == "e4m3"):
+                f = ptx.e4m3_to_f32(_ld_shared_u8(rec + coding.scale_offset + entry))
+            elif cutlass.const_expr(coding.scale_dtype == "e8m0"):
+                f = ptx.pow2(Int32(_ld_shared_u8(rec + coding.scale_offset + entry)) - Int32(127))
+            if cutlass.const_expr(coding.global_dequant is not None and not coding.residual):
+                f = ptx.mul_rn(f, Float32(coding.global_dequant))  # the engine's reader: q * (s * dequant)
+            if cutlass.const_expr(is_latent and self.plan.token_scale_offset >= 0):
+                f = f * ptx.bits_f32(_ld_shared_u32(rec + self.plan.token_scale_offset))
+            if cutlass.const_expr(outer):
+                f = f * s_l
+            if cutlass.const_expr(self.plan.reader_e4m3):
+                # the engine's attention reads an E4M3 copy (RN, satfinite) of q * (s * dequant); E4M3 values
+                # are bf16 numbers, so K holds exactly the codec's decoded values (no s_t / s_l with this flag)
+                for h in cutlass.range_constexpr(2):
+                    lo = ptx.e4m3x2(ptx.mul_rn(v[4 * h + 1], f), ptx.mul_rn(v[4 * h], f))
+                    hi = ptx.e4m3x2(ptx.mul_rn(v[4 * h + 3], f), ptx.mul_rn(v[4 * h + 2], f))
+                    x0, x1, x2, x3 = ptx.e4m3x4_to_f32x4(lo | (hi << Uint32(16)))
+                    v[4 * h] = x0
+                    v[4 * h + 1] = x1
+                    v[4 * h + 2] = x2
+                    v[4 * h + 3] = x3
+                f = Float32(1.0)
+            return (
+                ptx.bf16x2(v[1] * f, v[0] * f),
+                ptx.bf16x2(v[3] * f, v[2] * f),
+                ptx.bf16x2(v[5] * f, v[4] * f),
+                ptx.bf16x2(v[7] * f, v[6] * f),
+            )
+
+    @cute.jit
+    def residual8(self, coding: cutlass.Constexpr, rec: Int32, d0: Int32, v: cute.Tensor):
+        """Residual E2M1 values d0..d0+8 (spec step 5, the engine's reader): fma(q2, s2 * D, q1 * (s1 * D)),
+        group g = d0 / 16 with [q1 | q2] code bytes at 16 g and scale bytes [s1, s2] at 2 g; D = the dequant."""
+        g = d0 // coding.group
+        base = rec + coding.data_offset + g * coding.group + (d0 % coding.group) // 2
+        w1 = _ld_shared_u32(base)
+        w2 = _ld_shared_u32(base + coding.group // 2)
+        f1 = ptx.e4m3_to_f32(_ld_shared_u8(rec + coding.scale_offset + 2 * g))
+        f2 = ptx.e4m3_to_f32(_ld_shared_u8(rec + coding.scale_offset + 2 * g + 1))
+        if cutlass.const_expr(coding.global_dequant is not None):
+            f1 = ptx.mul_rn(f1, Float32(coding.global_dequant))
+            f2 = ptx.mul_rn(f2, Float32(coding.global_dequant))
+        for i in cutlass.range_constexpr(8):
+            main = ptx.mul_rn(ptx.e2m1_nibble_to_f32(w1, i), f1)
+            v[i] = ptx.fma_rn(ptx.e2m1_nibble_to_f32(w2, i), f2, main)
+
+    @cute.jit
+    def scale_row(self, acc_O: cute.Tensor, r: cutlass.Constexpr, alpha: Float32):
+        acc_O_mn = self.mn_view(acc_O)
+        for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
+            acc_O_mn[r, c] = acc_O_mn[r, c] * alpha
+
+    def mn_view(self, acc: cute.Tensor) -> cute.Tensor:
+        """((2, MMA_M), (2, MMA_N)) row/column view of an m16n8 accumulator partition."""
+        shape = cute.make_layout(acc.layout.shape)
+        mn = cute.make_layout(
+            ((shape.shape[0][1], shape.shape[1]), (shape.shape[0][0], shape.shape[2])),
+            stride=((shape.stride[0][1], shape.stride[1]), (shape.stride[0][0], shape.stride[2])),
+        )
+        return cute.make_tensor(acc.iterator, cute.composition(acc.layout, mn))
+
+    def quad_max(self, x):
+        x = ptx.max_f32(x, cute.arch.shuffle_sync_bfly(x, offset=2))
+        return ptx.max_f32(x, cute.arch.shuffle_sync_bfly(x, offset=1))
+
+    def quad_sum(self, x):
+        x = x + cute.arch.shuffle_sync_bfly(x, offset=2)
+        return x + cute.arch.shuffle_sync_bfly(x, offset=1)
+
+
+def flops(num_queries: int, num_heads: int, keys_per_query: float) -> float:
+    """FLOPs of absorbed MLA attention: 2 * (576 + 512) per (query, head, key)."""
+    return 2.0 * (D_QK + D_V) * num_queries * num_heads * keys_per_query
+
+
+def compile_key(
+    plan: RecordPlan, tile: tuple, sparse: bool, has_sink: bool, has_outer: bool, split: bool, device, tuning: Tuning = Tuning()
+) -> tuple:
+    """Every specialisation of a compiled attention kernel. The head count enters through the
+    tile it selects; s_l, the softmax scale, lengths and the head count are run-time arguments."""
+    return (
+        "mla_attention", 2, plan, tuple(tile), bool(sparse),
+        bool(has_sink), bool(has_outer), bool(split), "q=bf16", "acc=f32", tuning, arch_tag(device),
+    )
+
+
+def _ptr(t: torch.Tensor, dtype, align: int):
+    from cutlass.cute.runtime import make_ptr
+
+    return make_ptr(dtype, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
+
+
+def choose_splits(num_ctas: int, max_tiles: int, cta_slots: int) -> tuple[int, int]:
+    """(num_splits, tiles_per_split) minimising the estimated time waves(s) x (tiles / s + 2).
+
+    `cta_slots` = SMs x CTAs resident per SM; the 2 tiles stand for the fixed cost of a CTA
+    (Q load, prologue, epilogue, its share of the combine). A split keeps at least 2 key tiles.
+    """
+    if max_tiles == 0:
+        return 1, 1
+    best, best_cost = 1, None
+    for s in range(1, max(1, max_tiles // 2) + 1):
+        cost = -(-s * num_ctas // cta_slots) * (max_tiles / s + 2)
+        if best_cost is None or cost < 0.97 * best_cost:
+            best, best_cost = s, cost
+    per = -(-max_tiles // best)
+    return -(-max_tiles // per), per
+
+
+def mla_attention(
+    plan: RecordPlan,
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    *,
+    softmax_scale: float,
+    block_table: torch.Tensor | None,
+    seq_lens: torch.Tensor | None,
+    indices: torch.Tensor | None,
+    sink: torch.Tensor | None,
+    outer_scale: float | None,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    workspace_fill: float | None = None,
+    tuning: Tuning | None = None,
+    tile: tuple[int, int, int, int] | None = None,
+    queries_per_seq: int = 1,
+    generation: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch on CUDA tensors (validated by mla_eval.attention.dispatch): q bf16 [N, H, 576]
+    contiguous, cache uint8 [blocks, block_size, R], int32 slot lists, sink fp32 [H].
+
+    `out` / `lse` may be given (contiguous fp32); `workspace_fill` fills the split partials
+    first (tests poison them with NaN to prove every element is written). With neither `tuning` nor
+    `tile` given, the generation is `generation` if given (dispatch passes the one it records), else
+    `tuning.generation_for` (the per-format default or MLA_EVAL_ATTENTION_KERNEL;
+    `queries_per_seq`: how many queries read each sequence's keys); "v3" runs `mla_attention_v3`.
+    `tuning` and `tile` select a v1/v2 variant (`tuning.launch_choice` over `tile_config`'s tile
+    by default; the benchmark and tests compare variants with them).
+    """
+    n, h = q.shape[0], q.shape[1]
+    dev = q.device
+    if out is None:
+        out = torch.empty(n, h, D_V, dtype=torch.float32, device=dev)
+    if lse is None:
+        lse = torch.empty(n, h, dtype=torch.float32, device=dev)
+    if n == 0:
+        return out, lse
+    sparse = indices is not None
+    if tile is None and tuning is None and generation is None:
+        limit = smem_per_block(dev)
+        generation = generation_for(plan, sparse=sparse, heads=h, queries_per_seq=queries_per_seq, smem_limit=limit)[0]
+    if tile is None and tuning is None and generation == "v3":
+        from mla_eval_kernels.cute.mla_attention_v3 import mla_attention_v3  # noqa: PLC0415 - imports this module
+
+        return mla_attention_v3(
+            plan, q, cache, softmax_scale=softmax_scale, block_table=block_table, seq_lens=seq_lens, sink=sink,
+            outer_scale=outer_scale, indices=indices, max_seq_len=max_seq_len, num_splits=num_splits, out=out, lse=lse,
+            workspace_fill=workspace_fill,
+        )
+    if tile is None and tuning is None:
+        wide = tile_config(plan, h, smem_per_block(dev))
+        tile, tuning = launch_choice(plan, wide, generation, smem_per_block=smem_per_block(dev), smem_per_sm=smem_per_sm(dev))
+    if tile is None:
+        tile = tile_config(plan, h, smem_per_block(dev))
+    if tuning is None:
+        tuning = default_tuning(plan, tile, smem_limit=smem_per_block(dev))
+    m, bn = tile[0], tile[3]
+    if sparse:
+        idx, seqlen, stride = indices, indices, indices.shape[1]
+        max_keys = stride
+    else:
+        idx, seqlen, stride = block_table, seq_lens, block_table.shape[1]
+        max_keys = int(max_seq_len) if max_seq_len is not None else int(seq_lens.max())
+    max_tiles = -(-max_keys // bn)
+    head_tiles = -(-h // m)
+    if num_splits is None:
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        per_sm = max(1, smem_per_sm(dev) // smem_bytes(plan, tile[0], tile[3], tile[2], tuning.prefetch))
+        num_splits, per = choose_splits(n * head_tiles, max_tiles, sms * per_sm)
+    else:
+        per = max(1, -(-max_tiles // max(1, num_splits)))
+        num_splits = max(1, -(-max_tiles // per)) if max_tiles else 1
+    split = num_splits > 1
+    attention_grid(n, head_tiles, num_splits)  # refuses a grid past CUDA's limits before the launch
+    has_sink, has_outer = sink is not None, outer_scale is not None
+    if split:
+        part_out = torch.empty(num_splits, n, h, D_V, dtype=torch.float32, device=dev)
+        part_lse = torch.empty(num_splits, n, h, dtype=torch.float32, device=dev)
+        if workspace_fill is not None:
+            part_out.fill_(workspace_fill)
+            part_lse.fill_(workspace_fill)
+    else:
+        part_out, part_lse = out, lse
+    stream = cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream)
+    args = (
+        _ptr(q, BFloat16, 16),
+        _ptr(cache, cutlass.Uint8, 16),
+        _ptr(idx, Int32, 4),
+        _ptr(seqlen, Int32, 4),
+        _ptr(sink if has_sink else lse, Float32, 4),
+        _ptr(part_out, Float32, 16),
+        _ptr(part_lse, Float32, 4),
+        Int32(n),
+        Int32(h),
+        Int32(stride),
+        Int32(cache.shape[0] * cache.shape[1]),
+        Int32(cache.shape[1]),
+        Float32(softmax_scale),
+        Float32(outer_scale if has_outer else 1.0),
+        Int32(per),
+        Int32(num_splits),
+        stream,
+    )
+    key = compile_key(plan, tile, sparse, has_sink, has_outer, split, dev, tuning)
+    fn = compiled(key, lambda: cute.compile(MlaAttention(plan, tile, sparse, has_sink, has_outer, split, tuning), *args))
+    fn(*args)
+    if split:
+        cargs = (
+            _ptr(part_out, Float32, 16),
+            _ptr(part_lse, Float32, 4),
+            _ptr(sink if has_sink else lse, Float32, 4),
+            _ptr(out, Float32, 16),
+            _ptr(lse, Float32, 4),
+            Int32(n * h),
+            Int32(h),
+            Int32(num_splits),
+            stream,
+        )
+        ckey = ("mla_combine", 1, bool(has_sink), arch_tag(dev))
+        cfn = compiled(ckey, lambda: cute.compile(MlaCombine(has_sink), *cargs))
+        cfn(*cargs)
+    return out, lse

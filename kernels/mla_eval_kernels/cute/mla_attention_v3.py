@@ -1,0 +1,1119 @@
+"""v3 of the decode MLA attention kernel (issue 14): wgmma, warp-specialised, mbarrier pipeline (sm_90a).
+
+Same problem and entry as `mla_attention.mla_attention`, dense or sparse lists (`tuning.v3_blocker`
+says which launches run here; sparse lists and the 32-head tile are held off until their GPU tests pass,
+`V3_LAUNCHES_AWAITING_GPU_TESTS`). Why this shape, measured against the v2 diagnosis in docs/kernels.md
+(255 registers + spills, one 8-warp CTA per SM, load -> decode -> S -> softmax -> PV serial in a CTA):
+
+- Swapped operands ("swap AB"): wgmma's M is 64 rows, and a decode step has h = 16 heads per query.
+  Packing 4 queries into M would need 4 queries that read the same keys; the dense decode queries are
+  different sequences (own block_table rows and lengths), so M must be keys instead: per key tile of
+  64 slots, S^T [64 keys, 16 heads] = K [64, 576] Q^T (A = K tile, B = Q, both K-major in shared
+  memory), and O^T [512, 16] += V^T [512, 64] P^T [64, 16] (A = V^T, an MN-major view of the same
+  bytes as the K tile, B = P^T). Nothing is padded at h = 16 (padding heads to 64 would quadruple
+  the MMA work); N = 16 heads is one "head tile", larger h runs ceil(h / N) head tiles in grid y.
+  O^T lives in 64 fp32 registers per consumer thread (512 x 16 / 128), S^T in 8 (16 with the fold).
+  h > 16 may run N = 32 (`tuning.v3_head_tile`): each wgmma then reads its 2 KB A tile (K or V^T)
+  for 16 clocks of math instead of 8 (N = 16 is shared-memory bound 2x at 128 B/clock), and every record is
+  decoded once per 32 heads; O^T takes 128 registers, S^T 16 (32 with the fold), more than an even share of 384
+  threads holds, so two producer warpgroups at N = 32 (the default since session 10; one, 256 threads with up to
+  255 registers each, is the bench's v3-t32-p1 probe) move registers between the roles with
+  `setmaxnreg` (`tuning.v3_reg_budget`: the producers .dec to 136, the consumer .inc to 232, out of 168
+  each at launch; `.minnctapersm 1` so that ptxas knows the 168: `launch_bounds`).
+- Warp specialisation: warpgroup 0 consumes (Q load, wgmma S^T, online softmax over the key rows, P^T
+  to shared memory, wgmma O^T), warpgroups 1.. produce (slot ids, 16-byte cp.async of the records,
+  decode into the bf16 K ring; `v3_producer_wgs`: 2, bf16's copy included since session 9). A 2-stage K ring
+  with full / empty mbarriers (`pipeline.PipelineAsync`; every producer thread arrives on full, the 128
+  consumers on empty) replaces the CTA-wide barriers of v1/v2; each role syncs internally with its
+  own named barrier (ids 1 and 2). bf16 records are copied straight into the K ring (cp.async, no
+  decode); the other formats go through a raw ring (`tuning.v3_raw_ring`): 2 whole tiles (tile
+  t+1 loads while tile t decodes) where they fit beside the K ring, else S stages of 16 or 32 keys for the
+  fp8 records (fp8_ds_mla 5 x 16, fp8_e4m3 3 x 32: S - 1 parts load while one decodes, 64 keys in flight).
+- Decode: E2M1 x E4M3 latents through `ptx.e2m1x8_scaled_bf16x2` (a byte of two codes -> one bf16x2
+  word, one multiply per 8 values by the block scale); 2^9 * s_l is folded into the latent part of
+  each score (a second S accumulator for the rope k-steps) and into the output, as in v2. Other
+  formats decode with v2's per-element path (`MlaAttention.decode8`, inherited). The producer copies one
+  fixed 16-byte chunk per thread, loads all of a thread's E2M1 blocks before its stores, and stores K free
+  of bank conflicts (session 6's "rev 2", bit-identical to the first producer and faster; NOTES.md).
+- No L2 prefetch of records by default (`V3_L2_PREFETCH`, measured slower for the decoded formats);
+  `l2_prefetch` > 0 keeps it as a probe (bench v3-pf).
+- `setmaxnreg` only where the even share does not hold a role (`v3_reg_budget`): the 16-head tile's 384 threads
+  compile to 124-150 of their 168, the one-producer 32-head tile's 256 threads may hold 255 each; only the
+  two-producer 32-head tile (384 threads, consumer O^T [512, 32]) splits them.
+- Softmax runs along M (keys), which spans the 4 warps: per head a butterfly over the 8 lanes that
+  hold its rows and a 4-warp exchange through shared memory (double-buffered by tile parity, one
+  named barrier per tile). Masked keys (past the query's length; sparse: an index of -1 or outside the cache,
+  whose slot id the producer hands over with the K stage) get p = 0 by a select and never enter the running
+  max, whose start value is the finite -FLT_MAX, exactly as in v2 (a query with no valid key: out 0, lse -inf).
+- `split=True`: partial (out / l, lse) per split, merged by `mla_combine` (which applies the sink).
+- `cta_pair=True` (session 11, `tuning.v3_cta_pair`; held by `V3_TILE_32_PAIR` until its GPU tests pass): the
+  two-producer 32-head tile as a cluster of 2 CTAs along grid y (head tiles 2c, 2c + 1: the same keys); each CTA's
+  producers copy and decode half of every raw unit (`v3_pair_keys`; bf16: half of each tile's copy, forwarded) and
+  store every decoded row into both CTAs' K stage, so a record is decoded once per 64 heads; the K ring's barriers
+  count both CTAs' producers and consumers at cluster scope (kernels/cta_pair.py: the protocol and why).
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+import torch
+from cutlass import BFloat16, Float32, Int32, Int64, Uint32
+from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+
+from mla_eval_kernels.cute import cta_pair, ptx
+from mla_eval_kernels.cute.compile_cache import arch_tag, compiled
+from mla_eval_kernels.cute.mla_attention import (
+    D_QK,
+    D_V,
+    LN_2,
+    LOG2_E,
+    MlaAttention,
+    _cp_async_16,
+    _ld_shared_u8,
+    _ld_shared_u32,
+    _ld_shared_v4,
+    _ptr,
+    _st_shared_v4,
+    choose_splits,
+    swizzled_offset,
+)
+from mla_eval_kernels.cute.mla_combine import MlaCombine
+from mla_eval_kernels.plan import e2m1_bits
+from mla_eval_kernels.plan.device_limits import smem_per_block
+from mla_eval_kernels.plan.launch_grid import attention_grid
+from mla_eval_kernels.plan.record_plan import ORDER_8X4, RecordPlan
+from mla_eval_kernels.plan.tuning import (
+    V3_BN,
+    V3_CONSUMER_REV,
+    V3_CONSUMER_REVS,
+    V3_HEAD_TILES,
+    V3_HEADS,
+    V3_K_STAGES,
+    V3_L2_PREFETCH,
+    V3_PAIR_CTAS,
+    fast_e2m1_eligible,
+    is_bf16_plan,
+    v3_cta_pair,
+    v3_decode_rev,
+    v3_head_tile,
+    v3_pair_blocker,
+    v3_pair_keys,
+    v3_producer_wgs,
+    v3_raw_ring,
+    v3_raw_rings,
+    v3_raw_unit,
+    v3_reg_budget,
+)
+
+WG = 128  # threads per warpgroup
+TIMING_PROBES = ("", "nodec", "nomma")  # bench v3-nodec / v3-nomma: what the decode / the consumer's MMAs cost
+BAR_CONSUMER = 1  # named barrier ids (0 is __syncthreads)
+BAR_PRODUCER = 2
+
+
+def _prefetch_l2(gaddr, nbytes: int):
+    """Bulk prefetch of `nbytes` (a multiple of 16, 16-byte aligned) of global memory into L2."""
+    cute.arch.inline_ptx(f"cp.async.bulk.prefetch.L2.global [{{$r0}}], {nbytes};", read_only_args=[Int64(gaddr)])
+
+
+def _ld_shared_v2(addr):
+    return cute.arch.inline_ptx(
+        "ld.shared.v2.b32 {{$w0}, {$w1}}, [{$r0}];", write_only_types=[Uint32, Uint32], read_only_args=[Int32(addr)]
+    )
+
+
+def _st_shared_bf16(addr, x):
+    cute.arch.inline_ptx(
+        "{ .reg .b16 h; cvt.rn.bf16.f32 h, {$r1}; st.shared.b16 [{$r0}], h; }",
+        read_only_args=[Int32(addr), Float32(x)],
+    )
+
+
+class MlaAttentionV3(MlaAttention):
+    """One compiled v3 kernel per (plan, sink, outer scale, split, L2 prefetch distance, producer
+    warpgroups, timing probe, raw ring, head tile, dense or sparse lists).
+
+    Inherits v2's record decode (`decode_tile`, `decode8`, `decode8_e2m1_folded`): with `bn` = 64 and
+    `num_threads` = 128 (the producer warpgroup) they write the same swizzled bf16 K tile that wgmma reads.
+    """
+
+    def __init__(
+        self, plan: RecordPlan, has_sink: bool, has_outer: bool, split: bool, l2_prefetch: int = V3_L2_PREFETCH,
+        producer_wgs: int | None = None, timing_probe: str = "", raw_ring: tuple[int, int] | None = None,
+        heads: int = V3_HEADS, sparse: bool = False, consumer_rev: int = V3_CONSUMER_REV, decode_rev: int | None = None,
+        cta_pair: bool = False,
+    ):
+        if timing_probe not in TIMING_PROBES:
+            raise ValueError(f"timing_probe must be one of {TIMING_PROBES}, not {timing_probe!r}")
+        if heads not in V3_HEAD_TILES:
+            raise ValueError(f"heads (the head tile) must be one of {V3_HEAD_TILES}, not {heads}")
+        if consumer_rev not in V3_CONSUMER_REVS:
+            raise ValueError(f"consumer_rev must be one of {V3_CONSUMER_REVS}, not {consumer_rev}")
+        self.consumer_rev = consumer_rev  # the consumer's per-tile code (`tuning.V3_CONSUMER_REV`)
+        # benchmark only, wrong output: "nodec" leaves the K tile undecoded (the producer still copies and
+        # hands over each tile), "nomma" drops the consumer's 68 wgmma per tile (softmax on zeros)
+        self.probe = timing_probe
+        self.plan = plan
+        self.l2_prefetch = l2_prefetch  # key tiles of records prefetched into L2 beyond the next one (0: none)
+        self.sparse = sparse  # slot ids from the launch's index list (-1 / out of range: no key), else block_table
+        self.has_sink = has_sink
+        self.has_outer = has_outer
+        self.split = split
+        self.fold = fast_e2m1_eligible(plan)
+        self.copy_k = is_bf16_plan(plan)
+        # producer warpgroups (`v3_producer_wgs`; another count is a benchmark probe) and, where the CTA's even share
+        # of the registers does not hold the roles, their `setmaxnreg` budgets (consumer, producer; `v3_reg_budget`)
+        self.producer_wgs = producer_wgs or v3_producer_wgs(plan, heads)
+        self.regs = v3_reg_budget(heads, self.producer_wgs)
+        # rev 2 unrolls the tile loop by the K ring's stages, with every tile shape and register budget: the copies after
+        # the first of a loop trip read Q's descriptors from a base ptxas cannot merge with the first copy's
+        # (`q_descriptors`), without which the 32-head tile under `setmaxnreg` spilled them (docs/kernels.md, session 11)
+        self.unroll = consumer_rev >= 2
+        # copies of the consumer's tile code in the kernel: unrolled, a loop body of V3_K_STAGES tiles, then up to
+        # V3_K_STAGES - 1 remainder tiles; compile_check counts wgmma by it
+        self.tile_copies = 2 * V3_K_STAGES - 1 if self.unroll else 1
+        self.pt = WG * self.producer_wgs  # producer threads
+        self.bn = V3_BN
+        self.nh = heads  # the head tile: wgmma's N (`tuning.v3_head_tile`)
+        self.num_threads = self.pt  # the producer threads decode (the inherited decode_tile reads this)
+        self.k_stages = V3_K_STAGES
+        # raw ring: `raw_stages` stages of `raw_keys` records (whole tiles, or parts of one for the fp8 records);
+        # another ring than the default is a benchmark probe (bench v3-r<stages>x<keys>)
+        rings = v3_raw_rings(plan, heads, sparse)
+        ring = tuple(raw_ring or v3_raw_ring(plan, heads, sparse))
+        if ring not in rings:
+            raise ValueError(f"raw_ring {ring} is not one v3 runs for {plan.name}, {heads} heads (any of {rings})")
+        self.ring = ring
+        self.raw_stages = 0 if self.copy_k else ring[0]
+        self.raw_keys = ring[1]
+        self.raw_units = self.bn // self.raw_keys  # raw stages per key tile
+        # slot ids in shared memory, columns of BN: the producer's 2 look-ahead buffers (by tile parity) and, sparse,
+        # one per K stage: the ids of the keys in that stage, which the consumer masks by (an index of -1 or out of
+        # range has no record: p = 0 exactly, as v2 masks by its slot ids), handed over with the stage's mbarrier
+        self.slot_cols = 2 + (self.k_stages if sparse else 0)
+        # the E2M1 latent decode's revision (`tuning.v3_decode_rev`; another is a probe: bench v3-d2, tests)
+        self.decode_rev = v3_decode_rev(plan, decode_rev)
+        # the CTA pair (kernels/cta_pair.py, `tuning.v3_cta_pair`): a cluster of 2 CTAs along grid y, each
+        # producing `unit_keys` (half) of every raw unit (bf16: of every tile's copy) into both CTAs' K stage
+        self.pair = bool(cta_pair)
+        if self.pair:
+            why = v3_pair_blocker(plan, V3_PAIR_CTAS * heads, heads, self.producer_wgs)
+            if why:
+                raise ValueError(f"cta_pair: {why}")
+        self.pair_unit = self.bn if self.copy_k else self.raw_keys  # what the pair halves: a raw unit (bf16: a tile)
+        self.unit_keys = v3_pair_keys(self.pair_unit, 0)[1] if self.pair else self.raw_keys
+
+    @cute.jit
+    def __call__(
+        self,
+        q_ptr: cute.Pointer,
+        cache_ptr: cute.Pointer,
+        idx_ptr: cute.Pointer,
+        seqlen_ptr: cute.Pointer,
+        sink_ptr: cute.Pointer,
+        out_ptr: cute.Pointer,
+        lse_ptr: cute.Pointer,
+        num_queries: Int32,
+        num_heads: Int32,
+        idx_stride: Int32,
+        num_slots: Int32,
+        block_size: Int32,
+        softmax_scale: Float32,
+        s_l: Float32,
+        tiles_per_split: Int32,
+        num_splits: Int32,
+        stream: cuda.CUstream,
+    ):
+        bn, nh, ks = self.bn, self.nh, self.k_stages
+        k_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
+        mn_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.MN_SW128, BFloat16)
+        # K ring [BN keys, 576, stages]: keys fastest over the 8-row atoms, then 64-column blocks
+        # (the byte layout of `swizzled_offset(key, d, BN)`, which the producer writes by hand)
+        sK_layout = cute.tile_to_shape(k_atom, (bn, D_QK, ks), (0, 1, 2))
+        # V^T [512, BN] over the same bytes: 64 dims contiguous per key row, keys fastest over atoms,
+        # then 64-dim blocks at BN * 64 elements; a stage is BN * 576 elements further on
+        vt_one = cute.tile_to_shape(mn_atom, (D_V, bn), (1, 0))
+        sVt_outer = cute.append(vt_one.outer, cute.make_layout(ks, stride=bn * D_QK))
+        sQ_layout = cute.tile_to_shape(k_atom, (nh, D_QK), (0, 1))
+        sP_layout = cute.tile_to_shape(k_atom, (nh, bn), (0, 1))
+        raw_bytes = max(16, self.raw_stages * self.raw_keys * self.plan.record_bytes)
+
+        @cute.struct
+        class SharedStorage:
+            mbar: cute.struct.MemRange[cutlass.Int64, 2 * ks]
+            sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sK_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sP_layout)], 1024]
+            raw: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, raw_bytes], 128]
+            slots: cute.struct.Align[cute.struct.MemRange[Int32, self.slot_cols * bn], 16]
+            red: cute.struct.Align[cute.struct.MemRange[Float32, 2 * 4 * nh], 16]
+
+        mma_s = sm90_utils.make_trivial_tiled_mma(
+            BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1), (bn, nh)
+        )
+        mma_o = sm90_utils.make_trivial_tiled_mma(
+            BFloat16, BFloat16, OperandMajorMode.MN, OperandMajorMode.K, Float32, (1, 1, 1), (bn, nh)
+        )
+        grid = (num_queries * num_splits, (num_heads + nh - 1) // nh, 1)
+        self.kernel(
+            q_ptr, cache_ptr, idx_ptr, seqlen_ptr, sink_ptr, out_ptr, lse_ptr,
+            num_queries, num_heads, idx_stride, num_slots, block_size,
+            softmax_scale, s_l, tiles_per_split, num_splits,
+            sQ_layout, sK_layout, sVt_outer, vt_one.inner, sP_layout, mma_s, mma_o, SharedStorage,
+        ).launch(grid=grid, block=[WG + self.pt, 1, 1], stream=stream, **self.launch_bounds(), **self.launch_cluster())
+
+    def launch_cluster(self) -> dict:
+        """The CTA pair's cluster (2 CTAs along grid y: head tiles 2c, 2c + 1; grid y is even, `v3_pair_blocker`);
+        nothing for the unpaired kernels, which launch as they were compiled (and GPU-tested)."""
+        return dict(cluster=[1, V3_PAIR_CTAS, 1]) if self.pair else {}
+
+    def launch_bounds(self) -> dict:
+        """With per-role registers: one CTA per SM (`.minnctapersm 1`), which with `.reqntid` (the block) tells ptxas
+        the registers each thread holds at entry (65536 / threads); without it ptxas drops every `setmaxnreg`
+        ("unable to determine register count at entry", C7508) and spills at the even share. Nothing otherwise:
+        the other kernels stay as they were compiled (and GPU-tested)."""
+        return dict(min_blocks_per_mp=1) if self.regs is not None else {}
+
+    @cute.kernel
+    def kernel(
+        self,
+        q_ptr: cute.Pointer,
+        cache_ptr: cute.Pointer,
+        idx_ptr: cute.Pointer,
+        seqlen_ptr: cute.Pointer,
+        sink_ptr: cute.Pointer,
+        out_ptr: cute.Pointer,
+        lse_ptr: cute.Pointer,
+        num_queries: Int32,
+        num_heads: Int32,
+        idx_stride: Int32,
+        num_slots: Int32,
+        block_size: Int32,
+        softmax_scale: Float32,
+        s_l: Float32,
+        tiles_per_split: Int32,
+        num_splits: Int32,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sVt_outer: cute.Layout,
+        sw: cute.Swizzle,
+        sP_layout: cute.ComposedLayout,
+        mma_s: cute.TiledMma,
+        mma_o: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        bn = self.bn
+        tidx, _, _ = cute.arch.thread_idx()
+        block_x, head_tile, _ = cute.arch.block_idx()
+        split_idx = block_x % num_splits  # launch_grid.cta_coords
+        qi = block_x // num_splits
+        h0 = head_tile * self.nh
+        wg_idx = cute.arch.make_warp_uniform(tidx // WG)
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        if cutlass.const_expr(self.pair):
+            # both CTAs' producers fill, both consumers release each stage (kernels/cta_pair.py: why, and the scopes);
+            # the init ends with a cluster-wide barrier, before any thread touches the peer
+            kpipe = cta_pair.PairRing(storage.mbar.data_ptr().toint(), self.k_stages, self.pt, WG)
+            kpipe.init(tidx)
+        else:
+            # the K ring's full / empty mbarriers: every producer thread arrives on full after its own
+            # copies / decode are visible to the async proxy, every consumer thread on empty after its PV
+            kpipe = pipeline.PipelineAsync.create(
+                barrier_storage=storage.mbar.data_ptr(),
+                num_stages=self.k_stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.pt),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, WG),
+            )
+
+        # ---- this CTA's key range (both roles compute the same): sparse, the list's width (topk), as in v2 ----
+        num_keys = idx_stride
+        if cutlass.const_expr(not self.sparse):
+            num_keys = cute.make_tensor(seqlen_ptr, cute.make_layout(num_queries))[qi]
+        num_tiles = (num_keys + bn - 1) // bn
+        t_begin = split_idx * tiles_per_split
+        t_end = cutlass.min(t_begin + tiles_per_split, num_tiles)
+        n_local = cutlass.max(t_end - t_begin, 0)
+
+        # every warpgroup past the first produces: decoded formats run 2 producer warpgroups (ptid 0..255);
+        # `== 1` sent warpgroup 2 into the consumer (wrong tidx, 256 arrivals on a 128-thread named barrier)
+        if wg_idx >= 1:
+            if cutlass.const_expr(self.regs is not None):  # every warp of the warpgroup runs it (warp-uniform branch)
+                cute.arch.setmaxregister_decrease(self.regs[1])
+            self.producer(
+                storage, kpipe, cache_ptr, idx_ptr, qi, idx_stride, num_keys, num_slots, block_size, s_l, t_begin, n_local,
+                tidx - WG,
+            )
+        else:
+            if cutlass.const_expr(self.regs is not None):  # waits until the producers' .dec returned the registers
+                cute.arch.setmaxregister_increase(self.regs[0])
+            self.consumer(
+                storage, kpipe, q_ptr, sink_ptr, out_ptr, lse_ptr, num_queries, num_heads, softmax_scale, s_l,
+                num_splits, split_idx, qi, h0, num_keys, t_begin, n_local, tidx,
+                sQ_layout, sK_layout, sVt_outer, sw, sP_layout, mma_s, mma_o,
+            )
+        if cutlass.const_expr(self.pair):
+            # no exit while the peer may still arrive on this CTA's barriers (its consumer's last releases) or store
+            # into its K ring: every thread of both CTAs past its last remote access (kernels/cta_pair.py)
+            cta_pair.cluster_sync()
+
+    # ------------------------------------------------------------------ producer warpgroup
+    @cute.jit
+    def producer(
+        self, storage, kpipe, cache_ptr: cute.Pointer, idx_ptr: cute.Pointer, qi: Int32, idx_stride: Int32,
+        num_keys: Int32, num_slots: Int32, block_size: Int32, s_l: Float32, t_begin: Int32, n_local: Int32, ptid: Int32,
+    ):
+        bn = self.bn
+        rec = self.plan.record_bytes
+        sSlot = storage.slots.get_tensor(cute.make_layout((bn, self.slot_cols), stride=(1, bn)))
+        sK_addr = storage.sK.data_ptr().toint()
+        raw_addr = storage.raw.data_ptr().toint()
+        cache_addr = cache_ptr.toint()
+        # this query's block_table row or index list (64-bit offset: N x stride may pass 2^31 entries)
+        m_idx = cute.make_tensor(idx_ptr + Int64(qi) * Int64(idx_stride), cute.make_layout(idx_stride))
+        acq = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.k_stages)
+        koff, kshift = None, None
+        if cutlass.const_expr(self.pair):
+            # this CTA's half of every raw unit (bf16: of every tile): keys koff .. koff + unit_keys of the unit, i.e. K
+            # rows koff .. of the unit's part, which are the rows 0 .. of the part at K byte offset kshift (koff is a
+            # multiple of 8: whole 8-row swizzle atoms, `v3_pair_keys`); every decoded row also goes to the peer's stage
+            # at the same offset (`store_k`: this thread's address + k_peer)
+            rank = cta_pair.cta_rank()
+            koff = v3_pair_keys(self.pair_unit, rank)[0]
+            kshift = 2 * swizzled_offset(koff, 0, bn)
+            self.k_peer = cta_pair.peer_addr(sK_addr) - sK_addr
+
+        # look-ahead, one role per thread: ptid < BN writes the slot id of key ptid of the next tile
+        # into the slot ring; ptid >= BN prefetches key (ptid - BN)'s record into L2, `l2_prefetch`
+        # tiles beyond the next (DRAM reads in flight without shared memory: the cp.async of a tile
+        # then mostly hits L2). Each slot id is loaded one iteration before its use, so the
+        # block_table read never stalls the thread that needs it.
+        pf = self.l2_prefetch
+        la_key = ptid % bn
+        la_ahead = 1 if ptid < bn else 1 + pf
+        if ptid < bn:
+            sSlot[ptid, 0] = self.slot_of(m_idx, t_begin * bn + ptid, num_keys, num_slots, block_size, 0 < n_local)
+        elif cutlass.const_expr(pf > 0):
+            for t in cutlass.range_constexpr(1, pf + 1):
+                slot = self.slot_of(m_idx, (t_begin + t) * bn + la_key, num_keys, num_slots, block_size, t < n_local)
+                if slot >= 0 and ptid < 2 * bn:  # threads past 2 BN (a second producer warpgroup) only decode
+                    _prefetch_l2(cache_addr + Int64(slot) * Int64(rec), rec)
+        nxt = self.slot_of(m_idx, (t_begin + la_ahead) * bn + la_key, num_keys, num_slots, block_size, la_ahead < n_local)
+        cute.arch.barrier(barrier_id=BAR_PRODUCER, number_of_threads=self.pt)
+        if cutlass.const_expr(self.copy_k):
+            # bf16: records are the K rows; cp.async straight into the ring, tile it + 1 in flight
+            # while tile it completes. `com` trails `acq` by one tile.
+            com = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.k_stages)
+            if 0 < n_local:
+                kpipe.producer_acquire(acq)
+                self.load_tile(sSlot, 0, acq.index, sK_addr, cache_addr, ptid, koff)
+                self.stage_slots(sSlot, 0, acq.index, ptid)
+                acq.advance()
+            cute.arch.cp_async_commit_group()
+            for it in range(n_local):
+                nxt = self.look_ahead(
+                    sSlot, m_idx, nxt, it, la_key, la_ahead, t_begin, n_local, num_keys, num_slots, block_size, cache_addr,
+                    ptid,
+                )
+                cute.arch.barrier(barrier_id=BAR_PRODUCER, number_of_threads=self.pt)
+                if it + 1 < n_local:
+                    kpipe.producer_acquire(acq)
+                    self.load_tile(sSlot, (it + 1) % 2, acq.index, sK_addr, cache_addr, ptid, koff)
+                    self.stage_slots(sSlot, (it + 1) % 2, acq.index, ptid)
+                    acq.advance()
+                cute.arch.cp_async_commit_group()
+                cute.arch.cp_async_wait_group(1)  # this thread's copies of tile it have landed
+                if cutlass.const_expr(self.pair):
+                    # cp.async writes only this CTA's shared memory: the thread forwards its own chunks to the peer
+                    self.forward_tile(com.index, sK_addr, ptid, koff)
+                    cta_pair.fence_proxy_async_cluster()  # both CTAs' rows visible to wgmma
+                else:
+                    cute.arch.fence_view_async_shared()  # ... and are visible to wgmma (async proxy)
+                kpipe.producer_commit(com)
+                com.advance()
+        else:
+            # decoded formats: a raw ring of S stages of nk records, U = BN / nk per key tile ("units"). Unit
+            # u = U it + h sits in stage u % S; while it decodes, units u + 1 .. u + S - 1 load (one cp.async group
+            # each, in order, so wait_group(S - 2) completes unit u). Loads run at most one tile ahead (S - 1 <= U,
+            # `v3_raw_rings`), whose slot ids `look_ahead` wrote before the first barrier of the iteration.
+            units, stages, nk = self.raw_units, self.raw_stages, self.raw_keys
+            stage_bytes = nk * rec
+            for j in cutlass.range_constexpr(stages - 1):  # units 0 .. S - 2: parts of tile 0
+                _, part, stage = v3_raw_unit(self.ring, 0, j)
+                if 0 < n_local:
+                    self.load_raw(sSlot, 0, raw_addr + stage * stage_bytes, cache_addr, ptid, part * nk, koff)
+                cute.arch.cp_async_commit_group()
+            for it in range(n_local):
+                nxt = self.look_ahead(
+                    sSlot, m_idx, nxt, it, la_key, la_ahead, t_begin, n_local, num_keys, num_slots, block_size, cache_addr,
+                    ptid,
+                )
+                for h in cutlass.range_constexpr(units):
+                    cute.arch.cp_async_wait_group(stages - 2)  # this thread's records of unit (it, h) have landed
+                    # all threads' records landed, the next slot ids are written, and every thread has
+                    # finished decoding the previous unit, whose raw stage is refilled next
+                    cute.arch.barrier(barrier_id=BAR_PRODUCER, number_of_threads=self.pt)
+                    j = h + stages - 1  # the unit loaded now: part j % U of tile it + j // U (this tile or the next)
+                    tile, part, stage = v3_raw_unit(self.ring, it, j)
+                    if cutlass.const_expr(j < units):
+                        self.load_raw(sSlot, it % 2, raw_addr + stage * stage_bytes, cache_addr, ptid, part * nk, koff)
+                    else:
+                        if tile < n_local:
+                            self.load_raw(sSlot, tile % 2, raw_addr + stage * stage_bytes, cache_addr, ptid, part * nk, koff)
+                    cute.arch.cp_async_commit_group()
+                    if cutlass.const_expr(h == 0):
+                        kpipe.producer_acquire(acq)
+                        self.stage_slots(sSlot, it % 2, acq.index, ptid)
+                    if cutlass.const_expr(self.probe != "nodec"):
+                        _, part, stage = v3_raw_unit(self.ring, it, h)
+                        kbase = sK_addr + 2 * bn * D_QK * acq.index
+                        if cutlass.const_expr(self.pair):
+                            kbase = kbase + kshift  # this CTA's half of the part (rows part * nk + koff ..)
+                        self.decode_tile_v3(raw_addr + stage * stage_bytes, kbase, s_l, ptid, part * nk, self.unit_keys)
+                if cutlass.const_expr(self.pair):
+                    cta_pair.fence_proxy_async_cluster()  # this thread's rows in both CTAs visible to wgmma
+                else:
+                    cute.arch.fence_view_async_shared()
+                kpipe.producer_commit(acq)
+                acq.advance()
+
+    @cute.jit
+    def look_ahead(
+        self, sSlot: cute.Tensor, m_idx: cute.Tensor, nxt: Int32, it: Int32, la_key: Int32, la_ahead: Int32, t_begin: Int32,
+        n_local: Int32, num_keys: Int32, num_slots: Int32, block_size: Int32, cache_addr: Int64, ptid: Int32,
+    ) -> Int32:
+        """Use the slot id loaded last iteration (slot ring or L2 prefetch), load the next one."""
+        bn = self.bn
+        if ptid < bn:
+            sSlot[ptid, (it + 1) % 2] = nxt
+        elif cutlass.const_expr(self.l2_prefetch > 0):
+            if nxt >= 0 and ptid < 2 * bn:
+                _prefetch_l2(cache_addr + Int64(nxt) * Int64(self.plan.record_bytes), self.plan.record_bytes)
+        t = it + 1 + la_ahead
+        live = t < n_local
+        if cutlass.const_expr(self.decode_rev == 2 and self.l2_prefetch == 0):
+            # decode rev 2: only the BN threads that write slot ids need the next one (the others' value is unused
+            # without the L2 prefetch); warp-uniform, it saves the block_table load and the division in 6 of 8 warps
+            live = live & (ptid < bn)
+        return self.slot_of(m_idx, (t_begin + t) * bn + la_key, num_keys, num_slots, block_size, live)
+
+    @cute.jit
+    def stage_slots(self, sSlot: cute.Tensor, slot_buf: Int32, stage: Int32, ptid: Int32):
+        """Sparse: the slot ids of the tile in look-ahead buffer `slot_buf` -> K stage `stage`'s column, for the
+        consumer's mask. Thread ptid < BN copies the id it wrote itself (`look_ahead`), after acquiring the stage
+        (the consumer released its previous ids) and before the stage's mbarrier arrive, which publishes it."""
+        if cutlass.const_expr(self.sparse):
+            if ptid < self.bn:
+                sSlot[ptid, 2 + stage] = sSlot[ptid, slot_buf]
+
+    @cute.jit
+    def decode_tile_v3(
+        self, raw: Int32, kbase: Int32, s_l: Float32, ptid: Int32, key0: cutlass.Constexpr, nkeys: cutlass.Constexpr,
+    ):
+        """Raw records of keys key0 .. key0 + nkeys of one tile (all of it, or a part with the part-tile raw
+        stages) -> those rows of the bf16 K tile at `kbase`. E2M1 x E4M3 latents (the fold formats; whole tiles, or
+        the 16 / 32-key parts their 32-head tile's raw ring holds): a work item is one block of 16 values (one
+        8-byte load of codes, one scale load, conversion and multiply per 16 values, two 16-byte stores); lane =
+        block, so a warp reads one record's 256 bytes of codes in two wavefronts and writes one swizzled 1 KB row.
+        The rope and the other formats go through v2's path (`decode_tile` / `decode8`, 8 values per item: E4M3 ->
+        fp32 exactly, times the fp32 group scale (and s_l) in fp32, that product to bf16 (RN), as v2 does)."""
+        plan = self.plan
+        lat = plan.latent
+        rec = plan.record_bytes
+        # one scale entry per 16 values: groups of 16 or 32 (all fold formats today); a smaller group
+        # would need two entries per item, so it takes v2's path instead of reading the wrong scale
+        # (a part needs whole warps of latent items per thread: nkeys * 32 blocks over the producer threads)
+        fast = self.fold and lat.data_offset % 8 == 0 and rec % 8 == 0 and lat.group % 16 == 0
+        if cutlass.const_expr(fast and (nkeys * 32) % self.pt == 0):
+            blk = ptid % 32  # block of 16 values: 32 per 512-value latent
+            entry = (16 * blk) // lat.group
+            if cutlass.const_expr(lat.scale_order == ORDER_8X4):
+                entry = 8 * (entry & 3) + (entry >> 2)
+            if cutlass.const_expr(self.decode_rev == 2):
+                self.decode_latent_r2(raw, kbase, ptid, blk, entry, key0, nkeys)
+            else:
+                self.decode_latent(raw, kbase, ptid, blk, entry, key0, nkeys)
+            n_rope = nkeys * 8  # items of 8 rope values; a 16-key part with 256 threads has fewer than threads
+            for u in cutlass.range_constexpr((n_rope + self.pt - 1) // self.pt):
+                i = u * self.pt + ptid
+                if cutlass.const_expr((u + 1) * self.pt <= n_rope):
+                    self.decode_rope_item(raw, kbase, s_l, i, key0)
+                else:
+                    if i < n_rope:
+                        self.decode_rope_item(raw, kbase, s_l, i, key0)
+        else:
+            self.decode_tile(raw, kbase, s_l, ptid, key0, nkeys)
+
+    @cute.jit
+    def decode_latent(
+        self, raw: Int32, kbase: Int32, ptid: Int32, blk: Int32, entry: Int32, key0: cutlass.Constexpr, nkeys: cutlass.Constexpr,
+    ):
+        """The E2M1 x E4M3 latent of raw keys 0 .. nkeys (a whole tile or a part) -> K rows key0 .. key0 + nkeys.
+
+        Every load of the thread's items first, then the conversions and stores: ptxas cannot tell
+        the raw ring from the K ring, so a load after a store waits for it (session 6's first producer
+        did that per item: one shared-memory latency each; PTX checked). The two 16-byte stores of a 16-value block
+        go to chunks 2 blk, 2 blk + 1 (mod 8, swizzled by the key row); lanes 0-3 and 4-7 of a quarter
+        warp would hit the same 4 of the 8 bank groups (2 wavefronts per store), so lanes with blk & 4
+        store their upper 8 values first: each store then covers all 8 bank groups."""
+        lat = self.plan.latent
+        rec = self.plan.record_bytes
+        hi_first = (blk & 4) != 0
+        half = (blk >> 2) & 1  # 8 * half: the dims of the first store past 16 blk
+        items = []
+        for u in cutlass.range_constexpr(nkeys * 32 // self.pt):
+            key = u * (self.pt // 32) + ptid // 32
+            r = raw + key * rec
+            w0, w1 = _ld_shared_v2(r + lat.data_offset + 8 * blk)
+            code = _ld_shared_u8(r + lat.scale_offset + entry)
+            items.append((key + key0 if key0 else key, w0, w1, code))
+        for u in cutlass.range_constexpr(len(items)):
+            key, w0, w1, code = items[u]
+            f = ptx.e4m3_to_f32(code) * Float32(2.0**e2m1_bits.SCALE_BIAS_LOG2)
+            s2 = ptx.bf16x2(f, f)
+            first = w1 if hi_first else w0
+            second = w0 if hi_first else w1
+            a0, a1, a2, a3 = ptx.e2m1x8_scaled_bf16x2(first, s2)
+            b0, b1, b2, b3 = ptx.e2m1x8_scaled_bf16x2(second, s2)
+            self.store_k(kbase + 2 * swizzled_offset(key, 16 * blk + 8 * half, self.bn), a0, a1, a2, a3)
+            self.store_k(kbase + 2 * swizzled_offset(key, 16 * blk + 8 - 8 * half, self.bn), b0, b1, b2, b3)
+
+    @cute.jit
+    def decode_latent_r2(
+        self, raw: Int32, kbase: Int32, ptid: Int32, blk: Int32, entry: Int32, key0: cutlass.Constexpr, nkeys: cutlass.Constexpr,
+    ):
+        """`decode_latent` (same bytes, same loads-then-stores order, same bank-conflict-free store order) in decode
+        rev 2 (`tuning.V3_DECODE_REV`): the pairs through `ptx.e2m1x8_scaled_bf16x2_r2`; the word a lane
+        converts and stores first (its upper 8 values where blk & 4) read by its own 4-byte load instead of a select
+        per item; the store addresses worked out per thread, not per item. Item u is raw key u * kpp + w (kpp = keys
+        per pass = producer threads / 32, w = ptid // 32 < kpp) and K row key0 + u * kpp + w: with key0 and u * kpp
+        multiples of kpp (8 or 4), row & 7 = (K & 7) + w and row >> 3 = K >> 3 for K = key0 + u * kpp, so the swizzle
+        (`swizzled_offset`) is a per-thread constant for each value of K & 7 (one with 256 producer threads, two
+        with 128) plus 512 elements per 8 rows, an immediate in the store."""
+        lat = self.plan.latent
+        rec = self.plan.record_bytes
+        bn = self.bn
+        kpp = self.pt // 32
+        if cutlass.const_expr(key0 % 8 != 0 or 8 % kpp != 0):  # the row arithmetic above
+            raise ValueError(f"decode rev 2 needs key0 % 8 == 0 and 8 % kpp == 0 (key0 {key0}, kpp {kpp})")
+        w = ptid // 32
+        half = (blk >> 2) & 1  # 1: this lane converts and stores its upper 8 values first
+        ld_first = raw + w * rec + lat.data_offset + 8 * blk + 4 * half
+        ld_second = raw + w * rec + lat.data_offset + 8 * blk + 4 - 4 * half
+        ld_scale = raw + w * rec + lat.scale_offset + entry
+        chunk_first = ((2 * blk + half) & 7) ^ w  # 16-byte chunk (of 8) before the row's own XOR part K & 7
+        chunk_second = ((2 * blk + 1 - half) & 7) ^ w
+        col_block = (blk >> 2) * (bn // 8) * 512  # 64-column block of the first 8 rows, in elements
+        items = []
+        for u in cutlass.range_constexpr(nkeys * 32 // self.pt):
+            off = u * kpp * rec
+            w0 = _ld_shared_u32(ld_first + off)
+            w1 = _ld_shared_u32(ld_second + off)
+            code = _ld_shared_u8(ld_scale + off)
+            items.append((key0 + u * kpp, w0, w1, code))
+        # per thread, once per value of K & 7 (hoisted out of the tile loop by ptxas)
+        bases = {
+            kk: (
+                kbase + 2 * (col_block + (kk + w) * 64 + ((chunk_first ^ kk) << 3)),
+                kbase + 2 * (col_block + (kk + w) * 64 + ((chunk_second ^ kk) << 3)),
+            )
+            for kk in sorted({it[0] & 7 for it in items})
+        }
+        for u in cutlass.range_constexpr(len(items)):
+            k, w0, w1, code = items[u]
+            st_first, st_second = bases[k & 7]
+            f = ptx.e4m3_to_f32(code) * Float32(2.0**e2m1_bits.SCALE_BIAS_LOG2)
+            s2 = ptx.bf16x2(f, f)
+            a0, a1, a2, a3 = ptx.e2m1x8_scaled_bf16x2_r2(w0, s2)
+            b0, b1, b2, b3 = ptx.e2m1x8_scaled_bf16x2_r2(w1, s2)
+            self.store_k(st_first + 1024 * (k >> 3), a0, a1, a2, a3)
+            self.store_k(st_second + 1024 * (k >> 3), b0, b1, b2, b3)
+
+    @cute.jit
+    def load_raw(
+        self, sSlot: cute.Tensor, slot_buf: Int32, stage_addr: Int32, cache_addr: Int64, ptid: Int32, key0: cutlass.Constexpr,
+        koff=None,
+    ):
+        """cp.async of the records of keys key0 .. key0 + raw_keys of the tile whose slot ids are in buffer
+        `slot_buf` into the raw stage at `stage_addr` (decoded formats): thread ptid copies 16-byte chunk
+        ptid % chunks of keys ptid // chunks + g u (g = keys per pass), so the chunk and the addresses are
+        worked out once, not per copy; all slot ids are read before the first copy. Zero-filled past the
+        query's keys. The CTA pair: the unit's keys key0 + koff .. + `unit_keys` (this CTA's half) into records 0 ..
+        of the stage."""
+        nk = self.unit_keys
+        rec = self.plan.record_bytes
+        chunks = rec // 16
+        g = self.pt // chunks  # keys per pass (nvfp4, 256 producer threads: 9 keys, 243 threads)
+        passes = (nk + g - 1) // g
+        kk = ptid // chunks
+        ch = ptid % chunks
+        if ptid < g * chunks:
+            src0 = cache_addr + Int64(16 * ch)
+            dst0 = stage_addr + kk * rec + 16 * ch
+            slots = []
+            for u in cutlass.range_constexpr(passes):
+                if cutlass.const_expr(koff is None):
+                    slots.append(sSlot[key0 + cutlass.min(kk + g * u, nk - 1), slot_buf])
+                else:
+                    slots.append(sSlot[key0 + koff + cutlass.min(kk + g * u, nk - 1), slot_buf])
+            for u in cutlass.range_constexpr(passes):
+                slot = slots[u]
+                src = src0 + Int64(cutlass.max(slot, 0)) * Int64(rec)
+                if cutlass.const_expr(g * (u + 1) > nk):  # the last pass: keys past the stage copy nothing
+                    if kk + g * u < nk:
+                        _cp_async_16(dst0 + g * u * rec, src, 16 if slot >= 0 else 0)
+                else:
+                    _cp_async_16(dst0 + g * u * rec, src, 16 if slot >= 0 else 0)
+
+    @cute.jit
+    def load_tile(
+        self, sSlot: cute.Tensor, slot_buf: Int32, stage: Int32, sK_addr: Int32, cache_addr: Int64, ptid: Int32, koff=None,
+    ):
+        """bf16: cp.async the BN records of a tile straight into K ring stage `stage` (zero-filled past the
+        query's keys). Consecutive threads take consecutive 16-byte chunks of a record, so a warp reads
+        whole records. The CTA pair: this CTA's half, keys koff .. koff + `unit_keys` (`forward_tile` sends them on)."""
+        rec = self.plan.record_bytes
+        chunks = rec // 16
+        total = self.unit_keys * chunks
+        for i in range(ptid, total, self.pt):
+            key = i // chunks
+            if cutlass.const_expr(koff is not None):
+                key = key + koff
+            ch = i % chunks
+            slot = sSlot[key, slot_buf]
+            src = cache_addr + Int64(cutlass.max(slot, 0)) * Int64(rec) + Int64(16 * ch)
+            dst = sK_addr + 2 * (stage * (self.bn * D_QK) + swizzled_offset(key, 8 * ch, self.bn))
+            _cp_async_16(dst, src, 16 if slot >= 0 else 0)
+
+    @cute.jit
+    def forward_tile(self, stage: Int32, sK_addr: Int32, ptid: Int32, koff: Int32):
+        """bf16, CTA pair: the chunks this thread copied into K stage `stage` (`load_tile`'s, after its
+        cp.async.wait_group: its own copies are visible to it) into the same place of the peer's stage."""
+        chunks = self.plan.record_bytes // 16
+        for i in range(ptid, self.unit_keys * chunks, self.pt):
+            addr = sK_addr + 2 * (stage * (self.bn * D_QK) + swizzled_offset(koff + i // chunks, 8 * (i % chunks), self.bn))
+            w0, w1, w2, w3 = _ld_shared_v4(addr)
+            cta_pair.st_cluster_v4(addr + self.k_peer, w0, w1, w2, w3)
+
+    def store_k(self, addr, w0, w1, w2, w3):
+        """16 decoded bytes into the K tile at `addr`; the CTA pair also into the peer's, at the same offset (`k_peer`:
+        the peer's K ring in the shared::cluster window minus this CTA's, set by `producer`)."""
+        _st_shared_v4(addr, w0, w1, w2, w3)
+        if self.pair:
+            cta_pair.st_cluster_v4(addr + self.k_peer, w0, w1, w2, w3)
+
+    # ------------------------------------------------------------------ consumer warpgroup
+    def key_valid(self, sSlot: cute.Tensor, stage: Int32, key0: Int32, key: Int32, num_keys: Int32):
+        """Whether key `key` of the tile starting at key `key0` (in K stage `stage`) is one of the query's: dense, below
+        its length; sparse, a valid index (the slot id the producer staged with the tile is >= 0). Plain Python,
+        traced inline (a compile-time branch)."""
+        if self.sparse:
+            return sSlot[key, 2 + stage] >= 0
+        return key0 + key < num_keys
+
+    @cute.jit
+    def rescale_o(self, acc_O, alpha, n_s: cutlass.Constexpr):
+        """O^T *= the softmax correction of each value's head (`alpha`: one per head slot of the thread; value i of
+        O^T holds head slot v % 2 + 2 (v // 4) of S^T's value v = i % n_s)."""
+        for i in cutlass.range_constexpr(cute.size(acc_O)):
+            v = i % n_s
+            acc_O[i] = acc_O[i] * alpha[v % 2 + 2 * (v // 4)]
+
+    @cute.jit
+    def q_descriptors(self, it: Int32, t: dict):
+        """Q's wgmma B operands (descriptors, as `t["tSrQ"]`) for a copy of the tile code after the first of an unrolled
+        loop trip (rev 2): the same shared-memory bytes, but at sQ's address + `ptx.opaque_zero(it)` (0: `it` >= 0).
+        Built from the one address, every copy's 36 Q descriptors are the same values; ptxas then computed them once per
+        trip and kept them from the first copy to the next, in vector registers where the uniform ones ran out (two
+        R2UR per use), which at the 32-head tile under `setmaxnreg` (consumer 232) spilled 24-32 B even at 256. Per copy
+        it costs one `min` and the descriptors' uniform adds, which the first copy pays anyway (docs/kernels.md,
+        session 11: fewer SASS per tile at both head tiles, no stack frame)."""
+        addr = t["sQ_addr"] + ptx.opaque_zero(it)
+        base = cute.make_ptr(BFloat16, addr, cute.AddressSpace.smem, assumed_align=1024)  # sQ: Align 1024
+        sQ = cute.make_tensor(cute.recast_ptr(base, t["sQ_layout"].inner, dtype=BFloat16), t["sQ_layout"].outer)
+        return t["mma_s"].make_fragment_B(t["thr_s"].partition_B(sQ))
+
+    @cute.jit
+    def consume_tile(self, kpipe, state, stage, it: Int32, t: dict, fresh_q: cutlass.Constexpr = False):
+        """One key tile of the consumer warpgroup: wait for K stage `stage` (`state`: its mbarrier index and phase), S^T,
+        the online softmax, P^T to shared memory, O^T += V^T P^T, release the stage. `stage` is `state.index` (rev 1)
+        or the same value as a compile-time constant (rev 2, `V3_CONSUMER_REV`); `t` holds the consumer's tensors;
+        `fresh_q` (rev 2, copies after the first of a loop trip): Q's descriptors from `q_descriptors`."""
+        bn, nh = self.bn, self.nh
+        hsl = nh // 4
+        rev2 = self.consumer_rev >= 2
+        mma_s, mma_o, acc_lat, acc_rope, acc_O = t["mma_s"], t["mma_o"], t["acc_lat"], t["acc_rope"], t["acc_O"]
+        tSrK, tSrQ, tOrVt, tOrP, tScS = t["tSrK"], t["tSrQ"], t["tOrVt"], t["tOrP"], t["tScS"]
+        row_max, row_sum, alpha, sRed, sSlot = t["row_max"], t["row_sum"], t["alpha"], t["sRed"], t["sSlot"]
+        sP_addr, scale_log2, fold, num_keys = t["sP_addr"], t["scale_log2"], t["fold"], t["num_keys"]
+        warp, lane = t["warp"], t["lane"]
+        n_s = cute.size(acc_lat)
+        n_k = cute.size(tSrK, mode=[2])
+        n_k_latent = n_k * D_V // D_QK
+        n_kv = cute.size(tOrP, mode=[2])
+        if cutlass.const_expr(fresh_q):
+            tSrQ = self.q_descriptors(it, t)
+        kpipe.consumer_wait(state)
+        # ---- S^T = K Q^T (latent and rope k-steps in separate accumulators when folding) ----
+        acc_lat.fill(0.0)
+        acc_rope.fill(0.0)
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(0 if self.probe == "nomma" else n_k):
+            if cutlass.const_expr(self.fold and k >= n_k_latent):
+                cute.gemm(mma_s, acc_rope, tSrK[None, None, k, stage], tSrQ[None, None, k], acc_rope)
+            else:
+                cute.gemm(mma_s, acc_lat, tSrK[None, None, k, stage], tSrQ[None, None, k], acc_lat)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+
+        # ---- online softmax along the key rows ----
+        key0 = (t["t_begin"] + it) * bn
+        buf = it % 2
+        for i in cutlass.range_constexpr(n_s):
+            s = acc_lat[i]
+            if cutlass.const_expr(self.fold):
+                s = acc_lat[i] * fold + acc_rope[i]
+            valid = self.key_valid(sSlot, stage, key0, tScS[i][0], num_keys)
+            acc_lat[i] = s if valid else -ptx.FLT_MAX
+        for hs in cutlass.range_constexpr(hsl):
+            v0 = hs % 2 + 4 * (hs // 2)
+            mx = ptx.max_f32(acc_lat[v0], acc_lat[v0 + 2])
+            mx = ptx.max_f32(mx, cute.arch.shuffle_sync_bfly(mx, offset=4))
+            mx = ptx.max_f32(mx, cute.arch.shuffle_sync_bfly(mx, offset=8))
+            mx = ptx.max_f32(mx, cute.arch.shuffle_sync_bfly(mx, offset=16))
+            if lane < 4:
+                sRed[tScS[v0][1], warp, buf] = mx
+        cute.arch.barrier(barrier_id=BAR_CONSUMER, number_of_threads=WG)
+        for hs in cutlass.range_constexpr(hsl):
+            v0 = hs % 2 + 4 * (hs // 2)
+            head = tScS[v0][1]
+            m_new = row_max[hs]
+            for w in cutlass.range_constexpr(4):
+                m_new = ptx.max_f32(m_new, sRed[head, w, buf])
+            alpha[hs] = cute.math.exp2((row_max[hs] - m_new) * scale_log2, fastmath=True)
+            m_scaled = m_new * scale_log2
+            psum = Float32(0.0)
+            for j in cutlass.range_constexpr(2):
+                v = v0 + 2 * j
+                key = tScS[v][0]
+                p = cute.math.exp2(acc_lat[v] * scale_log2 - m_scaled, fastmath=True)
+                p = p if self.key_valid(sSlot, stage, key0, key, num_keys) else Float32(0.0)
+                psum = psum + p
+                _st_shared_bf16(sP_addr + 2 * swizzled_offset(head, key, nh), p)
+            row_sum[hs] = row_sum[hs] * alpha[hs] + psum
+            row_max[hs] = m_new
+        if cutlass.const_expr(rev2):
+            # lazy rescale: where every alpha of the warp is exactly 1.0 (no head's running max moved; NaN or any
+            # other value rescales), O^T * 1.0f == O^T bit for bit (mul.f32, no ftz), so the 64 multiplies are
+            # skipped; one vote keeps the branch warp-uniform (all 4 warps hold the same heads: same outcome)
+            moved = alpha[0] != Float32(1.0)
+            for hs in cutlass.range_constexpr(1, hsl):
+                moved = moved | (alpha[hs] != Float32(1.0))
+            if cute.arch.vote_any_sync(moved):
+                self.rescale_o(acc_O, alpha, n_s)
+        else:
+            self.rescale_o(acc_O, alpha, n_s)
+        cute.arch.fence_view_async_shared()  # P^T stores -> visible to wgmma
+        cute.arch.barrier(barrier_id=BAR_CONSUMER, number_of_threads=WG)
+
+        # ---- O^T += V^T P^T ----
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(0 if self.probe == "nomma" else n_kv):
+            cute.gemm(mma_o, acc_O, tOrVt[None, None, k, stage], tOrP[None, None, k], acc_O)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)  # K stage and P^T read: the stage may be refilled, P rewritten
+        kpipe.consumer_release(state)
+
+    @cute.jit
+    def consumer(
+        self, storage, kpipe, q_ptr: cute.Pointer, sink_ptr: cute.Pointer, out_ptr: cute.Pointer, lse_ptr: cute.Pointer,
+        num_queries: Int32, num_heads: Int32, softmax_scale: Float32, s_l: Float32, num_splits: Int32, split_idx: Int32,
+        qi: Int32, h0: Int32, num_keys: Int32, t_begin: Int32, n_local: Int32, tidx: Int32,
+        sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sVt_outer: cute.Layout, sw: cute.Swizzle,
+        sP_layout: cute.ComposedLayout, mma_s: cute.TiledMma, mma_o: cute.TiledMma,
+    ):
+        bn, nh = self.bn, self.nh
+        hsl = nh // 4  # heads per thread: the wgmma D fragment gives each thread 2 columns of each 8-column block
+        warp = tidx // 32
+        lane = tidx % 32
+        sSlot = storage.slots.get_tensor(cute.make_layout((bn, self.slot_cols), stride=(1, bn)))
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sVt = storage.sK.get_tensor(sVt_outer, swizzle=sw)
+        sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
+        # the 4-warp exchange [head, warp, buffer]: rev 2 puts the 4 warps of a head side by side (16 bytes, aligned), so a
+        # thread reads a head's 4 partial maxima (and, in the epilogue, sums) with one 16-byte load instead of 4
+        red_stride = (4, 1, 4 * nh) if self.consumer_rev >= 2 else (1, nh, 4 * nh)
+        sRed = storage.red.get_tensor(cute.make_layout((nh, 4, 2), stride=red_stride))
+        sQ_addr = storage.sQ.data_ptr().toint()
+        sP_addr = storage.sP.data_ptr().toint()
+
+        # ---- Q [head tile, 576] into shared memory (rows past the heads are zeros) ----
+        q_addr = q_ptr.toint()
+        chunks = D_QK // 8
+        for u in cutlass.range_constexpr(nh * chunks // WG):
+            i = u * WG + tidx
+            r = i // chunks
+            c = (i % chunks) * 8
+            h = h0 + r
+            src = q_addr + (Int64(qi) * Int64(num_heads) + Int64(cutlass.min(h, num_heads - 1))) * Int64(2 * D_QK) + Int64(2 * c)
+            _cp_async_16(sQ_addr + 2 * swizzled_offset(r, c, nh), src, 16 if h < num_heads else 0)
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=BAR_CONSUMER, number_of_threads=WG)
+
+        # ---- wgmma partitions ----
+        thr_s = mma_s.get_slice(tidx)
+        tSrK = mma_s.make_fragment_A(thr_s.partition_A(sK))  # (MMA, 1, 36, stages) descriptors
+        tSrQ = mma_s.make_fragment_B(thr_s.partition_B(sQ))  # (MMA, 1, 36)
+        thr_o = mma_o.get_slice(tidx)
+        tOrVt = mma_o.make_fragment_A(thr_o.partition_A(sVt))  # (MMA, 8, 4, stages)
+        tOrP = mma_o.make_fragment_B(thr_o.partition_B(sP))  # (MMA, 1, 4)
+        acc_shape_s = thr_s.partition_shape_C((bn, nh))
+        acc_lat = cute.make_rmem_tensor(acc_shape_s, Float32)
+        acc_rope = cute.make_rmem_tensor(acc_shape_s, Float32)
+        acc_O = cute.make_rmem_tensor(thr_o.partition_shape_C((D_V, nh)), Float32)
+        acc_O.fill(0.0)
+        mma_s.set(warpgroup.Field.ACCUMULATE, True)
+        mma_o.set(warpgroup.Field.ACCUMULATE, True)
+        n_s = cute.size(acc_lat)  # nh / 2 values: keys r, r + 8 x heads c, c + 1 of each 8-head block
+        # (key, head) of each S^T value; (dim, head) of each O^T value (identity partitions)
+        tScS = thr_s.partition_C(cute.make_identity_tensor((bn, nh)))
+        tOcO = thr_o.partition_C(cute.make_identity_tensor((D_V, nh)))
+
+        # per-thread state for its nh / 4 heads (value v of the nh / 2-value fragment belongs to head slot
+        # v % 2 + 2 * (v // 4): the wgmma D fragment is ((2 columns, 2 row halves, N / 8 blocks), ...))
+        row_max = cute.make_rmem_tensor((hsl,), Float32)
+        row_sum = cute.make_rmem_tensor((hsl,), Float32)
+        alpha = cute.make_rmem_tensor((hsl,), Float32)
+        row_max.fill(-ptx.FLT_MAX)
+        row_sum.fill(0.0)
+        scale_log2 = softmax_scale * Float32(LOG2_E)
+        fold = Float32(2.0**e2m1_bits.FOLD_LOG2)
+        if cutlass.const_expr(self.has_outer):
+            fold = fold * s_l
+
+        # the per-tile state and constants `consume_tile` reads (one body for both consumer revisions)
+        tile = dict(
+            mma_s=mma_s, mma_o=mma_o, acc_lat=acc_lat, acc_rope=acc_rope, acc_O=acc_O, tSrK=tSrK, tSrQ=tSrQ, tOrVt=tOrVt,
+            tOrP=tOrP, tScS=tScS, row_max=row_max, row_sum=row_sum, alpha=alpha, sRed=sRed, sSlot=sSlot, sP_addr=sP_addr,
+            scale_log2=scale_log2, fold=fold, t_begin=t_begin, num_keys=num_keys, warp=warp, lane=lane,
+            sQ_addr=sQ_addr, sQ_layout=sQ_layout, thr_s=thr_s,
+        )
+        if cutlass.const_expr(not self.unroll):
+            cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.k_stages)
+            for it in range(n_local):
+                self.consume_tile(kpipe, cons, cons.index, it, tile)
+                cons.advance()
+        else:
+            # rev 2: the tile loop unrolled by the ring's stages, so each tile's K stage is a compile-time constant. With
+            # the stage a loop-carried run-time value (rev 1), ptxas formed every K / V^T wgmma descriptor in vector
+            # registers (an add, a move of the constant high word, two R2UR: ~280 of ~700 SASS per tile); with it
+            # constant, a descriptor is the stage's base plus a constant, as Q's always were (uniform 64-bit adds).
+            # Tile it sits in stage it % S with mbarrier phase (it // S) % 2 (what `PipelineState.advance` counts). The
+            # trips hold whole rounds of S tiles; the last n_local % S tiles follow (a branch inside the loop for them
+            # cost ptxas ~100 more uniform moves per tile in the second copy). Copies after the first of a trip (or of the
+            # remainder) take Q's descriptors from `q_descriptors`.
+            ks = self.k_stages
+            rounds = n_local // ks
+            for r in range(rounds):
+                for st in cutlass.range_constexpr(ks):
+                    state = pipeline.PipelineState(ks, r * ks + st, Int32(st), r % 2)
+                    self.consume_tile(kpipe, state, st, r * ks + st, tile, fresh_q=st > 0)
+            for st in cutlass.range_constexpr(ks - 1):
+                if rounds * ks + st < n_local:
+                    it = rounds * ks + st
+                    self.consume_tile(kpipe, pipeline.PipelineState(ks, it, Int32(st), rounds % 2), st, it, tile, fresh_q=st > 0)
+
+        # ---- epilogue: row sums over the 8 lanes and 4 warps of each head, normalise, store ----
+        for hs in cutlass.range_constexpr(hsl):
+            v0 = hs % 2 + 4 * (hs // 2)
+            l_sum = row_sum[hs]
+            l_sum = l_sum + cute.arch.shuffle_sync_bfly(l_sum, offset=4)
+            l_sum = l_sum + cute.arch.shuffle_sync_bfly(l_sum, offset=8)
+            l_sum = l_sum + cute.arch.shuffle_sync_bfly(l_sum, offset=16)
+            if lane < 4:
+                sRed[tScS[v0][1], warp, 0] = l_sum
+        # (the last tile's max exchange used buffer (n_local - 1) % 2; a barrier separates its reads)
+        cute.arch.barrier(barrier_id=BAR_CONSUMER, number_of_threads=WG)
+        base_row = qi * num_heads + h0
+        if cutlass.const_expr(self.split):
+            base_row = (split_idx * num_queries + qi) * num_heads + h0
+        gO = cute.make_tensor(out_ptr + Int64(base_row) * Int64(D_V), cute.make_layout((nh, D_V), stride=(D_V, 1)))
+        m_lse = cute.make_tensor(lse_ptr + Int64(base_row), cute.make_layout(nh))
+        rows_valid = cutlass.min(num_heads - h0, nh)
+        inv_h = cute.make_rmem_tensor((hsl,), Float32)
+        for hs in cutlass.range_constexpr(hsl):
+            v0 = hs % 2 + 4 * (hs // 2)
+            head = tScS[v0][1]
+            l_sum = sRed[head, 0, 0] + sRed[head, 1, 0] + sRed[head, 2, 0] + sRed[head, 3, 0]
+            denom = l_sum
+            if cutlass.const_expr(self.has_sink and not self.split):
+                sink = cute.make_tensor(sink_ptr, cute.make_layout(num_heads))[cutlass.min(h0 + head, num_heads - 1)]
+                denom = l_sum + cute.math.exp2(sink * Float32(LOG2_E) - row_max[hs] * scale_log2, fastmath=True)
+            inv = Float32(0.0)
+            if l_sum > Float32(0.0):
+                inv = Float32(1.0) / denom
+                if cutlass.const_expr(self.fold):
+                    inv = inv * fold  # V = K[:, :512] was decoded up to 2^9 * s_l
+            inv_h[hs] = inv
+            lse = -Float32.inf
+            if l_sum > Float32(0.0):
+                lse = row_max[hs] * softmax_scale + cute.math.log2(l_sum, fastmath=False) * Float32(LN_2)
+            if warp == 0 and lane < 4 and head < rows_valid:
+                m_lse[head] = lse
+        for i in cutlass.range_constexpr(cute.size(acc_O)):
+            v = i % n_s
+            d, head = tOcO[i]
+            if head < rows_valid:
+                gO[head, d] = acc_O[i] * inv_h[v % 2 + 2 * (v // 4)]
+
+
+def compile_key(
+    plan: RecordPlan, has_sink: bool, has_outer: bool, split: bool, device, l2_prefetch: int = V3_L2_PREFETCH,
+    producer_wgs: int | None = None, timing_probe: str = "", raw_ring: tuple[int, int] | None = None,
+    heads: int = V3_HEADS, sparse: bool = False, consumer_rev: int = V3_CONSUMER_REV, decode_rev: int | None = None,
+    cta_pair: bool = False,
+) -> tuple:
+    """Every specialisation of a compiled v3 kernel: `heads` is the head tile (the head count, lengths, scales are
+    run-time), `sparse` the slot lists (index lists or block_table); the per-role register budgets follow from the
+    tile and the producer warpgroups (`v3_reg_budget`) and are named too; `consumer_rev` the consumer's per-tile code
+    (`tuning.V3_CONSUMER_REV`), `decode_rev` the E2M1 decode's revision (`v3_decode_rev`), `cta_pair` whether
+    two CTAs of a cluster share each tile's decode (`v3_cta_pair`: a cluster launch, another kernel)."""
+    stages, keys = raw_ring or v3_raw_ring(plan, heads, sparse)
+    wgs = int(producer_wgs or v3_producer_wgs(plan, heads))
+    regs = v3_reg_budget(heads, wgs)
+    return (
+        "mla_attention_v3", 1, plan, bool(has_sink), bool(has_outer), bool(split), int(l2_prefetch),
+        wgs, f"probe={timing_probe}", f"raw={stages}x{keys}",
+        f"heads={int(heads)}", f"sparse={bool(sparse)}", f"setmaxnreg={'%d/%d' % regs if regs else 'none'}",
+        f"consumer={int(consumer_rev)}", f"decode_rev={v3_decode_rev(plan, decode_rev)}", "q=bf16", "acc=f32",
+        f"cta_pair={bool(cta_pair)}", arch_tag(device),
+    )
+
+
+def mla_attention_v3(
+    plan: RecordPlan,
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    *,
+    softmax_scale: float,
+    block_table: torch.Tensor | None,
+    seq_lens: torch.Tensor | None,
+    sink: torch.Tensor | None,
+    outer_scale: float | None,
+    indices: torch.Tensor | None = None,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    workspace_fill: float | None = None,
+    l2_prefetch: int = V3_L2_PREFETCH,
+    producer_wgs: int | None = None,
+    timing_probe: str = "",
+    raw_ring: tuple[int, int] | None = None,
+    head_tile: int | None = None,
+    consumer_rev: int = V3_CONSUMER_REV,
+    decode_rev: int | None = None,
+    cta_pair: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch of the v3 kernel, dense (`block_table`, `seq_lens`) or sparse (`indices [N, topk]`: global slot ids,
+    invalid outside [0, slots)); arguments as `mla_attention.mla_attention` (which calls this when
+    `tuning.generation_for` picks v3). `head_tile` (16 or 32) defaults to `tuning.v3_head_tile`;
+    `l2_prefetch` (key tiles, 0 = none, the default) and `producer_wgs` (default `tuning.v3_producer_wgs`;
+    1 or 2, two at the 32-head tile with per-role registers: a probe, held for dispatch by `v3_producers_held`)
+    are for the benchmark's comparison, as is `timing_probe` ("nodec", "nomma": wrong output) and `raw_ring`
+    ((stages, keys per stage), default `tuning.v3_raw_ring`; another of `v3_raw_rings` for the comparison),
+    `consumer_rev` (`tuning.V3_CONSUMER_REVS`; the other one than `V3_CONSUMER_REV`: bench v3-c<rev>) and
+    `decode_rev` (the E2M1 decode's revision, default `tuning.v3_decode_rev`; 2 while held: bench v3-d2) and
+    `cta_pair` (None: `tuning.v3_cta_pair`'s default, no pair while `V3_TILE_32_PAIR` is held; True: the pair,
+    a probe while held, bench v3-t32-pair; a launch that cannot pair it raises ValueError)."""
+    n, h = q.shape[0], q.shape[1]
+    dev = q.device
+    if out is None:
+        out = torch.empty(n, h, D_V, dtype=torch.float32, device=dev)
+    if lse is None:
+        lse = torch.empty(n, h, dtype=torch.float32, device=dev)
+    if n == 0:
+        return out, lse
+    sparse = indices is not None
+    if head_tile is None:
+        head_tile = v3_head_tile(plan, h, sparse, smem_per_block(dev))[0]
+    pair = v3_cta_pair(plan, h, head_tile, int(producer_wgs or v3_producer_wgs(plan, head_tile)), cta_pair)[0]
+    if sparse:  # as v2: every query's list is `topk` wide (invalid entries masked), seq_lens unused
+        idx, seqlen, stride = indices, indices, indices.shape[1]
+        max_keys = stride
+    else:
+        idx, seqlen, stride = block_table, seq_lens, block_table.shape[1]
+        max_keys = int(max_seq_len) if max_seq_len is not None else int(seq_lens.max())
+    max_tiles = -(-max_keys // V3_BN)
+    head_tiles = -(-h // head_tile)
+    if num_splits is None:
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        num_splits, per = choose_splits(n * head_tiles, max_tiles, sms)  # one CTA per SM (shared memory)
+    else:
+        per = max(1, -(-max_tiles // max(1, num_splits)))
+        num_splits = max(1, -(-max_tiles // per)) if max_tiles else 1
+    split = num_splits > 1
+    attention_grid(n, head_tiles, num_splits)
+    has_sink, has_outer = sink is not None, outer_scale is not None
+    if split:
+        part_out = torch.empty(num_splits, n, h, D_V, dtype=torch.float32, device=dev)
+        part_lse = torch.empty(num_splits, n, h, dtype=torch.float32, device=dev)
+        if workspace_fill is not None:
+            part_out.fill_(workspace_fill)
+            part_lse.fill_(workspace_fill)
+    else:
+        part_out, part_lse = out, lse
+    stream = cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream)
+    args = (
+        _ptr(q, BFloat16, 16),
+        _ptr(cache, cutlass.Uint8, 16),
+        _ptr(idx, Int32, 4),
+        _ptr(seqlen, Int32, 4),
+        _ptr(sink if has_sink else lse, Float32, 4),
+        _ptr(part_out, Float32, 16),
+        _ptr(part_lse, Float32, 4),
+        Int32(n),
+        Int32(h),
+        Int32(stride),
+        Int32(cache.shape[0] * cache.shape[1]),
+        Int32(cache.shape[1]),
+        Float32(softmax_scale),
+        Float32(outer_scale if has_outer else 1.0),
+        Int32(per),
+        Int32(num_splits),
+        stream,
+    )
+    key = compile_key(
+        plan, has_sink, has_outer, split, dev, l2_prefetch, producer_wgs, timing_probe, raw_ring, head_tile, sparse,
+        consumer_rev, decode_rev, pair,
+    )
+    kern = MlaAttentionV3(
+        plan, has_sink, has_outer, split, l2_prefetch, producer_wgs, timing_probe, raw_ring, head_tile, sparse,
+        consumer_rev, decode_rev, pair,
+    )
+    fn = compiled(key, lambda: cute.compile(kern, *args))
+    fn(*args)
+    if split:
+        cargs = (
+            _ptr(part_out, Float32, 16),
+            _ptr(part_lse, Float32, 4),
+            _ptr(sink if has_sink else lse, Float32, 4),
+            _ptr(out, Float32, 16),
+            _ptr(lse, Float32, 4),
+            Int32(n * h),
+            Int32(h),
+            Int32(num_splits),
+            stream,
+        )
+        ckey = ("mla_combine", 1, bool(has_sink), arch_tag(dev))
+        cfn = compiled(ckey, lambda: cute.compile(MlaCombine(has_sink), *cargs))
+        cfn(*cargs)
+    return out, lse
