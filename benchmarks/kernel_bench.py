@@ -223,8 +223,8 @@ def run_format(
     """All measurements of one format (called in a worker process); `shapes` picks writer / a / b / c / d; `heads`
     is the head count of shapes (a) and (d) (128: DeepSeek-V3's; 64 / 32: the same model on 2 / 4 GPUs of TP)."""
     from mla_eval.attention import dispatch
-    from mla_eval_kernels.cute import mla_attention as kernel
-    from mla_eval_kernels.cute.mla_attention import flops
+    from mla_eval_kernels.cute import launch as kernel
+    from mla_eval_kernels.plan.launch import flops
     from mla_eval_kernels.plan.record_plan import plan_for
     from mla_eval_kernels.plan.tuning import (
         V3_CONSUMER_REV,
@@ -256,7 +256,7 @@ def run_format(
     def v3_tile_rows(shape, params, heads, sparse, nbytes, nflop, lists):
         """v3 rows of an h > 16 launch, one per head tile its CTA fits (`lists(i)`: the launch's slot lists for
         timed run i), each marked `v3_held` with the reason while dispatch would not run it."""
-        from mla_eval_kernels.cute.mla_attention_v3 import mla_attention_v3
+        from mla_eval_kernels.cute.launch import mla_attention_v3
 
         plan = plan_for(spec)
         tile_rows = []  # (row, head tile, producer warpgroups, held mark, revision and pair keywords)
@@ -350,7 +350,7 @@ def run_format(
         can_v3 = v3_blocker(plan_for(spec), sparse=False, gated=False) is None
         held = v3_blocker(plan_for(spec), sparse=False) if can_v3 else None
         if can_v3 and (held is None or variants):
-            from mla_eval_kernels.cute.mla_attention_v3 import mla_attention_v3
+            from mla_eval_kernels.cute.launch import mla_attention_v3
 
             mark = dict(v3_held=held) if held else {}
 

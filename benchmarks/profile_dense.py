@@ -51,7 +51,7 @@ def main(argv=None) -> int:
 
         def run():
             if args.consumer_rev is not None or args.cta_pair is not None:
-                from mla_eval_kernels.cute.mla_attention_v3 import mla_attention_v3
+                from mla_eval_kernels.cute.launch import mla_attention_v3
                 from mla_eval_kernels.plan.tuning import V3_CONSUMER_REV
 
                 tile = {} if args.cta_pair is None else dict(head_tile=32, producer_wgs=2, cta_pair=bool(args.cta_pair))

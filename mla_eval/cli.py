@@ -17,7 +17,7 @@ import warnings
 
 import typer
 
-from mla_eval import __version__
+from mla_eval.version import __version__
 from mla_eval.errors import UserError
 from mla_eval.results import pending_outputs
 

@@ -116,9 +116,7 @@ def source_digest(packages: dict[str, Path]) -> str:
 
 def installed_packages() -> dict[str, Path]:
     """Import name -> folder (resolved) of the imported `mla_eval` and of `mla_eval_kernels`."""
-    import mla_eval  # noqa: PLC0415 - the package this module belongs to
-
-    found = {"mla_eval": Path(mla_eval.__file__).resolve().parent}
+    found = {"mla_eval": Path(__file__).resolve().parent}  # this module's own package (not imported: no import cycle)
     spec = importlib.util.find_spec("mla_eval_kernels")  # finds the folder without importing cutlass
     if spec is not None and spec.submodule_search_locations:
         folders = [Path(p).resolve() for p in spec.submodule_search_locations if Path(p).is_dir()]

@@ -15,7 +15,7 @@ import reprlib
 from importlib import resources
 from typing import Any
 
-from mla_eval import __version__
+from mla_eval.version import __version__
 from mla_eval.errors import UserError
 
 # The schema id of each result document (the writers stamp these; readers check them).

@@ -199,9 +199,9 @@ def test_cli_shows_a_library_warning_as_one_line(monkeypatch, capsys):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_device_shared_memory_keeps_hopper_tiles():
     """On the H200: the limits read from the device are Hopper's, so the tiles did not change."""
-    from mla_eval_kernels.cute.mla_attention import tile_config
     from mla_eval_kernels.plan import device_limits
     from mla_eval_kernels.plan.record_plan import plan_for
+    from mla_eval_kernels.plan.tuning import tile_config
 
     dev = torch.device("cuda", 0)
     if device_limits.arch_name(dev) != "sm_90":

@@ -143,7 +143,7 @@ def _v3(
     """One v3 launch into NaN-poisoned outputs. `deadline_s`: wait for it by polling an event, failing the test after
     that many seconds (a kernel whose barriers deadlock then fails, not hangs: no pytest-timeout in the test extras;
     the GPU context stays stuck, so the device script's step timeout ends the run after reporting it)."""
-    from mla_eval_kernels.cute.mla_attention_v3 import mla_attention_v3
+    from mla_eval_kernels.cute.launch import mla_attention_v3
 
     n, h = q.shape[:2]
     out = torch.full((n, h, 512), float("nan"), device="cuda")

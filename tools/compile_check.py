@@ -40,11 +40,11 @@ from cutlass.cute.runtime import make_ptr  # noqa: E402
 
 from mla_eval.formats import all_formats, get_format  # noqa: E402
 from mla_eval_kernels.cute.cache_writer import CacheWriter  # noqa: E402
-from mla_eval_kernels.cute.mla_attention import MlaAttention, tile_config  # noqa: E402
+from mla_eval_kernels.cute.mla_attention import MlaAttention  # noqa: E402
 from mla_eval_kernels.cute.mla_combine import MlaCombine  # noqa: E402
 from mla_eval_kernels.plan.device_limits import HOPPER_REGS_PER_SM, HOPPER_SMEM_PER_BLOCK  # noqa: E402
 from mla_eval_kernels.plan.record_plan import UnsupportedFormat, plan_for  # noqa: E402
-from mla_eval_kernels.plan.tuning import VERSIONS, default_tuning, launch_choice, v3_blocker  # noqa: E402
+from mla_eval_kernels.plan.tuning import VERSIONS, default_tuning, launch_choice, tile_config, v3_blocker  # noqa: E402
 
 
 def _p(dtype, align=16):

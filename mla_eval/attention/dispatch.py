@@ -353,7 +353,8 @@ def mla_attention(
     """out [N, H, 512] float32 and lse [N, H] float32; dense (block_table + seq_lens) or sparse (indices).
 
     `queries_per_seq`: how many of the N queries read each sequence's keys (1: a decode step; T: the
-    prefill-as-decode path); it picks the kernel generation (`tuning.generation_for`).
+    prefill-as-decode path); it picks the kernel generation (`tuning.generation_for`, through the cached
+    `mla_eval_kernels.plan.launch.launch_plan`).
     `max_seq_len` (dense) spares the kernel path a device sync to find the longest list;
     `num_splits` overrides the split-KV heuristic (kernel path only). `math` is the attention math
     (`mla_eval.attention.semantics.MATHS`): fp8 Q is quantised here, once, for both paths -- the
@@ -376,22 +377,23 @@ def mla_attention(
             spec, q, cache, softmax_scale=softmax_scale, block_table=block_table, seq_lens=seq_lens,
             indices=indices, sink=sink, outer_scale=outer_scale, p_fp8=math.p_fp8,
         )
-    from mla_eval_kernels.cute import mla_attention as kernel  # noqa: PLC0415 - CUDA-only import
-    from mla_eval_kernels.plan.device_limits import smem_per_block  # noqa: PLC0415
+    from mla_eval_kernels.cute import launch  # noqa: PLC0415 - CUDA-only import
+    from mla_eval_kernels.plan.device_limits import device_facts  # noqa: PLC0415
+    from mla_eval_kernels.plan.launch import launch_plan  # noqa: PLC0415
     from mla_eval_kernels.plan.record_plan import plan_for  # noqa: PLC0415
-    from mla_eval_kernels.plan.tuning import generation_for  # noqa: PLC0415
 
     s_l = _outer_scale_value(spec, outer_scale)
     dev = cache.device
     plan = plan_for(spec)
-    generation, why = generation_for(
-        plan, sparse=indices is not None, heads=q.shape[1], queries_per_seq=queries_per_seq, smem_limit=smem_per_block(dev)
+    chosen = launch_plan(
+        plan, sparse=indices is not None, heads=q.shape[1], facts=device_facts(dev), queries_per_seq=queries_per_seq
     )
     scope = _scope.get()
     if scope is not None:
-        scope.record_generation(spec.name, dev, generation, why)
+        scope.record_generation(spec.name, dev, chosen.generation, chosen.why)
     i32 = functools.partial(torch.as_tensor, dtype=torch.int32, device=dev)
-    return kernel.mla_attention(
+    return launch.run(
+        chosen,
         plan,
         q.to(device=dev, dtype=torch.bfloat16).contiguous(),
         cache.contiguous(),
@@ -403,7 +405,6 @@ def mla_attention(
         outer_scale=s_l,
         max_seq_len=max_seq_len,
         num_splits=num_splits,
-        generation=generation,
     )
 
 

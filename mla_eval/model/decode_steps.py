@@ -19,12 +19,16 @@ eager steps for the rest of the process, with one warning.
 
 from __future__ import annotations
 
-import sys
+import warnings
 
 import torch
 
 from mla_eval.attention.dispatch import kernel_status
 from mla_eval.model.session import CacheSession
+
+
+class EagerStepsWarning(UserWarning):
+    """Decode steps could not be captured as a CUDA graph and run eagerly (same arithmetic, slower)."""
 
 
 def graph_blocker(session: CacheSession) -> str | None:
@@ -113,7 +117,8 @@ class DecodeSteps:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             self.blocker = f"CUDA graph capture failed ({type(exc).__name__}: {first[:160]})"
             self.adapter.graph_failure = self.blocker  # do not retry for this model
-            print(f"warning: decode steps run eagerly: {self.blocker}", file=sys.stderr)
+            # said once per model (graph_failure stops retries); the CLI shows it as one `warning:` line
+            warnings.warn(f"decode steps run eagerly: {self.blocker}", EagerStepsWarning, stacklevel=2)
             torch.cuda.synchronize(s.devices[0])  # a broken context surfaces here, not in a later kernel
             return
         finally:

@@ -41,46 +41,22 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-import torch
 from cutlass import BFloat16, Float32, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import warp
 
 from mla_eval_kernels.cute import ptx
-from mla_eval_kernels.cute.compile_cache import arch_tag, compiled
-from mla_eval_kernels.cute.mla_combine import MlaCombine
+from mla_eval_kernels.cute.compile_cache import arch_tag
 from mla_eval_kernels.plan import e2m1_bits
-from mla_eval_kernels.plan.device_limits import smem_per_block, smem_per_sm
-from mla_eval_kernels.plan.launch_grid import attention_grid
+from mla_eval_kernels.plan.launch import D_QK, D_V
 from mla_eval_kernels.plan.record_plan import ORDER_8X4, RecordPlan, record_chunk
 from mla_eval_kernels.plan.tuning import (
     Tuning,
-    default_tuning,
     fast_e2m1_eligible,
-    generation_for,
     is_bf16_plan,
-    launch_choice,
-    smem_bytes,
 )
 
-D_QK = 576
-D_V = 512
 LOG2_E = 1.4426950408889634
 LN_2 = 0.6931471805599453
-
-
-def tile_config(plan: RecordPlan, num_heads: int, smem_limit: int) -> tuple[int, int, int, int]:
-    """(M rows per CTA, warps along M, warps along N, key tile BN) for a format and head count, the
-    largest key tile whose shared memory fits `smem_limit` bytes per CTA (the device's opt-in limit)."""
-    if num_heads <= 16:
-        m, wm, wn = 16, 1, 8
-    elif num_heads <= 32:
-        m, wm, wn = 32, 2, 4
-    else:
-        m, wm, wn = 64, 4, 2
-    for bn in (64, 32):
-        if smem_bytes(plan, m, bn, wn) <= smem_limit:
-            return m, wm, wn, bn
-    raise ValueError(f"no tile fits {smem_limit} bytes of shared memory per CTA for {plan.name}")
 
 
 def _swizzle_atom(cols: int):
@@ -694,11 +670,6 @@ class MlaAttention:
         return x + cute.arch.shuffle_sync_bfly(x, offset=1)
 
 
-def flops(num_queries: int, num_heads: int, keys_per_query: float) -> float:
-    """FLOPs of absorbed MLA attention: 2 * (576 + 512) per (query, head, key)."""
-    return 2.0 * (D_QK + D_V) * num_queries * num_heads * keys_per_query
-
-
 def compile_key(
     plan: RecordPlan, tile: tuple, sparse: bool, has_sink: bool, has_outer: bool, split: bool, device, tuning: Tuning = Tuning()
 ) -> tuple:
@@ -708,153 +679,3 @@ def compile_key(
         "mla_attention", 2, plan, tuple(tile), bool(sparse),
         bool(has_sink), bool(has_outer), bool(split), "q=bf16", "acc=f32", tuning, arch_tag(device),
     )
-
-
-def _ptr(t: torch.Tensor, dtype, align: int):
-    from cutlass.cute.runtime import make_ptr
-
-    return make_ptr(dtype, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
-
-
-def choose_splits(num_ctas: int, max_tiles: int, cta_slots: int) -> tuple[int, int]:
-    """(num_splits, tiles_per_split) minimising the estimated time waves(s) x (tiles / s + 2).
-
-    `cta_slots` = SMs x CTAs resident per SM; the 2 tiles stand for the fixed cost of a CTA
-    (Q load, prologue, epilogue, its share of the combine). A split keeps at least 2 key tiles.
-    """
-    if max_tiles == 0:
-        return 1, 1
-    best, best_cost = 1, None
-    for s in range(1, max(1, max_tiles // 2) + 1):
-        cost = -(-s * num_ctas // cta_slots) * (max_tiles / s + 2)
-        if best_cost is None or cost < 0.97 * best_cost:
-            best, best_cost = s, cost
-    per = -(-max_tiles // best)
-    return -(-max_tiles // per), per
-
-
-def mla_attention(
-    plan: RecordPlan,
-    q: torch.Tensor,
-    cache: torch.Tensor,
-    *,
-    softmax_scale: float,
-    block_table: torch.Tensor | None,
-    seq_lens: torch.Tensor | None,
-    indices: torch.Tensor | None,
-    sink: torch.Tensor | None,
-    outer_scale: float | None,
-    max_seq_len: int | None = None,
-    num_splits: int | None = None,
-    out: torch.Tensor | None = None,
-    lse: torch.Tensor | None = None,
-    workspace_fill: float | None = None,
-    tuning: Tuning | None = None,
-    tile: tuple[int, int, int, int] | None = None,
-    queries_per_seq: int = 1,
-    generation: str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch on CUDA tensors (validated by mla_eval.attention.dispatch): q bf16 [N, H, 576]
-    contiguous, cache uint8 [blocks, block_size, R], int32 slot lists, sink fp32 [H].
-
-    `out` / `lse` may be given (contiguous fp32); `workspace_fill` fills the split partials
-    first (tests poison them with NaN to prove every element is written). With neither `tuning` nor
-    `tile` given, the generation is `generation` if given (dispatch passes the one it records), else
-    `tuning.generation_for` (the per-format default or MLA_EVAL_ATTENTION_KERNEL;
-    `queries_per_seq`: how many queries read each sequence's keys); "v3" runs `mla_attention_v3`.
-    `tuning` and `tile` select a v1/v2 variant (`tuning.launch_choice` over `tile_config`'s tile
-    by default; the benchmark and tests compare variants with them).
-    """
-    n, h = q.shape[0], q.shape[1]
-    dev = q.device
-    if out is None:
-        out = torch.empty(n, h, D_V, dtype=torch.float32, device=dev)
-    if lse is None:
-        lse = torch.empty(n, h, dtype=torch.float32, device=dev)
-    if n == 0:
-        return out, lse
-    sparse = indices is not None
-    if tile is None and tuning is None and generation is None:
-        limit = smem_per_block(dev)
-        generation = generation_for(plan, sparse=sparse, heads=h, queries_per_seq=queries_per_seq, smem_limit=limit)[0]
-    if tile is None and tuning is None and generation == "v3":
-        from mla_eval_kernels.cute.mla_attention_v3 import mla_attention_v3  # noqa: PLC0415 - imports this module
-
-        return mla_attention_v3(
-            plan, q, cache, softmax_scale=softmax_scale, block_table=block_table, seq_lens=seq_lens, sink=sink,
-            outer_scale=outer_scale, indices=indices, max_seq_len=max_seq_len, num_splits=num_splits, out=out, lse=lse,
-            workspace_fill=workspace_fill,
-        )
-    if tile is None and tuning is None:
-        wide = tile_config(plan, h, smem_per_block(dev))
-        tile, tuning = launch_choice(plan, wide, generation, smem_per_block=smem_per_block(dev), smem_per_sm=smem_per_sm(dev))
-    if tile is None:
-        tile = tile_config(plan, h, smem_per_block(dev))
-    if tuning is None:
-        tuning = default_tuning(plan, tile, smem_limit=smem_per_block(dev))
-    m, bn = tile[0], tile[3]
-    if sparse:
-        idx, seqlen, stride = indices, indices, indices.shape[1]
-        max_keys = stride
-    else:
-        idx, seqlen, stride = block_table, seq_lens, block_table.shape[1]
-        max_keys = int(max_seq_len) if max_seq_len is not None else int(seq_lens.max())
-    max_tiles = -(-max_keys // bn)
-    head_tiles = -(-h // m)
-    if num_splits is None:
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        per_sm = max(1, smem_per_sm(dev) // smem_bytes(plan, tile[0], tile[3], tile[2], tuning.prefetch))
-        num_splits, per = choose_splits(n * head_tiles, max_tiles, sms * per_sm)
-    else:
-        per = max(1, -(-max_tiles // max(1, num_splits)))
-        num_splits = max(1, -(-max_tiles // per)) if max_tiles else 1
-    split = num_splits > 1
-    attention_grid(n, head_tiles, num_splits)  # refuses a grid past CUDA's limits before the launch
-    has_sink, has_outer = sink is not None, outer_scale is not None
-    if split:
-        part_out = torch.empty(num_splits, n, h, D_V, dtype=torch.float32, device=dev)
-        part_lse = torch.empty(num_splits, n, h, dtype=torch.float32, device=dev)
-        if workspace_fill is not None:
-            part_out.fill_(workspace_fill)
-            part_lse.fill_(workspace_fill)
-    else:
-        part_out, part_lse = out, lse
-    stream = cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream)
-    args = (
-        _ptr(q, BFloat16, 16),
-        _ptr(cache, cutlass.Uint8, 16),
-        _ptr(idx, Int32, 4),
-        _ptr(seqlen, Int32, 4),
-        _ptr(sink if has_sink else lse, Float32, 4),
-        _ptr(part_out, Float32, 16),
-        _ptr(part_lse, Float32, 4),
-        Int32(n),
-        Int32(h),
-        Int32(stride),
-        Int32(cache.shape[0] * cache.shape[1]),
-        Int32(cache.shape[1]),
-        Float32(softmax_scale),
-        Float32(outer_scale if has_outer else 1.0),
-        Int32(per),
-        Int32(num_splits),
-        stream,
-    )
-    key = compile_key(plan, tile, sparse, has_sink, has_outer, split, dev, tuning)
-    fn = compiled(key, lambda: cute.compile(MlaAttention(plan, tile, sparse, has_sink, has_outer, split, tuning), *args))
-    fn(*args)
-    if split:
-        cargs = (
-            _ptr(part_out, Float32, 16),
-            _ptr(part_lse, Float32, 4),
-            _ptr(sink if has_sink else lse, Float32, 4),
-            _ptr(out, Float32, 16),
-            _ptr(lse, Float32, 4),
-            Int32(n * h),
-            Int32(h),
-            Int32(num_splits),
-            stream,
-        )
-        ckey = ("mla_combine", 1, bool(has_sink), arch_tag(dev))
-        cfn = compiled(ckey, lambda: cute.compile(MlaCombine(has_sink), *cargs))
-        cfn(*cargs)
-    return out, lse

@@ -60,15 +60,12 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-import torch
 from cutlass import BFloat16, Float32, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 from mla_eval_kernels.cute import cta_pair, ptx
-from mla_eval_kernels.cute.compile_cache import arch_tag, compiled
+from mla_eval_kernels.cute.compile_cache import arch_tag
 from mla_eval_kernels.cute.mla_attention import (
-    D_QK,
-    D_V,
     LN_2,
     LOG2_E,
     MlaAttention,
@@ -76,15 +73,11 @@ from mla_eval_kernels.cute.mla_attention import (
     _ld_shared_u8,
     _ld_shared_u32,
     _ld_shared_v4,
-    _ptr,
     _st_shared_v4,
-    choose_splits,
     swizzled_offset,
 )
-from mla_eval_kernels.cute.mla_combine import MlaCombine
 from mla_eval_kernels.plan import e2m1_bits
-from mla_eval_kernels.plan.device_limits import smem_per_block
-from mla_eval_kernels.plan.launch_grid import attention_grid
+from mla_eval_kernels.plan.launch import D_QK, D_V
 from mla_eval_kernels.plan.record_plan import ORDER_8X4, RecordPlan
 from mla_eval_kernels.plan.tuning import (
     V3_BN,
@@ -97,9 +90,7 @@ from mla_eval_kernels.plan.tuning import (
     V3_PAIR_CTAS,
     fast_e2m1_eligible,
     is_bf16_plan,
-    v3_cta_pair,
     v3_decode_rev,
-    v3_head_tile,
     v3_pair_blocker,
     v3_pair_keys,
     v3_producer_wgs,
@@ -996,124 +987,3 @@ def compile_key(
         f"consumer={int(consumer_rev)}", f"decode_rev={v3_decode_rev(plan, decode_rev)}", "q=bf16", "acc=f32",
         f"cta_pair={bool(cta_pair)}", arch_tag(device),
     )
-
-
-def mla_attention_v3(
-    plan: RecordPlan,
-    q: torch.Tensor,
-    cache: torch.Tensor,
-    *,
-    softmax_scale: float,
-    block_table: torch.Tensor | None,
-    seq_lens: torch.Tensor | None,
-    sink: torch.Tensor | None,
-    outer_scale: float | None,
-    indices: torch.Tensor | None = None,
-    max_seq_len: int | None = None,
-    num_splits: int | None = None,
-    out: torch.Tensor | None = None,
-    lse: torch.Tensor | None = None,
-    workspace_fill: float | None = None,
-    l2_prefetch: int = V3_L2_PREFETCH,
-    producer_wgs: int | None = None,
-    timing_probe: str = "",
-    raw_ring: tuple[int, int] | None = None,
-    head_tile: int | None = None,
-    consumer_rev: int = V3_CONSUMER_REV,
-    decode_rev: int | None = None,
-    cta_pair: bool | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch of the v3 kernel, dense (`block_table`, `seq_lens`) or sparse (`indices [N, topk]`: global slot ids,
-    invalid outside [0, slots)); arguments as `mla_attention.mla_attention` (which calls this when
-    `tuning.generation_for` picks v3). `head_tile` (16 or 32) defaults to `tuning.v3_head_tile`;
-    `l2_prefetch` (key tiles, 0 = none, the default) and `producer_wgs` (default `tuning.v3_producer_wgs`;
-    1 or 2, two at the 32-head tile with per-role registers: a probe, held for dispatch by `v3_producers_held`)
-    are for the benchmark's comparison, as is `timing_probe` ("nodec", "nomma": wrong output) and `raw_ring`
-    ((stages, keys per stage), default `tuning.v3_raw_ring`; another of `v3_raw_rings` for the comparison),
-    `consumer_rev` (`tuning.V3_CONSUMER_REVS`; the other one than `V3_CONSUMER_REV`: bench v3-c<rev>) and
-    `decode_rev` (the E2M1 decode's revision, default `tuning.v3_decode_rev`; 2 while held: bench v3-d2) and
-    `cta_pair` (None: `tuning.v3_cta_pair`'s default, no pair while `V3_TILE_32_PAIR` is held; True: the pair,
-    a probe while held, bench v3-t32-pair; a launch that cannot pair it raises ValueError)."""
-    n, h = q.shape[0], q.shape[1]
-    dev = q.device
-    if out is None:
-        out = torch.empty(n, h, D_V, dtype=torch.float32, device=dev)
-    if lse is None:
-        lse = torch.empty(n, h, dtype=torch.float32, device=dev)
-    if n == 0:
-        return out, lse
-    sparse = indices is not None
-    if head_tile is None:
-        head_tile = v3_head_tile(plan, h, sparse, smem_per_block(dev))[0]
-    pair = v3_cta_pair(plan, h, head_tile, int(producer_wgs or v3_producer_wgs(plan, head_tile)), cta_pair)[0]
-    if sparse:  # as v2: every query's list is `topk` wide (invalid entries masked), seq_lens unused
-        idx, seqlen, stride = indices, indices, indices.shape[1]
-        max_keys = stride
-    else:
-        idx, seqlen, stride = block_table, seq_lens, block_table.shape[1]
-        max_keys = int(max_seq_len) if max_seq_len is not None else int(seq_lens.max())
-    max_tiles = -(-max_keys // V3_BN)
-    head_tiles = -(-h // head_tile)
-    if num_splits is None:
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        num_splits, per = choose_splits(n * head_tiles, max_tiles, sms)  # one CTA per SM (shared memory)
-    else:
-        per = max(1, -(-max_tiles // max(1, num_splits)))
-        num_splits = max(1, -(-max_tiles // per)) if max_tiles else 1
-    split = num_splits > 1
-    attention_grid(n, head_tiles, num_splits)
-    has_sink, has_outer = sink is not None, outer_scale is not None
-    if split:
-        part_out = torch.empty(num_splits, n, h, D_V, dtype=torch.float32, device=dev)
-        part_lse = torch.empty(num_splits, n, h, dtype=torch.float32, device=dev)
-        if workspace_fill is not None:
-            part_out.fill_(workspace_fill)
-            part_lse.fill_(workspace_fill)
-    else:
-        part_out, part_lse = out, lse
-    stream = cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream)
-    args = (
-        _ptr(q, BFloat16, 16),
-        _ptr(cache, cutlass.Uint8, 16),
-        _ptr(idx, Int32, 4),
-        _ptr(seqlen, Int32, 4),
-        _ptr(sink if has_sink else lse, Float32, 4),
-        _ptr(part_out, Float32, 16),
-        _ptr(part_lse, Float32, 4),
-        Int32(n),
-        Int32(h),
-        Int32(stride),
-        Int32(cache.shape[0] * cache.shape[1]),
-        Int32(cache.shape[1]),
-        Float32(softmax_scale),
-        Float32(outer_scale if has_outer else 1.0),
-        Int32(per),
-        Int32(num_splits),
-        stream,
-    )
-    key = compile_key(
-        plan, has_sink, has_outer, split, dev, l2_prefetch, producer_wgs, timing_probe, raw_ring, head_tile, sparse,
-        consumer_rev, decode_rev, pair,
-    )
-    kern = MlaAttentionV3(
-        plan, has_sink, has_outer, split, l2_prefetch, producer_wgs, timing_probe, raw_ring, head_tile, sparse,
-        consumer_rev, decode_rev, pair,
-    )
-    fn = compiled(key, lambda: cute.compile(kern, *args))
-    fn(*args)
-    if split:
-        cargs = (
-            _ptr(part_out, Float32, 16),
-            _ptr(part_lse, Float32, 4),
-            _ptr(sink if has_sink else lse, Float32, 4),
-            _ptr(out, Float32, 16),
-            _ptr(lse, Float32, 4),
-            Int32(n * h),
-            Int32(h),
-            Int32(num_splits),
-            stream,
-        )
-        ckey = ("mla_combine", 1, bool(has_sink), arch_tag(dev))
-        cfn = compiled(ckey, lambda: cute.compile(MlaCombine(has_sink), *cargs))
-        cfn(*cargs)
-    return out, lse

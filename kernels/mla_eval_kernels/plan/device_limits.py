@@ -12,6 +12,9 @@ device is at hand (the CPU compile check).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import torch
 
 TESTED_ARCHS = ("sm_90",)
@@ -46,3 +49,24 @@ def smem_per_block(device) -> int:
 def smem_per_sm(device) -> int:
     """Bytes of shared memory the CTAs resident on one SM of `device` share."""
     return int(torch.cuda.get_device_properties(device).shared_memory_per_multiprocessor)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceFacts:
+    """What a launch plan needs to know of a GPU (`mla_eval_kernels.plan.launch`); hashable, part of its cache key."""
+
+    sms: int
+    smem_per_block: int
+    smem_per_sm: int
+
+
+def device_facts(device) -> DeviceFacts:
+    """The facts of a CUDA device, read once per device."""
+    device = torch.device(device)
+    return _device_facts(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _device_facts(index: int) -> DeviceFacts:
+    props = torch.cuda.get_device_properties(index)
+    return DeviceFacts(int(props.multi_processor_count), smem_per_block(index), smem_per_sm(index))

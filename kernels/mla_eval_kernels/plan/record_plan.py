@@ -26,6 +26,7 @@ Kernel constraints checked here (a spec outside them is served by the torch refe
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from mla_eval.formats.spec import (  # pure Python: no torch or cutlass needed at this level
     FLT_MIN,
@@ -149,8 +150,9 @@ def _coding(c) -> CodingPlan:
 AWAITING_GPU_TESTS: dict[str, str] = {}
 
 
+@functools.lru_cache(maxsize=None)
 def plan_for(spec) -> RecordPlan:
-    """The kernel plan of a `FormatSpec`; raises `UnsupportedFormat` outside the kernels' scope."""
+    """The kernel plan of a `FormatSpec` (made once per spec); raises `UnsupportedFormat` outside the kernels' scope."""
     latent, rope = _coding(spec.latent), _coding(spec.rope)
     outer = spec.outer_scale
     plan = RecordPlan(

@@ -481,6 +481,27 @@ def generation_for(
     return "v3", f"default: v3 measured faster for {plan.name} (dense decode, h <= {V3_HEADS})"
 
 
+def tile_config(plan, num_heads: int, smem_limit: int) -> tuple[int, int, int, int]:
+    """(M rows per CTA, warps along M, warps along N, key tile BN) of the v1/v2 kernel for a format and head count, the
+    largest key tile whose shared memory fits `smem_limit` bytes per CTA (the device's opt-in limit)."""
+    if num_heads <= 16:
+        m, wm, wn = 16, 1, 8
+    elif num_heads <= 32:
+        m, wm, wn = 32, 2, 4
+    else:
+        m, wm, wn = 64, 4, 2
+    for bn in (64, 32):
+        if smem_bytes(plan, m, bn, wn) <= smem_limit:
+            return m, wm, wn, bn
+    raise ValueError(f"no tile fits {smem_limit} bytes of shared memory per CTA for {plan.name}")
+
+
+def hold_state() -> tuple:
+    """A hashable snapshot of the hold registries (`V3_AWAITING_GPU_TESTS`, `V3_LAUNCHES_AWAITING_GPU_TESTS`,
+    `V3_DEFAULT_PENDING`), which the GPU tests' fixture edits: part of every cached launch plan's key."""
+    return (tuple(sorted(V3_AWAITING_GPU_TESTS)), tuple(sorted(V3_LAUNCHES_AWAITING_GPU_TESTS)), V3_DEFAULT_PENDING)
+
+
 def default_tuning(plan, tile: tuple, version: str | None = None, smem_limit: int = HOPPER_SMEM_PER_BLOCK) -> Tuning:
     """The tuning of `version` (default: the forced one, else v2) for a format and tile (M, wm, wn, BN):
     v2 keeps as many tiles of records in flight as fit `smem_limit` bytes per CTA (at most 3)."""
