@@ -4,7 +4,7 @@ The library API lives in `mla_eval.api` (also reachable as `mla_eval.evaluate_kl
 on first use so that `import mla_eval` stays light).
 """
 
-from mla_eval.version import __version__
+from mla_eval.version import __version__ as __version__
 
 _API = (
     "CalibrateSettings", "CalibrationResult", "evaluate_calibration", "KldResult", "KldSettings", "evaluate_kld",

@@ -17,9 +17,9 @@ import warnings
 
 import typer
 
-from mla_eval.version import __version__
 from mla_eval.errors import UserError
 from mla_eval.results import pending_outputs
+from mla_eval.version import __version__
 
 COMMAND_MODULES = ("formats", "capacity", "kld", "needle", "gate", "run", "report", "plot")
 

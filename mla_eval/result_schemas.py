@@ -15,8 +15,8 @@ import reprlib
 from importlib import resources
 from typing import Any
 
-from mla_eval.version import __version__
 from mla_eval.errors import UserError
+from mla_eval.version import __version__
 
 # The schema id of each result document (the writers stamp these; readers check them).
 KLD_SCHEMA = "mla-eval/kld/v1"

@@ -22,11 +22,11 @@ from typing import Any
 import torch
 
 from mla_eval import provenance
-from mla_eval.version import __version__
 from mla_eval.atomic_io import write_json_atomic
 from mla_eval.errors import UserError
 from mla_eval.formats.spec import OUTER_SCALE_SCHEMA
 from mla_eval.result_schemas import SCHEMA_FILES, require_validator, validate
+from mla_eval.version import __version__
 
 
 def environment(attention=None) -> dict[str, Any]:

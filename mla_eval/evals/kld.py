@@ -16,8 +16,9 @@ one per format.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
-import warnings
+from typing import Callable
 
 import numpy as np
 import torch
@@ -31,6 +32,7 @@ from mla_eval.evals.settings import ProgressCallback, check_ctx, no_progress
 from mla_eval.evals.text_sources import TokenSource
 from mla_eval.evals.variants import Variant, scales_for
 from mla_eval.formats import OuterScales, get_format
+from mla_eval.model.executor import LayerLoader, WindowForward
 from mla_eval.model.session import PREFILL_MODES, CacheSession
 
 # How a window's forward reads the quantised cache (mla_eval.model.session.PREFILL_MODES), or
@@ -206,6 +208,29 @@ class KldRun:
         return out
 
 
+@dataclasses.dataclass(frozen=True)
+class Streaming:
+    """A layer-major run (`mla_eval.model.executor.DecoderStack.run_streamed`): where the decoder layers come from,
+    how many window batches one pass holds (each pass reads every layer once), and where residual streams wait
+    between layers (`home`: pinned host memory, or unchanged on the compute device)."""
+
+    loader: LayerLoader
+    batches_per_pass: int
+    home: Callable[[torch.Tensor], torch.Tensor] = staticmethod(lambda x: x)
+
+
+@dataclasses.dataclass
+class _Batch:
+    """One window batch's tokens and what its loss reads."""
+
+    ids: torch.Tensor
+    score_from: int
+    targets: torch.Tensor
+    depth: torch.Tensor
+    order: torch.Tensor
+    tokens: int
+
+
 def run_kld(
     lm,
     source: TokenSource,
@@ -215,11 +240,13 @@ def run_kld(
     ref_file: RefStore | None = None,
     rank: int = 0,
     world: int = 1,
+    streaming: Streaming | None = None,
 ) -> KldRun:
     """Evaluate every variant; returns per-variant token arrays and layer stats.
 
     `save_ref` collects the reference log-probs; with `ref_file` the reference forward is skipped
-    and the stored reference is used instead.
+    and the stored reference is used instead. `streaming`: run the forwards layer-major, a pass of
+    `streaming.batches_per_pass` window batches at a time (the same numbers as resident, bit for bit).
     """
     windows = plan_windows(lm, source, st)
     mine = list(enumerate(windows))[rank::world]
@@ -228,48 +255,61 @@ def run_kld(
     stats = {k: TokenStats() for *_, k in keys}
     layers = {k: LayerStats(lm.num_layers) for *_, k in keys} if st.layer_stats else {}
     total_scored = sum(w.length - 1 - w.score_from for _, w in mine)
+    loss_rows = loss_chunk_rows(lm.model.config.vocab_size, st.loss_chunk)
+    groups = [g for i in range(0, len(mine), st.batch) for g in _same_shape_groups(mine[i : i + st.batch])]
+    per_pass = 1 if streaming is None else max(1, streaming.batches_per_pass)
+    passes = -(-len(groups) // per_pass)
     done, t0 = 0, time.perf_counter()
     progress("score", 0, total_scored)
-    for i in range(0, len(mine), st.batch):
-        for group in _same_shape_groups(mine[i : i + st.batch]):
-            ws = [w for _, w in group]
-            ids = torch.stack([source.sequences[w.seq][w.start : w.start + w.length] for w in ws]).to(lm.device)
-            sf = ws[0].score_from
-            targets = ids[:, sf + 1 :].reshape(-1)
-            # position p predicts token p+1: the window's last position has no target in it
-            depth = torch.arange(sf, ws[0].length - 1).repeat(len(ws))
-            order = torch.cat([wi * st.ctx + torch.arange(sf, ws[0].length - 1) for wi, _ in group])
-            loss_rows = loss_chunk_rows(lm.model.config.vocab_size, st.loss_chunk)
-            chunks = [slice(c, min(c + loss_rows, targets.numel())) for c in range(0, targets.numel(), loss_rows)]
+    for p in range(0, len(groups), per_pass):
+        batches = [_batch(lm, source, group, st) for group in groups[p : p + per_pass]]
+        # every forward of the pass, in the order a resident run takes them: per batch and semantics, the
+        # reference (unless stored), then each row; `make(lazy)` builds its cache session only when it runs
+        todo = []
+        for bi, b in enumerate(batches):
             for sem in st.semantics:
-                # the reference runs each semantics' forward schedule in bf16 math: with a bf16
-                # cache every semantics reads the same keys, so only the schedule's rounding remains
-                stored = ref_file.lookup(order) if ref_file is not None else None
-                ref_h = None if ref_file is not None else _forward_hidden(lm, st.ref, ids, sf, st, None, sem)
-                # every row's final hidden states first (small: [n, hidden]), then the loss chunk by chunk,
-                # so each chunk's reference log-probs are made once for all rows, not once per row
-                rows_h = [
-                    (key, _forward_hidden(lm, v, ids, sf, st, layers[key].observers(v.spec) if layers else (), sem, am))
-                    for s2, v, am, key in keys
-                    if s2 == sem
-                ]
+                if ref_file is None:
+                    todo.append(((bi, sem.label, None), functools.partial(
+                        _window_forward, lm, st.ref, b.ids, b.score_from, st, None, sem)))
+                for s2, v, am, key in keys:
+                    if s2 == sem:
+                        obs = layers[key].observers(v.spec) if layers else ()
+                        todo.append(((bi, sem.label, key), functools.partial(
+                            _window_forward, lm, v, b.ids, b.score_from, st, obs, sem, am)))
+        if streaming is None:
+            hidden = {k: lm.stack.run_resident(make()) for k, make in todo}
+        else:
+            n, first = lm.num_layers, p // per_pass * lm.num_layers
+            out = lm.stack.run_streamed(
+                [make(lazy=True) for _, make in todo], streaming.loader, streaming.home,
+                progress=lambda d, _t: progress("layers", first + d, passes * n),
+            )
+            hidden = {k: h for (k, _), h in zip(todo, out)}
+        for bi, b in enumerate(batches):
+            chunks = [slice(c, min(c + loss_rows, b.targets.numel())) for c in range(0, b.targets.numel(), loss_rows)]
+            for sem in st.semantics:
+                stored = ref_file.lookup(b.order) if ref_file is not None else None
+                ref_h = hidden.get((bi, sem.label, None))
+                # each chunk's reference log-probs are made once for all rows, not once per row
+                rows_h = [(key, hidden[(bi, sem.label, key)]) for s2, _, _, key in keys if s2 == sem]
                 parts: dict[str, list[dict]] = {key: [] for key, _ in rows_h}
                 for c in chunks:
                     ref_logp = None if ref_h is None else _logp(lm, ref_h[c])
                     if save_ref is not None and ref_logp is not None and sem == st.semantics[0]:
-                        save_ref.add(ref_logp, targets[c], order[c])
+                        save_ref.add(ref_logp, b.targets[c], b.order[c])
                     for key, fmt_h in rows_h:
                         logp = _logp(lm, fmt_h[c])
                         if stored is not None:
-                            parts[key].append(metrics_from_store({k: x[c] for k, x in stored.items()}, logp, targets[c]))
+                            parts[key].append(metrics_from_store({k: x[c] for k, x in stored.items()}, logp, b.targets[c]))
                         else:
-                            parts[key].append(token_metrics(ref_logp, logp, targets[c]))
+                            parts[key].append(token_metrics(ref_logp, logp, b.targets[c]))
                         del logp
                     del ref_logp
                 for key, ps in parts.items():
-                    stats[key].add({k: torch.cat([p[k] for p in ps]) for k in ps[0]}, depth, order)
-            done += len(ws) * (ws[0].length - 1 - sf)
+                    stats[key].add({k: torch.cat([p[k] for p in ps]) for k in ps[0]}, b.depth, b.order)
+            done += b.tokens
             progress("score", done, total_scored)
+        del hidden
     info = {
         k: {"format": v.name, "semantics": sem.label, "math": m.name, "chunk": sem.chunk, "prefill": st.prefill}
         for sem, v, m, k in keys
@@ -277,6 +317,44 @@ def run_kld(
     run = KldRun(stats, layers, len(windows), time.perf_counter() - t0, unscored_positions(source, windows, st.min_context))
     run.rows = info
     return run
+
+
+def workload(lm, source: TokenSource, st: KldProtocol, ref_file: RefStore | None = None, rank: int = 0, world: int = 1):
+    """The forwards this rank's share of a KLD run takes (`mla_eval.model.run_plan.Workload`), for the run plan."""
+    from mla_eval.model.run_plan import Workload
+
+    windows = plan_windows(lm, source, st)
+    mine = list(enumerate(windows))[rank::world]
+    groups = [g for i in range(0, len(mine), st.batch) for g in _same_shape_groups(mine[i : i + st.batch])]
+    rows = st.rows(Variant(get_format("bf16")))
+    specs = [v.spec for v, _ in rows] + [st.ref.spec]
+    widest = max(groups, key=lambda g: len(g) * g[0][1].length)
+    dtype = next(lm.model.parameters()).dtype
+    return Workload(
+        batches=len(groups),
+        forwards_per_batch=len(st.semantics) * (len(rows) + (ref_file is None)),
+        tokens=len(widest) * widest[0][1].length,
+        hidden=int(lm.model.config.hidden_size),
+        dtype_bytes=torch.finfo(dtype).bits // 8,
+        record_bytes=max(s.record_bytes for s in specs),
+        kept=max(len(g) * (g[0][1].length - 1 - g[0][1].score_from) for g in groups),
+        exact=st.layer_stats,
+    )
+
+
+def _batch(lm, source: TokenSource, group: list[tuple[int, Window]], st: KldProtocol) -> _Batch:
+    ws = [w for _, w in group]
+    ids = torch.stack([source.sequences[w.seq][w.start : w.start + w.length] for w in ws]).to(lm.device)
+    sf = ws[0].score_from
+    # position p predicts token p+1: the window's last position has no target in it
+    return _Batch(
+        ids=ids,
+        score_from=sf,
+        targets=ids[:, sf + 1 :].reshape(-1),
+        depth=torch.arange(sf, ws[0].length - 1).repeat(len(ws)),
+        order=torch.cat([wi * st.ctx + torch.arange(sf, ws[0].length - 1) for wi, _ in group]),
+        tokens=len(ws) * (ws[0].length - 1 - sf),
+    )
 
 
 def _same_shape_groups(ws: list[tuple[int, Window]]) -> list[list[tuple[int, Window]]]:
@@ -297,11 +375,20 @@ def _forward_hidden(
 
     Under engine semantics the window runs as consecutive forwards of the chunk size, each chunk's
     queries reading the earlier chunks through the cache (what an engine's chunked prefill does)."""
+    return lm.stack.run_resident(_window_forward(lm, variant, ids, score_from, st, observers, semantics, attn_math, chunk_keys))
+
+
+def _window_forward(
+    lm, variant: Variant, ids: torch.Tensor, score_from: int, st: KldProtocol, observers,
+    semantics: Semantics = CACHE, attn_math: AttentionMath = BF16, chunk_keys: str = "fresh", lazy: bool = False,
+) -> WindowForward:
+    """The forward of one window batch through the variant's cache (`mla_eval.model.executor`): its session, chunk
+    schedule and the positions whose final hidden states the loss reads. `lazy`: caches allocated per layer as it
+    runs (the layer-major executor)."""
     b, t = ids.shape
     chunk = semantics.forward_chunk(t, lm.adapter.is_dsa)
     if lm.adapter.is_dsa:
         semantics = CACHE  # engine == cache on the sparse path: one forward, every key from the cache
-    scales = scales_for(variant, st.outer_scales)
     session = CacheSession(
         variant.spec,
         lm.num_layers,
@@ -309,27 +396,16 @@ def _forward_hidden(
         t,
         lm.layer_devices,
         block_size=st.block_size,
-        outer_scales=scales,
+        outer_scales=scales_for(variant, st.outer_scales),
         observers=tuple(observers or ()),
         keep_exact=bool(observers),
         semantics=semantics,
         attn_math=attn_math,
         chunk_keys=chunk_keys,
         prefill=st.prefill,
+        lazy=lazy,
     )
-    pos = torch.arange(t, device=lm.device).expand(b, -1)
-    parts = []
-    with lm.adapter.session(session), warnings.catch_warnings():
-        # transformers may warn that past_key_values is deprecated: our cache session replaces it
-        warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated.*")
-        for s in range(0, t, chunk):
-            e = min(t, s + chunk)
-            hidden = lm.model.base_model(input_ids=ids[:, s:e], position_ids=pos[:, s:e], use_cache=False).last_hidden_state
-            lo, hi = max(s, score_from), min(e, t - 1)
-            if lo < hi:
-                parts.append(hidden[:, lo - s : hi - s])
-    hidden = parts[0] if len(parts) == 1 else torch.cat([p.to(parts[0].device) for p in parts], 1)
-    return hidden.reshape(-1, hidden.shape[-1])
+    return WindowForward(ids, session, chunk, slice(score_from, t - 1))
 
 
 @torch.no_grad()

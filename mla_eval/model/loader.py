@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -49,10 +50,19 @@ class LoadedModel:
     def num_layers(self) -> int:
         return self.adapter.num_layers
 
+    @functools.cached_property
+    def stack(self):
+        """The decoder layers, run one at a time (`mla_eval.model.executor.DecoderStack`)."""
+        from mla_eval.model.executor import DecoderStack
+
+        return DecoderStack(self)
+
     @property
     def layer_devices(self) -> list[torch.device]:
-        """Where each layer's attention runs (differs per layer under --device-map auto)."""
-        return [m.kv_a_proj_with_mqa.weight.device for m in self.adapter.modules]
+        """Where each layer's attention runs (differs per layer under --device-map auto; a streamed layer, on the meta
+        device between its turns, runs on the model's device)."""
+        devices = [m.kv_a_proj_with_mqa.weight.device for m in self.adapter.modules]
+        return [self.device if d.type == "meta" else d for d in devices]
 
     @property
     def max_positions(self) -> int:

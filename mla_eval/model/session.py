@@ -93,6 +93,7 @@ class CacheSession:
         semantics: Semantics = CACHE,
         attn_math: AttentionMath = BF16,
         chunk_keys: str = "fresh",
+        lazy: bool = False,
     ) -> None:
         if prefill not in PREFILL_MODES:
             raise ValueError(f"prefill mode {prefill!r}: one of {', '.join(PREFILL_MODES)}")
@@ -120,9 +121,10 @@ class CacheSession:
         self._fresh: dict[int, torch.Tensor] = {}  # engine semantics: the last written layer's chunk keys [B, T, 576]
         self.blocks_per_seq = math.ceil(capacity / block_size)
         nblocks = batch * self.blocks_per_seq
-        self.caches = [
-            torch.zeros(nblocks, block_size, spec.record_bytes, dtype=torch.uint8, device=d) for d in self.devices
-        ]
+        self._nblocks = nblocks
+        # lazy: a layer's cache is allocated at its first write and freed by release_layer (the layer-major executor
+        # holds one layer's caches at a time, mla_eval.model.executor)
+        self.caches: list[torch.Tensor | None] = [None if lazy else self._new_cache(d) for d in self.devices]
         table = torch.arange(nblocks, dtype=torch.int32).view(batch, self.blocks_per_seq)
         self.block_tables = {d: table.to(d) for d in set(self.devices)}  # one copy per device
         self.lengths = [0] * num_layers
@@ -133,6 +135,16 @@ class CacheSession:
         self.step_pos: int | None = None
         self._step: dict[torch.device, _StepBuffers] = {}
         self._step_finite: list[torch.Tensor] = []  # per layer: were the step's latent and rope finite?
+
+    def _new_cache(self, device: torch.device) -> torch.Tensor:
+        return torch.zeros(self._nblocks, self.block_size, self.spec.record_bytes, dtype=torch.uint8, device=device)
+
+    def release_layer(self, layer: int) -> None:
+        """Free what `layer` holds (its cache, its unquantised history): nothing reads that layer again."""
+        self.caches[layer] = None
+        if self.exact:
+            self.exact[layer] = None
+        self._fresh.pop(layer, None)
 
     def reset(self) -> None:
         """Empty every sequence, for a new batch of prompts of the same shape (reusing the caches
@@ -162,6 +174,8 @@ class CacheSession:
         if start + t > self.capacity:
             raise ValueError(f"cache session holds {self.capacity} tokens per sequence; {start + t} requested")
         step = self._in_step(layer, t)
+        if self.caches[layer] is None:
+            self.caches[layer] = self._new_cache(self.devices[layer])
         slots = self._step[self.devices[layer]].slots if step else self._slots(layer, start, t).reshape(-1)
         dispatch.write_cache(
             self.spec,

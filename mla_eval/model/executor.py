@@ -1,0 +1,236 @@
+"""Run a model's decoder layers over window forwards: resident or layer-major (streamed).
+
+A `WindowForward` is one teacher-forced forward of a batch of windows through one cache session (a format's cache
+under one semantics and math): token ids, the chunk schedule (engine semantics prefill a window in consecutive
+chunks), and which positions' final hidden states to keep. `DecoderStack` runs it the way the model's own forward
+does, unrolled layer by layer: embeddings, rotary position embeddings, each decoder layer, the final norm. Our owned
+attention (`adapter`) reads only the cache session, so no [T, T] causal mask is built.
+
+- `run_resident(fwd)`: every layer in memory; the forward's chunks each pass through all layers in turn.
+- `run_streamed(fwds, loader)`: layer-major. Layer L is materialised once (`LayerLoader`), every forward of the
+  pass runs its chunks through it, then it is released before layer L + 1, whose read the loader started in the
+  background. Each forward keeps its own residual stream between layers (streams diverge from the first layer that
+  reads a quantised cache) and its session keeps only the current layer's cache.
+
+Both paths run the same modules on the same inputs in the same order per layer and forward, so a streamed run
+computes a resident run's numbers bit for bit on the same device (tests/test_streaming.py holds them to it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import warnings
+from typing import Callable, Protocol
+
+import torch
+
+from mla_eval.model.session import CacheSession
+
+
+@dataclasses.dataclass
+class WindowForward:
+    """One forward of a window batch through one cache session.
+
+    `ids` [B, T] token ids; `chunk` tokens per consecutive forward (T: one forward); final hidden states of positions
+    `keep` (a slice of 0..T-1) are returned, flattened to [B * kept, hidden]."""
+
+    ids: torch.Tensor
+    session: CacheSession
+    chunk: int
+    keep: slice
+
+    def chunks(self) -> list[tuple[int, int]]:
+        t = self.ids.shape[1]
+        return [(s, min(t, s + self.chunk)) for s in range(0, t, self.chunk)]
+
+
+class LayerLoader(Protocol):
+    """Where streamed layers come from: `prefetch(i)` starts reading layer i (background), `load(i)` makes its
+    weights usable on the compute device (waiting for the read), `release(i)` frees them again."""
+
+    def prefetch(self, i: int) -> None: ...
+
+    def load(self, i: int) -> None: ...
+
+    def release(self, i: int) -> None: ...
+
+
+class DecoderStack:
+    """The decoder layers of a loaded MLA model (`LoadedModel`), run one at a time."""
+
+    def __init__(self, lm) -> None:
+        self.lm = lm
+        self.base = lm.model.base_model
+        self.layers = list(self.base.layers[: lm.model.config.num_hidden_layers])
+        params = inspect.signature(type(self.layers[0]).forward).parameters
+        # the keyword arguments the model's own forward passes its decoder layers, where this version takes them
+        self._layer_kwargs = {k: v for k, v in (("attention_mask", None), ("use_cache", False)) if k in params}
+        self._adapter = lm.adapter
+
+    def _embed(self, ids: torch.Tensor):
+        h = self.base.embed_tokens(ids)
+        pos = torch.arange(ids.shape[1], device=h.device).expand(ids.shape[0], -1)
+        return h, pos
+
+    def _layer(self, i: int, h: torch.Tensor, pos: torch.Tensor, pe) -> torch.Tensor:
+        out = self.layers[i](h, position_ids=pos, position_embeddings=pe, **self._layer_kwargs)
+        return out[0] if isinstance(out, tuple) else out  # GLM-DSA layers also return their top-k
+
+    def _finish(self, fwd: WindowForward, parts: list[torch.Tensor]) -> torch.Tensor:
+        hidden = parts[0] if len(parts) == 1 else torch.cat([p.to(parts[0].device) for p in parts], 1)
+        return hidden.reshape(-1, hidden.shape[-1])
+
+    def _kept(self, fwd: WindowForward, s: int, e: int, h: torch.Tensor) -> torch.Tensor | None:
+        lo, hi = max(s, fwd.keep.start), min(e, fwd.keep.stop)
+        return h[:, lo - s : hi - s] if lo < hi else None
+
+    @torch.no_grad()
+    def run_resident(self, fwd: WindowForward) -> torch.Tensor:
+        """Final hidden states of `fwd.keep` [B * kept, hidden], every layer resident (window-major)."""
+        parts = []
+        with self._adapter.session(fwd.session), _quiet():
+            for s, e in fwd.chunks():
+                h, pos = self._embed(fwd.ids[:, s:e])
+                pos = pos + s
+                pe = self.base.rotary_emb(h, pos)
+                for i in range(len(self.layers)):
+                    h = self._layer(i, h, pos, pe)
+                kept = self._kept(fwd, s, e, self.base.norm(h))
+                if kept is not None:
+                    parts.append(kept)
+        return self._finish(fwd, parts)
+
+    @torch.no_grad()
+    def run_streamed(
+        self, fwds: list[WindowForward], loader: LayerLoader, home: Callable[[torch.Tensor], torch.Tensor] = lambda x: x,
+        progress: Callable[[int, int], None] = lambda done, total: None,
+    ) -> list[torch.Tensor]:
+        """Final hidden states of every forward (as `run_resident` returns them), layer-major.
+
+        `home` moves a residual stream to where it waits between layers (pinned host memory, or unchanged);
+        streams come back to their layer's device for each layer. `progress(layers done, layers)`."""
+        n = len(self.layers)
+        states = []  # per forward, per chunk: [hidden, positions, position embeddings, the shared indexer's top-k]
+        for fwd in fwds:
+            chunks = []
+            for s, e in fwd.chunks():
+                h, pos = self._embed(fwd.ids[:, s:e])
+                pos = pos + s
+                chunks.append([home(h), pos, self.base.rotary_emb(h, pos), None])
+            states.append(chunks)
+        loader.prefetch(0)
+        progress(0, n)
+        with _quiet():
+            for i in range(n):
+                loader.load(i)
+                if i + 1 < n:
+                    loader.prefetch(i + 1)  # the next layer's read overlaps this layer's compute
+                dev = self.layers[i].self_attn.kv_a_proj_with_mqa.weight.device
+                for fwd, chunks in zip(fwds, states):
+                    with self._adapter.session(fwd.session):
+                        for c in chunks:
+                            self._adapter.last_topk = c[3]  # GLM-5 shared indexer layers read the last full layer's
+                            c[0] = home(self._layer(i, c[0].to(dev, non_blocking=True), c[1].to(dev), _to(c[2], dev)))
+                            c[3] = self._adapter.last_topk
+                    fwd.session.release_layer(i)  # the next layer never reads this layer's cache
+                loader.release(i)
+                progress(i + 1, n)
+        out = []
+        for fwd, chunks in zip(fwds, states):
+            parts = []
+            for (s, e), c in zip(fwd.chunks(), chunks):
+                kept = self._kept(fwd, s, e, self.base.norm(c[0].to(self.lm.device)))
+                if kept is not None:
+                    parts.append(kept)
+            out.append(self._finish(fwd, parts))
+        return out
+
+
+    @torch.no_grad()
+    def time_layer(self, i: int, fwd: WindowForward, repeats: int = 3) -> tuple[float, int]:
+        """(seconds, peak bytes) of layer i's forward over `fwd`'s window (its first chunk), layer i's weights in memory:
+        the median of `repeats` timed runs after one warm-up; the peak is the device's allocation above what was held
+        before (0 on a CPU, where it is not measured). The run plan's measured layer cost."""
+        import statistics
+        import time
+
+        s, e = fwd.chunks()[0]
+        h, pos = self._embed(fwd.ids[:, s:e])
+        pe = self.base.rotary_emb(h, pos)
+        dev = h.device
+        cuda = dev.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(dev)
+            before = torch.cuda.memory_allocated(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+        times = []
+        with self._adapter.session(fwd.session), _quiet():
+            for r in range(repeats + 1):
+                fwd.session.reset()
+                t0 = time.perf_counter()
+                self._adapter.last_topk = None
+                self._layer(i, h, pos, pe)
+                if cuda:
+                    torch.cuda.synchronize(dev)
+                if r:
+                    times.append(time.perf_counter() - t0)
+        peak = torch.cuda.max_memory_allocated(dev) - before if cuda else 0
+        return statistics.median(times), int(peak)
+
+
+def _to(pe, dev):
+    return tuple(x.to(dev) for x in pe) if isinstance(pe, tuple) else pe.to(dev)
+
+
+class _quiet(warnings.catch_warnings):
+    """transformers may warn that past_key_values is deprecated: our cache session replaces it."""
+
+    def __enter__(self):
+        super().__enter__()
+        warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated.*")
+        return self
+
+
+class HostStashLoader:
+    """Layers streamed from a copy of their weights in host memory (pinned when the compute device is a GPU):
+    a model that fits the host but not the GPU, and the tests' way to stream any loaded model. At construction
+    every decoder layer's parameters and buffers move to the stash and the layer is left on the meta device."""
+
+    def __init__(self, stack: DecoderStack, device: torch.device) -> None:
+        self.device = torch.device(device)
+        pin = self.device.type == "cuda"
+        self.layers = stack.layers
+        self.stash: list[dict[str, torch.Tensor]] = []
+        for layer in self.layers:
+            state = {k: v.detach().to("cpu", copy=True) for k, v in _tensors(layer)}
+            self.stash.append({k: v.pin_memory() for k, v in state.items()} if pin else state)
+            layer.to("meta")
+
+    def prefetch(self, i: int) -> None:
+        pass  # already in host memory
+
+    def load(self, i: int) -> None:
+        for name, t in self.stash[i].items():
+            assign(self.layers[i], name, t.to(self.device, non_blocking=True))
+
+    def release(self, i: int) -> None:
+        self.layers[i].to("meta")
+
+
+def _tensors(module: torch.nn.Module):
+    yield from module.named_parameters()
+    yield from module.named_buffers()  # persistent or not: everything the layer computes with
+
+
+def assign(module: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Put `tensor` in place of the parameter or buffer `name` (dotted) of `module`, without copying."""
+    *path, leaf = name.split(".")
+    for part in path:
+        module = getattr(module, part)
+    if leaf in module._parameters:
+        module._parameters[leaf] = torch.nn.Parameter(tensor, requires_grad=False)
+    elif leaf in module._buffers:
+        module._buffers[leaf] = tensor
+    else:
+        raise KeyError(f"{name} is neither a parameter nor a buffer of the layer")
