@@ -60,6 +60,8 @@ _EXPERT = re.compile(r"^(?P<experts>(?:.*\.)?experts)\.(?P<expert>\d+)\.(?P<proj
 # bytes per element of each safetensors dtype code (for estimates; stored bytes come from header offsets)
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "U8": 1,
                "I8": 1, "I16": 2, "I32": 4, "I64": 8, "BOOL": 1}
+# stored in float32 by the published DeepSeek / GLM checkpoints whatever the weights' dtype (estimates only)
+_STORED_FP32 = ("e_score_correction_bias",)
 _TORCH_TO_ST = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
 
@@ -306,16 +308,18 @@ class Checkpoint:
                 return name.replace(f"layers.{t.layer}.", f"layers.{self.num_layers - 1}.", 1)
             return name
 
+        if t.name in self._activation:
+            return 4  # one float32 activation scale
         q, role = self._role_of.get(t.name, (None, None))
         shape = shapes.get(as_modelled(q.weight_name if q else t.name))
         if shape is None:
             return None
         if q is not None:
-            return _format_bytes(self.format, q.scheme, role, shape)
+            return _format_bytes(self.format, q.scheme, role, shape, DTYPE_BYTES[dtype])
         n = 1
         for d in shape:
             n *= d
-        return n * DTYPE_BYTES[dtype]
+        return n * (4 if t.name.endswith(_STORED_FP32) else DTYPE_BYTES[dtype])
 
     @staticmethod
     def materialised_bytes(model, dtype: torch.dtype) -> dict[str, int]:
@@ -511,18 +515,22 @@ def _param_shapes(model) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _format_bytes(fmt: WeightFormat, scheme: str, role: str, shape: tuple[int, ...]) -> int:
-    """Stored bytes of one part of a quantised [out, in] weight, as the format defines it."""
+def _format_bytes(fmt: WeightFormat, scheme: str, role: str, shape: tuple[int, ...], model_bytes: int) -> int:
+    """Stored bytes of one part of a quantised [out, in] weight, as the format defines it (compressed-tensors
+    FP8 scales in the checkpoint's dtype, as llm-compressor writes them: `model_bytes` per value)."""
     out, inn = shape[-2], shape[-1]
     if role == "codes":
         return out * inn // 2 if scheme in ("ct-nvfp4", "modelopt-nvfp4") else out * inn
     if role == "global":
         return 4
-    if scheme == "fp8-block" or (scheme == "ct-fp8" and fmt.block_size):
+    if scheme == "fp8-block":
         bm, bn = fmt.block_size or (128, 128)
         return -(-out // bm) * -(-inn // bn) * 4
+    if scheme == "ct-fp8" and fmt.block_size:
+        bm, bn = fmt.block_size
+        return -(-out // bm) * -(-inn // bn) * model_bytes
     if scheme == "ct-fp8":
-        return out * 4  # per channel, float32 (a bf16 scale would be half: an estimate)
+        return out * model_bytes  # per channel
     return out * (inn // (fmt.group_size or 16))  # NVFP4 E4M3 group scales
 
 
@@ -618,6 +626,16 @@ def empty_model(config, dtype: torch.dtype, attn_implementation: str | None = No
     finally:
         torch.set_default_dtype(default)
     return model.eval()
+
+
+def quantised_weights(path: str | Path) -> bool:
+    """Whether the checkpoint folder's config declares quantised weights (a UserError if unsupported)."""
+    path = Path(path)
+    try:
+        raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False  # load_config reports an unreadable config.json
+    return isinstance(raw, dict) and read_weight_format(path, raw).method != "none"
 
 
 def load_resident(path: str | Path, config, device: torch.device, dtype: torch.dtype,

@@ -306,7 +306,7 @@ def _estimate_stored(fmt: str, name: str, shape: tuple[int, ...], dtype: torch.d
         return n + rows * 2
     if fmt == "ct-fp8-block":
         return n + math.ceil(rows / BLOCK[0]) * math.ceil(cols / BLOCK[1]) * 2
-    return n // 2 + n // NVFP4_GROUP + 8
+    return n // 2 + n // NVFP4_GROUP + (8 if fmt == "modelopt-nvfp4" else 4)  # + weight_scale_2 / global, input_scale
 
 
 def estimate_layer_bytes(config, fmt: str) -> tuple[list[int], int]:
