@@ -314,14 +314,24 @@ def test_modelopt_nvfp4_checkpoint_matches_modelopts_definition(written, tmp_pat
 
 
 def test_modelopt_detected_from_hf_quant_config_alone(written, tmp_path):
-    """Older ModelOpt exports say NVFP4 only in hf_quant_config.json."""
+    """Older ModelOpt exports say NVFP4 only in hf_quant_config.json; exports with an FP8 KV cache also store
+    k_scale / v_scale, which weights-only dequantisation leaves unread."""
     folder = tmp_path / "old"
     shutil.copytree(written["modelopt-nvfp4"], folder)
     cfg = json.loads((folder / "config.json").read_text())
     del cfg["quantization_config"]
     (folder / "config.json").write_text(json.dumps(cfg))
+    shard = folder / "model-00001-of-00004.safetensors"
+    tensors = load_file(str(shard))
+    tensors.update({"model.layers.0.self_attn.k_scale": torch.tensor(0.5), "model.layers.0.self_attn.v_scale": torch.tensor(2.0)})
+    save_file(tensors, str(shard))
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    index["weight_map"].update(dict.fromkeys(["model.layers.0.self_attn.k_scale", "model.layers.0.self_attn.v_scale"],
+                                             shard.name))
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     ckpt = Checkpoint.open(folder)
     assert ckpt.format.method == "modelopt" and ckpt.format.source == "hf_quant_config.json"
+    assert ckpt.describe()["quantisation"]["activation_scales_unused"] == 3 * 7 + 3 + 2 * 15 + 2  # input_scale each
     assert torch.equal(logits(reader_model(folder)), logits(reader_model(written["modelopt-nvfp4"])))
 
 
@@ -490,6 +500,10 @@ def test_a_shard_that_breaks_after_planning_is_a_user_error(written, tmp_path):
     (folder / "model-00002-of-00004.safetensors").unlink()  # gone mid-run
     with pytest.raises(UserError, match="reading .*model-00002-of-00004.safetensors failed"):
         ckpt.read_layer(1)
+    shard = folder / "model-00003-of-00004.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-100])  # cut short mid-run
+    with pytest.raises(UserError, match=r"reading .*model-00003-of-00004.safetensors failed \(file ended 100 bytes early"):
+        ckpt.read_layer(2)
 
 
 @pytest.fixture(scope="module")
@@ -543,3 +557,25 @@ def test_cli_bad_checkpoints_are_one_line_exit_2(case, cli_checkpoints, tmp_path
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], err
     assert not (tmp_path / "k.json").exists()
+
+
+def test_full_width_tool_bytes_per_layer_from_the_geometry(capsys):
+    """tools/write_checkpoint.py --dry-run at DeepSeek-V3.2 width against the bytes worked out by hand from its
+    published geometry (fp8 codes 1 B + a float32 scale per 128x128 block; bf16 elsewhere)."""
+    from tools.write_checkpoint import full_width_config
+    from tools.write_checkpoint import main as tool
+
+    def fp8(out, inn):
+        return out * inn + -(-out // 128) * -(-inn // 128) * 4
+
+    h = 7168
+    attention = (fp8(1536, h) + fp8(128 * 192, 1536) + fp8(576, h) + fp8(128 * 256, 512) + fp8(h, 128 * 128)
+                 + fp8(64 * 128, 1536) + fp8(128, h) + 64 * h * 2 + 128 * 2 * 2  # indexer: wq_b, wk, weights_proj, k_norm
+                 + (1536 + 512 + 2 * h) * 2)  # q_a / kv_a / input / post-attention norms
+    dense = attention + 2 * fp8(18432, h) + fp8(h, 18432)
+    moe = attention + 256 * h * 2 + 256 * 4 + 256 * (2 * fp8(2048, h) + fp8(h, 2048)) + 2 * fp8(2048, h) + fp8(h, 2048)
+    rest = 2 * 129280 * h * 2 + h * 2  # embeddings, lm_head, final norm
+    assert estimate_layer_bytes(full_width_config(4, 3), "fp8-block") == ([dense] * 3 + [moe], rest)
+    assert tool(["unused", "--layers", "4", "--first-dense", "3", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert f"layer   3 (MoE  ): {moe / 1e9:8.3f} GB" in out and f"total {(3 * dense + moe + rest) / 1e9:.2f} GB" in out

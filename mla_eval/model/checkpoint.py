@@ -19,9 +19,11 @@ per-layer stored bytes and bytes by dtype. `stored_bytes` returns None rather th
 Units: bytes (int). Shapes as stored ([out, in] for a Linear; NVFP4 codes [out, in/2]).
 
 Per decoder layer, two steps, so a caller can overlap reading with compute:
-- `read_layer(i, pin_memory=False) -> RawTensors`: the layer's tensors exactly as stored (CPU; the
-  data is read from the memory-mapped shards into fresh tensors, pinned if asked). Thread-safe: each
-  call opens its own shard handles, nothing shared is mutated; call it from a background thread.
+- `read_layer(i, pin_memory=False) -> RawTensors`: the layer's tensors exactly as stored (CPU), read with
+  positioned reads of their byte ranges (neighbours coalesced) into one buffer per range, each tensor a
+  view of it; pin_memory=True allocates that buffer pinned (needs CUDA) so the host-to-device copies in
+  `materialise` run asynchronously. Thread-safe: each call opens its own file handles and mutates
+  nothing shared, and the reads release the GIL: call it from a background thread to prefetch.
 - `materialise(layer_module, raw, device, dtype)`: on `device` (the GPU when there is one), dequantise
   every quantised weight to `dtype` and assign every tensor into the layer module's parameters and
   persistent buffers (a module built without weights: `empty_model`, or any module whose tensors are on
@@ -63,6 +65,11 @@ DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2":
 # stored in float32 by the published DeepSeek / GLM checkpoints whatever the weights' dtype (estimates only)
 _STORED_FP32 = ("e_score_correction_bias",)
 _TORCH_TO_ST = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+_ST_TO_TORCH = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu,
+                "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
+                "BOOL": torch.bool}
+_COALESCE_GAP = 1 << 20  # read through gaps up to 1 MiB between a layer's tensors
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +84,7 @@ class TensorInfo:
     dtype: str | None = None
     shape: tuple[int, ...] | None = None
     nbytes: int | None = None
+    offset: int | None = None  # where its bytes start in the shard file
 
 
 @dataclasses.dataclass
@@ -92,7 +100,7 @@ class RawTensors:
 
 
 def _read_header(path: Path) -> tuple[dict, int]:
-    """A safetensors file's header (name -> {dtype, shape, data_offsets}) and the bytes its tensors need;
+    """A safetensors file's header (name -> {dtype, shape, data_offsets}) and where its tensor data starts;
     one-line UserError when the file is shorter than its header says (a truncated download)."""
     try:
         size = path.stat().st_size
@@ -112,7 +120,18 @@ def _read_header(path: Path) -> tuple[dict, int]:
     if 8 + length + data > size:
         raise UserError(f"{path} is truncated: its header describes {8 + length + data} bytes, the file has {size}; "
                         "download it again")
-    return header, data
+    return header, 8 + length
+
+
+def _tensor_view(buf: torch.Tensor, at: int, t: TensorInfo) -> torch.Tensor:
+    """The stored tensor `t` whose bytes sit at buf[at:]: a view, or a copy where the offset is misaligned."""
+    dtype = _ST_TO_TORCH.get(t.dtype or "")
+    if dtype is None:
+        raise UserError(f"{t.name} is stored as {t.dtype}, a safetensors dtype this reader does not know")
+    raw = buf[at: at + t.nbytes]
+    if at % torch.empty((), dtype=dtype).element_size():
+        raw = raw.clone()
+    return raw.view(dtype).reshape(t.shape)
 
 
 def _classify(name: str, num_layers: int) -> tuple[str, int | None]:
@@ -185,7 +204,7 @@ class Checkpoint:
             except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
                 raise UserError(f"cannot read {index} ({str(exc).splitlines()[0]}): download it again") from None
         elif (path / SINGLE_NAME).is_file():
-            header, _ = _read_header(path / SINGLE_NAME)
+            header = _read_header(path / SINGLE_NAME)[0]
             weight_map = dict.fromkeys(header, SINGLE_NAME)
         else:
             raise UserError(f"{path} has neither {INDEX_NAME} nor {SINGLE_NAME}: not a safetensors checkpoint")
@@ -198,20 +217,20 @@ class Checkpoint:
             raise UserError(f"{path}: shard {missing[0]} named by {INDEX_NAME} is missing "
                             f"({len(shards) - len(missing)} of {len(shards)} shards present); download it")
         tensors: dict[str, TensorInfo] = {}
-        headers = {s: _read_header(path / s)[0] for s in shards if s not in missing}
+        headers = {s: _read_header(path / s) for s in shards if s not in missing}
         for name, shard in weight_map.items():
             part, layer = _classify(name, num_layers)
-            head = headers.get(shard)
-            if head is None:
+            if shard not in headers:
                 tensors[name] = TensorInfo(name, shard, part, layer)
                 continue
+            head, data_start = headers[shard]
             entry = head.get(name)
             if entry is None:
                 raise UserError(f"{path / shard} does not hold {name}, which {INDEX_NAME} places there: "
                                 "the index and the shard disagree; download both again")
             start, end = (int(x) for x in entry["data_offsets"])
             tensors[name] = TensorInfo(name, shard, part, layer, str(entry["dtype"]), tuple(int(d) for d in entry["shape"]),
-                                       end - start)
+                                       end - start, data_start + start)
         ckpt = cls(path, raw, fmt, tensors, shards, missing, int(total) if isinstance(total, (int, float)) else None)
         ckpt._check_stored()
         return ckpt
@@ -360,23 +379,41 @@ class Checkpoint:
         return RawTensors(None, self._read(self.rest_names(), pin_memory))
 
     def _read(self, names: list[str], pin_memory: bool) -> dict[str, torch.Tensor]:
-        from safetensors import SafetensorError, safe_open
-
-        by_shard: dict[str, list[str]] = {}
+        """Positioned reads of the tensors' byte ranges (neighbours coalesced) straight into one buffer per
+        range (pinned if asked), each tensor a view of it. The read syscalls release the GIL, so a
+        background thread reads while the main thread computes; each call has its own file handles."""
+        if self.missing_shards:
+            self.check_shards()
+        by_shard: dict[str, list[TensorInfo]] = {}
         for n in names:
-            by_shard.setdefault(self.tensors[n].shard, []).append(n)
+            by_shard.setdefault(self.tensors[n].shard, []).append(self.tensors[n])
         out: dict[str, torch.Tensor] = {}
-        for shard, shard_names in by_shard.items():
+        for shard, infos in by_shard.items():
             file = self.path / shard
+            infos.sort(key=lambda t: t.offset)
+            ranges: list[list[TensorInfo]] = []
+            for t in infos:  # coalesce tensors whose gap is small (one read instead of many)
+                if ranges and t.offset - (ranges[-1][-1].offset + ranges[-1][-1].nbytes) <= _COALESCE_GAP:
+                    ranges[-1].append(t)
+                else:
+                    ranges.append([t])
             try:
-                with safe_open(str(file), framework="pt", device="cpu") as f:
-                    for n in shard_names:
-                        t = f.get_tensor(n)
-                        out[n] = t.pin_memory() if pin_memory else t
-            except (OSError, SafetensorError, RuntimeError) as exc:
-                detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-                raise UserError(f"reading {file} failed ({detail}): the shard is missing, damaged or was changed "
-                                "during the run; restore it and run again") from None
+                with file.open("rb", buffering=0) as f:
+                    for group in ranges:
+                        start, end = group[0].offset, group[-1].offset + group[-1].nbytes
+                        buf = torch.empty(end - start, dtype=torch.uint8, pin_memory=pin_memory)
+                        view, got = memoryview(buf.numpy()), 0
+                        f.seek(start)
+                        while got < end - start:
+                            n = f.readinto(view[got:])
+                            if not n:
+                                raise OSError(f"file ended {end - start - got} bytes early")
+                            got += n
+                        for t in group:
+                            out[t.name] = _tensor_view(buf, t.offset - start, t)
+            except OSError as exc:
+                raise UserError(f"reading {file} failed ({exc.strerror or exc}): the shard is missing, damaged or "
+                                "was changed during the run; restore it and run again") from None
         return out
 
     # ------------------------------------------------------------------------------------------ materialising

@@ -79,9 +79,10 @@ _SUFFIXES = {
     "ct-nvfp4": {"codes": "weight_packed", "scale": "weight_scale", "global": "weight_global_scale"},
     "modelopt-nvfp4": {"codes": "weight", "scale": "weight_scale", "global": "weight_scale_2"},
 }
-# activation scales some formats store: they describe how activations were quantised for serving;
-# weights-only dequantisation does not use them (counted in describe(), never read)
-_ACTIVATION_SUFFIXES = ("input_scale", "input_global_scale", "activation_scale")
+# activation and KV-cache scales quantised formats may store (ModelOpt / compressed-tensors `k_scale`, `v_scale`
+# with a kv_cache scheme): they say how a server quantises activations and its own cache; weights-only
+# dequantisation does not use them, and our cache formats are what is evaluated (counted in describe(), never read)
+_ACTIVATION_SUFFIXES = ("input_scale", "input_global_scale", "activation_scale", "k_scale", "v_scale")
 
 
 @dataclasses.dataclass(frozen=True)
