@@ -68,6 +68,7 @@ SUPPORTED_METHODS = (
 # ModelOpt's nvfp4_tensor.py and compressed-tensors' kE2M1ToFloat).
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 NVFP4_GROUP = 16
+_E2M1_TABLES: dict[torch.device, torch.Tensor] = {}
 
 # fp32 elements dequantised at once while filling a destination (bounds the temporary on the GPU)
 _CHUNK_ELEMENTS = 1 << 26
@@ -214,7 +215,9 @@ def _ct_fp8(dst: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, block: 
 
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     """uint8 [..., n] -> float32 [..., 2n]: element 2k from the low nibble, 2k+1 from the high one."""
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
+    table = _E2M1_TABLES.get(packed.device)
+    if table is None:  # made once per device: a host-to-device copy per weight would stall the stream
+        table = _E2M1_TABLES.setdefault(packed.device, torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device))
     low, high = (packed & 0x0F).long(), (packed >> 4).long()
     return torch.stack((table[low], table[high]), dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
