@@ -16,6 +16,7 @@ import torch
 from mla_eval.errors import UserError
 from mla_eval.formats import check_model_dims
 from mla_eval.model.adapter import DSA_TYPES, SUPPORTED, MlaAdapter, check_supported, stock_attention
+from mla_eval.model.checkpoint import load_resident, quantised_weights
 from mla_eval.model.indexer import INDEXER_FIELDS
 from mla_eval.model.random_models import build_random_model, is_random_spec, parse_random_spec
 from mla_eval.model.rope_scaling import apply_yarn, describe, parse_rope_scaling
@@ -294,9 +295,14 @@ def _load_checkpoint(
             if not torch.cuda.is_available():
                 raise UserError("--max-memory caps each GPU, but no CUDA GPU is visible; drop it on a CPU machine")
             extra["max_memory"] = gpu_max_memory(cap, torch.cuda.device_count())
-        hf = AutoModelForCausalLM.from_pretrained(
-            path, config=config, dtype=torch_dtype, attn_implementation=attn, local_files_only=True, **extra
-        )
+        if quantised_weights(path):  # FP8 / NVFP4 weights: our reader dequantises them (mla_eval.model.checkpoint)
+            if device_map == "auto":
+                raise UserError(f"{path} holds quantised weights: --device-map auto loads only bf16/fp32 checkpoints; drop it")
+            hf = load_resident(path, config, dev, torch_dtype, attn)
+        else:
+            hf = AutoModelForCausalLM.from_pretrained(
+                path, config=config, dtype=torch_dtype, attn_implementation=attn, local_files_only=True, **extra
+            )
     except (OSError, ValueError) as exc:
         raise UserError(f"cannot load weights from {path} ({str(exc).splitlines()[0]})") from None
     if device_map == "auto":
