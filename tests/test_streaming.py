@@ -15,7 +15,7 @@ from mla_eval.attention.semantics import parse_semantics_list
 from mla_eval.evals import text_sources
 from mla_eval.evals.kld import KldProtocol, Streaming, run_kld
 from mla_eval.evals.variants import parse_variants
-from mla_eval.model.executor import HostStashLoader
+from mla_eval.model.executor import CheckpointLoader, HostStashLoader, stream_loader
 from mla_eval.model.loader import load_model
 
 
@@ -116,3 +116,26 @@ class _Resident:
 
     def release(self, i):
         pass
+
+
+def test_a_checkpoint_streamed_layer_by_layer_equals_the_resident_load_bit_for_bit():
+    """The embedded model's own safetensors, read one decoder layer at a time by the checkpoint reader (a background
+    read, dequantised into meta-built layers), against transformers' from_pretrained of the same folder."""
+    resident = load_model(None, device="cpu")
+    streamed = load_model(None, device="cpu", streamed=True)
+    assert all(p.device.type == "meta" for layer in streamed.stack.layers for p in layer.parameters())
+    loader = stream_loader(streamed)
+    assert isinstance(loader, CheckpointLoader)
+    source = _source(resident, 2, 160, seed=11)
+    st = _protocol("fp8_ds_mla,nvfp4", ctx=128)
+    want = run_kld(resident, source, st)
+    try:
+        got = run_kld(streamed, source, st, streaming=Streaming(loader, 2))
+    finally:
+        loader.close()
+    _same_run(want, got)
+    n = streamed.num_layers
+    assert loader.stats.layers == -(-want.windows // 2) * n  # each layer read once per pass
+    assert loader.stats.bytes == -(-want.windows // 2) * sum(
+        streamed.checkpoint.stored_bytes(layer=i) for i in range(n))
+    assert all(p.device.type == "meta" for layer in streamed.stack.layers for p in layer.parameters())  # all released

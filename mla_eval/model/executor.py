@@ -234,3 +234,79 @@ def assign(module: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
         module._buffers[leaf] = tensor
     else:
         raise KeyError(f"{name} is neither a parameter nor a buffer of the layer")
+
+
+@dataclasses.dataclass
+class ReadStats:
+    """What streaming the layers cost: bytes read from the checkpoint, seconds the reads took (on the background
+    thread), seconds the compute waited for a read, seconds spent dequantising into the layers."""
+
+    bytes: int = 0
+    read_seconds: float = 0.0
+    wait_seconds: float = 0.0
+    materialise_seconds: float = 0.0
+    layers: int = 0
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class CheckpointLoader:
+    """Layers streamed from a checkpoint (`mla_eval.model.checkpoint.Checkpoint`): `prefetch(i)` reads layer i's
+    stored bytes on a background thread (into pinned host memory on a GPU run), `load(i)` waits for that read and
+    dequantises into the layer on the device, `release(i)` puts the layer's parameters back on the meta device
+    (buffers, small, stay). `stats` says where the time went."""
+
+    def __init__(self, checkpoint, layers: list[torch.nn.Module], device: torch.device, dtype: torch.dtype) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.checkpoint = checkpoint
+        self.layers = layers
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.stats = ReadStats()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mla-eval-read")
+        self._pending: dict[int, object] = {}
+
+    def _read(self, i: int):
+        import time
+
+        t0 = time.perf_counter()
+        raw = self.checkpoint.read_layer(i, pin_memory=self.device.type == "cuda")
+        return raw, time.perf_counter() - t0
+
+    def prefetch(self, i: int) -> None:
+        if i not in self._pending:
+            self._pending[i] = self._pool.submit(self._read, i)
+
+    def load(self, i: int) -> None:
+        import time
+
+        self.prefetch(i)
+        t0 = time.perf_counter()
+        raw, seconds = self._pending.pop(i).result()  # a read error surfaces here, in the run's own thread
+        t1 = time.perf_counter()
+        self.checkpoint.materialise(self.layers[i], raw, self.device, self.dtype)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.stats.bytes += raw.nbytes
+        self.stats.read_seconds += seconds
+        self.stats.wait_seconds += t1 - t0
+        self.stats.materialise_seconds += time.perf_counter() - t1
+        self.stats.layers += 1
+
+    def release(self, i: int) -> None:
+        for name, p in list(self.layers[i].named_parameters()):
+            assign(self.layers[i], name, torch.empty(p.shape, dtype=p.dtype, device="meta"))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def stream_loader(lm) -> LayerLoader:
+    """The layer loader of a streamed run: the checkpoint's reader where the model was loaded streamed, else a host
+    stash of the loaded model's layers (random and in-memory models)."""
+    if getattr(lm, "checkpoint", None) is not None:
+        dtype = lm.model.get_input_embeddings().weight.dtype  # the run's dtype, as the rest was materialised
+        return CheckpointLoader(lm.checkpoint, lm.stack.layers, lm.device, dtype)
+    return HostStashLoader(lm.stack, lm.device)

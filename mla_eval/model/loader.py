@@ -42,6 +42,9 @@ class LoadedModel:
     is_random: bool = False  # random weights (a `random:` spec): numbers about cost, never about quality
     label: str = ""  # one line saying what was loaded, for output headers
     rope_from_option: bool = False  # --rope-scaling rewrote the checkpoint's rope (model.rope_scaling)
+    # a streamed checkpoint (--offload stream): its decoder layers stay on the meta device and come from here one at a
+    # time (mla_eval.model.executor.CheckpointLoader); None: every layer is in memory
+    checkpoint: object | None = None
 
     def __post_init__(self) -> None:
         if not self.label:
@@ -64,6 +67,11 @@ class LoadedModel:
         device between its turns, runs on the model's device)."""
         devices = [m.kv_a_proj_with_mqa.weight.device for m in self.adapter.modules]
         return [self.device if d.type == "meta" else d for d in devices]
+
+    def weights(self) -> dict | None:
+        """What the weights were as stored (`Checkpoint.describe()`: method, quantised tensors), for results; None
+        for a model that never went through the checkpoint reader."""
+        return getattr(self.model, "mla_eval_weights", None)
 
     @property
     def max_positions(self) -> int:
@@ -215,6 +223,7 @@ def load_model(
     model: str | Path | None, device: str | None = None, dtype: str = "auto", device_map: str = "none",
     rope_scaling: str | None = None,
     max_memory: str | None = None,
+    streamed: bool = False,
 ) -> LoadedModel:
     """Load weights + tokenizer, patch the attention modules, put the model in eval mode.
 
@@ -230,6 +239,8 @@ def load_model(
     large for one; needs `accelerate`); each layer's cache then lives on that layer's GPU, and
     `device` is ignored. `max_memory` ('40GiB'): the cap accelerate plans with on each GPU.
     rope_scaling 'yarn:FACTOR' extends the checkpoint's context (mla_eval.model.rope_scaling).
+    streamed: a checkpoint's decoder layers are not loaded (they stay on the meta device): the embeddings, final
+    norm and head are, and `LoadedModel.checkpoint` reads each layer when the layer-major executor runs it.
     Environment variables and transformers' logging state are changed only during the load.
     """
     if device_map not in DEVICE_MAPS:
@@ -241,7 +252,7 @@ def load_model(
             if factor is not None:
                 raise UserError("--rope-scaling applies to checkpoints; a random:<preset> model keeps its preset's rope/yarn")
             return _load_random(str(model), device, dtype, device_map)
-        return _load_checkpoint(model, device, dtype, device_map, factor, cap)
+        return _load_checkpoint(model, device, dtype, device_map, factor, cap, streamed)
 
 
 def _load_random(text: str, device: str | None, dtype: str, device_map: str) -> LoadedModel:
@@ -265,7 +276,7 @@ def _load_random(text: str, device: str | None, dtype: str, device_map: str) -> 
 
 def _load_checkpoint(
     model: str | Path | None, device: str | None, dtype: str, device_map: str, yarn_factor: float | None = None,
-    cap: int | None = None,
+    cap: int | None = None, streamed: bool = False,
 ) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -289,6 +300,15 @@ def _load_checkpoint(
             f"{path} has no usable tokenizer ({str(exc).splitlines()[0]}); copy the checkpoint's tokenizer files next to it"
         ) from None
     attn = stock_attention(config.model_type)
+    if streamed:
+        if device_map == "auto":
+            raise UserError("--offload stream runs one layer at a time on one device; drop --device-map auto")
+        hf, ckpt = _streamed_skeleton(path, config, dev, torch_dtype, attn)
+        return LoadedModel(
+            model=hf, tokenizer=tokenizer, adapter=MlaAdapter(hf), path=path,
+            name="mla-eval default model" if is_default else path.name, device=dev, is_default=is_default,
+            rope_from_option=yarn_factor is not None, checkpoint=ckpt,
+        )
     try:
         extra = {"device_map": "auto"} if device_map == "auto" else {}
         if cap is not None:
@@ -328,3 +348,21 @@ def _load_checkpoint(
         is_default=is_default,
         rope_from_option=yarn_factor is not None,
     )
+
+
+def _streamed_skeleton(path: Path, config, dev: torch.device, dtype: torch.dtype, attn: str):
+    """The model with only its embeddings, final norm and head loaded (decoder layers on the meta device), and the
+    checkpoint its layers will be read from."""
+    from mla_eval.model.checkpoint import Checkpoint, empty_model
+
+    ckpt = Checkpoint.open(path, require_weights=True)
+    hf = empty_model(config, dtype, attn)
+    if len(hf.model.layers) != ckpt.num_layers:
+        raise UserError(f"{path}: config.json builds {len(hf.model.layers)} layers, the checkpoint has {ckpt.num_layers}")
+    ckpt.materialise_rest(hf, ckpt.read_rest(), dev, dtype)
+    for module in hf.modules():  # buffers (rotary tables) join the device; parameters stay where they are
+        for name, buf in list(module._buffers.items()):
+            if buf is not None and buf.device.type != "meta":
+                module._buffers[name] = buf.to(dev)
+    hf.mla_eval_weights = ckpt.describe()
+    return hf.eval(), ckpt
