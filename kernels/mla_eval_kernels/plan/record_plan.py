@@ -34,6 +34,7 @@ from mla_eval.formats.spec import (  # pure Python: no torch or cutlass needed a
     ScaleApply,
     ScaleOrder,
     ScaleRule,
+    TokenScaleRule,
 )
 
 # The spec's rule strings, under the names the kernels branch on (one definition: spec.ScaleRule).
@@ -112,6 +113,8 @@ def _coding(c) -> CodingPlan:
     rule = c.scale_rule.value
     if c.elem not in ("bf16", "e4m3", "e2m1"):
         raise UnsupportedFormat(f"element type {c.elem!r} has no kernel")
+    if rule == ScaleRule.AMAX_E4M3_DIV6G.value:
+        raise UnsupportedFormat("SGLang's DSA NVFP4 rule (amax / (6 g) scales, midpoint codes) has no kernel")
     if c.elem_rounding not in (ROUND_RNE, ROUND_TIES_AWAY) or (c.elem_rounding == ROUND_TIES_AWAY and c.elem != "e2m1"):
         raise UnsupportedFormat(f"{c.elem} rounding {c.elem_rounding!r} has no kernel (ties away is an E2M1 rule)")
     if rule not in KNOWN_RULES:
@@ -151,6 +154,8 @@ AWAITING_GPU_TESTS: dict[str, str] = {}
 
 def plan_for(spec) -> RecordPlan:
     """The kernel plan of a `FormatSpec`; raises `UnsupportedFormat` outside the kernels' scope."""
+    if spec.token_scale_rule is not TokenScaleRule.DIV_FLOORED:
+        raise UnsupportedFormat("b12x's per-token scale (rcp(s_t) folded into each group's factor) has no kernel")
     latent, rope = _coding(spec.latent), _coding(spec.rope)
     outer = spec.outer_scale
     plan = RecordPlan(
