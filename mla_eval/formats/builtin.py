@@ -165,7 +165,8 @@ SGLANG_NVFP4_DSA = Engine(
     commit="8f7708d81993e15e268de1bb47d11baaf5a88d1d",
     flag="--kv-cache-dtype fp4_e2m1 --fp4-kv-cache-recipe nvfp4 (GLM-5.2 DSA pool, 416 B rows)",
     note="g = 1.0 assumed (the pool's per-layer fp32 global scale; its source was not found); the Triton writer's "
-    "fp32 division is the engine's claim of bit-exactness, not measured here",
+    "bit-exactness to this reference is the engine's test, not measured here; the flags are those of the branch's "
+    "DSA pool tests in a later revision (not read at this commit)",
 )
 SGLANG_DSA_GLOBAL = GlobalScale(amax=1.0, denominator=1.0, source="SGLang PR 35237 pool's per-layer g (assumed 1.0)")
 
