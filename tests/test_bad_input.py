@@ -141,6 +141,8 @@ CASES = {
     "formats: unknown format": (lambda w: ["formats", "--formats", "int3"], {}, "int3"),
     "formats: empty list": (lambda w: ["formats", "--formats", ","], {}, "--formats is empty"),
     "formats: ambiguous engine name": (lambda w: ["formats", "--formats", "nvfp4_ds_mla"], {}, "is ambiguous"),
+    "formats: name shared by SGLang versions": (lambda w: ["formats", "--formats", "fp4_e2m1"], {}, "416 B"),
+    "formats: retired engine alias": (lambda w: ["formats", "--formats", "vllm:nvfp4_fp8_ds_mla"], {}, "nvfp4_ds_mla"),
     "formats: unknown option": (lambda w: ["formats", "--bogus"], {}, "No such option: --bogus"),
     # capacity
     "capacity: --tp 0 names --tp": (lambda w: ["capacity", "--tp", "0"], {}, "--tp must be >= 1"),
@@ -156,6 +158,7 @@ CASES = {
     "capacity: --plot in a locked folder": (lambda w: ["capacity", "--plot", str(w.locked / "c.png")], {}, "not writable"),
     # kld
     "kld: unknown option": (lambda w: ["kld", "--bogus-option", "3"], {}, "No such option: --bogus-option"),
+    "kld: ambiguous engine name": (lambda w: ["kld", "--formats", "nvfp4_ds_mla"], {}, "288 B, not built in"),
     "kld: --ctx abc": (lambda w: ["kld", "--ctx", "abc"], {}, "'--ctx'"),
     "kld: --ctx 0": (lambda w: _kld(w, "--ctx", "0"), {}, "--ctx"),
     "kld: --ctx -5 names --ctx": (lambda w: _kld(w, "--ctx", "-5"), {}, "--ctx"),

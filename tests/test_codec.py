@@ -271,6 +271,9 @@ def test_round_trip_error_bounds(name, kind):
         slack = 1e-5 * v.abs() + 1e-30  # the scaling by s_l itself rounds
         g = v.abs().reshape(x.shape[0], -1, coding.group).amax(-1, keepdim=True)
         gmax = g.expand(-1, -1, coding.group).reshape(x.shape)
+        if coding.ggml:
+            _check_ggml_bounds(coding.elem, v, err, gmax, slack)
+            continue
         if coding.elem == "bf16":
             assert torch.equal(xd, x)  # inputs are bf16 already: lossless
         elif coding.elem == "e4m3" and coding.scale_rule.value == "tensor":
@@ -299,6 +302,19 @@ def test_round_trip_error_bounds(name, kind):
         keep = gmax <= clip if (coding.elem == "e2m1" and not scaled) else torch.ones_like(gmax, dtype=torch.bool)
         rel = (err[keep].norm() / v[keep].norm()).item()
         assert rel < {"bf16": 1e-6, "e4m3": 0.05, "e2m1": 0.2}[coding.elem], rel
+
+
+def _check_ggml_bounds(kind: str, v: torch.Tensor, err: torch.Tensor, gmax: torch.Tensor, slack: torch.Tensor) -> None:
+    """ggml blocks of 32: the code step d (q8_0 amax/127, q4_0 amax/8, q5_1 range/31 <= 2 amax/31) bounds the
+    error by d/2 (q4_0: d, its -max side clips to 7 d), plus the fp16 rounding of d (2^-11 relative, 2^-25 in
+    the subnormals) times the largest code and, for q5_1, of the fp16 minimum. A block whose scale passes fp16's
+    65504 stores inf, as ggml does: those blocks are left out (llama.cpp's cache holds inf there too)."""
+    step, steps, half = {"q8_0": (gmax / 127, 127, 0.5), "q4_0": (gmax / 8, 8, 1.0), "q5_1": (2 * gmax / 31, 31, 0.5)}[kind]
+    keep = (step <= 65504) & (gmax <= 65504 if kind == "q5_1" else True)
+    fp16 = steps * (step * 2**-11 + 2**-25) + (gmax * 2**-11 + 2**-25 if kind == "q5_1" else 0)
+    assert (err[keep] <= (step * half + fp16 + slack)[keep] * 1.0001).all()
+    rel = (err[keep].norm() / v[keep].norm()).item()
+    assert rel < {"q8_0": 0.02, "q4_0": 0.2, "q5_1": 0.1}[kind], rel
 
 
 def test_nvfp4_without_outer_scale_saturates_at_6_times_448():

@@ -54,6 +54,19 @@ Sources (the spec of each format names the same engine, `FormatSpec.engine`):
   residual = input - code * decoded, then the same on the residual; data [256 + 16g, +8) main, [+8, +16) residual
   codes; scales at 352 + 2g (main), 353 + 2g (residual). Its reader adds residual * (scale * dequant) to
   code * (scale * dequant), one fused multiply-add, before the E4M3 conversion.
+- sglang_nvfp4_dsa (416 B): YAMY1234/sglang @ 8f7708d81993e15e268de1bb47d11baaf5a88d1d (sgl-project/sglang PR 35237's
+  branch), python/sglang/srt/layers/attention/dsa/nvfp4_k_cache.py `quantize_nvfp4_k_cache_into_reference` and
+  `_e2m1_rne_scaled_torch`: x = nan_to_num(x, nan=0).clamp(+-6*448*g); scale = (amax / (6 * g)).clamp(0, 448) cast
+  to E4M3; D = float(scale) * g; codes count |x| > D*0.25, >= D*0.75, > D*1.25, >= D*1.75, > D*2.5, >= D*3.5,
+  > D*5 (each product a float32), sign bit from signbit(x), all 0 where D = 0; even element in the low nibble;
+  scales [256,288); rope nan_to_num(nan=0, +-inf=+-bf16 max) as bf16 at [288,416). Reader
+  `dequantize_nvfp4_k_cache_paged_reference`: (code * scale) * g.
+- nvfp4_fp8rope_dyn (368 B): local-inference-lab/b12x @ 36bce2c1552ba2d47dc09f20a6f64fbfc8ec4ff8,
+  b12x/attention/_shared/mla/kv_cache.py `ConcatAndCacheNvfp4MlaFp8RopeKernel` with per_token_scale=True:
+  s_t = token_amax * f32(1/2688) at [292,296); if s_t != 0: r_t = rcp.approx.ftz(s_t), scale = e4m3((group_amax *
+  r_t) * rcp.approx.ftz(6)), codes e2m1(x * (rcp.approx.ftz(decoded) * r_t)), zero codes where decoded = 0; s_t = 0
+  stores zero codes and scale bytes; [296,304) zero; rope as nvfp4_fp8rope. rcp.approx of E4M3 values and 6 from
+  the H200 table; of s_t with the correctly rounded reciprocal, as the codec (not tabulable).
 - fp8_ds_mla_pow2: deepseek-ai/FlashMLA @ 520fec6a7fd98028705ccad373b7f0e3e2ae75fb, tests/quant.py
   `quantize_k_cache` (V32_FP8Sparse) and `_cast_scale_inv_to_ue8m0`: scale_inv = 2 ** ceil(log2(
   clamp_min(amax.float() / 448.0, 1e-4))) in float32 torch, codes (x.float() / scale_inv).to(float8_e4m3fn).
@@ -61,6 +74,7 @@ Sources (the spec of each format names the same engine, `FormatSpec.engine`):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 
@@ -68,7 +82,8 @@ import numpy as np
 import pytest
 import torch
 
-from mla_eval.formats import decode, encode, get_format
+from mla_eval.errors import NonFiniteInputError, UserError
+from mla_eval.formats import GlobalScale, decode, encode, get_format
 
 N_TOKENS = 64
 
@@ -352,6 +367,77 @@ def trtllm_gather_fp8_residual(records: np.ndarray, dequant: np.float32 = TRTLLM
     return np_e4m3_satfinite_rn(np.concatenate([lat, *rope], axis=1))
 
 
+BF16_MAX = np.float32(3.3895313892515355e38)  # torch.finfo(torch.bfloat16).max
+# SGLang's `_e2m1_rne_scaled_torch`: (multiple of the denominator, strict comparison) per E2M1 midpoint
+SGLANG_MIDPOINTS = ((0.25, True), (0.75, False), (1.25, True), (1.75, False), (2.5, True), (3.5, False), (5.0, True))
+
+
+def sglang_quantize_nvfp4_k_cache(kv: np.ndarray, g: float = 1.0, midpoint_ulps: int = 0) -> np.ndarray:
+    """SGLang's 416 B GLM-5.2 DSA row for [n, 576] float32 (latent then rope); `midpoint_ulps` moves every midpoint
+    product that many float32 ulps up (the companion test's perturbation; 0 = the engine)."""
+    n = kv.shape[0]
+    g32 = np.float32(g)
+    bound = np.float32(np.float32(6.0 * 448.0) * g32)  # _E2M1_MAX * _E4M3_MAX * global_scale: python float * f32
+    lat = np.nan_to_num(kv[:, :512].astype(np.float32), nan=0.0, posinf=np.inf, neginf=-np.inf)
+    blocks = np.clip(lat, -bound, bound).reshape(n, 32, 16)
+    scale = np.clip((np.abs(blocks).max(axis=2) / np.float32(np.float32(6.0) * g32)).astype(np.float32), 0, 448)
+    scale_bits = np_e4m3_satfinite_rn(scale.astype(np.float32))
+    denom = (E4M3_VALUES[scale_bits].astype(np.float32) * g32).astype(np.float32)[:, :, None]
+    mag = np.abs(blocks)
+    code = np.zeros(blocks.shape, np.uint8)
+    for k, strict in SGLANG_MIDPOINTS:
+        edge = (denom * np.float32(k)).astype(np.float32)
+        for _ in range(midpoint_ulps):
+            edge = np.nextafter(edge, np.float32(np.inf))
+        code += (mag > edge) if strict else (mag >= edge)
+    code |= np.signbit(blocks).astype(np.uint8) << 3
+    code = np.where(denom > 0, code, 0).astype(np.uint8).reshape(n, 512)
+    out = np.zeros((n, 416), np.uint8)
+    out[:, :256] = code[:, 0::2] | (code[:, 1::2] << 4)
+    out[:, 256:288] = scale_bits
+    rope = np.nan_to_num(kv[:, 512:].astype(np.float32), nan=0.0, posinf=BF16_MAX, neginf=-BF16_MAX)
+    out[:, 288:] = np_bf16_rn(rope).view(np.uint8).reshape(n, 128)
+    return out
+
+
+def sglang_dequantize_nvfp4_k_cache(rows: np.ndarray, g: float = 1.0) -> np.ndarray:
+    """The branch's `dequantize_nvfp4_k_cache_paged_reference` in float32: [n, 576] values."""
+    n = rows.shape[0]
+    codes = np.stack([rows[:, :256] & 0xF, rows[:, :256] >> 4], axis=-1).reshape(n, 32, 16)
+    scales = E4M3_VALUES[rows[:, 256:288]].astype(np.float32)[:, :, None]
+    latent = ((_signed_e2m1(codes).astype(np.float32) * scales).astype(np.float32) * np.float32(g)).astype(np.float32)
+    rope = (rows[:, 288:].copy().view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return np.concatenate([latent.reshape(n, 512), rope], axis=1)
+
+
+def b12x_concat_and_cache_per_token_scale(kv_c: np.ndarray, k_pe: np.ndarray, token_rcp: float = 1.0 / 2688.0) -> np.ndarray:
+    """b12x's 368 B record with per_token_scale=True (`token_rcp` is _TWO_LEVEL_RCP; the companion test moves it)."""
+    n = kv_c.shape[0]
+    out = b12x_concat_and_cache_nvfp4_mla_fp8_rope(np.zeros_like(kv_c), k_pe)  # the rope lane is the static mode's
+    out[:, :288] = 0
+    vals = kv_c.astype(np.float32).reshape(n, 32, 16)
+    group_amax = np.abs(vals).max(axis=2)
+    token_amax = group_amax.max(axis=1)
+    s_t = (token_amax * np.float32(token_rcp)).astype(np.float32)
+    out[:, 292:296] = s_t.reshape(n, 1).view(np.uint8)
+    live = s_t != 0
+    r_t = np.zeros_like(s_t)
+    r_t[live] = (np.float32(1.0) / s_t[live]).astype(np.float32)  # rcp.approx.ftz(s_t) on the GPU: rcp.rn here
+    r6 = rcp_approx_ftz(np.array([6.0], np.float32))[0]
+    sf = ((group_amax * r_t[:, None]).astype(np.float32) * r6).astype(np.float32)
+    bits = np_e4m3_satfinite_rn(sf)
+    dec = E4M3_VALUES[bits].astype(np.float32)
+    nz = live[:, None] & (dec != 0)
+    factor = np.zeros_like(dec)
+    factor[nz] = (rcp_approx_ftz(dec[nz]) * np.broadcast_to(r_t[:, None], dec.shape)[nz]).astype(np.float32)
+    codes = np_e2m1_satfinite_rn((vals * factor[:, :, None]).astype(np.float32))
+    codes[~nz] = 0
+    codes = codes.reshape(n, 512)
+    out[:, :256] = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    out[:, 256:288] = np.where(live[:, None], bits, 0)
+    return out
+
+
 # ---------------------------------------------------------------- inputs
 def _inputs(kind: str, seed: int = 0) -> torch.Tensor:
     """[N_TOKENS, 576] float32 inputs of one kind (latent then rope)."""
@@ -374,13 +460,37 @@ def _inputs(kind: str, seed: int = 0) -> torch.Tensor:
         x = x * torch.logspace(-20, 20, N_TOKENS).unsqueeze(1)
         x[::7, :128] = 0
         return x
+    if kind == "neg_zero":  # -0.0 everywhere, groups of +-0 mixed, and groups with -0 among small values
+        x = -torch.zeros(N_TOKENS, 576)
+        x[1::4, ::2] = 0.0
+        x[2::4, 17:32:2] = torch.randn(N_TOKENS // 4, 8, generator=g) * 1e-3
+        return x
+    if kind == "ties":
+        return _ties(g)
     raise AssertionError(kind)
 
 
+def _ties(g: torch.Generator) -> torch.Tensor:
+    """Values on rounding boundaries, with power-of-two scales so that the boundaries are exact: even rows put
+    every 16-group on E2M1 midpoints (amax 6 s), odd rows put every 32-block on half-integers of amax / 127
+    (q8_0) or on the q4_0 / q5_1 boundaries (x * id + 8.5, + 0.5 landing on integers)."""
+    mids = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0, 0.5])
+    halves = torch.cat([torch.tensor([127.0]), torch.arange(-15, 15) + 0.5, torch.tensor([-8.0])])  # 32 values
+    x = torch.empty(N_TOKENS, 576)
+    for row in range(N_TOKENS):
+        scales = 2.0 ** torch.randint(-6, 6, (36,), generator=g).float()
+        if row % 2 == 0:
+            x[row] = (mids.repeat(36).reshape(36, 16) * scales[:, None]).flatten()
+        else:
+            x[row] = (halves.repeat(18).reshape(18, 32) * scales[:18, None] / 16).flatten()
+    return x
+
+
 KINDS = ["normal", "heavy_tailed", "bf16", "zero", "tiny", "huge", "mixed"]
+EDGE_KINDS = KINDS + ["neg_zero", "ties"]  # every input kind of the ports added for round 3
 
 
-def _ours(fmt: str, x: torch.Tensor) -> np.ndarray:
+def _ours(fmt, x: torch.Tensor) -> np.ndarray:
     return encode(fmt, x[:, :512], x[:, 512:]).numpy()
 
 
@@ -607,3 +717,72 @@ def test_trtllm_residual_script_with_rcp_rn_reproduces_the_codec():
     gs = get_format("trtllm_nvfp4_dsa").latent.global_scale
     got = engine_records(x, gs.quant, lambda t: torch.ones_like(t) / t)
     assert torch.equal(got, torch.from_numpy(_ours("trtllm_nvfp4_dsa", x)))
+
+
+@pytest.mark.parametrize("g", [1.0, 1.375])
+@pytest.mark.parametrize("kind", EDGE_KINDS)
+def test_sglang_nvfp4_dsa_bytes_equal_sglang(kind, g):
+    """0 differing bytes at the assumed g = 1 and at the engine test's g = 1.375 (a registered copy of the spec)."""
+    spec = get_format("sglang_nvfp4_dsa")
+    if g != 1.0:
+        spec = dataclasses.replace(spec, name="sglang_nvfp4_dsa_g", aliases=(),
+                                   latent=dataclasses.replace(spec.latent, global_scale=GlobalScale(g, 1.0)))
+    x = _inputs(kind)
+    assert np.count_nonzero(sglang_quantize_nvfp4_k_cache(x.numpy(), g) != _ours(spec, x)) == 0
+    lat, rope = decode(spec, encode(spec, x[:, :512], x[:, 512:]))
+    engine = sglang_dequantize_nvfp4_k_cache(sglang_quantize_nvfp4_k_cache(x.numpy(), g), g)
+    assert np.array_equal(torch.cat([lat, rope], -1).numpy().view(np.uint32), engine.view(np.uint32))
+
+
+def test_sglang_nvfp4_dsa_nonfinite_policy_is_the_engines():
+    """NaN -> +0, +-inf -> the clamp bound (latent) or +-bf16 max (rope); the codec takes it only when asked."""
+    x = _inputs("normal")
+    x[0, 3], x[1, 20], x[2, 40], x[3, 520], x[4, 530], x[5, 575] = np.nan, np.inf, -np.inf, np.nan, np.inf, -np.inf
+    x[6, :16] = np.inf  # a whole group at the bound: scale 448, codes +6
+    ours = encode("sglang_nvfp4_dsa", x[:, :512], x[:, 512:], engine_nonfinite=True).numpy()
+    assert np.count_nonzero(sglang_quantize_nvfp4_k_cache(x.numpy()) != ours) == 0
+    assert ours[6, 256] == 0x7E and np.all(ours[6, :8] == 0x77)
+    with pytest.raises(NonFiniteInputError):
+        encode("sglang_nvfp4_dsa", x[:, :512], x[:, 512:])
+    with pytest.raises(UserError, match="no engine policy"):
+        encode("nvfp4", x[:, :512], x[:, 512:], engine_nonfinite=True)
+
+
+def _on_float32_midpoints() -> torch.Tensor:
+    """[29, 576]: every 16-group has amax 6 D for an E4M3 value D (so its scale is D exactly) and its other values
+    at f32(D * k) for the E2M1 midpoints k: the products the engine compares against, which x * (1 / D) misses."""
+    k = np.array([6, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5, 0.5], np.float32)
+    d = E4M3_VALUES[40:100].astype(np.float32)
+    rows = [(d[i : i + 32, None] * k[None, :]).astype(np.float32).reshape(-1) for i in range(29)]
+    return torch.from_numpy(np.concatenate([np.stack(rows), np.zeros((29, 64), np.float32)], axis=1))
+
+
+def test_sglang_nvfp4_dsa_comparison_detects_a_one_ulp_midpoint_and_a_reciprocal():
+    """The companion: the port with its midpoints one ulp higher, or codes by multiplying with 1 / D (what the
+    engine's docstring says its comparisons avoid), give different bytes on values at the float32 midpoints."""
+    x = _on_float32_midpoints()
+    ours = _ours("sglang_nvfp4_dsa", x)
+    assert np.count_nonzero(sglang_quantize_nvfp4_k_cache(x.numpy()) != ours) == 0
+    assert np.count_nonzero(sglang_quantize_nvfp4_k_cache(x.numpy(), midpoint_ulps=1) != ours) > 0
+    lat = x[:, :512].numpy().reshape(-1, 32, 16)
+    scale = E4M3_VALUES[ours[:, 256:288]].astype(np.float32)
+    by_rcp = np_e2m1_satfinite_rn((lat * (np.float32(1.0) / scale)[:, :, None]).astype(np.float32)).reshape(-1, 512)
+    assert np.count_nonzero((by_rcp[:, 0::2] | (by_rcp[:, 1::2] << 4)) != ours[:, :256]) > 0
+
+
+@pytest.mark.parametrize("kind", EDGE_KINDS)
+def test_nvfp4_fp8rope_dyn_bytes_equal_b12x(kind):
+    x = _inputs(kind)
+    engine = b12x_concat_and_cache_per_token_scale(x[:, :512].numpy(), x[:, 512:].numpy())
+    assert np.count_nonzero(engine != _ours("nvfp4_fp8rope_dyn", x)) == 0
+
+
+def test_nvfp4_fp8rope_dyn_comparison_detects_our_arithmetic_and_a_one_ulp_constant():
+    """The companion: mla-eval's own two-level arithmetic (nvfp4_fp8rope_st: s_t divided and floored, latent
+    scaled first) differs from b12x's on ordinary data, and so does b12x's with f32(1/2688) one ulp off."""
+    x = _inputs("bf16", seed=11)
+    ours = _ours("nvfp4_fp8rope_dyn", x)
+    assert np.count_nonzero(_ours("nvfp4_fp8rope_st", x)[:, :296] != ours[:, :296]) > 0
+    off = float(np.nextafter(np.float32(1.0 / 2688.0), np.float32(1.0)))
+    engine = b12x_concat_and_cache_per_token_scale(x[:, :512].numpy(), x[:, 512:].numpy(), token_rcp=off)
+    assert np.count_nonzero(engine != ours) > 0

@@ -57,3 +57,22 @@ def test_trtllm_nvfp4_dsa_row_shows_engine_pools_and_global_scale(capsys, monkey
     assert main(["formats", "--formats", "trtllm_nvfp4_dsa,sglang_fp4_e2m1"]) == 0
     out = capsys.readouterr().out
     assert "NVIDIA/TensorRT-LLM@727f68b662aa" in out and "global S=26.88" in out and "read as e4m3" in out
+
+
+def test_engine_names_per_engine_and_version_and_known_records(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "250")
+    assert main(["formats", "--json", "--formats", "nvfp4_fp8_ds_mla,llamacpp_q4_0"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    rows = {r["name"]: r for r in doc["formats"]}
+    (vllm,) = rows["nvfp4_fp8_ds_mla"]["engine_names"]
+    assert (vllm["engine"], vllm["name"], vllm["record_bytes"]) == ("vLLM", "nvfp4_ds_mla", 352)
+    assert "002f10e0cfa1" in vllm["version"]
+    assert rows["llamacpp_q4_0"]["engine_names"][0]["name"] == "q4_0"
+    known = {(k["name"], k["record_bytes"]) for k in doc["known_not_built_in"]}
+    assert {("nvfp4_ds_mla", 288), ("nvfp4_ds_mla", 304), ("kvarn_mla_k5_g64", 482)} <= known
+    assert main(["formats", "--no-layout"]) == 0
+    out = capsys.readouterr().out
+    assert "'nvfp4_ds_mla' alone is ambiguous (352 B, 288 B, 432 B, 368 B, 368 B, 304 B)" in out
+    assert main(["formats", "--help"]) == 0
+    helptext = " ".join(capsys.readouterr().out.split())
+    assert "Known, not built in: DeepSeek-V4" in helptext and "GLM-5.3-Flash's rope-less records" in helptext

@@ -177,14 +177,16 @@ def test_record_width_lookup():
     from mla_eval.errors import UserError
     from mla_eval.formats import format_for_record_bytes
 
-    assert format_for_record_bytes(432).name == "nvfp4"
+    assert format_for_record_bytes(352).name == "nvfp4_fp8_ds_mla"
     assert format_for_record_bytes(1152).name == "bf16"
+    with pytest.raises(UserError, match="records of 432 B, shared by nvfp4, llamacpp_q5_1; name the format"):
+        format_for_record_bytes(432)  # the vLLM fork's NVFP4 row and llama.cpp's q5_1 K row
     with pytest.raises(UserError, match=r"records of 500 B, which matches no cache format \(bf16=1152") as exc:
         format_for_record_bytes(500)
     assert "\n" not in str(exc.value)
     with pytest.raises(UserError, match="shared by fp8_ds_mla, fp8_ds_mla_pow2; name the format"):
         format_for_record_bytes(656)
-    with pytest.raises(UserError, match="records of 324 B, shared by sglang_fp4_e2m1, trtllm_nvfp4_dsa; name the"):
+    with pytest.raises(UserError, match="records of 324 B, shared by sglang_fp4_e2m1, trtllm_nvfp4_dsa, llamacpp_q4_0; "):
         format_for_record_bytes(324)
 
 
@@ -244,3 +246,65 @@ def test_reading_records_with_the_wrong_spec_is_one_line():
         with pytest.raises(UserError, match=r"records must be uint8 \[\.\.\., \d+\], got torch.uint8 \(2, 352\)") as exc:
             decode(wrong, records)
         assert "\n" not in str(exc.value)
+
+
+def test_engine_names_follow_each_engine_and_version():
+    """vLLM calls its 352 B record nvfp4_ds_mla (vllm/config/cache.py @ 002f10e0cfa1), as the fork calls its 432 B
+    and 368 B records and vLLM its DeepSeek-V4.1 288 B one: the bare name is refused listing every candidate with
+    its byte size, the '<engine>:<name>' aliases select one format each, and the retired spelling says why."""
+    from mla_eval.formats.builtin import ENGINE_NAMES
+    from mla_eval.formats.registry import ambiguous_engine_names
+
+    assert get_format("vllm:nvfp4_ds_mla").name == "nvfp4_fp8_ds_mla"
+    assert get_format("vllm:nvfp4_ds_mla").engine.flag.startswith("--kv-cache-dtype nvfp4_ds_mla ")
+    with pytest.raises(UnknownFormatError) as exc:
+        get_format("nvfp4_ds_mla")
+    msg = str(exc.value)
+    for piece in ("nvfp4_fp8_ds_mla (352 B", "288 B, not built in", "nvfp4 (432 B", "nvfp4_fp8rope (368 B",
+                  "nvfp4_fp8rope_dyn (368 B", "304 B, not built in"):
+        assert piece in msg, piece
+    assert "\n" not in msg
+    with pytest.raises(UnknownFormatError, match="vLLM calls the 352 B record nvfp4_ds_mla"):
+        get_format("vllm:nvfp4_fp8_ds_mla")
+    with pytest.raises(UnknownFormatError, match=r"sglang_fp4_e2m1 \(324 B.*sglang_nvfp4_dsa \(416 B"):
+        get_format("fp4_e2m1")
+    with pytest.raises(UnknownFormatError, match=r"'q8_0' is an engine's name: ours is llamacpp_q8_0, alias llama.cpp:q8_0"):
+        get_format("q8_0")
+    assert get_format("nvfp4").record_bytes == 432  # our own name wins over TensorRT-LLM's dtype name
+    assert set(ambiguous_engine_names()) == {"nvfp4_ds_mla", "fp4_e2m1"}
+    by_format = {e.format: e for e in ENGINE_NAMES if e.format is not None}
+    assert set(by_format) <= set(format_names())
+    for e in ENGINE_NAMES:
+        if e.format is not None:
+            assert get_format(e.format).record_bytes == e.record_bytes, e
+        else:
+            assert e.not_built_in, e
+
+
+def test_round3_rules_are_validated():
+    """ggml blocks fill their data field with whole blocks and no scale field; SGLang's DSA rule needs its g and
+    midpoint codes (and only it has them); b12x's folded s_t needs a stored s_t and the recipe latent; the
+    non-finite policy belongs to SGLang's DSA writer."""
+    import dataclasses
+
+    from mla_eval.formats import Field, ScaleRule
+    from mla_eval.formats.spec import TokenScaleRule
+
+    q8, dsa, dyn = get_format("llamacpp_q8_0"), get_format("sglang_nvfp4_dsa"), get_format("nvfp4_fp8rope_dyn")
+    with pytest.raises(ValueError, match="stores 16 q8_0 blocks of 32"):
+        dataclasses.replace(q8, latent=dataclasses.replace(q8.latent, group=16))
+    with pytest.raises(ValueError, match="ggml block types go with scale rule"):
+        dataclasses.replace(q8, latent=dataclasses.replace(q8.latent, scale_rule=ScaleRule.TENSOR))
+    with pytest.raises(ValueError, match="SGLang's DSA rule"):
+        dataclasses.replace(dsa, latent=dataclasses.replace(dsa.latent, elem_rounding="rne"))
+    with pytest.raises(ValueError, match="SGLang's DSA rule"):
+        dataclasses.replace(dsa, latent=dataclasses.replace(dsa.latent, global_scale=None))
+    with pytest.raises(ValueError, match="SGLang's DSA rule"):
+        nv = get_format("nvfp4")
+        dataclasses.replace(nv, latent=dataclasses.replace(nv.latent, elem_rounding="midpoints"))
+    with pytest.raises(ValueError, match="folded s_t"):
+        dataclasses.replace(dyn, token_scale=None, pads=(Field("pad", 292, "pad", 12),))
+    with pytest.raises(ValueError, match="non-finite policy"):
+        dataclasses.replace(get_format("nvfp4"), nonfinite="nan_zero_inf_saturate")
+    assert dyn.token_scale_rule is TokenScaleRule.MUL_FOLDED
+    assert get_format("nvfp4_fp8rope_st").token_scale_rule is TokenScaleRule.DIV_FLOORED

@@ -9,7 +9,14 @@ from rich.console import Console
 from rich.table import Table
 
 from mla_eval.formats import FormatSpec, get_format, parse_format_list
-from mla_eval.formats.builtin import AMBIGUOUS_ENGINE_NAMES
+from mla_eval.formats.builtin import ENGINE_NAMES, KNOWN_NOT_BUILT_IN
+from mla_eval.formats.registry import ambiguous_engine_names
+from mla_eval.formats.spec import EngineName
+
+
+def _engine_name_row(e: EngineName) -> dict:
+    return {"engine": e.engine, "name": e.name, "version": e.version, "record_bytes": e.record_bytes,
+            "format": e.format, "not_built_in": e.not_built_in or None}
 
 
 def format_row(spec: FormatSpec) -> dict:
@@ -53,6 +60,8 @@ def format_row(spec: FormatSpec) -> dict:
         "global_scale": None if (gs := spec.latent.global_scale) is None
         else {"amax": gs.amax, "quant": gs.quant, "dequant": gs.dequant, "source": gs.source},
         "reader_e4m3": spec.reader_e4m3,
+        # What engines call this record, per engine and version (builtin.ENGINE_NAMES)
+        "engine_names": [_engine_name_row(e) for e in ENGINE_NAMES if e.format == spec.name],
     }
 
 
@@ -68,7 +77,8 @@ def formats(
     """
     rows = [format_row(s) for s in parse_format_list(names)]
     if as_json:
-        typer.echo(json.dumps({"formats": rows}, indent=2))
+        known = [_engine_name_row(e) for e in ENGINE_NAMES if e.format is None]
+        typer.echo(json.dumps({"formats": rows, "known_not_built_in": known}, indent=2))
         return
     specs = parse_format_list(names)
     console = Console()
@@ -126,8 +136,20 @@ def formats(
         else:
             et.add_row(spec.name + aliases, eng.name, eng.flag, eng.citation())
     console.print(et)
-    for name, fmts in AMBIGUOUS_ENGINE_NAMES.items():
-        console.print(f"'{name}' alone is ambiguous (an engine name for {' and '.join(fmts)}): use our name or its alias.")
+    nt = Table(title="Engine names, per engine and version (a name with several records is refused alone)")
+    nt.add_column("engine's name", style="bold", no_wrap=True)
+    nt.add_column("engine", no_wrap=True)
+    nt.add_column("version / setting", overflow="fold")
+    nt.add_column("bytes", justify="right")
+    nt.add_column("format", overflow="fold")
+    shown = {spec.name for spec in specs}
+    for e in ENGINE_NAMES:
+        if e.format is None or e.format in shown:
+            nt.add_row(e.name, e.engine, e.version, str(e.record_bytes), e.format or f"not built in: {e.not_built_in}")
+    console.print(nt)
+    for name, meanings in ambiguous_engine_names().items():
+        sizes = ", ".join(f"{e.record_bytes} B" for e in meanings)
+        console.print(f"'{name}' alone is ambiguous ({sizes}): use our name or its '<engine>:<name>' alias.")
     console.print(
         "bits = stored bits per cached value; x bf16 / x fp8 = tokens that fit in the same memory as "
         "with bf16 / fp8_ds_mla; s_l = per-layer outer scale (not stored per token); global S = an engine's "
@@ -138,10 +160,17 @@ def formats(
 
 def _coding_label(coding) -> str:
     """'e2m1 e4m3/16' = E2M1 values, one E4M3 scale per 16 values ('2x' with a residual pass)."""
+    if coding.ggml:
+        return f"{coding.elem} blocks/{coding.group}"
     if coding.scale is None:
         return coding.elem if coding.scale_rule.value == "none" else f"{coding.elem} x s_l"
     return f"{'2x ' if coding.residual else ''}{coding.elem} {coding.scale.dtype}/{coding.group}"
 
 
+def _known_not_built_in() -> str:
+    """The help epilog: records engines write that no built-in format covers."""
+    return "Known, not built in: " + " | ".join(KNOWN_NOT_BUILT_IN)
+
+
 def register(app: typer.Typer) -> None:
-    app.command("formats")(formats)
+    app.command("formats", epilog=_known_not_built_in())(formats)

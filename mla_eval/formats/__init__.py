@@ -18,6 +18,7 @@ from mla_eval.formats.spec import (
     OUTER_SCALE_SCHEMA,
     ROPE_DIM,
     Engine,
+    EngineName,
     Field,
     FormatSpec,
     GlobalScale,
@@ -29,6 +30,7 @@ from mla_eval.formats.spec import (
 
 __all__ = [
     "Engine",
+    "EngineName",
     "ScaleApply",
     "alias_note",
     "check_model_dims",

@@ -1,34 +1,32 @@
 """The built-in cache formats. Each is written once here; everything else reads these specs.
 
 Byte layouts follow the public sources named in each spec's `source`. The formats that no engine
-defines (nvfp4_fp8rope_st, mxfp4, fp8_e4m3) are our own choices, documented at their specs.
+defines (nvfp4_fp8rope_st, mxfp4, fp8_e4m3) are our own choices, documented at their specs. What each
+engine calls each record, per version, is `ENGINE_NAMES` (below the formats): the one table behind the
+`<engine>:<name>` aliases' documentation, `mla-eval formats` and the refusal of ambiguous engine names.
 
-Published 512 + 64 NVFP4 records not built in, and why (searched 2026-12-03: the search tool's code,
-issues and pages corpora, GitHub snapshots of sgl-project/sglang and NVIDIA/TensorRT-LLM):
-- SGLang PR 35237 (sgl-project/sglang, open, "Add SM100 NVFP4 KV cache support for GLM-5.2 DSA"): the
-  PR text gives a 416 B record (256 B E2M1 latent, 32 B block-16 E4M3 scales, 128 B bf16 rope) with a
-  per-layer fp32 global K scale. Its source (the writer's arithmetic) is not in any stored copy: the PR
-  branch is not on sglang main, the author's fork is not indexed, and sglang's snapshot (1.2 GB) is over
-  the fetch limit. Without the writer there is no engine port, so no spec. Searched again 2026-12-04: the
-  issues corpus holds the PR description only (no review thread with code); of the author's (Njuapp)
-  indexed repositories none is an sglang fork; the code corpus and exact-string search find no 416 B
-  NVFP4 writer (tried: the PR title, "416-byte", global K scale / flashmla_kv / NSA pool queries).
+A record whose bytes depend on a deployment setting is built in once per setting, the setting in its name:
 - TensorRT-LLM's NVFP4 DSA cache is built in twice (below): `trtllm_nvfp4_dsa` (324 B, residual dim 0: the
   DSACacheManager V1 sizing read at 0bbb76d22e61) and `trtllm_nvfp4_dsa_r64` (360 B, residual dim 64: the rope
   stored as E2M1 plus an E2M1 residual, what GLM-5.2 gets under DSACacheManagerV2). Which one a deployment
   writes depends on the manager and its residual setting (PR 19305 ties DeepSeek-V4's to
   TRTLLM_NVFP4_MLA_RESIDUAL_QUANTIZATION, default on); where the DSA managers set it was not found in a
   stored copy, so the residual dim is named in the format rather than assumed.
+- SGLang's GLM-5.2 DSA record takes a per-layer global scale g whose source was not found: built in at g = 1
+  (`sglang_nvfp4_dsa`); another g is another record (register a copy of the spec).
 """
 
 from __future__ import annotations
 
 from mla_eval.formats.spec import (
     FLT_MIN,
+    GGML_BLOCK_BYTES,
+    GGML_BLOCK_VALUES,
     LATENT_DIM,
     ROPE_DIM,
     TOKEN_SCALE_DENOMINATOR,
     Engine,
+    EngineName,
     Field,
     FormatSpec,
     GlobalScale,
@@ -36,6 +34,7 @@ from mla_eval.formats.spec import (
     ScaleApply,
     ScaleOrder,
     ScaleRule,
+    TokenScaleRule,
     VectorCoding,
 )
 
@@ -80,13 +79,16 @@ FLASHMLA_FP8_POW2 = Engine(
 # [320,352) with block s at byte 320 + 8*(s&3) + (s>>2) (nvfp4_sf_byte). The divisions are IEEE
 # (nvcc's default -prec-div); 1.0f / sf takes E4M3 values only, where rcp.approx.ftz.f32 equals the
 # correctly rounded reciprocal too (mla_eval/formats/data/rcp_approx_ftz_f32.json).
+# vLLM's own name for it is nvfp4_ds_mla (vllm/config/cache.py CacheDType at 002f10e0cfa1, the writer file's
+# header at this commit, and FlashMLASparseBackend's "NVFP4 NoPE + FP8 RoPE (SM100 only)"); the spelling
+# nvfp4_fp8_ds_mla is only PR 51724's text and release notes. Our format keeps the name nvfp4_fp8_ds_mla.
 VLLM_NVFP4_FP8_DS_MLA = Engine(
     name="vLLM",
     repository="vllm-project/vllm",
     path="csrc/libtorch_stable/nvfp4_ds_mla_cache_kernels.cu",
     symbol="concat_and_cache_nvfp4_ds_mla_kernel",
     commit="03b6016490cc6603e031cda092a005f10bdc71ee",
-    flag="--kv-cache-dtype nvfp4_fp8_ds_mla",
+    flag="--kv-cache-dtype nvfp4_ds_mla (DeepSeek-V3.2 geometry, SM100)",
     note="vLLM PR 51724 + vllm-project/FlashMLA PR 18; written on sm_100 (cvt e2m1x2), our writer computes the same on "
     "sm_90. vllm-project/FlashMLA PR 21 (merged 2026-09-10) rounds the tile scale to nearest instead of up; a vLLM "
     "release following it writes different scale bytes: re-check this commit before comparing with newer vLLM",
@@ -124,6 +126,100 @@ B12X_NVFP4_FP8ROPE = Engine(
     "kernels/measure_rope_rcp_residual.py on the GPU); s_l as the vLLM fork applies it before the writer: "
     "bf16(x * (1.0f / s_l)) on the latent (local-inference-lab/vllm@7e39fe0969a0 vllm/model_executor/layers/mla.py)",
 )
+
+# b12x's same writer with per_token_scale=True (the vLLM fork serves it with VLLM_NVFP4_MLA_DYNAMIC_SCALE=1; b12x's
+# "self-describing two-level NVFP4 records (per-token latent scale)", 2026-07-27), read at this commit: warp 0
+# reduces the 32 group amaxes to the token amax; s_t = token_amax * f32(1/2688) (_TWO_LEVEL_RCP, a compile-time
+# constant, no floor) stored fp32 at [292,296), [296,304) zero; when s_t != 0: r_t = rcp.approx.ftz(s_t), scale =
+# e4m3((group_amax * r_t) * rcp.approx.ftz(6)), codes cvt.rn.satfinite.e2m1x2(x * (rcp.approx.ftz(decoded) * r_t)),
+# 8 zero bytes where decoded = 0; s_t = 0 stores zero codes and scales. The rope as the static mode. Readers
+# reconstruct e2m1 * e4m3_decode(scale) * s_t (the module docstring).
+B12X_NVFP4_FP8ROPE_DYNAMIC = Engine(
+    name="b12x (local-inference-lab)",
+    repository="local-inference-lab/b12x",
+    path="b12x/attention/_shared/mla/kv_cache.py",
+    symbol="ConcatAndCacheNvfp4MlaFp8RopeKernel (per_token_scale=True)",
+    commit="36bce2c1552ba2d47dc09f20a6f64fbfc8ec4ff8",
+    flag="--kv-cache-dtype nvfp4_ds_mla with KV_FP8_ROPE=1 and VLLM_NVFP4_MLA_DYNAMIC_SCALE=1 (local-inference-lab/vllm)",
+    note="rcp.approx.ftz of the arbitrary fp32 s_t and of the rope scale are taken with rcp.rn here (not tabulable; "
+    "13 % of random fp32 inputs differ by one ulp on the H200, mla_eval/formats/data/rcp_approx_ftz_f32.json), so "
+    "some codes may differ from the GPU's: no GPU measurement of the residual yet; s_t below 2^-126 meets the "
+    "instruction's flush to zero (a token amax below 2688 * 2^-126)",
+)
+
+# SGLang's GLM-5.2 DSA NVFP4 key cache (sgl-project/sglang PR 35237, open), read in the author's branch at this
+# commit: `quantize_nvfp4_k_cache_into_reference`, which the engine runs for CPU tensors and which its Triton
+# writer is tested against byte for byte (the branch's test_cuda_writer_is_bit_exact_to_cpu_reference, at
+# g = 1.375). Row [0,256) E2M1 (even element in the low nibble), [256,288) E4M3 block-16 scales (linear),
+# [288,416) bf16 rope. Arithmetic: spec step 6 (g = the pool's per-layer fp32 global scale, outside the row).
+# NaN / inf: _sanitize_nonfinite_torch (latent NaN -> +0, +-inf -> +-6*448*g) and the rope's nan_to_num (NaN -> 0,
+# +-inf -> +-bf16 max). The reader (dequantize_nvfp4_k_cache_paged_reference): (e2m1 * scale) * g.
+# Where the pool sets g was not found in a stored copy: the branch's tests and benchmark call the writer with
+# g = 1.0 (torch.ones), 1.25 and 1.375 and a later revision reads it per layer (get_mla_kv_global_scale). We
+# assume g = 1.0; another g is another record (register a copy with GlobalScale(amax=g, denominator=1.0)).
+SGLANG_NVFP4_DSA = Engine(
+    name="SGLang (PR 35237 branch)",
+    repository="YAMY1234/sglang",
+    path="python/sglang/srt/layers/attention/dsa/nvfp4_k_cache.py",
+    symbol="quantize_nvfp4_k_cache_into_reference",
+    commit="8f7708d81993e15e268de1bb47d11baaf5a88d1d",
+    flag="--kv-cache-dtype fp4_e2m1 --fp4-kv-cache-recipe nvfp4 (GLM-5.2 DSA pool, 416 B rows)",
+    note="g = 1.0 assumed (the pool's per-layer fp32 global scale; its source was not found); the Triton writer's "
+    "bit-exactness to this reference is the engine's test, not measured here; the flags are those of the branch's "
+    "DSA pool tests in a later revision (not read at this commit)",
+)
+SGLANG_DSA_GLOBAL = GlobalScale(amax=1.0, denominator=1.0, source="SGLang PR 35237 pool's per-layer g (assumed 1.0)")
+
+# llama.cpp's MLA K cache: one 576-wide row per token, K = concat(kv_cmpr, k_pe) (latent then rope; V a view of
+# the latent), read at ggml-org/llama.cpp@59b9e36f872df37454c1a01a5dd4ea69ede65832 src/models/deepseek2.cpp, quantised
+# with the -ctk block type by ggml's reference quantisers (mla_eval/formats/ggml.py has the arithmetic and which
+# writers differ). A row of 18 blocks; llama.cpp sizes the cache by ggml_row_size(type_k, 576) and keeps no V cache
+# for MLA, so the record is the whole per-token cost.
+# Which of ggml's writers give these bytes, per type (ggml.py has the arithmetic).
+_GGML_CUDA = ("ggml-cuda's set_rows (ggml/src/ggml-cuda/cpy-utils.cuh quantize_f32_{kind}_block) states the same "
+              "arithmetic but is built with -use_fast_math (ggml/src/ggml-cuda/CMakeLists.txt): its divisions are "
+              "approximate, so its bytes can differ")
+_GGML_WRITERS = {
+    "q8_0": "the reference quantiser (the CPU backend's generic path); the x86 AVX/AVX2 writer "
+    "(ggml/src/ggml-cpu/arch/x86/quants.c quantize_row_q8_0) takes id = 127 / amax and rounds half to even, ARM "
+    "NEON (vcvtnq_s32_f32) rounds half to even: those bytes can differ; " + _GGML_CUDA.format(kind="q8_0"),
+    "q4_0": "the reference quantiser, which the CPU backend calls on every architecture (ggml/src/ggml-cpu/quants.c "
+    "quantize_row_q4_0); " + _GGML_CUDA.format(kind="q4_0"),
+    "q5_1": "the reference quantiser, which the CPU backend calls on every architecture (ggml/src/ggml-cpu/quants.c "
+    "quantize_row_q5_1); " + _GGML_CUDA.format(kind="q5_1"),
+}
+
+
+def _ggml_engine(kind: str) -> Engine:
+    return Engine(
+        name="llama.cpp (ggml)",
+        repository="ggml-org/llama.cpp",
+        path="ggml/src/ggml-quants.c",
+        symbol=f"quantize_row_{kind}_ref (CPU set_rows of the MLA K row)",
+        commit="36491e4024b3016e6e2d21afc140add042b44bec",
+        flag=f"-ctk {kind} (MLA: one K row of 512 + 64, V a view of K)",
+        note=_GGML_WRITERS[kind] + "; llama.cpp's attention also quantises Q for its dot products (not modelled)",
+    )
+
+
+def _ggml_format(kind: str, title: str, description: str) -> FormatSpec:
+    blocks_lat, blocks_rope = LATENT_DIM // GGML_BLOCK_VALUES, ROPE_DIM // GGML_BLOCK_VALUES
+    block_bytes = GGML_BLOCK_BYTES[kind]
+    return FormatSpec(
+        name=f"llamacpp_{kind}",
+        title=title,
+        description=description,
+        source="llama.cpp MLA K cache (-ctk): ggml blocks of 32 over the 576-wide latent+rope row",
+        record_bytes=(blocks_lat + blocks_rope) * block_bytes,
+        latent=VectorCoding(LATENT_DIM, kind, Field("latent", 0, kind, blocks_lat), ScaleRule.GGML_BLOCK,
+                            GGML_BLOCK_VALUES),
+        rope=VectorCoding(ROPE_DIM, kind, Field("rope", blocks_lat * block_bytes, kind, blocks_rope),
+                          ScaleRule.GGML_BLOCK, GGML_BLOCK_VALUES),
+        align=2,
+        engine=_ggml_engine(kind),
+        aliases=(f"llama.cpp:{kind}",),
+    )
+
 
 # SGLang's FP4 KV cache for MLA (--kv-cache-dtype fp4_e2m1), read at this commit: MLATokenToKVPoolFP4
 # keeps per token a packed buffer of the 576 values (kv_lora_rank + rope, 288 B) and a separate scale
@@ -289,11 +385,6 @@ def _fp8_ds_mla(
     )
 
 
-# Engine names that several records share, each with the formats it may mean: a bare one is refused
-# (the user names the record), the '<engine>:<name>' aliases of the specs select one format each.
-# The local-inference-lab vLLM fork's --kv-cache-dtype nvfp4_ds_mla writes 432 B, or 368 B under KV_FP8_ROPE=1.
-AMBIGUOUS_ENGINE_NAMES: dict[str, tuple[str, ...]] = {"nvfp4_ds_mla": ("nvfp4", "nvfp4_fp8rope")}
-
 BUILTIN_FORMATS: tuple[FormatSpec, ...] = (
     FormatSpec(
         name="bf16",
@@ -391,7 +482,7 @@ BUILTIN_FORMATS: tuple[FormatSpec, ...] = (
         name="nvfp4_fp8_ds_mla",
         title="nvfp4 + fp8 rope (vLLM, 352 B)",
         description="E2M1 latent, E4M3 block scale per 16 rounded up (floor 2^-9), permuted; unscaled E4M3 rope.",
-        source="upstream vLLM --kv-cache-dtype nvfp4_fp8_ds_mla (PR 51724) / vllm-project/FlashMLA PR 18",
+        source="upstream vLLM --kv-cache-dtype nvfp4_ds_mla (PR 51724) / vllm-project/FlashMLA PR 18",
         record_bytes=352,
         latent=VectorCoding(
             LATENT_DIM,
@@ -405,7 +496,7 @@ BUILTIN_FORMATS: tuple[FormatSpec, ...] = (
         ),
         rope=VectorCoding(ROPE_DIM, "e4m3", Field("rope", 256, "e4m3", ROPE_DIM), ScaleRule.TENSOR, ROPE_DIM),
         engine=VLLM_NVFP4_FP8_DS_MLA,
-        aliases=("vllm:nvfp4_fp8_ds_mla",),
+        aliases=("vllm:nvfp4_ds_mla",),
     ),
     FormatSpec(
         name="sglang_fp4_e2m1",
@@ -482,4 +573,96 @@ BUILTIN_FORMATS: tuple[FormatSpec, ...] = (
         rope=VectorCoding(ROPE_DIM, "e4m3", Field("rope", 512, "e4m3", ROPE_DIM), ScaleRule.TENSOR, ROPE_DIM),
         outer_scale=OuterScale(required=False, denominator=448.0, applies_to_rope=True),
     ),
+    FormatSpec(
+        name="nvfp4_fp8rope_dyn",
+        title="nvfp4 + fp8 rope, per-token scale (b12x, 368 B)",
+        description="b12x's two-level record: s_t = amax * f32(1/2688) per token, block scales e4m3((amax_g / s_t) * "
+        "rcp(6)), codes x * (rcp(s) / s_t); E4M3 rope as nvfp4_fp8rope.",
+        source="b12x per_token_scale writer (vLLM fork VLLM_NVFP4_MLA_DYNAMIC_SCALE=1), 368 B, s_t at [292,296)",
+        record_bytes=368,
+        latent=_nvfp4_latent(ScaleRule.AMAX_E4M3_RCP6, ScaleApply.MUL_RCP_APPROX, clears=True),
+        rope=VectorCoding(
+            ROPE_DIM,
+            "e4m3",
+            Field("rope", 304, "e4m3", ROPE_DIM),
+            ScaleRule.AMAX_FP32_MUL,
+            ROPE_DIM,
+            Field("rope_scale", 288, "fp32", 1),
+            apply=ScaleApply.MUL_RCP_APPROX,
+            zero_scale_clears=True,
+        ),
+        token_scale=Field("token_scale", 292, "fp32", 1),
+        pads=(Field("pad", 296, "pad", 8),),
+        engine=B12X_NVFP4_FP8ROPE_DYNAMIC,
+        aliases=("vllm-fork:nvfp4_ds_mla:KV_FP8_ROPE=1:VLLM_NVFP4_MLA_DYNAMIC_SCALE=1",),
+        token_scale_rule=TokenScaleRule.MUL_FOLDED,
+    ),
+    FormatSpec(
+        name="sglang_nvfp4_dsa",
+        title="nvfp4 DSA (SGLang GLM-5.2, 416 B)",
+        description="E2M1 latent, E4M3 scale clamp(amax/(6g),0,448) per 16 (g = 1), codes by f32 midpoint "
+        "comparisons (RNE, no reciprocal); bf16 rope.",
+        source="SGLang PR 35237: GLM-5.2 DSA NVFP4 key cache (nvfp4_k_cache.py, 416 B rows)",
+        record_bytes=416,
+        latent=VectorCoding(
+            LATENT_DIM,
+            "e2m1",
+            Field("latent", 0, "e2m1", LATENT_DIM),
+            ScaleRule.AMAX_E4M3_DIV6G,
+            16,
+            Field("latent_scale", 256, "e4m3", LATENT_DIM // 16),
+            elem_rounding="midpoints",
+            global_scale=SGLANG_DSA_GLOBAL,
+        ),
+        rope=_bf16_rope(288),
+        engine=SGLANG_NVFP4_DSA,
+        aliases=("sglang:fp4_e2m1:fp4_kv_cache_recipe=nvfp4",),
+        nonfinite="nan_zero_inf_saturate",
+    ),
+    _ggml_format("q8_0", "q8_0 (llama.cpp, 612 B)",
+                 "ggml q8_0 over the 576-wide K row: per 32 values an fp16 scale amax/127 and 32 int8 roundf codes."),
+    _ggml_format("q4_0", "q4_0 (llama.cpp, 324 B)",
+                 "ggml q4_0 over the 576-wide K row: per 32 values an fp16 scale max/-8 and 32 4-bit codes."),
+    _ggml_format("q5_1", "q5_1 (llama.cpp, 432 B)",
+                 "ggml q5_1 over the 576-wide K row: per 32 values fp16 scale (max-min)/31 and minimum, 5-bit codes."),
+)
+
+# What engines call cache records, per engine and version (EngineName). A bare name listed here with more than one
+# record is refused with the candidates (registry.get_format); `format` None marks a record known but not built in.
+_VLLM_CACHE = "vllm-project/vllm@002f10e0cfa1 vllm/config/cache.py CacheDType"
+_FORK = "local-inference-lab/vllm, B12X_MLA_SPARSE"
+ENGINE_NAMES: tuple[EngineName, ...] = (
+    EngineName("vLLM", "fp8_ds_mla", "DeepSeek-V3.2 geometry; " + _VLLM_CACHE, 656, "fp8_ds_mla"),
+    EngineName("vLLM", "nvfp4_ds_mla", "PR 51724, DeepSeek-V3.2 geometry, SM100; " + _VLLM_CACHE, 352,
+               "nvfp4_fp8_ds_mla"),
+    EngineName("vLLM", "nvfp4_ds_mla", "PR 57344, DeepSeek-V4.1 compressed KV (d_qk 512: 448 + 64)", 288, None,
+               "DeepSeek-V4.1 geometry (512 E2M1 values incl. rope, 32 E4M3 scales), a model geometry not loaded"),
+    EngineName("vLLM fork", "nvfp4_ds_mla", f"{_FORK}, PR 82", 432, "nvfp4"),
+    EngineName("vLLM fork", "nvfp4_ds_mla", f"{_FORK}, KV_FP8_ROPE=1", 368, "nvfp4_fp8rope"),
+    EngineName("vLLM fork", "nvfp4_ds_mla", f"{_FORK}, KV_FP8_ROPE=1 VLLM_NVFP4_MLA_DYNAMIC_SCALE=1", 368,
+               "nvfp4_fp8rope_dyn"),
+    EngineName("b12x / vLLM fork", "nvfp4_ds_mla", "b12x PR 266 GLM_NEXT (GLM-5.3-Flash), vLLM fork PR 549", 304, None,
+               "rope-less record (256 B E2M1 + 32 E4M3 + 4 zero + fp32 s_t + 8 pad), no 64-d rope to store"),
+    EngineName("FlashMLA (tests)", "V32_FP8Sparse", "deepseek-ai/FlashMLA tests/quant.py", 656, "fp8_ds_mla_pow2"),
+    EngineName("SGLang", "fp4_e2m1", "sgl-project/sglang@0e6b6cf0ac71 MLATokenToKVPoolFP4", 324, "sglang_fp4_e2m1"),
+    EngineName("SGLang", "fp4_e2m1", "PR 35237 branch (YAMY1234/sglang@8f7708d81993), GLM-5.2 DSA, "
+               "--fp4-kv-cache-recipe nvfp4", 416, "sglang_nvfp4_dsa"),
+    EngineName("TensorRT-LLM", "nvfp4", "DSACacheManager, residual dim 0", 324, "trtllm_nvfp4_dsa"),
+    EngineName("TensorRT-LLM", "nvfp4", "DSACacheManagerV2, residual dim 64 (GLM-5.2)", 360, "trtllm_nvfp4_dsa_r64"),
+    EngineName("llama.cpp", "q8_0", "-ctk q8_0, MLA K row of 576", 612, "llamacpp_q8_0"),
+    EngineName("llama.cpp", "q4_0", "-ctk q4_0, MLA K row of 576", 324, "llamacpp_q4_0"),
+    EngineName("llama.cpp", "q5_1", "-ctk q5_1, MLA K row of 576", 432, "llamacpp_q5_1"),
+    EngineName("llama.cpp", "iq4_nl", "-ctk iq4_nl, MLA K row of 576", 324, None,
+               "its CPU quantiser searches 7 scales per block and the CUDA one takes one weighted pass (not ported)"),
+    EngineName("vLLM fork", "kvarn_mla_k5_g64", "local-inference-lab/vllm PR 424, b12x kvarn_mla reader", 482, None,
+               "64-token tiles (per-channel fp16 scale and zero point, per-token scale) need a tile codec"),
+)
+
+# Known records outside the 512 + 64 geometry or the per-token codec, for `mla-eval formats --help`.
+KNOWN_NOT_BUILT_IN: tuple[str, ...] = (
+    "DeepSeek-V4 / V4.1 caches (448 NoPE + 64 rope per token: FlashMLA's V4 584 B fp8, V4.1 fp8 and the 288 B "
+    "fp4 record vLLM also calls nvfp4_ds_mla): a model geometry mla-eval does not load",
+    "GLM-5.3-Flash's rope-less records (b12x GLM_NEXT: 304 B NVFP4, 528 B fp8): no rope to store",
+    "KVarN (vLLM fork kvarn_mla_k5_g64, 290 / 418 / 482 B per token in 64-token tiles): needs a tile codec",
+    "llama.cpp iq4_nl / q4_1 / q5_0 K caches: not ported",
 )

@@ -14,10 +14,18 @@ from __future__ import annotations
 import torch
 
 from mla_eval.errors import NonFiniteInputError, UserError
-from mla_eval.formats import approx
+from mla_eval.formats import approx, ggml
 from mla_eval.formats import numerics as nx
 from mla_eval.formats.registry import get_format
-from mla_eval.formats.spec import TOKEN_SCALE_DENOMINATOR, FormatSpec, ScaleApply, ScaleOrder, ScaleRule, VectorCoding
+from mla_eval.formats.spec import (
+    TOKEN_SCALE_DENOMINATOR,
+    FormatSpec,
+    ScaleApply,
+    ScaleOrder,
+    ScaleRule,
+    TokenScaleRule,
+    VectorCoding,
+)
 
 OuterScaleArg = float | torch.Tensor | None
 
@@ -204,9 +212,37 @@ def _decode_residual(coding: VectorCoding, records: torch.Tensor) -> torch.Tenso
     return fused.float().flatten(-2)
 
 
+# SGLang's DSA NVFP4 midpoints (spec step 6): (k, strict) per E2M1 boundary; strict where the upper code is odd
+_DSA_MIDPOINTS = ((0.25, True), (0.75, False), (1.25, True), (1.75, False), (2.5, True), (3.5, False), (5.0, True))
+
+
+def _encode_sglang_dsa(coding: VectorCoding, x: torch.Tensor, out: torch.Tensor) -> None:
+    """Spec step 6: clamp to +-f32(2688 g), e4m3(clamp(amax / f32(6 g), 0, 448)), codes by f32 midpoints."""
+    g_val = coding.global_scale.dequant
+    g = x.reshape(*x.shape[:-1], coding.dim // coding.group, coding.group)
+    bound = torch.full_like(g, nx.E2M1_MAX * nx.E4M3_MAX) * g_val  # the engine's 6.0 * 448.0 * g, one f32 product
+    g = torch.maximum(torch.minimum(g, bound), -bound)
+    amax = g.abs().amax(dim=-1)
+    s = (amax / (torch.full_like(amax, nx.E2M1_MAX) * g_val)).clamp(0.0, nx.E4M3_MAX)
+    bits = nx.e4m3_encode(s)
+    denom = (nx.e4m3_decode(bits) * g_val).unsqueeze(-1)
+    a = g.abs()
+    code = sum(((a > denom * k) if strict else (a >= denom * k)).to(torch.uint8) for k, strict in _DSA_MIDPOINTS)
+    code = code | (torch.signbit(g).to(torch.uint8) << 3)
+    code = torch.where(denom > 0, code, torch.zeros_like(code))
+    out[..., coding.data.offset : coding.data.end] = nx.e2m1_pack(code.reshape(x.shape))
+    out[..., coding.scale.offset : coding.scale.end] = bits
+
+
 def _encode_vector(coding: VectorCoding, x: torch.Tensor, out: torch.Tensor) -> None:
     if coding.residual:
         _encode_residual(coding, x, out)
+        return
+    if coding.ggml:
+        out[..., coding.data.offset : coding.data.end] = ggml.encode(coding.elem, x)
+        return
+    if coding.scale_rule is ScaleRule.AMAX_E4M3_DIV6G:
+        _encode_sglang_dsa(coding, x, out)
         return
     if coding.scale is not None:
         g = x.reshape(*x.shape[:-1], coding.dim // coding.group, coding.group)
@@ -239,6 +275,8 @@ def _encode_vector(coding: VectorCoding, x: torch.Tensor, out: torch.Tensor) -> 
 def _decode_vector(coding: VectorCoding, records: torch.Tensor) -> torch.Tensor:
     if coding.residual:
         return _decode_residual(coding, records)
+    if coding.ggml:
+        return ggml.decode(coding.elem, records[..., coding.data.offset : coding.data.end])
     q = _decode_elems(coding.elem, records[..., coding.data.offset : coding.data.end])
     if coding.scale is None:
         return q
@@ -252,10 +290,30 @@ def _decode_vector(coding: VectorCoding, records: torch.Tensor) -> torch.Tensor:
         s = nx.e4m3_decode(raw)
     else:  # e8m0
         s = torch.ldexp(torch.ones(raw.shape, dtype=torch.float32, device=raw.device), raw.to(torch.int32) - 127)
+    g = q.reshape(*q.shape[:-1], coding.dim // coding.group, coding.group)
+    if coding.scale_rule is ScaleRule.AMAX_E4M3_DIV6G:  # SGLang's DSA reader: (q * s) * g
+        return (g * s.unsqueeze(-1) * coding.global_scale.dequant).reshape(q.shape)
     if coding.global_scale is not None:  # the engine's reader: q * (s * D), its fp32 dequant scale first
         s = s * torch.full_like(s, coding.global_scale.dequant)
-    g = q.reshape(*q.shape[:-1], coding.dim // coding.group, coding.group)
     return (g * s.unsqueeze(-1)).reshape(q.shape)
+
+
+def _encode_folded_token_scale(spec: FormatSpec, latent: torch.Tensor, out: torch.Tensor) -> None:
+    """Spec step 8, b12x's per-token scale: s_t = amax * f32(1/2688); group scale e4m3((amax_g * r_t) * rcp6);
+    codes cvt(x * (rcp(s) * r_t)), r_t = 1/s_t (rcp.rn for the engine's rcp.approx.ftz: not tabulable);
+    everything 0 for an all-zero token (r_t = 0 then, so every scale is 0 and every group cleared)."""
+    coding = spec.latent
+    amax = latent.abs().amax(dim=-1, keepdim=True)
+    s_t = amax * torch.full_like(amax, 1.0 / TOKEN_SCALE_DENOMINATOR)  # the double 1/2688 rounded to f32 once
+    out[..., spec.token_scale.offset : spec.token_scale.end] = nx.f32_to_bytes(s_t)
+    r_t = _recip(s_t).unsqueeze(-1)  # [..., 1, 1] against [..., groups, 16]
+    g = latent.reshape(*latent.shape[:-1], coding.dim // coding.group, coding.group)
+    sf = _amax_rcp6(g.abs().amax(dim=-1) * r_t.squeeze(-1))  # (amax_g * r_t) * rcp6: the inner product first
+    bits = nx.e4m3_encode(sf)
+    factor = (_rcp_approx_lut(latent.device)[bits.long()] * r_t.squeeze(-1)).unsqueeze(-1)
+    v = torch.where((nx.e4m3_decode(bits) == 0).unsqueeze(-1), torch.zeros_like(g), g * factor)
+    out[..., coding.data.offset : coding.data.end] = nx.e2m1_pack(nx.e2m1_encode(v.reshape(latent.shape)))
+    out[..., coding.scale.offset : coding.scale.end] = bits
 
 
 def encode(
@@ -265,19 +323,28 @@ def encode(
     *,
     outer_scale: OuterScaleArg = None,
     layer: int | None = None,
+    engine_nonfinite: bool = False,
 ) -> torch.Tensor:
     """Encode latent [..., 512] and rotated rope [..., 64] into uint8 records [..., record_bytes].
 
     `outer_scale`: the per-layer s_l (a float, or a tensor broadcastable to the leading dims) for
-    formats that take one; `layer` only labels error messages.
+    formats that take one; `layer` only labels error messages. NaN / inf are refused, unless
+    `engine_nonfinite` asks for the policy of a format whose engine defines one (`FormatSpec.nonfinite`).
     """
     spec = get_format(fmt)
     latent = _as_f32(latent, "latent", spec.latent.dim)
     rope = _as_f32(rope, "rope", spec.rope.dim)
     if latent.shape[:-1] != rope.shape[:-1]:
         raise UserError(f"latent {tuple(latent.shape)} and rope {tuple(rope.shape)} disagree on the leading dims")
-    check_finite(latent, "latent", layer)
-    check_finite(rope, "rope", layer)
+    if engine_nonfinite and spec.nonfinite is None:
+        raise UserError(f"format {spec.name} has no engine policy for NaN / inf inputs; pass finite values")
+    if engine_nonfinite:  # "nan_zero_inf_saturate": the latent's +-inf meet the writer's clamp (spec step 6)
+        bf16_max = torch.finfo(torch.bfloat16).max
+        latent = torch.nan_to_num(latent, nan=0.0, posinf=float("inf"), neginf=float("-inf"))
+        rope = torch.nan_to_num(rope, nan=0.0, posinf=bf16_max, neginf=-bf16_max)
+    else:
+        check_finite(latent, "latent", layer)
+        check_finite(rope, "rope", layer)
     out = torch.zeros(*latent.shape[:-1], spec.record_bytes, dtype=torch.uint8, device=latent.device)
 
     s_l = outer_scale_tensor(spec, outer_scale, latent.device)
@@ -288,13 +355,16 @@ def encode(
             rope = rope * r_l
         if spec.outer_scale.bf16_result:  # the engine's writer reads the scaled latent as bf16 (RNE)
             latent = latent.to(torch.bfloat16).to(torch.float32)
-    if spec.token_scale is not None:
+    if spec.token_scale is not None and spec.token_scale_rule is TokenScaleRule.MUL_FOLDED:
+        _encode_folded_token_scale(spec, latent, out)
+    elif spec.token_scale is not None:
         amax = latent.abs().amax(dim=-1, keepdim=True)
         s_t = torch.clamp_min(_div(amax, TOKEN_SCALE_DENOMINATOR), nx.FLT_MIN)
         latent = latent * _recip(s_t)
         out[..., spec.token_scale.offset : spec.token_scale.end] = nx.f32_to_bytes(s_t)
-
-    _encode_vector(spec.latent, latent, out)
+        _encode_vector(spec.latent, latent, out)
+    else:
+        _encode_vector(spec.latent, latent, out)
     _encode_vector(spec.rope, rope, out)
     return out
 

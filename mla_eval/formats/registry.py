@@ -10,10 +10,17 @@ name must not clash with an existing one unless `replace=True`.
 from __future__ import annotations
 
 from mla_eval.errors import UnknownFormatError, UserError
-from mla_eval.formats.builtin import AMBIGUOUS_ENGINE_NAMES, BUILTIN_FORMATS
-from mla_eval.formats.spec import LATENT_DIM, ROPE_DIM, FormatSpec
+from mla_eval.formats.builtin import BUILTIN_FORMATS, ENGINE_NAMES
+from mla_eval.formats.spec import LATENT_DIM, ROPE_DIM, EngineName, FormatSpec
 
 _REGISTRY: dict[str, FormatSpec] = {spec.name: spec for spec in BUILTIN_FORMATS}
+
+
+# Aliases that once selected a format under a name its engine never used: refused with the engine's real name.
+RETIRED_ALIASES = {
+    "vllm:nvfp4_fp8_ds_mla": "format name 'vllm:nvfp4_fp8_ds_mla' is not vLLM's name (only PR 51724's text): vLLM calls "
+    "the 352 B record nvfp4_ds_mla; use nvfp4_fp8_ds_mla or vllm:nvfp4_ds_mla",
+}
 
 
 def _aliases() -> dict[str, FormatSpec]:
@@ -27,13 +34,31 @@ def alias_note(name: str) -> str | None:
     return None if spec is None else f"format name {name!r} is an alias of {spec.name!r}; results record {spec.name!r}"
 
 
+def engine_name_meanings(name: str) -> tuple[EngineName, ...]:
+    """Every record an engine calls `name`, per engine and version (`builtin.ENGINE_NAMES`)."""
+    return tuple(e for e in ENGINE_NAMES if e.name == name)
+
+
+def ambiguous_engine_names() -> dict[str, tuple[EngineName, ...]]:
+    """Engine names that mean more than one record: refused bare, with the candidates (our own format names,
+    such as nvfp4, keep selecting our format)."""
+    names = dict.fromkeys(e.name for e in ENGINE_NAMES if e.name not in _REGISTRY)
+    meanings = {n: engine_name_meanings(n) for n in names}
+    return {n: m for n, m in meanings.items() if len({(e.record_bytes, e.format) for e in m}) > 1}
+
+
 def _ambiguous(name: str) -> UnknownFormatError:
-    options = ", ".join(
-        f"{spec.name} ({spec.record_bytes} B{', alias ' + ' / '.join(spec.aliases) if spec.aliases else ''})"
-        for spec in (_REGISTRY[fmt] for fmt in AMBIGUOUS_ENGINE_NAMES[name])
+    options = "; ".join(
+        f"{e.engine} {e.version}: "
+        + (f"{e.format} ({e.record_bytes} B{_alias_text(e.format)})" if e.format else f"{e.record_bytes} B, not built in")
+        for e in engine_name_meanings(name)
     )
-    why = "an engine's name for more than one record"
-    return UnknownFormatError(f"format name {name!r} is ambiguous ({why}): name one of {options}")
+    return UnknownFormatError(f"format name {name!r} is ambiguous (engines use it for several records): {options}")
+
+
+def _alias_text(fmt: str) -> str:
+    aliases = _REGISTRY[fmt].aliases
+    return f", alias {' / '.join(aliases)}" if aliases else ""
 
 
 def register_format(spec: FormatSpec, *, replace: bool = False) -> FormatSpec:
@@ -42,9 +67,10 @@ def register_format(spec: FormatSpec, *, replace: bool = False) -> FormatSpec:
         raise TypeError("register_format takes a FormatSpec")
     if spec.name in _REGISTRY and not replace:
         raise ValueError(f"format {spec.name!r} is already registered; pass replace=True to override it")
-    taken = set(_REGISTRY) | set(_aliases()) | set(AMBIGUOUS_ENGINE_NAMES)
+    ambiguous = ambiguous_engine_names()
+    taken = set(_REGISTRY) | set(_aliases()) | set(ambiguous)
     clashes = [a for a in spec.aliases if a in taken or a == spec.name]
-    if spec.name in _aliases() or spec.name in AMBIGUOUS_ENGINE_NAMES or clashes:
+    if spec.name in _aliases() or spec.name in ambiguous or clashes:
         raise ValueError(f"format {spec.name!r}: name or alias {(clashes or [spec.name])[0]!r} is already taken")
     _REGISTRY[spec.name] = spec
     return spec
@@ -72,14 +98,19 @@ def get_format(fmt: str | FormatSpec) -> FormatSpec:
         return fmt
     if fmt in _REGISTRY:
         return _REGISTRY[fmt]
-    if fmt in AMBIGUOUS_ENGINE_NAMES:
+    if fmt in ambiguous_engine_names():
         raise _ambiguous(fmt)
     try:
         return _aliases()[fmt]
     except KeyError:
-        raise UnknownFormatError(
-            f"unknown cache format {fmt!r}; choose one of: {', '.join(_REGISTRY)} (see `mla-eval formats`)"
-        ) from None
+        pass
+    if fmt in RETIRED_ALIASES:
+        raise UnknownFormatError(RETIRED_ALIASES[fmt])
+    meanings = [e for e in engine_name_meanings(fmt) if e.format is not None]
+    hint = f" ({fmt!r} is an engine's name: ours is {meanings[0].format}{_alias_text(meanings[0].format)})" if meanings else ""
+    raise UnknownFormatError(
+        f"unknown cache format {fmt!r}{hint}; choose one of: {', '.join(_REGISTRY)} (see `mla-eval formats`)"
+    )
 
 
 def parse_format_list(text: str | None, default: list[str] | None = None) -> list[FormatSpec]:

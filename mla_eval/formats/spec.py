@@ -56,10 +56,26 @@ all in float32, IEEE round-to-nearest-even.
    exactly here), D = `GlobalScale.dequant` (1 without a global scale). The fma is nvcc's default contraction
    of the reader's `values += residual * scale`, assumed, not inspected in SASS; the other contraction or none
    differs only where a float32 ulp moves the later E4M3 rounding.
-   The decoder returns q * s (then * s_t, then * s_l), all exact products of the stored values; with a
-   global scale it returns q * (s * D), D = `GlobalScale.dequant` (the engine's reader multiplies its
-   fp32 dequant scale into the block scale first). Where `FormatSpec.reader_e4m3` the engine's attention
-   reads an E4M3 copy of those values, so the decoder rounds them to E4M3 (RN, satfinite) last.
+6. SGLang's DSA NVFP4 rule (`ScaleRule.AMAX_E4M3_DIV6G`, `VectorCoding.elem_rounding` "midpoints"), with g =
+   `GlobalScale.dequant` (the per-layer fp32 scale the engine keeps outside the row): x = clamp(x, -b, b) with
+   b = f32(2688 * g); s = e4m3_rn(clamp(amax / f32(6 * g), 0, 448)); D = f32(s * g); the code of |x| counts the
+   seven midpoints f32(D * k), k = 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5, passed with `>` at k = 0.25, 1.25, 2.5, 5
+   and `>=` at the others (each product rounded to f32: no reciprocal), sign bit = signbit(x); all codes +0 where
+   D = 0. The decoder returns (q * s) * g.
+7. ggml block types (`ElemType` q8_0 / q4_0 / q5_1, `ScaleRule.GGML_BLOCK`): 32 values per block, each block
+   carrying its own fp16 scale (and q5_1 its fp16 minimum) in front of its codes; the arithmetic is ggml's
+   reference quantisers, spelled out in `ggml.py`.
+8. Per-token scale s_t, two rules (`FormatSpec.token_scale_rule`): DIV_FLOORED is step 2 above (mla-eval's own);
+   MUL_FOLDED is b12x's: s_t = amax * f32(1/2688) (no floor), r_t = rcp.approx.ftz(s_t) (rcp.rn here: not
+   tabulable), group scale e4m3((amax_g * r_t) * rcp.approx.ftz(6)) from the unscaled values, codes
+   cvt(x * (rcp.approx.ftz(s) * r_t)) (s from the measured table), all codes and scales 0 where s_t = 0.
+Decoding returns q * s (then * s_t, then * s_l), all exact products of the stored values; with a global scale it
+returns q * (s * D), D = `GlobalScale.dequant` (the engine's reader multiplies its fp32 dequant scale into the
+block scale first), except SGLang's DSA rule (step 6). Where `FormatSpec.reader_e4m3` the engine's attention
+reads an E4M3 copy of those values, so the decoder rounds them to E4M3 (RN, satfinite) last.
+Non-finite inputs are refused (`codec.check_finite`) unless the caller asks for the engine's own policy and the
+spec names one (`FormatSpec.nonfinite`): "nan_zero_inf_saturate" (SGLang's DSA writer) turns latent NaN into +0
+(the step-6 clamp takes +-inf to +-b) and rope NaN into +0, rope +-inf into +-bf16 max.
 """
 
 from __future__ import annotations
@@ -69,10 +85,14 @@ import enum
 import struct
 from typing import Literal
 
-ElemType = Literal["bf16", "e4m3", "e2m1"]
+ElemType = Literal["bf16", "e4m3", "e2m1", "q8_0", "q4_0", "q5_1"]
 ScaleDType = Literal["fp32", "e4m3", "e8m0"]
 
 BITS = {"bf16": 16, "e4m3": 8, "e2m1": 4, "fp32": 32, "e8m0": 8, "pad": 8}
+# ggml block types: a Field of these counts whole 32-value blocks (scale(s) and codes), bits per block
+GGML_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q5_1": 24}
+GGML_BLOCK_VALUES = 32
+BITS.update({kind: 8 * nbytes for kind, nbytes in GGML_BLOCK_BYTES.items()})
 LATENT_DIM = 512  # kv_lora_rank of DeepSeek-V3 / V3.2, Kimi-K2, GLM-5
 ROPE_DIM = 64  # qk_rope_head_dim of the same models
 TOKEN_SCALE_DENOMINATOR = 6.0 * 448.0  # E2M1 max x E4M3 max: s_t maps the token amax onto 6*448
@@ -91,6 +111,15 @@ class ScaleRule(str, enum.Enum):
     AMAX_FP32_MUL = "amax*f32(1/qmax) fp32"
     E8M0_CEIL = "2^ceil(log2(max(amax/6, floor))) e8m0"
     OCP_E8M0 = "2^(floor(log2 amax)-2) e8m0"
+    AMAX_E4M3_DIV6G = "e4m3(clamp(amax/(6g),0,448))"
+    GGML_BLOCK = "ggml block (fp16 scale in each block)"
+
+
+class TokenScaleRule(str, enum.Enum):
+    """How the per-token scale s_t is taken and applied (spec steps 2 and 8)."""
+
+    DIV_FLOORED = "max(amax/2688, FLT_MIN); latent * (1/s_t) first"
+    MUL_FOLDED = "amax * f32(1/2688); rcp(s_t) folded into each group's factor"
 
 
 class ScaleApply(str, enum.Enum):
@@ -133,6 +162,25 @@ class Engine:
 
     def citation(self) -> str:
         return f"{self.repository}@{self.commit[:12]} {self.path} {self.symbol}"
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineName:
+    """What one engine calls a cache record, in one version: `name` is its own spelling (a --kv-cache-dtype
+    value or a dtype), `version` where that meaning holds (repository@commit or PR, and any setting or model
+    geometry it depends on), `record_bytes` what it writes per token and layer. `format` is the built-in
+    format with those bytes, or None for a record that is known but not built in (`not_built_in` says why)."""
+
+    engine: str
+    name: str
+    version: str
+    record_bytes: int
+    format: str | None
+    not_built_in: str = ""
+
+    def describe(self) -> str:
+        what = self.format if self.format is not None else f"not built in: {self.not_built_in}"
+        return f"{self.engine} {self.name!r} ({self.version}): {what}, {self.record_bytes} B"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,7 +242,8 @@ class VectorCoding:
     scale_floor: float = FLT_MIN  # lower bound of amax / qmax for the fp32 rules and AMAX_E4M3_UP
     scale_order: ScaleOrder = ScaleOrder.LINEAR  # where each group's scale sits in the scale field
     zero_scale_clears: bool = False  # a group whose scale is 0 stores code 0 (+0) for every value (b12x)
-    elem_rounding: Literal["rne", "ties_away"] = "rne"  # E2M1 code choice: cvt's RNE, or SGLang's `>= bound`
+    # E2M1 code choice: cvt's RNE, SGLang KVFP4's `>= bound` (ties away), or SGLang DSA's midpoint comparisons (step 6)
+    elem_rounding: Literal["rne", "ties_away", "midpoints"] = "rne"
     global_scale: GlobalScale | None = None  # the recipe's SFScaleVal (AMAX_E4M3_RCP6 only); None = 1
     zero_scale_saturates: bool = False  # s = 0 < amax: factor +inf, codes +-6 and +6 for zeros (TensorRT-LLM)
     residual: bool = False  # a second E2M1 pass over each group's residual (step 5); data and scales doubled
@@ -209,7 +258,12 @@ class VectorCoding:
 
     @property
     def qmax(self) -> float:
-        return {"bf16": float("inf"), "e4m3": 448.0, "e2m1": 6.0}[self.elem]
+        return {"bf16": float("inf"), "e4m3": 448.0, "e2m1": 6.0}.get(self.elem, float("nan"))  # nan: ggml blocks
+
+    @property
+    def ggml(self) -> bool:
+        """A ggml block type: the data field holds whole blocks (scales inside), no separate scale field."""
+        return self.elem in GGML_BLOCK_BYTES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,6 +306,9 @@ class FormatSpec:
     # The engine's attention reads an E4M3 copy of the decoded cache (TensorRT-LLM's NVFP4 MLA gather into
     # an fp8 scratch before its FMHA): decode() rounds its output to E4M3 last.
     reader_e4m3: bool = False
+    token_scale_rule: TokenScaleRule = TokenScaleRule.DIV_FLOORED  # how s_t is taken (steps 2 and 8)
+    # The engine's writer defines what NaN / inf become (see the module docstring); None: refused, as always
+    nonfinite: Literal["nan_zero_inf_saturate"] | None = None
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -297,10 +354,14 @@ def _validate(spec: FormatSpec) -> None:
     for c in (spec.latent, spec.rope):
         if c.dim % c.group:
             raise ValueError(f"{spec.name}: group {c.group} does not divide dim {c.dim}")
+        if c.ggml != (c.scale_rule is ScaleRule.GGML_BLOCK):
+            raise ValueError(f"{spec.name}: ggml block types go with scale rule {ScaleRule.GGML_BLOCK.value!r} and only with it")
+        if c.ggml and not (c.group == GGML_BLOCK_VALUES and c.data.dtype == c.elem and c.data.count * c.group == c.dim):
+            raise ValueError(f"{spec.name}: a ggml coding stores {c.dim // GGML_BLOCK_VALUES} {c.elem} blocks of 32 values")
         per_value = 2 if c.residual else 1  # a residual coding stores two codes per value
-        if c.data.count != c.dim * per_value:
+        if not c.ggml and c.data.count != c.dim * per_value:
             raise ValueError(f"{spec.name}: data field {c.data.name} holds {c.data.count} codes, not {c.dim * per_value}")
-        needs_scale = c.scale_rule not in (ScaleRule.NONE, ScaleRule.TENSOR)
+        needs_scale = c.scale_rule not in (ScaleRule.NONE, ScaleRule.TENSOR, ScaleRule.GGML_BLOCK)
         if needs_scale != (c.scale is not None):
             raise ValueError(f"{spec.name}: scale field presence does not match rule {c.scale_rule.value}")
         if c.scale is not None and c.scale.count != c.scale_count:
@@ -320,12 +381,24 @@ def _validate(spec: FormatSpec) -> None:
         if (c.elem == "bf16") != (c.scale_rule is ScaleRule.NONE):
             raise ValueError(f"{spec.name}: bf16 data goes with scale rule NONE and only with it")
         recipe = c.scale_rule is ScaleRule.AMAX_E4M3_RCP6 and c.apply is ScaleApply.MUL_RCP_APPROX
+        dsa = c.scale_rule is ScaleRule.AMAX_E4M3_DIV6G
         gs = c.global_scale
-        if gs is not None and not recipe:
+        if gs is not None and not (recipe or dsa):
             raise ValueError(f"{spec.name}: a global scale is defined for the AMAX_E4M3_RCP6 rule with MUL_RCP_APPROX only")
+        if dsa != (c.elem_rounding == "midpoints") or (dsa and not (
+                gs is not None and c.elem == "e2m1" and c.scale is not None and c.scale.dtype == "e4m3"
+                and c.scale_order is ScaleOrder.LINEAR and not (c.zero_scale_clears or c.zero_scale_saturates))):
+            raise ValueError(f"{spec.name}: SGLang's DSA rule is E2M1 with linear E4M3 scales, midpoint codes and a global g")
         if gs is not None and not (0.0 < gs.amax < float("inf") and gs.denominator > 0):
             raise ValueError(f"{spec.name}: global scale amax {gs.amax} must be positive and finite")
         if c.zero_scale_saturates and (c.zero_scale_clears or c.elem != "e2m1" or c.apply is not ScaleApply.MUL_RCP_APPROX):
             raise ValueError(f"{spec.name}: zero_scale_saturates is defined for e2m1 with MUL_RCP_APPROX, not with clearing")
     if spec.reader_e4m3 and (spec.token_scale is not None or spec.outer_scale is not None):
         raise ValueError(f"{spec.name}: reader_e4m3 is defined for formats without s_t or s_l")
+    if spec.token_scale_rule is TokenScaleRule.MUL_FOLDED:
+        lat = spec.latent
+        if not (spec.token_scale is not None and lat.elem == "e2m1" and lat.scale_rule is ScaleRule.AMAX_E4M3_RCP6
+                and lat.apply is ScaleApply.MUL_RCP_APPROX and lat.global_scale is None and lat.zero_scale_clears):
+            raise ValueError(f"{spec.name}: b12x's folded s_t is defined for a cleared E2M1 RCP6 latent with s_t stored")
+    if spec.nonfinite is not None and spec.latent.scale_rule is not ScaleRule.AMAX_E4M3_DIV6G:
+        raise ValueError(f"{spec.name}: the non-finite policy {spec.nonfinite!r} is SGLang's DSA writer's")

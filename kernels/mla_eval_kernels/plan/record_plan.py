@@ -35,6 +35,7 @@ from mla_eval.formats.spec import (  # pure Python: no torch or cutlass needed a
     ScaleApply,
     ScaleOrder,
     ScaleRule,
+    TokenScaleRule,
 )
 
 # The spec's rule strings, under the names the kernels branch on (one definition: spec.ScaleRule).
@@ -113,6 +114,8 @@ def _coding(c) -> CodingPlan:
     rule = c.scale_rule.value
     if c.elem not in ("bf16", "e4m3", "e2m1"):
         raise UnsupportedFormat(f"element type {c.elem!r} has no kernel")
+    if rule == ScaleRule.AMAX_E4M3_DIV6G.value:
+        raise UnsupportedFormat("SGLang's DSA NVFP4 rule (amax / (6 g) scales, midpoint codes) has no kernel")
     if c.elem_rounding not in (ROUND_RNE, ROUND_TIES_AWAY) or (c.elem_rounding == ROUND_TIES_AWAY and c.elem != "e2m1"):
         raise UnsupportedFormat(f"{c.elem} rounding {c.elem_rounding!r} has no kernel (ties away is an E2M1 rule)")
     if rule not in KNOWN_RULES:
@@ -153,6 +156,8 @@ AWAITING_GPU_TESTS: dict[str, str] = {}
 @functools.lru_cache(maxsize=None)
 def plan_for(spec) -> RecordPlan:
     """The kernel plan of a `FormatSpec` (made once per spec); raises `UnsupportedFormat` outside the kernels' scope."""
+    if spec.token_scale_rule is not TokenScaleRule.DIV_FLOORED:
+        raise UnsupportedFormat("b12x's per-token scale (rcp(s_t) folded into each group's factor) has no kernel")
     latent, rope = _coding(spec.latent), _coding(spec.rope)
     outer = spec.outer_scale
     plan = RecordPlan(
