@@ -1,6 +1,6 @@
 """Benchmark of the cache writer and MLA attention kernels, with ceilings measured in the same run.
 
-    python -m benchmarks.kernel_bench [--formats nvfp4,bf16] [--out results/kernels] [--quick] [--variants]
+    python -m benchmarks.kernel_bench [--formats nvfp4,bf16] [--out bench-out] [--quick] [--variants]
         [--shapes writer,a,b,c,d] [--heads 128]
 
 Shapes (issue 4; d: issue 14):
@@ -512,7 +512,7 @@ def kernel_format_names() -> list[str]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--formats", default=None, help="comma-separated (default: every format the kernels serve)")
-    ap.add_argument("--out", default="results/kernels")
+    ap.add_argument("--out", default="bench-out", help="folder for the JSON (default bench-out)")
     ap.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")
     ap.add_argument("--variants", action="store_true", help="v1 / v2 / v3 and probe variants side by side at (a), (b)")
     ap.add_argument("--shapes", default="writer,a,b,c", help="comma-separated subset of writer,a,b,c,d")
