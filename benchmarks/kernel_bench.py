@@ -379,7 +379,7 @@ def run_format(
                 probes = [("v3-pf", dict(l2_prefetch=V3_L2_PREFETCH_PROBE)), (f"v3-p{3 - pwg}", dict(producer_wgs=3 - pwg))]
                 # the other consumer revision (`V3_CONSUMER_REV`; rev 2: fewer SASS per tile, same output bit for bit)
                 probes += [(f"v3-c{other_consumer}", dict(consumer_rev=other_consumer))]
-                if other_rev:  # both held revisions together (session 10's two instruction cuts: consumer and decode)
+                if other_rev:  # both held revisions together (docs/kernels.md#held-revisions: consumer and decode)
                     probes += [(f"v3-c{other_consumer}-d{other_rev}", dict(consumer_rev=other_consumer, decode_rev=other_rev))]
                 if not is_bf16_plan(plan_for(spec)):
                     # timing probes (wrong output): the producer's decode left out; the consumer's wgmma left out
