@@ -13,7 +13,7 @@ Two measurements, both on the embedded model (or --model), each ratio taken in t
           (session and decode graph reused), and with eager decode steps; one decode step is also
           timed alone, replayed and eager.
 
-    python -m benchmarks.forward_bench --out results/h200/forward-bench.json
+    python -m benchmarks.forward_bench --out bench-out/forward-bench.json
 Prints a table and writes JSON (atomically). Medians of --repeats timed runs after one warm-up.
 """
 

@@ -1,6 +1,6 @@
 """Benchmark of the cache writer and MLA attention kernels, with ceilings measured in the same run.
 
-    python -m benchmarks.kernel_bench [--formats nvfp4,bf16] [--out results/kernels] [--quick] [--variants]
+    python -m benchmarks.kernel_bench [--formats nvfp4,bf16] [--out bench-out] [--quick] [--variants]
         [--shapes writer,a,b,c,d] [--heads 128]
 
 Shapes (issue 4; d: issue 14):
@@ -379,7 +379,7 @@ def run_format(
                 probes = [("v3-pf", dict(l2_prefetch=V3_L2_PREFETCH_PROBE)), (f"v3-p{3 - pwg}", dict(producer_wgs=3 - pwg))]
                 # the other consumer revision (`V3_CONSUMER_REV`; rev 2: fewer SASS per tile, same output bit for bit)
                 probes += [(f"v3-c{other_consumer}", dict(consumer_rev=other_consumer))]
-                if other_rev:  # both held revisions together (session 10's two instruction cuts: consumer and decode)
+                if other_rev:  # both held revisions together (docs/kernels.md#held-revisions: consumer and decode)
                     probes += [(f"v3-c{other_consumer}-d{other_rev}", dict(consumer_rev=other_consumer, decode_rev=other_rev))]
                 if not is_bf16_plan(plan_for(spec)):
                     # timing probes (wrong output): the producer's decode left out; the consumer's wgmma left out
@@ -512,7 +512,7 @@ def kernel_format_names() -> list[str]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--formats", default=None, help="comma-separated (default: every format the kernels serve)")
-    ap.add_argument("--out", default="results/kernels")
+    ap.add_argument("--out", default="bench-out", help="folder for the JSON (default bench-out)")
     ap.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")
     ap.add_argument("--variants", action="store_true", help="v1 / v2 / v3 and probe variants side by side at (a), (b)")
     ap.add_argument("--shapes", default="writer,a,b,c", help="comma-separated subset of writer,a,b,c,d")

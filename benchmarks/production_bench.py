@@ -43,7 +43,7 @@ from mla_eval.model_presets import get_preset, preset_names
 SCHEMA = "mla_eval_production_bench_v1"
 REFERENCE_FORMAT = "bf16"
 DEFAULT_FORMATS = ("bf16", "fp8_ds_mla", "nvfp4", "nvfp4_fp8rope")
-DEFAULT_OUT = Path("results/h200/production-bench.json")
+DEFAULT_OUT = Path("bench-out/production-bench.json")
 # wikitext-2-raw-v1 test split counted with the embedded tokenizer (342,571 tokens of 1,285,622
 # characters); a real model's tokenizer gives a somewhat different count, and the cost scales with it.
 WIKITEXT2_TEST_TOKENS = 342_571

@@ -9,7 +9,7 @@ the kernel generation is the environment's (MLA_EVAL_ATTENTION_KERNEL). One atte
 format (so `--launch-count` = number of formats); `--time` adds a second launch and prints its time.
 `--consumer-rev N` launches v3 itself with that consumer revision (`tuning.V3_CONSUMER_REVS`) instead of
 what dispatch runs: the SASS of two revisions side by side in ncu. `--heads 128 --cta-pair 1` (or 0) launches v3's
-two-producer 32-head tile itself, as CTA pairs or not (session 11, kernels/cta_pair.py; shape (d) of the benchmark
+two-producer 32-head tile itself, as CTA pairs or not (docs/kernels.md#the-cta-pair; shape (d) of the benchmark
 with `--context 8192`): the pair's profile beside the unpaired kernel's.
 """
 

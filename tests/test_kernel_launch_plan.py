@@ -656,7 +656,7 @@ def test_the_cta_pair_splits_each_raw_unit_into_contiguous_halves_of_whole_8_row
 
 
 def test_profile_dense_refuses_a_cta_pair_without_pairs_of_32_head_tiles(capsys):
-    """`profile_dense --cta-pair` (the device step `device_v3h.sh pairncu`) needs h % 64 == 0: a one-line usage error
+    """`profile_dense --cta-pair` (the device step `tools/device/run.sh pairncu`) needs h % 64 == 0: a one-line usage error
     before any launch (no GPU needed)."""
     from benchmarks import profile_dense
 

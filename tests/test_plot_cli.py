@@ -10,7 +10,8 @@ import pytest
 from mla_eval.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
-NEEDLE = ROOT / "results" / "h200" / "long" / "needle-short.json"  # a committed H200 result: 3 tasks, 4 formats
+# a published H200 result: 3 tasks, bf16 + nvfp4
+NEEDLE = ROOT / "results" / "published" / "h200" / "long-context" / "needle-96k-yarn2.json"
 KLD = ROOT / "results" / "baselines" / "ci-smoke" / "kld.json"
 
 

@@ -1,4 +1,4 @@
-"""Plots a training log: `python -m tools.train.plot_log results/default_model`.
+"""Plots a training log: `python -m tools.train.plot_log DIR`.
 
 Reads DIR/train_log.jsonl (one JSON line per optimizer step, written by the trainer) and writes
 DIR/loss_curve.png: the 2K-window LM loss with the held-out loss at each phase end (top), and the
@@ -76,4 +76,6 @@ def main(d: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else "results/default_model"))
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m tools.train.plot_log DIR  (DIR holds train_log.jsonl, e.g. a device run's $OUT/runs)")
+    main(Path(sys.argv[1]))
