@@ -232,12 +232,12 @@ V3_RUNS = ("bf16", "nvfp4", "nvfp4_fp8rope", "nvfp4_fp8rope_st", "nvfp4_fp8_ds_m
 
 
 def test_v3_sparse_lists_and_the_32_head_tile_are_held_off_until_their_gpu_tests_pass(monkeypatch):
-    """Session 9 wrote v3 for sparse top-k lists and a 32-head tile without a GPU and held both off until their GPU
+    """v3 was written for sparse top-k lists and a 32-head tile without a GPU and held both off until their GPU
     tests passed (the same session): while V3_LAUNCHES_AWAITING_GPU_TESTS lists them, a sparse launch forced to v3
     runs v2 with the reason, and h > 16 keeps the 16-head tile with the reason; cleared (as the GPU tests' fixture
     does, and as shipped since), forced v3 runs sparse lists, and h > 16 the 32-head tile. The default (v2 for
     both: timed level with v2) is the same either way."""
-    # both passed on the H200 (session 9); what may still wait is the two-producer 32-head probe and the CTA pair (other
+    # both passed on the H200; what may still wait is the two-producer 32-head probe and the CTA pair (other
     # tests)
     assert set(attention_tuning.V3_LAUNCHES_AWAITING_GPU_TESTS) <= {
         attention_tuning.V3_TILE_32_TWO_PRODUCERS, attention_tuning.V3_TILE_32_PAIR,
@@ -309,7 +309,7 @@ def test_register_budgets_that_the_hardware_refuses_are_refused(split, why, monk
 
 
 def test_two_producer_warpgroups_are_the_32_head_tiles_default_and_a_hold_keeps_one(monkeypatch):
-    """The 32-head tile runs two producer warpgroups by default since session 10 (GPU tests passed, timed faster than
+    """The 32-head tile runs two producer warpgroups by default (GPU tests passed, timed faster than
     one); the 16-head tile has two as well. Were `V3_TILE_32_TWO_PRODUCERS` listed again (a rewritten kernel awaiting
     its GPU tests), the 32-head tile would run one and say why, and the 16-head tile would be untouched."""
     assert attention_tuning.V3_WIDE_PRODUCER_WGS == 2
@@ -371,7 +371,7 @@ def test_v3_shared_memory_of_the_32_head_tile_and_sparse_lists():
 
 
 def test_v3_held_off_formats_run_v2_until_their_gpu_tests_pass(monkeypatch):
-    """A format listed in V3_AWAITING_GPU_TESTS (as the fp8 records were until session 9's GPU run) compiles for
+    """A format listed in V3_AWAITING_GPU_TESTS (as the fp8 records were until their GPU run) compiles for
     v3 but waits for its GPU tests: v3_blocker names the reason, forced v3 runs v2 and says why, and the default
     runs v2 even for a format of V3_DEFAULT_FORMATS; cleared (as the GPU tests do), forced v3 runs v3 and the
     default is v3 again. The gate never widens v3."""
@@ -411,8 +411,8 @@ def _gen(name, monkeypatch, forced=None, **launch):
 
 def test_default_generation_is_v3_only_where_it_was_measured_faster(monkeypatch):
     """Unset: dense decode launches (h <= 16, one query per sequence) of the formats the H200 run timed
-    faster under v3 run v3 (every format v3 covers since session 9, bf16 included); at h > 16 (32-head tiles) only
-    the formats and list kinds session 10 timed faster (fp8_ds_mla dense and sparse, nvfp4 and nvfp4_fp8_ds_mla
+    faster under v3 run v3 (every format v3 covers, bf16 included); at h > 16 (32-head tiles) only
+    the formats and list kinds the h = 128 bench timed faster (fp8_ds_mla dense and sparse, nvfp4 and nvfp4_fp8_ds_mla
     dense); formats v3 refuses, other sparse lists, and many queries per sequence (prefill-as-decode) run v2."""
     monkeypatch.setattr(attention_tuning, "V3_DEFAULT_PENDING", None)  # the policy as it runs once validated
     measured = set(attention_tuning.V3_DEFAULT_FORMATS)
@@ -465,7 +465,7 @@ def test_the_environment_forces_a_generation(monkeypatch):
     # v3 wherever v3 can run (bf16 and unmeasured formats included), else v2 with v3_blocker's reason
     for name in ("bf16", "nvfp4", "mxfp4", "nvfp4_fp8rope_st", "fp8_ds_mla", "fp8_e4m3"):
         tile, tile_why = attention_tuning.v3_head_tile(plan_for(get_format(name)), 128)
-        assert tile == 32 and "32-head tiles" in tile_why, tile_why  # the GPU-tested 32-head tile (session 9)
+        assert tile == 32 and "32-head tiles" in tile_why, tile_why  # the GPU-tested 32-head tile
         want = ("v3", f"{attention_tuning.ENV}=v3 ({tile_why})")
         assert _gen(name, monkeypatch, "v3", heads=128, queries_per_seq=8) == want
         assert _gen(name, monkeypatch, "v3", heads=16) == ("v3", f"{attention_tuning.ENV}=v3")
@@ -480,7 +480,7 @@ def test_the_environment_forces_a_generation(monkeypatch):
 
 
 def test_v3_runs_without_l2_prefetch_by_default_and_the_probe_turns_it_on():
-    """The H200 run timed the L2 prefetch slower for the decoded formats (NOTES.md): off by default, the
+    """The H200 run timed the L2 prefetch slower for the decoded formats (docs/kernels.md#l2-prefetch): off by default, the
     bench's v3-pf probe keeps it measurable. The producer revision knob is gone (one producer)."""
     assert attention_tuning.V3_L2_PREFETCH == 0 < attention_tuning.V3_L2_PREFETCH_PROBE
     assert not hasattr(attention_tuning, "V3_PRODUCER_REV")
@@ -586,7 +586,7 @@ def test_bench_heads_of_the_multi_tile_shapes_are_checked_before_any_gpu_work(he
 
 def test_bench_h128_rows_add_the_two_producer_32_head_tile_with_variants(monkeypatch):
     """Shapes (a) / (d) at h = 128: v3-t16 and v3-t32, and with --variants the 32-head tile with the other producer
-    warpgroup count: v3-t32-p1 since two are the default (session 10); while `V3_TILE_32_TWO_PRODUCERS` is listed the
+    warpgroup count: v3-t32-p1 since two are the default; while `V3_TILE_32_TWO_PRODUCERS` is listed the
     default is one and the probe v3-t32-p2, marked held; the row of the tile dispatch would not pick carries the
     reason; formats v3 refuses get no v3 row."""
     from benchmarks import kernel_bench as bench
@@ -619,7 +619,7 @@ def test_bench_h128_rows_add_the_two_producer_32_head_tile_with_variants(monkeyp
 
 
 def test_the_cta_pair_is_held_and_applies_to_pairs_of_32_head_tiles_with_two_producers(monkeypatch):
-    """Session 11's CTA pair (kernels/cta_pair.py) was written without a device: `V3_TILE_32_PAIR` holds it, so the
+    """The CTA pair (cute/cta_pair.py) was written without a device: `V3_TILE_32_PAIR` holds it, so the
     default launches stay unpaired and say why; an explicit request is a probe that runs either way (bench
     v3-t32-pair, the GPU tests). Where it applies is one definition (`v3_pair_blocker`): pairs of 32-head tiles along
     grid y (h % 64 == 0) with two producer warpgroups, every format v3 runs; a request elsewhere is refused by name."""

@@ -5,11 +5,11 @@ element the kernel owns must be written), error bounds of tests/test_kernels_gpu
 1 key, one short of / exactly / one past the 64-key tile, lengths that are not a multiple of the tile,
 and 64K keys; for the fp8 records, whose raw ring holds parts of tiles, lengths around the 16- and 32-key parts
 and every ring that fits (bit-identical outputs). Also:
-Session 9's launches (held off by `V3_LAUNCHES_AWAITING_GPU_TESTS` until these tests passed on the H200, session 9):
+The sparse and 32-head launches (held off by `V3_LAUNCHES_AWAITING_GPU_TESTS` until these tests passed on the H200):
 sparse top-k lists at h = 16, 64, 128 (topk 2048 and 777, -1 padding, an all-invalid row, out-of-range ids, a
 sink) and the 32-head tile for dense h = 32, 64, 128, each with and without splits. The 32-head tile with two producer
 warpgroups and per-role registers (`setmaxnreg`; held by `V3_TILE_32_TWO_PRODUCERS` until its case passed on the H200
-in session 10, the 32-head tile's default since), against the reference and bit-identical to the one-producer kernel.
+the 32-head tile's default), against the reference and bit-identical to the one-producer kernel.
 MLA_EVAL_ATTENTION_KERNEL=v3 routes dense and sparse launches to v3 and everything v3 does not cover (formats it
 refuses, launches still held outside these tests) to v2; unset, the per-format default
 (`attention_tuning.generation_for`) runs v3 only for the launches it names, and dispatch
@@ -298,7 +298,7 @@ def test_v3_raw_ring_is_in_the_compile_key(monkeypatch):
     assert "heads=32" in wide and "raw=5x16" in wide and wide[7] == 2 and key("nvfp4")[7] == 2, wide
     sparse = mla_attention_v3.compile_key(nvfp4, False, False, False, None, sparse=True)
     assert "sparse=True" in sparse and len({key("nvfp4"), wide, sparse}) == 3
-    # two producer warpgroups at the 32-head tile (its default since session 10): per-role registers, named in the
+    # two producer warpgroups at the 32-head tile (its default): per-role registers, named in the
     # key; one producer (the v3-t32-p1 probe) and the 16-head tile have none
     assert "setmaxnreg=232/136" in wide, wide
     wide1 = mla_attention_v3.compile_key(nvfp4, False, False, False, None, producer_wgs=1, heads=32)
@@ -336,7 +336,7 @@ def test_v3_zero_keys_and_empty_splits():
         assert float((out - ref_out).abs().max()) < 2e-2 and float((lse[1:] - ref_lse[1:]).abs().max()) < 0.05
 
 
-# session 9's launches: the formats of issue 14's targets (bf16, nvfp4, fp8_ds_mla) and the DeepSeek-layout nvfp4
+# the sparse and 32-head launches: the formats of issue 14's targets (bf16, nvfp4, fp8_ds_mla) and the DeepSeek-layout nvfp4
 WIDE_FORMATS = ["bf16", "nvfp4", "fp8_ds_mla", "nvfp4_fp8_ds_mla"]
 
 
@@ -403,7 +403,7 @@ TWO_PRODUCER_FORMATS = ["nvfp4", "mxfp4", "bf16", "fp8_ds_mla"]
 @pytest.mark.parametrize("fmt", TWO_PRODUCER_FORMATS)
 def test_v3_32_head_tile_two_producers_match_reference_and_one_producer(fmt, launch):
     """The 32-head tile with two producer warpgroups and per-role registers (`setmaxnreg`; the default since this
-    passed in session 10, the bench's v3-t32-p1 row is the other count): poisoned outputs against the reference, without and with
+    passed, the bench's v3-t32-p1 row is the other count): poisoned outputs against the reference, without and with
     splits (forced 1 and 3: partials + combine), dense h = 32 (one head tile) and 128 (4, lengths around the 64-key
     tile, a sink) and sparse h = 128 (topk 777, -1 padding, an all-invalid row, out-of-range ids, a sink); and
     bit-identical to the one-producer kernel: the producers write the same K tiles, only split over
@@ -445,7 +445,7 @@ def test_v3_16_head_tile_at_h128_matches_reference(sparse):
 
 @needs_cuda
 def test_held_v3_launches_run_v2_or_the_16_head_tile_when_v3_is_forced(monkeypatch):
-    """While `V3_LAUNCHES_AWAITING_GPU_TESTS` holds sparse lists and the 32-head tile (as it did until session 9's
+    """While `V3_LAUNCHES_AWAITING_GPU_TESTS` holds sparse lists and the 32-head tile (as it did until their
     GPU run), forced v3 runs a sparse launch on v2 and an h = 64 dense launch on v3's 16-head tile."""
     monkeypatch.setattr(attention_tuning, "V3_LAUNCHES_AWAITING_GPU_TESTS", {
         attention_tuning.V3_SPARSE: "held for this test", attention_tuning.V3_TILE_32: "held for this test",
@@ -735,7 +735,7 @@ def test_v3_consumer_rev2_bitwise_equals_rev1(fmt, launch):
         )
         rows = slice(1, None)  # row 0 has no key: out 0, lse -inf (checked below)
     tile = 16 if heads <= 16 else 32
-    # the 32-head tile with one producer warpgroup and two (per-role registers, `setmaxnreg`; unrolled there since session 11)
+    # the 32-head tile with one producer warpgroup and two (per-role registers, `setmaxnreg`; unrolled there too)
     for wgs in (None,) if tile == 16 else (1, 2):
         kw = dict(sink=sink_t, outer_scale=s_l, head_tile=tile, producer_wgs=wgs, **lists)
         for splits in (None, 1, 3):
@@ -756,7 +756,7 @@ def test_v3_consumer_rev2_bitwise_equals_rev1(fmt, launch):
 def test_v3_consumer_rev2_compiles_and_is_in_the_compile_key(launch, tmp_path, monkeypatch):
     """No GPU needed: consumer rev 2 compiles for sm_90a without a stack frame, its PTX holds the tile code
     `tile_copies` times (68 wgmma each: the loop body of two tiles and the remainder tile), also under `setmaxnreg`
-    budgets (the 32-head tile with two producer warpgroups, "p2", where bf16 spilled before session 11); rev 1, the
+    budgets (the 32-head tile with two producer warpgroups, "p2", where bf16 once spilled); rev 1, the
     default, once; the vote of the lazy rescale is there; the revision is a specialisation the compile key names;
     another is refused."""
     import os
@@ -828,7 +828,7 @@ def test_sass_consumer_tiles_counts_each_tile_and_the_skipped_rescale():
     assert sass_consumer_tiles(line(0x10, "MOV R1, c[0x0][0x28]")) == []
 
 
-# ---------------------------------------------------------------------------------- decode rev 2 (session 10, held)
+# ---------------------------------------------------------------------------------- decode rev 2 (held)
 DECODE_REV2_FORMATS = [f for f in V3_FORMATS if attention_tuning.v3_decode_rev(plan_for(get_format(f)), 2) == 2]
 # (sparse, heads, head tile, producer warpgroups): 256 producer threads (8 keys per pass: one store base per thread)
 # and 128 (4 keys per pass: two, by the key's parity of 4), whole tiles and the 32-head tile's 16 / 32-key parts
@@ -884,7 +884,7 @@ def test_v3_decode_rev2_matches_reference_and_rev1_bitwise(fmt, launch):
 @pytest.mark.parametrize("launch", ["dense h=16", "sparse h=16", "dense h=128 p2", "sparse h=128"])
 @pytest.mark.parametrize("fmt", ["nvfp4", "nvfp4_fp8_ds_mla"])
 def test_v3_consumer_rev2_with_decode_rev2_bitwise_equals_the_default(fmt, launch):
-    """Both held revisions of session 10 together (the bench's v3-c2-d2 row: consumer rev 2 and the E2M1 decode rev 2,
+    """Both held revisions together (the bench's v3-c2-d2 row: consumer rev 2 and the E2M1 decode rev 2,
     written on separate branches, each tested alone above): outputs and lse bit for bit those of the default kernel
     (rev 1 / rev 1), and within the reference bound, unsplit and 3 splits, NaN-poisoned outputs."""
     compile_cache.clear()
@@ -902,7 +902,7 @@ def test_v3_consumer_rev2_with_decode_rev2_bitwise_equals_the_default(fmt, launc
 @pytest.mark.parametrize("fmt", ["nvfp4", "bf16", "fp8_ds_mla"])
 def test_v3_consumer_rev2_unrolled_at_the_two_producer_32_head_tile(fmt, launch):
     """Consumer rev 2's unrolled tile loop at the 32-head tile with two producer warpgroups and per-role registers
-    (`setmaxnreg`; session 11: Q's descriptors of the trip's second copy from `q_descriptors`, no spill): h = 128 (4
+    (`setmaxnreg`; Q's descriptors of the trip's second copy from `q_descriptors`, no spill): h = 128 (4
     head tiles), dense lists (`CONSUMER_LENGTHS`: 0 keys, odd and even tile counts, a 33-tile query) and sparse (topk
     777: -1 padding, an all-invalid row, out-of-range ids), a sink, the split heuristic, 1 and 3 splits, NaN-poisoned
     outputs: within the reference bound and bit for bit (int32 views) rev 1, the GPU-tested consumer."""
@@ -967,7 +967,7 @@ def test_v3_decode_rev_is_in_the_compile_key(monkeypatch):
     assert mla_attention_v3.compile_key(bf16, False, False, False, None, decode_rev=2)[14] == "decode_rev=1"
 
 
-# ---- the CTA pair (session 11, kernels/cta_pair.py): held by `V3_TILE_32_PAIR` until the GPU cases below pass ----
+# ---- the CTA pair (cute/cta_pair.py): held by `V3_TILE_32_PAIR` until the GPU cases below pass ----
 PAIR_FORMATS = ["nvfp4", "mxfp4", "bf16", "fp8_ds_mla", "nvfp4_fp8_ds_mla"]
 PAIR_LAUNCHES = ["dense h=64", "dense h=128", "sparse h=128"]
 PAIR_DEADLINE_S = 60  # the launches below take milliseconds; a barrier that never completes must fail the test
@@ -1006,7 +1006,7 @@ def test_v3_cta_pair_matches_reference_and_the_unpaired_kernel_bitwise(fmt, laun
 @pytest.mark.parametrize("revs", [dict(decode_rev=2), dict(consumer_rev=2), dict(decode_rev=2, consumer_rev=2)])
 @pytest.mark.parametrize("launch", ["dense h=128", "sparse h=128"])
 def test_v3_cta_pair_with_the_held_revisions_equals_their_unpaired_kernel(launch, revs):
-    """The pair with session 10's held revisions (E2M1 decode rev 2, consumer rev 2: each the same bits as rev 1) equals
+    """The pair with the held revisions (E2M1 decode rev 2, consumer rev 2: each the same bits as rev 1) equals
     the unpaired kernel of the same revisions bit for bit, and the reference (nvfp4: the fold decode both revisions
     cover)."""
     compile_cache.clear()

@@ -11,8 +11,8 @@ model, 0.4x on the tiny one, with the first default-model weights).
 
 That expansion assumes the format is smooth in its input. It is not: layer 0 writes identical bytes in both
 paths, but from layer 1 on the writer sees latents that differ by ~1e-5 (the previous layers' path rounding), and
-a value or block scale on a rounding boundary lands on the neighbouring code. With the shipped weights (session 7,
-nvfp4, the embedded model): 11 of 320 records differ at layer 1; a flip at layer 2 moves layer 3's c_kv by 3e-4;
+a value or block scale on a rounding boundary lands on the neighbouring code. With the shipped weights
+(nvfp4, the embedded model): 11 of 320 records differ at layer 1; a flip at layer 2 moves layer 3's c_kv by 3e-4;
 by layer 5, 110 records differ. That put 2 of 158 nvfp4 tokens 2-4x past the bound (KL between the two paths'
 nvfp4 outputs up to 2e-3 there, against 3e-6 for the bf16 cache; nvfp4_fp8rope, mxfp4, fp8_ds_mla stay below
 3e-5). So the per-token bound must hold for at least 97 % of tokens, and the means and top-1 agreement for all: a

@@ -115,7 +115,7 @@ def test_random_model_refuses_device_map():
 def test_random_models_get_the_stock_attention_of_their_family():
     """A random:<preset> model runs the attention a loaded checkpoint of its family gets (the stock forward the
     benchmarks compare with): SDPA, eager only for the DSA families whose indexer needs the materialised mask.
-    Session 9's first DeepSeek-V3 kld-window benchmark compared with an eager stock forward (211 ms vs SDPA 67.5)."""
+    The first DeepSeek-V3 kld-window benchmark compared with an eager stock forward (211 ms vs SDPA 67.5)."""
     from mla_eval.model.random_models import random_config
 
     for preset, want in (("deepseek-v3", "sdpa"), ("kimi-k2", "sdpa"), ("deepseek-v3.2", "eager"), ("glm-5.2", "eager")):

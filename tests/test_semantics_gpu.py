@@ -127,11 +127,11 @@ def test_kld_engine_and_fp8_math_agree_between_backends():
 def test_kld_mha_window_path_agrees_with_absorbed_kernel(semantics):
     """`mla-eval kld --prefill mha` (decoded cache, kv_b_proj, flash SDPA) vs the absorbed CuTe kernel path
     on the default model at ctx 2048, with the criteria of tests/test_kld_prefill.py. eps, the two paths'
-    rounding on the bf16 cache, is measured here: on the H200 (session 8) its largest per-token value was
+    rounding on the bf16 cache, is measured here: on the H200 its largest per-token value was
     2.2e-3 (cache) / 1.5e-3 (engine:512) on random tokens, above the 1e-3 first assumed, so the test no
     longer caps the largest value at bf16-rounding size (1e-2 still catches a wrong path); as on the CPU it
     asks that nvfp4's mean KLD exceed 5x the mean path rounding (the comparison resolves it), that the means
-    agree within 5 % and that the per-token bound hold for at least 97 % of tokens. Session 8 figures (cache):
+    agree within 5 % and that the per-token bound hold for at least 97 % of tokens. H200 figures (cache):
     eps mean 2.5e-4, p99 1.0e-3; fp8_ds_mla 6.63e-4 absorbed vs 6.76e-4 mha, nvfp4 4.61e-3 vs 4.62e-3, no
     token past the bound. The figures go to the log (-s)."""
     import dataclasses

@@ -198,7 +198,7 @@ def _branch_target(ins: str) -> int | None:
 
 
 def sass_consumer_tiles(sass: str) -> list[tuple[collections.Counter, collections.Counter]]:
-    """Static opcode counts of a v3 kernel's consumer per key tile, from its SASS (the metric of session 10's consumer
+    """Static opcode counts of a v3 kernel's consumer per key tile, from its SASS (the metric of the consumer
     work): the consumer loop is the largest conditional backward branch whose body holds HGMMA (unconditional
     backward branches are ptxas' out-of-line mbarrier retries), cut into tiles after each SYNCS.ARRIVE (the stage
     release; consumer rev 2 runs 2 tiles per trip, the loop's own overhead goes to the last; the CTA pair's second,
@@ -295,7 +295,7 @@ def compile_v3(plan, name: str, stream, heads_list=(16,), cuobjdump: str | None 
     probes = [(*probe, V3_L2_PREFETCH_PROBE, pwg, ring, V3_HEADS, False, False)]
     probes += [(*probe, V3_L2_PREFETCH, 3 - pwg, ring, V3_HEADS, False, False)]
     probes += [(*probe, V3_L2_PREFETCH, pwg, r, V3_HEADS, False, False) for r in v3_raw_rings(plan)[1:]]  # bench v3-r<S>x<K>
-    # the launches of session 9: sparse top-k lists and the 32-head tile (held off until their GPU tests pass)
+    # the sparse top-k lists and the 32-head tile (held off until their GPU tests pass)
     tiles = sorted({v3_head_tile(plan, h, sparse, gated=False)[0] for h in heads_list for sparse in (False, True)})
     for tile in tiles:
         for sparse in (False, True):

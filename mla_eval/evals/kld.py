@@ -40,7 +40,7 @@ from mla_eval.model.session import PREFILL_MODES, CacheSession
 # resolve_prefill), else absorbed. Both read only the bytes the format stored; with bf16 math they
 # are the same mathematics up to the bf16 rounding of the up-projected K/V, and the mha form does
 # 3.4x fewer attention FLOPs per query (causal flash attention on CUDA; issue 14).
-# The default is auto since the H200 measured both (session 8, default model, ctx 2048; results/h200/session8/):
+# The default is auto since the H200 measured both (default model, ctx 2048; docs/findings/2026-12-04-kld-window-paths.md):
 # forward_bench --parts kld, batch 8 x 2048: mha 2.5-3.2x faster than absorbed (bf16 53.1 -> 21.3 ms, nvfp4
 # 61.7 -> 21.4 ms; 1.8-1.9x the stock forward), and tests/test_semantics_gpu.py -k mha_window passed: path
 # rounding on the bf16 cache 2.5e-4 mean / 2.2e-3 max per-token KL, fp8_ds_mla and nvfp4 mean KLDs at most 2.3 %

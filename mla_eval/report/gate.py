@@ -119,7 +119,7 @@ def compare(results: dict[str, dict], baseline: dict[str, dict], tolerances: dic
         if rdoc.get("schema") != bdoc.get("schema"):
             raise UserError(f"{name}: schema {rdoc.get('schema')!r} vs baseline {bdoc.get('schema')!r}")
         # the two window paths agree only to within path rounding (about 2 % of a mean KLD on the H200), so a gate
-        # across them would pass or fail on the path, not the format (kld's default became auto in session 8)
+        # across them would pass or fail on the path, not the format (kld's default became auto)
         if window_path(rdoc) != window_path(bdoc):
             raise UserError(
                 f"{name}: the results' kld windows ran --prefill {window_path(rdoc)}, the baseline's {window_path(bdoc)}; "

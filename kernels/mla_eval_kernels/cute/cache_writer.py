@@ -202,7 +202,7 @@ class CacheWriter:
             if cutlass.const_expr(coding.global_quant is not None):
                 # TensorRT-LLM: rcp.approx.ftz(s * rcp.approx.ftz(SFScaleVal)); the codec takes both with rcp.rn,
                 # which the H200 measurement found equal for the default S and every E4M3 s
-                # (results/h200/formats/trtllm_nvfp4_residual.json: table_differs_from_correctly_rounded = 0)
+                # (results/published/h200/engine-formats/trtllm_nvfp4_residual.json: table_differs_from_correctly_rounded = 0)
                 prod = ptx.mul_rn(s, ptx.rcp_approx_ftz(Float32(coding.global_quant)))
                 r = ptx.rcp_approx_ftz(prod)
                 r = Float32(0.0) if prod == Float32(0.0) else r

@@ -1,4 +1,4 @@
-"""The v3 "CTA pair" (issue 14, session 11): two 32-head CTAs of a thread-block cluster share each key tile's decode.
+"""The v3 "CTA pair": two 32-head CTAs of a thread-block cluster share each key tile's decode.
 
 Inline PTX in the style of `ptx.py`, for what the DSL's pipeline does not emit with the scope the pair needs, and
 `PairRing`, the K ring's full / empty mbarriers of a pair (the interface of `pipeline.PipelineAsync` that
@@ -6,7 +6,7 @@ Inline PTX in the style of `ptx.py`, for what the DSL's pipeline does not emit w
 
 Why (the idea is FlashMLA's "crossover" of its sm90 decode; only the idea, read in its deep-dive docs): at h = 128 the
 32-head tile decodes every record once per CTA, 4 times per query, and its producer (~5,700 cycles per 64-key tile
-for fp8_ds_mla sparse, session 10) is the bound, not the consumer (~2,000-2,500). A cluster of 2 CTAs along grid y
+for fp8_ds_mla sparse) is the bound, not the consumer (~2,000-2,500). A cluster of 2 CTAs along grid y
 (head tiles 2c, 2c + 1 of one query and split: the same key list and tile range) lets each CTA's producers copy and
 decode half of each raw unit's keys (`tuning.v3_pair_keys`) and store every decoded bf16 K row into both
 CTAs' K stage: locally with st.shared, into the peer with st.shared::cluster at the address `mapa` gives.
@@ -125,7 +125,7 @@ class PairRing:
     """The K ring's mbarriers of one CTA of a pair: full[s] at `base` + 8 s, empty[s] at `base` + 8 (stages + s); the
     peer's are the same objects of the other CTA, addressed by `mapa` at each remote arrive rather than carried: a
     loop-carried peer address cost the consumer the registers that made consumer rev 2's unrolled loop spill (16 B
-    of stack at nvfp4 dense, session 11); a remote arrive now reads %cluster_ctarank and runs a `mapa`. The methods take a
+    of stack at nvfp4 dense); a remote arrive now reads %cluster_ctarank and runs a `mapa`. The methods take a
     `pipeline.PipelineState` (index, phase), as `PipelineAsync`'s do, so the producer and consumer code is the same for
     both kernels."""
 

@@ -16,13 +16,13 @@ says which launches run here; sparse lists and the 32-head tile are held off unt
   h > 16 may run N = 32 (`tuning.v3_head_tile`): each wgmma then reads its 2 KB A tile (K or V^T)
   for 16 clocks of math instead of 8 (N = 16 is shared-memory bound 2x at 128 B/clock), and every record is
   decoded once per 32 heads; O^T takes 128 registers, S^T 16 (32 with the fold), more than an even share of 384
-  threads holds, so two producer warpgroups at N = 32 (the default since session 10; one, 256 threads with up to
+  threads holds, so two producer warpgroups at N = 32 (the default; one, 256 threads with up to
   255 registers each, is the bench's v3-t32-p1 probe) move registers between the roles with
   `setmaxnreg` (`tuning.v3_reg_budget`: the producers .dec to 136, the consumer .inc to 232, out of 168
   each at launch; `.minnctapersm 1` so that ptxas knows the 168: `launch_bounds`).
 - Warp specialisation: warpgroup 0 consumes (Q load, wgmma S^T, online softmax over the key rows, P^T
   to shared memory, wgmma O^T), warpgroups 1.. produce (slot ids, 16-byte cp.async of the records,
-  decode into the bf16 K ring; `v3_producer_wgs`: 2, bf16's copy included since session 9). A 2-stage K ring
+  decode into the bf16 K ring; `v3_producer_wgs`: 2, bf16's copy included). A 2-stage K ring
   with full / empty mbarriers (`pipeline.PipelineAsync`; every producer thread arrives on full, the 128
   consumers on empty) replaces the CTA-wide barriers of v1/v2; each role syncs internally with its
   own named barrier (ids 1 and 2). bf16 records are copied straight into the K ring (cp.async, no
@@ -34,7 +34,7 @@ says which launches run here; sparse lists and the 32-head tile are held off unt
   each score (a second S accumulator for the rope k-steps) and into the output, as in v2. Other
   formats decode with v2's per-element path (`MlaAttention.decode8`, inherited). The producer copies one
   fixed 16-byte chunk per thread, loads all of a thread's E2M1 blocks before its stores, and stores K free
-  of bank conflicts (session 6's "rev 2", bit-identical to the first producer and faster; NOTES.md).
+  of bank conflicts (bit-identical to the first producer and faster; docs/kernels.md).
 - No L2 prefetch of records by default (`V3_L2_PREFETCH`, measured slower for the decoded formats);
   `l2_prefetch` > 0 keeps it as a probe (bench v3-pf).
 - `setmaxnreg` only where the even share does not hold a role (`v3_reg_budget`): the 16-head tile's 384 threads
@@ -46,7 +46,7 @@ says which launches run here; sparse lists and the 32-head tile are held off unt
   whose slot id the producer hands over with the K stage) get p = 0 by a select and never enter the running
   max, whose start value is the finite -FLT_MAX, exactly as in v2 (a query with no valid key: out 0, lse -inf).
 - `split=True`: partial (out / l, lse) per split, merged by `mla_combine` (which applies the sink).
-- `cta_pair=True` (session 11, `tuning.v3_cta_pair`; held by `V3_TILE_32_PAIR` until its GPU tests pass): the
+- `cta_pair=True` (`tuning.v3_cta_pair`; held by `V3_TILE_32_PAIR` until its GPU tests pass): the
   two-producer 32-head tile as a cluster of 2 CTAs along grid y (head tiles 2c, 2c + 1: the same keys); each CTA's
   producers copy and decode half of every raw unit (`v3_pair_keys`; bf16: half of each tile's copy, forwarded) and
   store every decoded row into both CTAs' K stage, so a record is decoded once per 64 heads; the K ring's barriers
@@ -162,7 +162,7 @@ class MlaAttentionV3(MlaAttention):
         self.regs = v3_reg_budget(heads, self.producer_wgs)
         # rev 2 unrolls the tile loop by the K ring's stages, with every tile shape and register budget: the copies after
         # the first of a loop trip read Q's descriptors from a base ptxas cannot merge with the first copy's
-        # (`q_descriptors`), without which the 32-head tile under `setmaxnreg` spilled them (docs/kernels.md, session 11)
+        # (`q_descriptors`), without which the 32-head tile under `setmaxnreg` spilled them (docs/kernels.md#consumer-rev-2)
         self.unroll = consumer_rev >= 2
         # copies of the consumer's tile code in the kernel: unrolled, a loop body of V3_K_STAGES tiles, then up to
         # V3_K_STAGES - 1 remainder tiles; compile_check counts wgmma by it
@@ -547,7 +547,7 @@ class MlaAttentionV3(MlaAttention):
         """The E2M1 x E4M3 latent of raw keys 0 .. nkeys (a whole tile or a part) -> K rows key0 .. key0 + nkeys.
 
         Every load of the thread's items first, then the conversions and stores: ptxas cannot tell
-        the raw ring from the K ring, so a load after a store waits for it (session 6's first producer
+        the raw ring from the K ring, so a load after a store waits for it (the first producer
         did that per item: one shared-memory latency each; PTX checked). The two 16-byte stores of a 16-value block
         go to chunks 2 blk, 2 blk + 1 (mod 8, swizzled by the key row); lanes 0-3 and 4-7 of a quarter
         warp would hit the same 4 of the 8 bank groups (2 wavefronts per store), so lanes with blk & 4
@@ -723,7 +723,7 @@ class MlaAttentionV3(MlaAttention):
         trip and kept them from the first copy to the next, in vector registers where the uniform ones ran out (two
         R2UR per use), which at the 32-head tile under `setmaxnreg` (consumer 232) spilled 24-32 B even at 256. Per copy
         it costs one `min` and the descriptors' uniform adds, which the first copy pays anyway (docs/kernels.md,
-        session 11: fewer SASS per tile at both head tiles, no stack frame)."""
+        fewer SASS per tile at both head tiles, no stack frame)."""
         addr = t["sQ_addr"] + ptx.opaque_zero(it)
         base = cute.make_ptr(BFloat16, addr, cute.AddressSpace.smem, assumed_align=1024)  # sQ: Align 1024
         sQ = cute.make_tensor(cute.recast_ptr(base, t["sQ_layout"].inner, dtype=BFloat16), t["sQ_layout"].outer)

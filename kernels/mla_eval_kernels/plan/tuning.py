@@ -28,151 +28,95 @@ from mla_eval_kernels.plan.device_limits import HOPPER_REGS_PER_SM, HOPPER_SMEM_
 
 ENV = "MLA_EVAL_ATTENTION_KERNEL"
 VERSIONS = ("v1", "v2", "v3")
-# Generations that compile and pass their CPU checks but have not yet passed their GPU tests: selecting one
-# prints a warning and results record it (mla_eval.attention.dispatch). Remove an entry once its GPU tests pass.
-# v3 left it on 2026-12-04: 278 kernel GPU tests passed on the H200 (results/kernels/logs/pytest-kernels-session6.log).
+# Generations that compile and pass their CPU checks but have not passed their GPU tests: selecting one warns and
+# results record it (mla_eval.attention.dispatch). Empty: every generation passed (docs/kernels.md#gpu-test-holds).
 UNVALIDATED: dict[str, str] = {}
 D_QK = LATENT_DIM + ROPE_DIM
 MAX_PREFETCH = 3
-# v2 at h <= 16: 4 warps, 32-key tiles, 2 tiles of records in flight, so that two CTAs share an SM
-# (the H200 run of 2026-12-03 measured it fastest for every format whose two CTAs fit; see NOTES.md)
+# v2 at h <= 16: 4 warps, 32-key tiles, 2 tiles of records in flight, so that two CTAs share an SM: measured fastest
+# for every format whose two CTAs fit (docs/kernels.md#the-narrow-tile)
 NARROW_TILE = (16, 1, 4, 32)
 NARROW_PREFETCH = 2
 DRIVER_SMEM_PER_CTA = 1024  # shared memory the driver reserves for each resident CTA (sm_90)
-# v3 (mla_attention_v3): key tiles of 64 slots (wgmma's M, keys in M), 16 heads per CTA (wgmma's N),
-# a ring of 2 bf16 K tiles between the producer and consumer warpgroups, and a ring of raw record stages
-# (`v3_raw_ring`: stages x keys per stage; all but one stage load while one decodes): 2 whole tiles where
-# they fit beside the K ring (the ring every format ran until session 8), else part-tile stages (fp8 records)
+# v3 (mla_attention_v3): key tiles of 64 slots (wgmma's M, keys in M), 16 heads per CTA (wgmma's N), a ring of 2 bf16
+# K tiles between the producer and consumer warpgroups, and a ring of raw record stages (`v3_raw_ring`: stages x keys
+# per stage; all but one stage load while one decodes): 2 whole tiles where they fit beside the K ring, else part-tile
+# stages (the fp8 records)
 V3_BN = 64
 V3_HEADS = 16  # the head tile of h <= 16 launches, and of every v3 launch the 32-head tile does not serve
-# The 32-head tile (wgmma N = 32) for h > 16 (session 9): with the K / V^T tile (A, 2 KB per k-step) read from shared
-# memory at 128 B/clock, one m64nNk16 step costs 16 clocks of reads, while its math takes N / 2 clocks: N = 16 computes
-# in 8 (shared-memory bound 2x), N = 32 in 16 (balanced); and a 32-head tile decodes each record once per 32 heads, so
-# an h = 128 launch decodes every record 4 times instead of 8. `v3_head_tile` picks it per launch.
+# The 32-head tile (wgmma N = 32) for h > 16: an m64nNk16 step reads its 2 KB A tile (K or V^T) from shared memory in
+# 16 clocks and computes in N / 2, so N = 32 balances what N = 16 leaves shared-memory bound, and each record is
+# decoded once per 32 heads instead of 16. `v3_head_tile` picks it per launch (docs/kernels.md#the-32-head-tile).
 V3_WIDE_HEADS = 32
 V3_HEAD_TILES = (V3_HEADS, V3_WIDE_HEADS)
 V3_K_STAGES = 2
 V3_RAW_WHOLE = (2, V3_BN)
 V3_RAW_PART_KEYS = (V3_BN // 2, V3_BN // 4)  # keys per stage of a part-tile ring, largest first
-# The part-tile ring the fp8 records run: 2 stages of 32 keys. Session 8 ordered the rings by keys in flight (5 x 16
-# and 3 x 32 first, 64 keys in flight), but the H200 run of session 9 timed every ring that fits at 64K (dense decode
-# h=16, batch 32; results/kernels/bench-NVIDIA_H200-2026-12-04-session9-v3fp8.json), ms: fp8_ds_mla 5x16 0.645,
-# 4x16 0.626, 3x16 0.641, 2x32 0.587, 2x16 0.775; fp8_e4m3 3x32 0.609, 5x16 0.639, 4x16 0.634, 2x32 0.596, 3x16 0.656,
-# 2x16 0.770. Fewer, larger part copies (one barrier per 32 keys) beat more keys in flight. Every ring passed the
-# same GPU tests, bit-identical to each other (tests/test_kernels_v3_gpu.py::test_v3_part_tile_raw_rings).
+# The part-tile ring of the fp8 records: 2 stages of 32 keys. Fewer, larger part copies (one barrier per 32 keys)
+# timed faster than more keys in flight; every ring gives the same bits (docs/kernels.md#raw-ring-of-the-fp8-records).
 V3_RAW_PREFERRED = (2, V3_BN // 2)
-# key tiles of records prefetched into L2 beyond the one being copied: off. The H200 run of 2026-12-04
-# (results/kernels/bench-NVIDIA_H200-2026-12-04-session6-rev2.json, dense decode h=16, batch 32, 64K) timed
-# prefetch 2 against none: nvfp4 0.675 vs 0.577 ms, nvfp4_fp8_ds_mla 0.714 vs 0.555, bf16 0.783 vs 0.786.
-# V3_L2_PREFETCH_PROBE keeps the prefetch measurable (bench row v3-pf).
+# Key tiles of records prefetched into L2 beyond the one being copied: off, measured slower for the E2M1 records and
+# level for bf16 (docs/kernels.md#l2-prefetch). V3_L2_PREFETCH_PROBE keeps it measurable (bench row v3-pf).
 V3_L2_PREFETCH = 0
 V3_L2_PREFETCH_PROBE = 2
-# The consumer warpgroup's per-tile code (issue 14, session 10): rev 1 is the GPU-tested consumer; rev 2 runs the tile
-# loop unrolled by the K ring's stages, so the K / V^T wgmma descriptors come from a compile-time stage in uniform
-# registers (uniform adds instead of ~4 vector instructions and two R2UR per wgmma; the second copy of a trip reads Q's
-# descriptors from an opaque base, which also keeps the 32-head tile under `setmaxnreg` free of spills: session 11),
-# skips the O^T rescale when no head's running max moved (alpha is exactly 1.0: bit-identical), and reads the 4-warp
-# max / sum exchange with one 16-byte load per head (docs/kernels.md, sessions 10 and 11: nvfp4 707 -> 454 / 416 SASS
-# per tile at h = 16, 957 -> 641 / 658 at the two-producer 32-head tile). Rev 2 is compiled and
-# held off until tests/test_kernels_v3_gpu.py::test_v3_consumer_rev2_bitwise_equals_rev1 passes on an H200 and a
-# bench (rows v3-c2) times it; the default then becomes 2. Part of the compile key (`mla_attention_v3.compile_key`).
+# The consumer warpgroup's per-tile code: rev 1 is GPU-tested; rev 2 (tile loop unrolled by the K ring's stages,
+# the O^T rescale skipped when no running max moved, a 16-byte max / sum exchange) computes the same bits in fewer
+# instructions and is held until its GPU test passes and a bench times it (docs/kernels.md#consumer-rev-2). In the compile key.
 V3_CONSUMER_REV = 1
 V3_CONSUMER_REVS = (1, 2)
-V3_DECODE_PRODUCER_WGS = 2  # producer warpgroups of a v3 CTA, every format (`v3_producer_wgs`; bench: v3-p1 has one)
+V3_DECODE_PRODUCER_WGS = 2  # producer warpgroups of a v3 CTA, every format (docs/kernels.md#producer-warpgroups; bench v3-p1)
 V3_PRODUCER_WGS_CHOICES = (1, 2)  # what a launch may ask for (bench probes, tests); more would not fit the registers
-# The 32-head tile's default: two producer warpgroups with per-role registers (`v3_reg_budget`). Session 10's H200
-# run (results/kernels/bench-NVIDIA_H200-2026-12-04-session10-v3h.json; h = 128; ms, one producer -> two) timed two
-# faster for bf16 and fp8_ds_mla everywhere (fp8_ds_mla sparse batch 64 0.224 -> 0.199, dense 32K 1.694 -> 1.393;
-# bf16 0.251 -> 0.232, 1.736 -> 1.488) and for the nvfp4 records' dense lists (nvfp4 32K 1.495 -> 1.344), but 2-5 %
-# slower for their sparse lists (nvfp4 batch 64 0.199 -> 0.203), which the default sends to v2 anyway (`generation_for`).
-# Its GPU tests passed in the same session (`device_v3h.sh kernp2`: 31 passed). Bench probe: v3-t32-p1.
+# The 32-head tile's default: two producer warpgroups with per-role registers (`v3_reg_budget`), measured faster for
+# bf16, fp8_ds_mla and the nvfp4 records' dense lists (docs/kernels.md#default-at-more-than-16-heads). Bench probe: v3-t32-p1.
 V3_WIDE_PRODUCER_WGS = 2
-# Per-role register budgets of a 384-thread v3 CTA (one consumer, two producer warpgroups) at the 32-head tile, set by
-# `setmaxnreg` after the role split: the launch gives each thread 65536 / 384 -> 168 registers (a multiple of 8), the
-# consumer holds O^T [512, 32] = 128 fp32 registers per thread besides S^T (16, +16 with the fold), which spilled at
-# 168 (session 9: nvfp4 368 B of stack dense, 192 B sparse); the one-producer kernel compiles to 221-230. The
-# producers .dec to 136 first, the consumer .inc to 232: 232 x 128 + 136 x 256 = 64,512 = 168 x 384, the CTA's own
-# registers moved between roles (`setmaxnreg.inc` waits until the .dec has returned them).
+# Per-role register budgets of a 384-thread v3 CTA at the 32-head tile, set by `setmaxnreg` after the role split: the
+# launch gives each thread 65536 / 384 -> 168 registers, where the consumer (O^T [512, 32] = 128 fp32 registers per
+# thread besides S^T) spills; the producers .dec to 136, the consumer .inc to 232: 232 x 128 + 136 x 256 = 64,512 =
+# 168 x 384, the CTA's own registers moved between roles (docs/kernels.md#register-budget-of-the-32-head-tile).
 V3_REG_SPLIT = (232, 136)  # (consumer, producer) registers per thread
-# The producer's E2M1 latent decode (`MlaAttentionV3.decode_latent`, the fold formats): rev 1 is the GPU-tested one; rev 2
-# writes the same bf16 K bytes in fewer instructions (`e2m1_bits`: one prmt, multiply and and per bf16x2 pair instead
-# of a prmt, two shifts and two ands; store addresses and the hi-first word order per thread, not per item). Rev 2
-# was written without a device (session 10): it stays off until tests/test_kernels_v3_gpu.py compares it bitwise with
-# rev 1 on an H200 and bench (b) times it (`v3-d2`); then set 2 here. The revision is in the compile key.
+# The producer's E2M1 latent decode (the fold formats): rev 1 is GPU-tested; rev 2 writes the same bf16 K bytes in
+# fewer instructions (`e2m1_bits`) and is held until its GPU test and bench (b) run (docs/kernels.md#decode-rev-2). In the key.
 V3_DECODE_REV = 1
 V3_DECODE_REVS = (1, 2)
-# Formats whose dense decode launches run v3 by default: those where an H200 run measured v3 faster than v2 at
-# every context timed (results/kernels/bench-NVIDIA_H200-2026-12-04-session8.json, dense decode h=16, batch 32,
-# v3 without L2 prefetch; ms at 8K / 32K / 64K, v2 -> v3):
-#   nvfp4             0.132 -> 0.088, 0.471 -> 0.304, 0.913 -> 0.589
-#   nvfp4_fp8rope     0.130 -> 0.085, 0.464 -> 0.287, 0.899 -> 0.563
-#   nvfp4_fp8rope_st  0.143 -> 0.105, 0.521 -> 0.372, 1.029 -> 0.727
-#   nvfp4_fp8_ds_mla  0.121 -> 0.082, 0.446 -> 0.291, 0.870 -> 0.555
-#   mxfp4             0.137 -> 0.104, 0.506 -> 0.367, 0.999 -> 0.726
-# v3 refuses the TensorRT-LLM and SGLang records (`v3_blocker`).
+# Formats whose dense decode launches (h <= 16) run v3 by default: an H200 bench timed v3 faster than v2 at every
+# context (8K / 32K / 64K) for each (docs/kernels.md#default-formats-at-16-heads). v3 refuses the TensorRT-LLM and SGLang
+# records (`v3_blocker`).
 V3_DEFAULT_FORMATS = (
     "nvfp4", "nvfp4_fp8rope", "nvfp4_fp8rope_st", "nvfp4_fp8_ds_mla", "mxfp4", "fp8_ds_mla", "fp8_ds_mla_pow2", "fp8_e4m3",
     "bf16",
 )
-# The fp8 records joined after their GPU tests passed on the H200 in session 9 (tests/test_kernels_v3_gpu.py, 105
-# passed; results/h200/session9/), timed in the same session (results/kernels/bench-NVIDIA_H200-2026-12-04-session9-v3fp8
-# .json, same shape, their first part-tile rings 5x16 / 3x32): fp8_ds_mla 0.133 -> 0.093, 0.499 -> 0.330, 0.976 -> 0.645;
-# fp8_ds_mla_pow2 0.133 -> 0.093, 0.500 -> 0.331, 0.974 -> 0.646; fp8_e4m3 0.131 -> 0.088, 0.477 -> 0.312, 0.926 -> 0.609.
-# bf16 joined in session 9 too, once its copy ran on two producer warpgroups (`v3_producer_wgs`): with one it had stayed
-# on v2 (session 8: 0.747 vs 0.782 ms at 64K); with two, the session-9 run of `device_session9.sh kern bench` (the GPU
-# tests under these defaults passed; results/kernels/bench-NVIDIA_H200-2026-12-04-session9-defaults.json) timed v2 -> v3
-# 0.110 -> 0.094, 0.387 -> 0.322, 0.741 -> 0.636 (90 % of copy); the fp8 records on their 2x32 ring in the same run:
-# fp8_ds_mla 0.137 -> 0.089, 0.507 -> 0.310, 0.991 -> 0.605; fp8_e4m3 0.129 -> 0.086, 0.473 -> 0.302, 0.913 -> 0.591.
-# Formats whose v3 launches compile for sm_90a but have not passed tests/test_kernels_v3_gpu.py on an H200: while
-# listed, `v3_blocker` refuses them (forced v3 then runs v2 and says why). The GPU tests clear this (fixture
-# `kernels_under_test`); delete an entry after its GPU tests pass. Not in V3_DEFAULT_FORMATS either way until timed.
-# Empty since session 9 (the fp8 records' part-tile rings passed).
+# GPU-test holds (docs/kernels.md#gpu-test-holds). Formats whose v3 launches compile for sm_90a but have not passed
+# tests/test_kernels_v3_gpu.py on an H200: while listed, `v3_blocker` refuses them (forced v3 then runs v2 and says
+# why). The GPU tests clear this (fixture `kernels_under_test`); delete an entry once its GPU tests pass.
 V3_AWAITING_GPU_TESTS: dict[str, str] = {}
-# Launch kinds whose v3 kernel compiles for sm_90a but has not passed tests/test_kernels_v3_gpu.py on an H200: while
-# listed, v3 does not run them (sparse: `v3_blocker` refuses, forced v3 runs v2 and says why; the 32-head tile:
-# `v3_head_tile` keeps the GPU-tested 16-head tile and says why; two producer warpgroups at the 32-head tile:
-# `v3_producer_choice` keeps one and says why, and the bench marks the v3-t32-p2 row). The GPU tests clear this
-# (fixture `kernels_under_test`); delete an entry after its GPU tests pass. `generation_for`'s default runs none of
-# them either way (dense decode, h <= 16 only) until they are timed.
+# Launch kinds held the same way: sparse lists (`v3_blocker`), the 32-head tile (`v3_head_tile` keeps 16), two producer
+# warpgroups at the 32-head tile (`v3_producer_choice` keeps one), the CTA pair (`v3_cta_pair` keeps every launch
+# unpaired). `generation_for`'s default runs none of them until they are timed.
 V3_SPARSE = "sparse"
 V3_TILE_32 = "head_tile_32"
 V3_TILE_32_TWO_PRODUCERS = "head_tile_32_two_producers"
-# Sparse lists and the 32-head tile passed on the H200 in session 9 (tests/test_kernels_v3_gpu.py's sparse / head-tile
-# cases, 31, and the v3 cases of tests/test_kernels_gpu.py, 43; results/h200/session9/). Not in the default: bench (a)
-# and (d) timed the 32-head tile level with v2 (nvfp4 sparse h=128 batch 64: v2 0.206 ms, v3-t32 0.203, v3-t16 0.333).
-# The 32-head tile with two producer warpgroups passed in session 10 (tests/test_kernels_v3_gpu.py -k "two_producer or
-# head_tile or sass_role or compile_key": 31 passed; results/h200/session10/).
 V3_LAUNCHES_AWAITING_GPU_TESTS: dict[str, str] = {}
-# The CTA pair (session 11, kernels/cta_pair.py): two 32-head CTAs of a cluster of 2 along grid y decode half of each raw
-# unit's keys each and store every decoded K row into both CTAs' stage. Compiled for sm_90a, not run on a device yet:
-# held until tests/test_kernels_v3_gpu.py's pair cases pass on an H200 (they ask for the pair explicitly, under a
-# deadline; the fixture `kernels_under_test` keeps this hold for every other GPU test, which has none) and bench (a) /
-# (d) time its v3-t32-pair row (`bench --pair`; results/h200/device_v3h.sh pair); while held, `v3_cta_pair` keeps
-# every launch unpaired and an explicit `cta_pair=True` is a probe.
+# The CTA pair (cute/cta_pair.py): two 32-head CTAs of a cluster of 2 along grid y decode half of each raw unit's
+# keys each and store every decoded K row into both CTAs' stage. Compiled for sm_90a, never run on a device: held
+# until its GPU tests (which ask for it explicitly, under a deadline) pass and bench (a) / (d) time it
+# (docs/kernels.md#the-cta-pair); an explicit `cta_pair=True` is a probe meanwhile.
 V3_TILE_32_PAIR = "head_tile_32_cta_pair"
 V3_LAUNCHES_AWAITING_GPU_TESTS[V3_TILE_32_PAIR] = (
     "the 32-head tile's CTA pair (a cluster of 2 sharing each tile's decode) has not passed its GPU tests "
-    "(tests/test_kernels_v3_gpu.py -k pair, results/h200/device_v3h.sh pair)"
+    "(tests/test_kernels_v3_gpu.py -k pair, tools/device/run.sh pair)"
 )
 V3_PAIR_CTAS = 2  # CTAs of a pair's cluster, along grid y (head tiles 2c, 2c + 1)
-# Launches with more than one head tile (h > 16) that run v3 by default, by format and list kind: where session 10's
-# H200 bench (h = 128, batch 32-128; results/kernels/bench-NVIDIA_H200-2026-12-04-session10-v3h.json; ms, v2 -> v3's
-# 32-head tile, two producer warpgroups) timed v3 faster at every size:
-#   fp8_ds_mla        sparse top-2048 batch 64 0.259 -> 0.199, batch 128 0.505 -> 0.386; dense 8K 0.504 -> 0.359,
-#                     32K 1.877 -> 1.393
-#   nvfp4             dense 8K 0.389 -> 0.349, 32K 1.482 -> 1.344   (sparse: v2 0.203 / 0.394, v3 0.199-0.203 / 0.389-0.399)
-#   nvfp4_fp8_ds_mla  dense 8K 0.376 -> 0.351, 32K 1.409 -> 1.311   (sparse: v2 0.196 / 0.384, v3 0.195-0.202 / 0.375-0.394)
-# Everything else stays on v2: within a few per cent either way (bf16: sparse 0.213 vs 0.232, dense 0.398 vs 0.397 /
-# 1.510 vs 1.488; the nvfp4 records' sparse lists) or not timed (fp8_ds_mla_pow2, fp8_e4m3, the other E2M1 records).
-# Measured at h = 128 only; h = 32..64 follow the same rule (each 32-head tile's CTA does the same work whatever h).
+# Launches with more than one head tile (h > 16) that run v3 by default, by format and list kind: where an H200 bench
+# at h = 128 timed v3's 32-head tile (two producer warpgroups) faster than v2 at every size; everything else stays on
+# v2, within a few per cent either way or not timed (docs/kernels.md#default-at-more-than-16-heads). h = 32..64 follow the same
+# rule (each 32-head tile's CTA does the same work whatever h).
 V3_WIDE_DEFAULT: dict[str, tuple[str, ...]] = {
     "fp8_ds_mla": ("dense", "sparse"),
     "nvfp4": ("dense",),
     "nvfp4_fp8_ds_mla": ("dense",),
 }
-# A reason the default above must not run yet (a policy written without its GPU tests): while set, the unset
-# default stays v2 everywhere and says why. None since tests/test_kernels_v3_gpu.py passed on the H200
-# (session 8, results/h200/session8/).
+# A reason the defaults above must not run yet (a policy written without its GPU tests): while set, the unset default
+# stays v2 everywhere and says why. None: the defaults' GPU tests passed (docs/kernels.md#gpu-test-holds).
 V3_DEFAULT_PENDING: str | None = None
 
 
@@ -292,13 +236,13 @@ def smem_bytes_v3(plan, ring: tuple[int, int] | None = None, heads: int = V3_HEA
 def v3_producer_wgs(plan, heads: int = V3_HEADS) -> int:
     """Producer warpgroups of a v3 CTA: V3_DECODE_PRODUCER_WGS for every format at the 16-head tile. Decoded formats
     split each tile's decode over them, because the decode, not the consumer's 68 wgmma per tile, is the longer
-    stage (see NOTES.md). bf16 records are only copied, yet two warpgroups issuing the cp.async also win: session 9's
-    H200 bench (b) 64K timed bf16 v3 with one producer warpgroup at 0.770 ms and with two at 0.624 (92 % of copy;
+    stage (docs/kernels.md#producer-warpgroups). bf16 records are only copied, yet two warpgroups issuing the cp.async
+    also win: the H200 bench (b) 64K timed bf16 v3 with one producer warpgroup at 0.770 ms and with two at 0.624 (92 % of copy;
     v2 0.738), the two bit-identical in the GPU tests (test_v3_probes_write_the_same_k_tiles). The 32-head tile runs
     one by default (`V3_WIDE_PRODUCER_WGS`): its consumer holds O^T [512, 32] (128 fp32 registers per thread), which
     384 threads at an even 168 registers each cannot hold without spilling, 256 threads (255 each) can; and per head
     it decodes half as many records. So two producer warpgroups at the 32-head tile run with per-role registers
-    (`v3_reg_budget`, `setmaxnreg`): `V3_WIDE_PRODUCER_WGS`, timed faster than one in session 10 (bench v3-t32-p1)."""
+    (`v3_reg_budget`, `setmaxnreg`): `V3_WIDE_PRODUCER_WGS`, timed faster than one (bench v3-t32-p1)."""
     return v3_producer_choice(plan, heads)[0]
 
 
@@ -419,7 +363,7 @@ def v3_head_tile(
     """(head tile, why) of a v3 launch of `heads` heads that `v3_blocker` lets run: the one definition of the tile
     (16 or 32 heads, wgmma's N; in the compile key). h <= 16: 16 (one tile, nothing padded). h > 16: 32 where its
     CTA fits `smem_limit` (Q and P^T grow to 32 rows) and, with `gated`, `V3_LAUNCHES_AWAITING_GPU_TESTS` does not
-    hold it; else 16, the tile every v3 launch ran before session 9."""
+    hold it; else 16, the tile v3 launches ran before the 32-head tile."""
     if heads <= V3_HEADS:
         return V3_HEADS, f"h = {heads}: one {V3_HEADS}-head tile"
     if gated and V3_TILE_32 in V3_LAUNCHES_AWAITING_GPU_TESTS:
