@@ -104,12 +104,20 @@ def read_result(path: Path, schema: str | None = None) -> dict:
     return doc
 
 
-def default_result_path(kind: str, model_name: str) -> Path:
-    """results/<kind>-<model>-<date>-<time>-<microseconds>-p<pid>.json: unique per run, so two runs
+DEFAULT_OUTPUT_DIR = Path("mla-eval-out")  # where runs go unless told (relative to the working directory)
+
+
+def default_result_path(kind: str, model_name: str | None = None) -> Path:
+    """./mla-eval-out/<kind>-<model>-<date>-<time>-<microseconds>-p<pid>.json: unique per run, so two runs
     finishing in the same second never share a name (and the no-replace write catches the rest)."""
     now = _dt.datetime.fromtimestamp(_unique_microseconds() / 1e6)
-    safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in model_name)
-    return Path("results") / f"{kind}-{safe}-{now:%Y%m%d-%H%M%S-%f}-p{os.getpid()}.json"
+    safe = ("".join(c if c.isalnum() or c in "-_." else "-" for c in model_name) + "-") if model_name else ""
+    return DEFAULT_OUTPUT_DIR / f"{kind}-{safe}{now:%Y%m%d-%H%M%S-%f}-p{os.getpid()}.json"
+
+
+def default_out_help(kind: str) -> str:
+    """The --out help of a command whose result goes to default_result_path."""
+    return f"Result JSON path (default ./{DEFAULT_OUTPUT_DIR}/{kind}-<model>-<time>.json in the current directory)."
 
 
 _last_stamp = 0

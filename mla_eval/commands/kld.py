@@ -17,7 +17,7 @@ from mla_eval.evals.kld_evaluation import DEFAULT_FORMATS, KldSettings, evaluate
 from mla_eval.evals.settings import DEFAULT_CTX, DEVICES_HELP
 from mla_eval.model.loader import DEVICE_MAP_HELP, MAX_MEMORY_HELP, MODEL_HELP
 from mla_eval.model.rope_scaling import ROPE_SCALING_HELP
-from mla_eval.results import check_output_path, default_result_path, write_result
+from mla_eval.results import check_output_path, default_out_help, default_result_path, write_result
 
 console = Console(stderr=True)
 BACKEND_HELP = (
@@ -55,7 +55,7 @@ def kld(
     layer_stats: bool = typer.Option(
         True, "--layer-stats/--no-layer-stats", help="Per-layer attention-output error and latent SNR."
     ),
-    out: Path = typer.Option(None, "--out", "-o", help="Result JSON path (default results/kld-<model>-<time>.json)."),
+    out: Path = typer.Option(None, "--out", "-o", help=default_out_help("kld")),
     force: bool = typer.Option(False, "--force", help="Replace an existing --out file."),
     save_ref: Path = typer.Option(
         None, "--save-ref", help="Store the reference log-probs here, to score more formats later with --ref-file."

@@ -15,7 +15,7 @@ from mla_eval.evals.needle_tasks import TASKS, VALUE_KINDS
 from mla_eval.evals.settings import DEVICES_HELP
 from mla_eval.model.loader import DEVICE_MAP_HELP, MAX_MEMORY_HELP, MODEL_HELP
 from mla_eval.model.rope_scaling import ROPE_SCALING_HELP
-from mla_eval.results import check_output_path, default_result_path, write_result
+from mla_eval.results import check_output_path, default_out_help, default_result_path, write_result
 
 console = Console(stderr=True)
 
@@ -73,7 +73,7 @@ def needle(
         0.9, "--threshold", help="Accuracy that a length must keep to count toward the effective length."
     ),
     seed: int = typer.Option(0, "--seed", help="Seed of the needles and haystack offsets."),
-    out: Path = typer.Option(None, "--out", "-o", help="Result JSON (default results/needle-<model>-<time>.json)."),
+    out: Path = typer.Option(None, "--out", "-o", help=default_out_help("needle")),
     force: bool = typer.Option(False, "--force", help="Replace an existing --out file."),
     plot: Path = typer.Option(None, "--plot", help="Folder for heatmap PNGs (one per format + difference vs bf16)."),
     device: str = typer.Option("auto", "--device", help=DEVICES_HELP + "."),

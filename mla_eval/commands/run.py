@@ -32,7 +32,7 @@ from mla_eval.evals.kld_evaluation import KldSettings, evaluate_kld
 from mla_eval.evals.needle_evaluation import NeedleSettings, evaluate_needle
 from mla_eval.evals.settings import settings_from_table
 from mla_eval.result_schemas import ENVIRONMENT_SCHEMA, SCHEMA_FILES, validate
-from mla_eval.results import environment, write_result
+from mla_eval.results import DEFAULT_OUTPUT_DIR, environment, write_result
 
 console = Console(stderr=True)
 TOP_LEVEL_KEYS = ("model", "device", "backend")
@@ -165,7 +165,10 @@ def _planned_files(doc: dict, recipe: Path) -> list[Path]:
 
 def run(
     recipe: Path = typer.Argument(..., help="Recipe TOML (see recipes/)."),
-    out: Path = typer.Option(None, "--out", "-o", help="Results directory (default results/<recipe name>)."),
+    out: Path = typer.Option(
+        None, "--out", "-o",
+        help=f"Results directory (default ./{DEFAULT_OUTPUT_DIR}/<recipe name> in the current directory).",
+    ),
     force: bool = typer.Option(
         False, "--force", help="Replace the documents an earlier run wrote in the results directory (nothing else)."
     ),
@@ -173,7 +176,7 @@ def run(
 ) -> None:
     """Run every evaluation of a recipe and write one results directory."""
     doc = load_recipe(recipe)
-    out = out or Path("results") / recipe.stem
+    out = out or DEFAULT_OUTPUT_DIR / recipe.stem
     fixed = {
         "model": Path(doc["model"]) if doc.get("model") else None,
         "device": str(doc.get("device") or "auto"),
