@@ -16,8 +16,8 @@ reason in `result.settings["prefill_reason"]`; `prefill="auto"` adds that reason
 from mla_eval.evals.calibrate import CalibrateSettings, CalibrationResult, evaluate_calibration
 from mla_eval.evals.kld_evaluation import KldResult, KldSettings, evaluate_kld
 from mla_eval.evals.needle_evaluation import NeedleResult, NeedleSettings, evaluate_needle
-from mla_eval.evals.settings import ProgressCallback
 from mla_eval.evals.variants import Variant, parse_variants
+from mla_eval.evaluation import ProgressCallback
 from mla_eval.results import write_result
 
 __all__ = [

@@ -27,9 +27,10 @@ from mla_eval.errors import UserError
 from mla_eval.evals.kld_stats import TokenStats, token_metrics
 from mla_eval.evals.layer_stats import LayerStats
 from mla_eval.evals.ref_store import RefStore, metrics_from_store
-from mla_eval.evals.settings import ProgressCallback, check_ctx, no_progress
+from mla_eval.evals.settings import check_ctx
 from mla_eval.evals.text_sources import TokenSource
 from mla_eval.evals.variants import Variant, scales_for
+from mla_eval.evaluation import ProgressCallback, no_progress
 from mla_eval.formats import OuterScales, get_format
 from mla_eval.model.session import PREFILL_MODES, CacheSession
 

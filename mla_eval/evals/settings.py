@@ -1,5 +1,5 @@
 """What every evaluation shares: the model to load and where, the attention backend, the
-protocol defaults (one definition each), progress reporting, and settings from a recipe table.
+protocol defaults (one definition each), and settings from a recipe table.
 """
 
 from __future__ import annotations
@@ -8,13 +8,18 @@ import dataclasses
 import types
 import typing
 from pathlib import Path
-from typing import Callable
 
 from mla_eval.attention import dispatch
 from mla_eval.errors import UserError
+from mla_eval.evaluation import option
+from mla_eval.model.loader import DEVICE_MAP_HELP, MAX_MEMORY_HELP, MODEL_HELP
+from mla_eval.model.rope_scaling import ROPE_SCALING_HELP
 
 DEFAULT_CTX = 2048  # window length of text / dataset evaluations (self-samples: their --sample-len)
 DEVICES_HELP = "cpu, cuda, cuda:N or auto"
+BACKEND_HELP = (
+    "Attention path: auto (kernel for CUDA tensors where it can run), kernel, or reference (default: MLA_EVAL_BACKEND or auto)."
+)
 
 
 def default_min_context(ctx: int) -> int:
@@ -45,25 +50,19 @@ def check_math_backend(maths, backend: str | None) -> None:
             raise UserError(f"--math {m.name} with {where}: {m.kernel_blocker}; use --backend reference or auto")
 
 
-# progress(stage, done, total): `stage` names the work ("sample", "calibrate", "score", "prompts"), `done` of
-# `total` units. The library reports; commands draw the bar (the library never prints).
-ProgressCallback = Callable[[str, int, int], None]
-
-
-def no_progress(stage: str, done: int, total: int) -> None:
-    return None
-
-
 @dataclasses.dataclass(frozen=True)
 class ModelSettings:
     """Which checkpoint (None: the embedded default model), on which device, through which attention path."""
 
-    model: Path | str | None = None  # a folder, or a `random:<preset>` spec (see loader.MODEL_HELP)
-    device: str = "auto"
-    device_map: str = "none"
-    backend: str | None = None  # None: MLA_EVAL_BACKEND or auto (dispatch.default_backend)
-    rope_scaling: str = "none"  # 'yarn:FACTOR' extends the context (mla_eval.model.rope_scaling)
-    max_memory: str | None = None  # --device-map auto: accelerate's cap per GPU, e.g. "40GiB"
+    model: Path | str | None = option(None, "--model", "-m", help=MODEL_HELP)  # a folder, or a `random:<preset>` spec
+    device: str = option("auto", "--device", help=DEVICES_HELP + ".")
+    device_map: str = option("none", "--device-map", help=DEVICE_MAP_HELP)
+    # None: MLA_EVAL_BACKEND or auto (dispatch.default_backend)
+    backend: str | None = option(None, "--backend", help=BACKEND_HELP)
+    # 'yarn:FACTOR' extends the context (mla_eval.model.rope_scaling)
+    rope_scaling: str = option("none", "--rope-scaling", help=ROPE_SCALING_HELP)
+    # --device-map auto: accelerate's cap per GPU, e.g. "40GiB"
+    max_memory: str | None = option(None, "--max-memory", help=MAX_MEMORY_HELP)
 
     def __post_init__(self) -> None:
         from mla_eval.model.rope_scaling import parse_rope_scaling  # no torch: validated before any load
