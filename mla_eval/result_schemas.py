@@ -13,33 +13,49 @@ import json
 import re
 import reprlib
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 from mla_eval import __version__
 from mla_eval.errors import UserError
 
-# The schema id of each result document (the writers stamp these; readers check them).
+# The schema id of each built-in result document (the writers stamp these; readers check them). Which
+# JSON Schema file checks which id is each evaluation's to say (mla_eval.evaluation.Evaluation.schema_file).
 KLD_SCHEMA = "mla-eval/kld/v1"
 NEEDLE_SCHEMA = "mla-eval/needle/v1"
 CAPACITY_SCHEMA = "mla-eval.capacity/1"
 ENVIRONMENT_SCHEMA = "mla-eval/environment/v1"  # environment.json (has no "schema" key)
+ENVIRONMENT_SCHEMA_FILE = "environment-v1.schema.json"
 
-# document schema id -> its JSON Schema file in mla_eval/schemas/
-SCHEMA_FILES = {
-    KLD_SCHEMA: "kld-v1.schema.json",
-    NEEDLE_SCHEMA: "needle-v1.schema.json",
-    CAPACITY_SCHEMA: "capacity-v1.schema.json",
-    ENVIRONMENT_SCHEMA: "environment-v1.schema.json",
-}
-# a results directory's file stem -> the schema its document must have
-RESULTS_DIR_FILES = {"kld": KLD_SCHEMA, "needle": NEEDLE_SCHEMA, "capacity": CAPACITY_SCHEMA}
+
+def schema_files() -> dict[str, str | Path]:
+    """Document schema id -> its JSON Schema: a file name in mla_eval/schemas/ or a path. The
+    environment's and every registered evaluation's."""
+    from mla_eval.evaluation import evaluations
+
+    out: dict[str, str | Path] = {ev.schema: ev.schema_file for ev in evaluations() if ev.schema_file is not None}
+    out[ENVIRONMENT_SCHEMA] = ENVIRONMENT_SCHEMA_FILE
+    return out
+
+
+def results_dir_files() -> dict[str, str]:
+    """A results directory's file stem -> the schema its document must have."""
+    from mla_eval.evaluation import evaluations
+
+    return {ev.stem: ev.schema for ev in evaluations() if ev.stem is not None}
+
+
+def load_schema(schema_id: str) -> dict:
+    """The JSON Schema of a document schema id (KeyError when the id has none)."""
+    return _read_schema(schema_files()[schema_id])
 
 
 @functools.lru_cache(maxsize=None)
-def load_schema(schema_id: str) -> dict:
-    """The JSON Schema of a document schema id (KeyError when the id has none)."""
-    name = SCHEMA_FILES[schema_id]
-    return json.loads(resources.files("mla_eval").joinpath("schemas", name).read_text(encoding="utf-8"))
+def _read_schema(where: str | Path) -> dict:
+    """Cached by location, not id: an evaluation registered again may bring another file."""
+    if isinstance(where, Path):
+        return json.loads(where.read_text(encoding="utf-8"))
+    return json.loads(resources.files("mla_eval").joinpath("schemas", where).read_text(encoding="utf-8"))
 
 
 def require_validator() -> None:
@@ -54,11 +70,15 @@ def require_validator() -> None:
         ) from None
 
 
-@functools.lru_cache(maxsize=None)
 def _validator(schema_id: str):
+    return _validator_at(schema_files()[schema_id])
+
+
+@functools.lru_cache(maxsize=None)
+def _validator_at(where: str | Path):
     from jsonschema import Draft202012Validator
 
-    return Draft202012Validator(load_schema(schema_id))
+    return Draft202012Validator(_read_schema(where))
 
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
@@ -123,14 +143,15 @@ def validate(doc: Any, where: str, schema: str | None = None) -> None:
     Raises UserError with one line: `<where>: <JSON path of the first problem>: <message>`.
     Validate the document as written: NaN as null, infinities as "inf"/"-inf" (see _clean).
     """
-    known = ", ".join(sorted(SCHEMA_FILES))
+    files = schema_files()
+    known = ", ".join(sorted(files))
     if schema is None:
         if not isinstance(doc, dict):
             raise UserError(f"{where}: a result document is a JSON object, not {type(doc).__name__}")
         if "schema" not in doc:
             raise UserError(f"{where}: no \"schema\" key, so not an mla-eval result document (known schemas: {known})")
         schema = doc["schema"]
-    if not isinstance(schema, str) or schema not in SCHEMA_FILES:
+    if not isinstance(schema, str) or schema not in files:
         raise UserError(f"{where}: unknown result schema {schema!r}; this mla-eval {__version__} knows {known}")
     require_validator()
     from jsonschema.exceptions import best_match

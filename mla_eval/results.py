@@ -25,7 +25,7 @@ from mla_eval import __version__, provenance
 from mla_eval.atomic_io import write_json_atomic
 from mla_eval.errors import UserError
 from mla_eval.formats.spec import OUTER_SCALE_SCHEMA
-from mla_eval.result_schemas import SCHEMA_FILES, require_validator, validate
+from mla_eval.result_schemas import require_validator, schema_files, validate
 
 
 def environment(attention=None) -> dict[str, Any]:
@@ -178,7 +178,7 @@ def is_our_document(path: Path, schema: str | None = None) -> bool:
         return False
     if not isinstance(doc, dict):
         return False
-    if doc.get("schema") in SCHEMA_FILES or doc.get("format") == OUTER_SCALE_SCHEMA:
+    if doc.get("schema") in schema_files() or doc.get("format") == OUTER_SCALE_SCHEMA:
         return True
     if schema is not None:
         try:
