@@ -58,7 +58,19 @@ def build_app() -> typer.Typer:
     return app
 
 
-app = build_app()  # the built-ins and whatever was registered before this import; main() rebuilds per call
+_built: dict[tuple, typer.Typer] = {}
+
+
+def current_app() -> typer.Typer:
+    """The app for the evaluations registered now (built again only when they changed)."""
+    key = tuple(evaluations())  # the (frozen, hashable) declarations themselves: an equal set builds an equal app
+    if key not in _built:
+        _built.clear()
+        _built[key] = build_app()
+    return _built[key]
+
+
+app = current_app()  # the built-ins and whatever was registered before this import; main() uses current_app()
 
 
 def _usage_error_types() -> tuple[type[BaseException], ...]:
@@ -138,7 +150,7 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point: runs the app; every failure a user can fix is one line and exit 2."""
     args = sys.argv[1:] if argv is None else list(argv)
-    app = build_app()  # an evaluation registered after import is a command too
+    app = current_app()  # an evaluation registered after import is a command too
     if not args:  # bare `mla-eval`: the command list, and one line saying what is missing (any click version)
         app(args=["--help"], prog_name="mla-eval", standalone_mode=False)
         typer.echo("error: no command given; choose one of the commands above", err=True)

@@ -110,12 +110,11 @@ class Planned:
 def plan(doc: dict, recipe: Path, fixed: dict) -> list[Planned]:
     """Every document of the recipe with its settings, each validated (before any work); the instant
     evaluations first, so a bad setup there costs no model run."""
-    planned = [
-        Planned(ev, stem, ev.settings_from_table(opts, f"recipe {recipe} [{ev.name}]" + (f" ({stem})" if ev.setups else ""),
-                                                 fixed))
-        for ev in sections() if ev.name in doc
-        for stem, opts in setups(ev, doc[ev.name], recipe)
-    ]
+    planned = []
+    for ev in sections():
+        for stem, opts in setups(ev, doc[ev.name], recipe) if ev.name in doc else []:
+            where = f"recipe {recipe} [{ev.name}]" + (f" ({stem})" if ev.setups else "")
+            planned.append(Planned(ev, stem, ev.settings_from_table(opts, where, fixed)))
     return sorted(planned, key=lambda p: not p.ev.instant)  # stable: registry order otherwise
 
 
