@@ -39,11 +39,12 @@ from mla_eval.evals.kld_stats import token_metrics
 from mla_eval.formats import get_format
 from mla_eval.model.session import CacheSession
 from mla_eval.model_presets import get_preset, preset_names
+from mla_eval.results import DEFAULT_OUTPUT_DIR
 
 SCHEMA = "mla_eval_production_bench_v1"
 REFERENCE_FORMAT = "bf16"
 DEFAULT_FORMATS = ("bf16", "fp8_ds_mla", "nvfp4", "nvfp4_fp8rope")
-DEFAULT_OUT = Path("bench-out/production-bench.json")
+DEFAULT_OUT = DEFAULT_OUTPUT_DIR / "production-bench.json"  # never into the repository's published results/
 # wikitext-2-raw-v1 test split counted with the embedded tokenizer (342,571 tokens of 1,285,622
 # characters); a real model's tokenizer gives a somewhat different count, and the cost scales with it.
 WIKITEXT2_TEST_TOKENS = 342_571

@@ -40,8 +40,16 @@ from typing import Any
 
 from mla_eval.errors import UserError
 from mla_eval.formats import FormatSpec, get_format, parse_format_list
-from mla_eval.gpu_presets import get_gpu
-from mla_eval.model_presets import MlaCacheGeometry, WeightsInfo, get_preset, load_config, preset_names
+from mla_eval.gpu_presets import get_gpu, gpu_names
+from mla_eval.model_presets import (
+    WEIGHT_DTYPE_BYTES,
+    MlaCacheGeometry,
+    WeightsInfo,
+    get_preset,
+    load_config,
+    preset_names,
+)
+from mla_eval.protocol import ProgressCallback, no_progress, option
 from mla_eval.result_schemas import CAPACITY_SCHEMA
 
 GIB = 1 << 30
@@ -290,23 +298,64 @@ class CapacitySettings:
     (`gpu` preset or `gpu_mem_gib`), `gpu_memory_utilization`, the weights and `reserve_gib`.
     """
 
-    preset: str | None = None
-    config: Path | None = None
-    gpu: str | None = None
-    gpu_mem_gib: float | None = None
-    tp: int = 8
-    gpus: int | None = None
-    dcp: int = 1
-    gpu_memory_utilization: float = 0.9
-    block_size: int = 64
-    weights_gib: float | None = None
-    weights_dtype: str | None = None
-    reserve_gib: float = DEFAULT_RESERVE_GIB
-    kv_memory_gib: float | None = None
-    kv_cache_memory_bytes: int | None = None
-    mtp: bool = True
-    max_model_len: int | None = None
-    formats: str | None = None  # comma-separated names; None = every registered format
+    preset: str | None = option(
+        None, "--preset", "-p",
+        help=f"Built-in model: {', '.join(preset_names())} (default {DEFAULT_PRESET}). See --list-presets for sources.",
+    )
+    config: Path | None = option(
+        None, "--config", "-c", path="read", help="A Hugging Face config.json, or a checkpoint directory holding one "
+        "(its model.safetensors.index.json then gives the weights size).",
+    )
+    gpu: str | None = option(
+        None, "--gpu", "-g", help=f"GPU preset: {', '.join(gpu_names())} (default {DEFAULT_GPU}). "
+        "Uses the total memory CUDA reports, not the datasheet figure.",
+    )
+    gpu_mem_gib: float | None = option(
+        None, "--gpu-mem-gib", help="Total memory per GPU in GiB (2^30 B); overrides --gpu."
+    )
+    tp: int = option(8, "--tp", help="Tensor-parallel size. The MLA latent is replicated on every TP rank.")
+    gpus: int | None = option(
+        None, "--gpus", help="GPUs the weights are spread over (default: --tp). Extra GPUs beyond --tp are "
+        "data-parallel engines, each with its own pool (pipeline parallelism is not modelled).",
+    )
+    dcp: int = option(
+        1, "--dcp", help="Decode-context-parallel size (divides --tp): each rank stores 1/dcp of every sequence, so the "
+        "pool holds dcp x more tokens.",
+    )
+    gpu_memory_utilization: float = option(
+        0.9, "--gpu-memory-utilization",
+        help="Fraction of each GPU's memory vLLM may use (vLLM's --gpu-memory-utilization).",
+    )
+    block_size: int = option(64, "--block-size", help="Tokens per KV block (vLLM block_size; FlashMLA uses 64).")
+    weights_gib: float | None = option(
+        None, "--weights-gib", help="Total weights of the whole model in GiB, split evenly over --gpus. "
+        "Default: the checkpoint's safetensors index (with --config DIR) or parameters x dtype (presets).",
+    )
+    weights_dtype: str | None = option(
+        None, "--weights-dtype", help=f"Weights dtype for a preset's parameter count: {', '.join(WEIGHT_DTYPE_BYTES)} "
+        "(nvfp4 = 4.5 bits incl. block scales). Default: the preset's checkpoint dtype.",
+    )
+    reserve_gib: float = option(
+        DEFAULT_RESERVE_GIB, "--reserve-gib", help="Per-GPU GiB kept for peak activations, non-torch memory and CUDA "
+        "graphs (a rough default; use the KV size vLLM logs via --kv-memory-gib for an exact match).",
+    )
+    kv_memory_gib: float | None = option(
+        None, "--kv-memory-gib", help="KV-cache memory per GPU in GiB, given directly (skips GPU, weights, reserve)."
+    )
+    kv_cache_memory_bytes: int | None = option(
+        None, "--kv-cache-memory-bytes", help="KV-cache memory per GPU in bytes, as vLLM's --kv-cache-memory-bytes."
+    )
+    mtp: bool = option(
+        True, "--mtp/--no-mtp", help="Count MTP/next-n layers (num_nextn_predict_layers), which have caches when "
+        "MTP speculative decoding runs (default on).",
+    )
+    max_model_len: int | None = option(
+        None, "--max-model-len", help="Tokens per request for the concurrency column (default: the model's "
+        "max_position_embeddings).",
+    )
+    formats: str | None = option(  # comma-separated names; None = every registered format
+        None, "--formats", "-f", help="Comma-separated cache formats (default: all registered)."
+    )
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any], where: str = "capacity") -> CapacitySettings:
@@ -393,9 +442,10 @@ class CapacityResult:
         return {"schema": CAPACITY_SCHEMA, "model": model, "setup": setup, "formats": formats, "notes": list(self.notes)}
 
 
-def evaluate_capacity(settings: CapacitySettings) -> CapacityResult:
+def evaluate_capacity(settings: CapacitySettings, progress: ProgressCallback = no_progress) -> CapacityResult:
     """Resolve the model, the parallel setup and the per-GPU KV budget, and size every format's pool.
-    Every bad setting is a one-line UserError naming the option."""
+    Every bad setting is a one-line UserError naming the option. `progress` is the evaluation
+    protocol's (mla_eval.evaluation); this arithmetic takes no time worth reporting."""
     s = settings
     if s.block_size < 1:
         raise UserError(f"--block-size must be >= 1, got {s.block_size}")

@@ -1,9 +1,11 @@
 """The `mla-eval` command line: a thin Typer layer over the library.
 
-Each command lives in `mla_eval/commands/<name>.py` and exposes `register(app)`. `main` is the one
-place where failures meet the user: a `UserError` or a usage error (bad option, missing argument)
-becomes one `error: ...` line on stderr and exit code 2, never a traceback; SIGINT / SIGTERM end the
-run with one line naming the results that were not written (exit 130 / 143).
+Each registered evaluation (mla_eval.evaluation) is a command whose options are generated from its
+settings (mla_eval.commands.evaluation); the other commands live in `mla_eval/commands/<name>.py`
+and expose `register(app)`. `main` is the one place where failures meet the user: a `UserError` or
+a usage error (bad option, missing argument) becomes one `error: ...` line on stderr and exit code 2,
+never a traceback; SIGINT / SIGTERM end the run with one line naming the results that were not
+written (exit 130 / 143).
 """
 
 from __future__ import annotations
@@ -18,18 +20,11 @@ import warnings
 import typer
 
 from mla_eval.errors import UserError
+from mla_eval.evaluation import evaluations
 from mla_eval.results import pending_outputs
 from mla_eval.version import __version__
 
-COMMAND_MODULES = ("formats", "capacity", "kld", "needle", "gate", "run", "report", "plot")
-
-app = typer.Typer(
-    name="mla-eval",
-    help="Quality and capacity evaluator for low-precision MLA KV caches (NVFP4 / FP8).",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
+TOOL_COMMANDS = ("formats", "gate", "run", "report", "plot")  # the commands that are not evaluations
 
 
 def _version(value: bool) -> None:
@@ -38,15 +33,44 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
-@app.callback()
 def _root(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
 ) -> None:
     """Evaluate what a KV-cache format does to an MLA model: bytes, capacity, KLD, retrieval."""
 
 
-for _name in COMMAND_MODULES:
-    importlib.import_module(f"mla_eval.commands.{_name}").register(app)
+def build_app() -> typer.Typer:
+    """The app: one command per registered evaluation (mla_eval.evaluation), then the tools."""
+    from mla_eval.commands import evaluation as evaluation_command
+
+    app = typer.Typer(
+        name="mla-eval",
+        help="Quality and capacity evaluator for low-precision MLA KV caches (NVFP4 / FP8).",
+        no_args_is_help=True,
+        add_completion=False,
+        pretty_exceptions_enable=False,
+    )
+    app.callback()(_root)
+    for ev in evaluations():
+        evaluation_command.register(app, ev)
+    for name in TOOL_COMMANDS:
+        importlib.import_module(f"mla_eval.commands.{name}").register(app)
+    return app
+
+
+_built: dict[tuple, typer.Typer] = {}
+
+
+def current_app() -> typer.Typer:
+    """The app for the evaluations registered now (built again only when they changed)."""
+    key = tuple(evaluations())  # the (frozen, hashable) declarations themselves: an equal set builds an equal app
+    if key not in _built:
+        _built.clear()
+        _built[key] = build_app()
+    return _built[key]
+
+
+app = current_app()  # the built-ins and whatever was registered before this import; main() uses current_app()
 
 
 def _usage_error_types() -> tuple[type[BaseException], ...]:
@@ -126,6 +150,7 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point: runs the app; every failure a user can fix is one line and exit 2."""
     args = sys.argv[1:] if argv is None else list(argv)
+    app = current_app()  # an evaluation registered after import is a command too
     if not args:  # bare `mla-eval`: the command list, and one line saying what is missing (any click version)
         app(args=["--help"], prog_name="mla-eval", standalone_mode=False)
         typer.echo("error: no command given; choose one of the commands above", err=True)

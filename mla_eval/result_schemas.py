@@ -13,33 +13,58 @@ import json
 import re
 import reprlib
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 from mla_eval.errors import UserError
 from mla_eval.version import __version__
 
-# The schema id of each result document (the writers stamp these; readers check them).
+# The schema id of each built-in result document (the writers stamp these; readers check them) and the JSON Schema
+# file in mla_eval/schemas/ that checks it. An evaluation registered from outside adds its own (`register_schema`,
+# which `mla_eval.evaluation.register_evaluation` calls).
 KLD_SCHEMA = "mla-eval/kld/v1"
 NEEDLE_SCHEMA = "mla-eval/needle/v1"
 CAPACITY_SCHEMA = "mla-eval.capacity/1"
 ENVIRONMENT_SCHEMA = "mla-eval/environment/v1"  # environment.json (has no "schema" key)
-
-# document schema id -> its JSON Schema file in mla_eval/schemas/
-SCHEMA_FILES = {
+BUILTIN_SCHEMA_FILES: dict[str, str] = {
     KLD_SCHEMA: "kld-v1.schema.json",
     NEEDLE_SCHEMA: "needle-v1.schema.json",
     CAPACITY_SCHEMA: "capacity-v1.schema.json",
     ENVIRONMENT_SCHEMA: "environment-v1.schema.json",
 }
-# a results directory's file stem -> the schema its document must have
-RESULTS_DIR_FILES = {"kld": KLD_SCHEMA, "needle": NEEDLE_SCHEMA, "capacity": CAPACITY_SCHEMA}
+_registered: dict[str, str | Path] = {}
+
+
+def register_schema(schema_id: str, where: str | Path) -> None:
+    """Add (or, for an evaluation registered again, replace) the JSON Schema of a document schema id: a file name in
+    mla_eval/schemas/ or a path. A built-in id keeps its own file."""
+    if schema_id in BUILTIN_SCHEMA_FILES and BUILTIN_SCHEMA_FILES[schema_id] != where:
+        raise ValueError(f"schema {schema_id!r} is built in ({BUILTIN_SCHEMA_FILES[schema_id]}); a new id needs a new name")
+    if schema_id not in BUILTIN_SCHEMA_FILES:
+        _registered[schema_id] = where
+
+
+def unregister_schema(schema_id: str) -> None:
+    _registered.pop(schema_id, None)
+
+
+def schema_files() -> dict[str, str | Path]:
+    """Document schema id -> its JSON Schema: a file name in mla_eval/schemas/ or a path, the built-in documents' and
+    every registered evaluation's."""
+    return {**BUILTIN_SCHEMA_FILES, **_registered}
+
+
+def load_schema(schema_id: str) -> dict:
+    """The JSON Schema of a document schema id (KeyError when the id has none)."""
+    return _read_schema(schema_files()[schema_id])
 
 
 @functools.lru_cache(maxsize=None)
-def load_schema(schema_id: str) -> dict:
-    """The JSON Schema of a document schema id (KeyError when the id has none)."""
-    name = SCHEMA_FILES[schema_id]
-    return json.loads(resources.files("mla_eval").joinpath("schemas", name).read_text(encoding="utf-8"))
+def _read_schema(where: str | Path) -> dict:
+    """Cached by location, not id: an evaluation registered again may bring another file."""
+    if isinstance(where, Path):
+        return json.loads(where.read_text(encoding="utf-8"))
+    return json.loads(resources.files("mla_eval").joinpath("schemas", where).read_text(encoding="utf-8"))
 
 
 def require_validator() -> None:
@@ -54,11 +79,15 @@ def require_validator() -> None:
         ) from None
 
 
-@functools.lru_cache(maxsize=None)
 def _validator(schema_id: str):
+    return _validator_at(schema_files()[schema_id])
+
+
+@functools.lru_cache(maxsize=None)
+def _validator_at(where: str | Path):
     from jsonschema import Draft202012Validator
 
-    return Draft202012Validator(load_schema(schema_id))
+    return Draft202012Validator(_read_schema(where))
 
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
@@ -123,14 +152,15 @@ def validate(doc: Any, where: str, schema: str | None = None) -> None:
     Raises UserError with one line: `<where>: <JSON path of the first problem>: <message>`.
     Validate the document as written: NaN as null, infinities as "inf"/"-inf" (see _clean).
     """
-    known = ", ".join(sorted(SCHEMA_FILES))
+    files = schema_files()
+    known = ", ".join(sorted(files))
     if schema is None:
         if not isinstance(doc, dict):
             raise UserError(f"{where}: a result document is a JSON object, not {type(doc).__name__}")
         if "schema" not in doc:
             raise UserError(f"{where}: no \"schema\" key, so not an mla-eval result document (known schemas: {known})")
         schema = doc["schema"]
-    if not isinstance(schema, str) or schema not in SCHEMA_FILES:
+    if not isinstance(schema, str) or schema not in files:
         raise UserError(f"{where}: unknown result schema {schema!r}; this mla-eval {__version__} knows {known}")
     require_validator()
     from jsonschema.exceptions import best_match

@@ -25,7 +25,7 @@ from mla_eval import provenance
 from mla_eval.atomic_io import write_json_atomic
 from mla_eval.errors import UserError
 from mla_eval.formats.spec import OUTER_SCALE_SCHEMA
-from mla_eval.result_schemas import SCHEMA_FILES, require_validator, validate
+from mla_eval.result_schemas import require_validator, schema_files, validate
 from mla_eval.version import __version__
 
 
@@ -105,12 +105,20 @@ def read_result(path: Path, schema: str | None = None) -> dict:
     return doc
 
 
-def default_result_path(kind: str, model_name: str) -> Path:
-    """results/<kind>-<model>-<date>-<time>-<microseconds>-p<pid>.json: unique per run, so two runs
+DEFAULT_OUTPUT_DIR = Path("mla-eval-out")  # where runs go unless told (relative to the working directory)
+
+
+def default_result_path(kind: str, model_name: str | None = None) -> Path:
+    """./mla-eval-out/<kind>-<model>-<date>-<time>-<microseconds>-p<pid>.json: unique per run, so two runs
     finishing in the same second never share a name (and the no-replace write catches the rest)."""
     now = _dt.datetime.fromtimestamp(_unique_microseconds() / 1e6)
-    safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in model_name)
-    return Path("results") / f"{kind}-{safe}-{now:%Y%m%d-%H%M%S-%f}-p{os.getpid()}.json"
+    safe = ("".join(c if c.isalnum() or c in "-_." else "-" for c in model_name) + "-") if model_name else ""
+    return DEFAULT_OUTPUT_DIR / f"{kind}-{safe}{now:%Y%m%d-%H%M%S-%f}-p{os.getpid()}.json"
+
+
+def default_out_help(kind: str) -> str:
+    """The --out help of a command whose result goes to default_result_path."""
+    return f"Result JSON path (default ./{DEFAULT_OUTPUT_DIR}/{kind}-<model>-<time>.json in the current directory)."
 
 
 _last_stamp = 0
@@ -171,7 +179,7 @@ def is_our_document(path: Path, schema: str | None = None) -> bool:
         return False
     if not isinstance(doc, dict):
         return False
-    if doc.get("schema") in SCHEMA_FILES or doc.get("format") == OUTER_SCALE_SCHEMA:
+    if doc.get("schema") in schema_files() or doc.get("format") == OUTER_SCALE_SCHEMA:
         return True
     if schema is not None:
         try:

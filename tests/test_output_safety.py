@@ -30,7 +30,7 @@ def _leftovers(folder: Path) -> list[str]:
 def test_default_names_never_collide_in_one_second():
     names = [default_result_path("kld", "tiny/model") for _ in range(2000)]
     assert len(set(names)) == len(names)
-    assert all(n.parent == Path("results") and n.name.startswith("kld-tiny-model-") for n in names)
+    assert all(n.parent == Path("mla-eval-out") and n.name.startswith("kld-tiny-model-") for n in names)
     assert f"-p{os.getpid()}.json" in str(names[0])
 
 

@@ -12,20 +12,20 @@ from tiny_models import tiny_checkpoint
 
 from mla_eval.cli import main
 from mla_eval.errors import UserError
-from mla_eval.result_schemas import ENVIRONMENT_SCHEMA, SCHEMA_FILES, json_path, load_schema, validate
+from mla_eval.result_schemas import ENVIRONMENT_SCHEMA, json_path, load_schema, schema_files, validate
 from mla_eval.results import read_result, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA_DIR = ROOT / "mla_eval" / "schemas"
 BASELINE = ROOT / "results" / "baselines" / "ci-smoke"
 TOKENIZER_DIR = ROOT / "mla_eval" / "default_model"
+SCHEMA_FILES = schema_files()  # the built-in evaluations' and the environment's (a test registers nothing here)
 TEXT = " ".join(f"The river {w} flows past the old mill near the {w} bridge." for w in ["north", "south", "east", "west"] * 30)
 
 
 def _tracked_json() -> list[Path]:
-    """The JSON files under results/ that git tracks: a user's own runs land in results/ too (the
-    default output folder) and are not the project's to validate. Without git (an unpacked
-    archive) every file there came with the project."""
+    """The JSON files under results/ that git tracks (a file left there by hand is not the project's
+    to validate). Without git (an unpacked archive) every file there came with the project."""
     try:
         proc = subprocess.run(
             ["git", "ls-files", "-z", "--", "results"], cwd=ROOT, capture_output=True, text=True, timeout=30
@@ -92,9 +92,9 @@ def test_every_schema_file_is_registered_and_names_its_id():
 
 
 def test_every_results_directory_document_has_a_schema_file():
-    from mla_eval.result_schemas import RESULTS_DIR_FILES
+    from mla_eval.evaluation import results_dir_files
 
-    assert {*RESULTS_DIR_FILES.values(), ENVIRONMENT_SCHEMA} == set(SCHEMA_FILES)
+    assert {*results_dir_files().values(), ENVIRONMENT_SCHEMA} == set(SCHEMA_FILES)
 
 
 def test_shared_definitions_agree_across_schema_files():

@@ -32,11 +32,12 @@ from mla_eval.attention.semantics import (
     row_label,
 )
 from mla_eval.errors import UserError
+from mla_eval.evals.report_tables import identity
 from mla_eval.formats import decode, encode, get_format
 from mla_eval.formats.numerics import E4M3_MAX
 from mla_eval.model.adapter import MlaAdapter
 from mla_eval.model.session import CacheSession
-from mla_eval.report.gate import compare, identity
+from mla_eval.report.gate import compare
 
 FP8_Q = MATHS["fp8-q"]
 FP8_QP = MATHS["fp8-qp"]

@@ -1,10 +1,12 @@
 """`mla-eval capacity`: how many tokens each cache format fits for a model on a GPU setup.
 
-Parses the options into `mla_eval.capacity.CapacitySettings`, calls `evaluate_capacity`, prints.
+The options are `mla_eval.capacity.CapacitySettings`' (mla_eval.commands.evaluation builds them) and
+--json / --plot / --list-presets; the command calls `evaluate_capacity` and prints.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -15,107 +17,40 @@ from rich.markup import escape
 from rich.measure import Measurement
 from rich.table import Table
 
-from mla_eval.capacity import (
-    DEFAULT_GPU,
-    DEFAULT_PRESET,
-    DEFAULT_RESERVE_GIB,
-    GIB,
-    REFERENCE_FORMAT,
-    CapacityResult,
-    CapacitySettings,
-    evaluate_capacity,
-)
-from mla_eval.gpu_presets import GPU_PRESETS, gpu_names
-from mla_eval.model_presets import MODEL_PRESETS, WEIGHT_DTYPE_BYTES, preset_names
+from mla_eval.capacity import GIB, REFERENCE_FORMAT, CapacityResult, CapacitySettings
+from mla_eval.commands.evaluation import EvaluationCommand
+from mla_eval.gpu_presets import GPU_PRESETS
+from mla_eval.model_presets import MODEL_PRESETS
+from mla_eval.protocol import Evaluation, no_progress, option
 from mla_eval.report.plots import capacity_plot, plot_path
 
 
-def capacity(
-    preset: str = typer.Option(
-        None, "--preset", "-p",
-        help=f"Built-in model: {', '.join(preset_names())} (default {DEFAULT_PRESET}). See --list-presets for sources."
-    ),
-    config: Path = typer.Option(
-        None, "--config", "-c", help="A Hugging Face config.json, or a checkpoint directory holding one "
-        "(its model.safetensors.index.json then gives the weights size)."
-    ),
-    gpu: str = typer.Option(
-        None, "--gpu", "-g", help=f"GPU preset: {', '.join(gpu_names())} (default {DEFAULT_GPU}). "
-        "Uses the total memory CUDA reports, not the datasheet figure."
-    ),
-    gpu_mem_gib: float = typer.Option(None, "--gpu-mem-gib", help="Total memory per GPU in GiB (2^30 B); overrides --gpu."),
-    tp: int = typer.Option(8, "--tp", help="Tensor-parallel size. The MLA latent is replicated on every TP rank."),
-    gpus: int = typer.Option(
-        None, "--gpus", help="GPUs the weights are spread over (default: --tp). Extra GPUs beyond --tp are "
-        "data-parallel engines, each with its own pool (pipeline parallelism is not modelled)."
-    ),
-    dcp: int = typer.Option(1, "--dcp", help="Decode-context-parallel size (divides --tp): each rank stores 1/dcp of "
-                            "every sequence, so the pool holds dcp x more tokens."),
-    gpu_memory_utilization: float = typer.Option(
-        0.9, "--gpu-memory-utilization", help="Fraction of each GPU's memory vLLM may use (vLLM's --gpu-memory-utilization)."
-    ),
-    block_size: int = typer.Option(64, "--block-size", help="Tokens per KV block (vLLM block_size; FlashMLA uses 64)."),
-    weights_gib: float = typer.Option(
-        None, "--weights-gib", help="Total weights of the whole model in GiB, split evenly over --gpus. "
-        "Default: the checkpoint's safetensors index (with --config DIR) or parameters x dtype (presets)."
-    ),
-    weights_dtype: str = typer.Option(
-        None, "--weights-dtype", help=f"Weights dtype for a preset's parameter count: {', '.join(WEIGHT_DTYPE_BYTES)} "
-        "(nvfp4 = 4.5 bits incl. block scales). Default: the preset's checkpoint dtype."
-    ),
-    reserve_gib: float = typer.Option(
-        DEFAULT_RESERVE_GIB, "--reserve-gib", help="Per-GPU GiB kept for peak activations, non-torch memory and CUDA "
-        "graphs (a rough default; use the KV size vLLM logs via --kv-memory-gib for an exact match)."
-    ),
-    kv_memory_gib: float = typer.Option(
-        None, "--kv-memory-gib", help="KV-cache memory per GPU in GiB, given directly (skips GPU, weights, reserve)."
-    ),
-    kv_cache_memory_bytes: int = typer.Option(
-        None, "--kv-cache-memory-bytes", help="KV-cache memory per GPU in bytes, as vLLM's --kv-cache-memory-bytes."
-    ),
-    mtp: bool = typer.Option(
-        True, "--mtp/--no-mtp", help="Count MTP/next-n layers (num_nextn_predict_layers), which have caches when "
-        "MTP speculative decoding runs (default on)."
-    ),
-    max_model_len: int = typer.Option(
-        None, "--max-model-len", help="Tokens per request for the concurrency column (default: the model's "
-        "max_position_embeddings)."
-    ),
-    names: str = typer.Option(None, "--formats", "-f", help="Comma-separated cache formats (default: all registered)."),
-    as_json: bool = typer.Option(
-        False, "--json", help="Print one JSON document (inputs + a row per format) instead of the table."
-    ),
-    plot: Path = typer.Option(
-        None, "--plot",
-        help="Also write a PNG bar chart of pool tokens and concurrency: a .png file, or a folder (gets capacity.png).",
-    ),
-    list_presets: bool = typer.Option(
-        False, "--list-presets", help="List the model and GPU presets with their sources and exit."
-    ),
-) -> None:
-    """KV-cache capacity per cache format: bytes per token, blocks, pool tokens, max context, concurrency.
+@dataclasses.dataclass(frozen=True)
+class CapacityOptions:
+    """The options only the command has (the rest are CapacitySettings')."""
 
-    Follows vLLM's pool arithmetic per GPU: KV budget = ceil(total x utilization) - weights/GPU -
-    reserve (or --kv-memory-gib); num_blocks = budget // (block_size x bytes per token over all
-    cache layers, latent + DSA indexer keys); pool tokens = num_blocks x block_size x DCP. The pool
-    is that of one engine (TP group). Ratios compare pool tokens with fp8_ds_mla. Without --preset
-    or --config it shows the default preset.
-    """
-    if list_presets:
-        _print_presets(as_json)
-        return
-    settings = CapacitySettings(
-        preset=preset, config=config, gpu=gpu, gpu_mem_gib=gpu_mem_gib, tp=tp, gpus=gpus, dcp=dcp,
-        gpu_memory_utilization=gpu_memory_utilization, block_size=block_size, weights_gib=weights_gib,
-        weights_dtype=weights_dtype, reserve_gib=reserve_gib, kv_memory_gib=kv_memory_gib,
-        kv_cache_memory_bytes=kv_cache_memory_bytes, mtp=mtp, max_model_len=max_model_len, formats=names,
+    as_json: bool = option(
+        False, "--json", help="Print one JSON document (inputs + a row per format) instead of the table."
     )
-    plot = plot_path(plot, "capacity.png") if plot is not None else None  # a bad path fails before the work
-    result = evaluate_capacity(settings)
+    plot: Path | None = option(
+        None, "--plot", path="write",
+        help="Also write a PNG bar chart of pool tokens and concurrency: a .png file, or a folder (gets capacity.png).",
+    )
+    list_presets: bool = option(
+        False, "--list-presets", help="List the model and GPU presets with their sources and exit."
+    )
+
+
+def run_capacity(ev: Evaluation, settings: CapacitySettings, opts: CapacityOptions) -> None:
+    if opts.list_presets:
+        _print_presets(opts.as_json)
+        return
+    plot = plot_path(opts.plot, "capacity.png") if opts.plot is not None else None  # a bad path fails before the work
+    result = ev.run(settings, no_progress)
     doc = result.to_document()
     if plot is not None:
         capacity_plot(doc, plot)
-    if as_json:
+    if opts.as_json:
         typer.echo(json.dumps(doc, indent=2))
     else:
         _print_table(result, doc, plot)
@@ -251,5 +186,12 @@ def _print_presets(as_json: bool) -> None:
         console.print(f"    from: {escape(g['source'])}")
 
 
-def register(app: typer.Typer) -> None:
-    app.command("capacity")(capacity)
+COMMAND = EvaluationCommand(
+    options=CapacityOptions,
+    body=run_capacity,
+    details="Follows vLLM's pool arithmetic per GPU: KV budget = ceil(total x utilization) - weights/GPU -\n"
+    "reserve (or --kv-memory-gib); num_blocks = budget // (block_size x bytes per token over all\n"
+    "cache layers, latent + DSA indexer keys); pool tokens = num_blocks x block_size x DCP. The pool\n"
+    "is that of one engine (TP group). Ratios compare pool tokens with fp8_ds_mla. Without --preset\n"
+    "or --config it shows the default preset.",
+)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import typer
 
+from mla_eval.evaluation import gate_metrics
 from mla_eval.report import gate as g
 
 
@@ -21,12 +22,7 @@ def gate(
     junit: Path = typer.Option(None, "--junit", help="Also write JUnit XML here."),
     update: bool = typer.Option(False, "--update", help="Replace the baseline with these results (explicit refresh) and exit 0."),
 ) -> None:
-    """Compare results with a baseline metric by metric; exit 1 on any regression.
-
-    Directions: KLD may not rise, same-top-1 and retrieval may not fall, pool tokens and bytes
-    must match exactly. Defaults: kld_mean abs 1e-4 / rel 5 %, kld_p99 abs 1e-3 / rel 10 %,
-    same_top1_pct 0.5 points, retrieval and capacity exact.
-    """
+    """Compare results with a baseline metric by metric; exit 1 on any regression."""
     if update:
         g.update_baseline(results, baseline)
         typer.echo(f"baseline {baseline} updated from {results}")
@@ -41,5 +37,22 @@ def gate(
         raise typer.Exit(verdict.exit_code)
 
 
+def metrics_help() -> str:
+    """Each metric of the registered evaluations with its direction and default tolerance."""
+    parts = []
+    for m in gate_metrics().values():
+        if m.direction == "exact":
+            parts.append(f"{m.name} must match")
+            continue
+        worse = "rise" if m.direction == "lower" else "fall"
+        if m.abs_tol == m.rel_tol == 0:
+            parts.append(f"{m.name} may not {worse}")
+            continue
+        rel = f"{m.rel_tol:.0%} of the baseline"
+        allowed = f"{m.abs_tol:g}" if m.rel_tol == 0 else rel if m.abs_tol == 0 else f"max({m.abs_tol:g}, {rel})"
+        parts.append(f"{m.name} may not {worse} by more than {allowed}")
+    return "Defaults (a --tolerances file overrides them): " + "; ".join(parts) + "."
+
+
 def register(app: typer.Typer) -> None:
-    app.command("gate")(gate)
+    app.command("gate", help=f"{gate.__doc__}\n\n{metrics_help()}")(gate)

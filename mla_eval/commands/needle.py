@@ -1,118 +1,29 @@
-"""`mla-eval needle`: parse options, call the library, print the grids, write the document."""
+"""`mla-eval needle`: the options are NeedleSettings' (mla_eval.commands.evaluation builds them); the
+generic body runs it and writes the document; this module prints the grids and draws the heatmaps."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
-import typer
 from rich.console import Console
 from rich.table import Table
 
-from mla_eval.commands.kld import BACKEND_HELP
-from mla_eval.commands.progress import peak_memory_line, progress_bars
-from mla_eval.evals.needle_evaluation import DEFAULT_FORMATS, DEFAULT_LENGTHS, NeedleSettings, evaluate_needle
-from mla_eval.evals.needle_tasks import TASKS, VALUE_KINDS
-from mla_eval.evals.settings import DEVICES_HELP
-from mla_eval.model.loader import DEVICE_MAP_HELP, MAX_MEMORY_HELP, MODEL_HELP
-from mla_eval.model.rope_scaling import ROPE_SCALING_HELP
-from mla_eval.results import check_output_path, default_result_path, write_result
+from mla_eval.commands.evaluation import EvaluationCommand, force_option, out_option, write_document
+from mla_eval.protocol import option
 
 console = Console(stderr=True)
 
 
-def needle(
-    model: str = typer.Option(None, "--model", "-m", help=MODEL_HELP),
-    formats: str = typer.Option(
-        DEFAULT_FORMATS, "--formats", "-f",
-        help="Formats to compare with the bf16 baseline (always run first); +s_l uses outer scales.",
-    ),
-    lengths: str = typer.Option(DEFAULT_LENGTHS, "--lengths", help="Prompt lengths in tokens (4K = 4096)."),
-    depths: str = typer.Option(None, "--depths", help="Needle depths in percent (default: 0..100 in --depth-steps steps)."),
-    depth_steps: int = typer.Option(11, "--depth-steps", help="Number of evenly spaced depths when --depths is not given."),
-    trials: int = typer.Option(1, "--trials", help="Prompts per cell, each with a different needle and seed."),
-    task: str = typer.Option(
-        "passkey", "--task",
-        help=f"One task or a comma list, each NAME[:VALUES], NAME one of {', '.join(TASKS)} (e.g. "
-        "single:word,multikey:uuid,multivalue,vt): every task runs the whole length x depth x trials grid.",
-    ),
-    values: str = typer.Option(
-        "number", "--values",
-        help=f"Needle values of tasks without ':VALUES': {', '.join(VALUE_KINDS)} (passkey and vt always use numbers).",
-    ),
-    needles: int = typer.Option(
-        0, "--needles",
-        help="Needles of the multi-needle tasks: multikey keys (1 asked + distractors, default 4), multivalue values "
-        "(default 3), vt chain variables (default 5); 0: those defaults. Single-needle tasks ignore it.",
-    ),
-    haystack: Path = typer.Option(
-        None, "--haystack", help="Text file or folder of .txt files (default: noise of repeated filler sentences)."
-    ),
-    scales: str = typer.Option(
-        "auto", "--scales", help="Outer scales for +s_l: JSON file, 'auto' (calibrate on a separate prompt), or 'none'."
-    ),
-    batch: int = typer.Option(1, "--batch", help="Prompts of one length per forward."),
-    prefill: str = typer.Option(
-        "mha", "--prefill",
-        help="How the prompt's prefill reads the quantised cache: 'mha' decodes it, up-projects through kv_b_proj and runs "
-        "causal SDPA (how serving engines prefill MLA; fast), 'absorbed' runs every prompt token through the absorbed "
-        "MLA attention that decode uses (our kernel on CUDA; slow at 64K). Decode steps are always absorbed.",
-    ),
-    full_answers: bool = typer.Option(
-        False, "--full-answers",
-        help="Decode every answer to its full token budget. By default a prompt stops once its output holds every "
-        "expected string: the score cannot change by that (appending never removes a match); "
-        "only the recorded output is shorter.",
-    ),
-    cuda_graphs: bool = typer.Option(
-        True, "--cuda-graphs/--no-cuda-graphs",
-        help="On a GPU, capture the decode step once per prompt shape as a CUDA graph and replay it for every step of "
-        "every cell of that shape (a step is host-bound otherwise). The arithmetic is identical; --no-cuda-graphs runs "
-        "every step eagerly (for debugging).",
-    ),
-    threshold: float = typer.Option(
-        0.9, "--threshold", help="Accuracy that a length must keep to count toward the effective length."
-    ),
-    seed: int = typer.Option(0, "--seed", help="Seed of the needles and haystack offsets."),
-    out: Path = typer.Option(None, "--out", "-o", help="Result JSON (default results/needle-<model>-<time>.json)."),
-    force: bool = typer.Option(False, "--force", help="Replace an existing --out file."),
-    plot: Path = typer.Option(None, "--plot", help="Folder for heatmap PNGs (one per format + difference vs bf16)."),
-    device: str = typer.Option("auto", "--device", help=DEVICES_HELP + "."),
-    device_map: str = typer.Option("none", "--device-map", help=DEVICE_MAP_HELP),
-    max_memory: str = typer.Option(None, "--max-memory", help=MAX_MEMORY_HELP),
-    backend: str = typer.Option(None, "--backend", help=BACKEND_HELP),
-    semantics: str = typer.Option(
-        "cache", "--semantics",
-        help="How the prompt's prefill reads the cache: cache (default), engine:C (chunked prefill: earlier chunks "
-        "through the cache, the own chunk fresh) or a preset (vllm, vllm-offline, sglang). Decode steps read the cache.",
-    ),
-    math: str = typer.Option("bf16", "--math", help="Attention math of the absorbed reads (decode steps): bf16, fp8-q, fp8-qp."),
-    rope_scaling: str = typer.Option("none", "--rope-scaling", help=ROPE_SCALING_HELP),
-) -> None:
-    """Needle-in-a-haystack retrieval per cache format, on identical prompts of exact token length.
+@dataclasses.dataclass(frozen=True)
+class NeedleOptions:
+    """The options only the command has (the rest are NeedleSettings')."""
 
-    A cell of length L holds L tokens: the prompt and the decoded answer. Prefill and greedy
-    decoding both read the format's quantised cache (see --prefill). Reports a length x depth
-    accuracy table per format, a 95 % Wilson interval per (task, length) cell, format-induced
-    failures decided by an exact McNemar test against bf16 on the same prompts (Holm-corrected,
-    alpha 0.05), and an effective length per format. The default grid is a GPU job (hours on a CPU).
-    """
-    settings = NeedleSettings(
-        model=model, device=device, device_map=device_map, max_memory=max_memory, backend=backend, formats=formats,
-        lengths=lengths, depths=depths, depth_steps=depth_steps, trials=trials, task=task, values=values, needles=needles,
-        haystack=haystack,
-        scales=scales, batch=batch, prefill=prefill, full_answers=full_answers, cuda_graphs=cuda_graphs,
-        threshold=threshold, seed=seed, semantics=semantics, math=math, rope_scaling=rope_scaling,
+    out: Path | None = out_option("needle")
+    force: bool = force_option()
+    plot: Path | None = option(
+        None, "--plot", path="write", help="Folder for heatmap PNGs (one per format + difference vs bf16)."
     )
-    check_output_path(out if out is not None else default_result_path("needle", "model"), force)
-    with progress_bars(console) as progress:
-        result = evaluate_needle(settings, progress)
-    print_needle(result, Console())
-    if (line := peak_memory_line(result.environment)) is not None:
-        console.print(line)
-    path = write_result(out or default_result_path("needle", result.model["name"]), result.to_document(), force=force)
-    console.print(f"wrote {path}", soft_wrap=True)  # a path is never wrapped: users copy it
-    if plot:
-        write_needle_plots(result, plot)
 
 
 def write_needle_plots(result, folder: Path) -> list[Path]:
@@ -192,5 +103,23 @@ def _print(summary: dict, failures: list[dict], lens: list[int], deps: list[floa
         con.print(t)
 
 
-def register(app: typer.Typer) -> None:
-    app.command("needle")(needle)
+def show_needle(result) -> None:
+    print_needle(result, Console())
+
+
+COMMAND = EvaluationCommand(
+    options=NeedleOptions,
+    body=write_document,
+    details="A cell of length L holds L tokens: the prompt and the decoded answer. Prefill and greedy\n"
+    "decoding both read the format's quantised cache (see --prefill). Reports a length x depth\n"
+    "accuracy table per format, a 95 % Wilson interval per (task, length) cell, format-induced\n"
+    "failures decided by an exact McNemar test against bf16 on the same prompts (Holm-corrected,\n"
+    "alpha 0.05), and an effective length per format. The default grid is a GPU job (hours on a CPU).",
+    show=show_needle,
+    plots=write_needle_plots,
+    order=(
+        "model", "formats", "lengths", "depths", "depth_steps", "trials", "task", "values", "needles", "haystack", "scales",
+        "batch", "prefill", "full_answers", "cuda_graphs", "threshold", "seed", "out", "force", "plot", "device",
+        "device_map", "max_memory", "backend", "semantics", "math", "rope_scaling",
+    ),
+)

@@ -1,11 +1,13 @@
 """`mla-eval run RECIPE`: every evaluation a recipe names, into one results directory.
 
-A recipe (recipes/*.toml) has optional tables [kld], [needle], [capacity] whose keys are the
-long options of those commands (without the leading dashes, `_` or `-` alike), top-level
-`model` (path; omitted = the embedded model), `device` and `backend`, and a [gate] table of
-tolerances used by `mla-eval gate --tolerances RECIPE`. Several GPU setups are an array of tables
-([[capacity]], each optionally `name`d). The results directory gets kld.json, needle.json,
-capacity.json (or capacity-<name>.json per setup), plots/, the recipe and the environment.
+A recipe (recipes/*.toml) has one optional table per evaluation that writes a results-directory
+document (mla_eval.evaluation: kld, needle, capacity, ...), whose keys are that command's long
+options (without the leading dashes, `_` or `-` alike); top-level `model` (path; omitted = the
+embedded model), `device` and `backend`, for every evaluation that has such a setting; and a [gate]
+table of tolerances used by `mla-eval gate --tolerances RECIPE`. An evaluation with setups (capacity:
+several GPU setups) may be an array of tables ([[capacity]], each optionally `name`d). The results
+directory gets <name>.json per evaluation (capacity-<setup>.json per setup), plots/, the recipe and
+the environment.
 
 Every section is validated before any runs; the documents are written into a staging folder and
 moved into the results directory only when every section succeeded. Nothing the run did not
@@ -14,30 +16,34 @@ write is ever deleted: --force replaces only files an mla-eval run wrote there.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.console import Console
 
 from mla_eval.attention import dispatch
-from mla_eval.commands.kld import BACKEND_HELP, attention_title, print_estimate, print_table, write_kld_plots
-from mla_eval.commands.needle import print_needle, write_needle_plots
+from mla_eval.commands.evaluation import command_of
 from mla_eval.commands.progress import progress_bars
 from mla_eval.errors import UserError
-from mla_eval.evals.kld_evaluation import KldSettings, evaluate_kld
-from mla_eval.evals.needle_evaluation import NeedleSettings, evaluate_needle
-from mla_eval.evals.settings import settings_from_table
-from mla_eval.result_schemas import ENVIRONMENT_SCHEMA, SCHEMA_FILES, validate
-from mla_eval.results import environment, write_result
+from mla_eval.evals.settings import BACKEND_HELP
+from mla_eval.evaluation import evaluations
+from mla_eval.protocol import Evaluation
+from mla_eval.result_schemas import ENVIRONMENT_SCHEMA, schema_files, validate
+from mla_eval.results import DEFAULT_OUTPUT_DIR, environment, write_result
 
 console = Console(stderr=True)
 TOP_LEVEL_KEYS = ("model", "device", "backend")
 
-SECTIONS = ("kld", "needle", "capacity")
+
+def sections() -> list[Evaluation]:
+    """The evaluations a recipe may name: those with a results-directory document."""
+    return [ev for ev in evaluations() if ev.result_file is not None]
 
 
 def load_recipe(path: Path) -> dict:
@@ -51,24 +57,24 @@ def load_recipe(path: Path) -> dict:
         doc = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise UserError(f"recipe {path}: {exc}") from None
-    unknown = [k for k, v in doc.items() if _is_table(v) and k not in SECTIONS + ("gate",)]
+    names = [ev.name for ev in sections()]
+    unknown = [k for k, v in doc.items() if _is_table(v) and k not in [*names, "gate"]]
     if unknown:
-        raise UserError(f"recipe {path}: unknown table(s) {', '.join(unknown)}; known: {', '.join(SECTIONS)}, gate")
+        raise UserError(f"recipe {path}: unknown table(s) {', '.join(unknown)}; known: {', '.join(names)}, gate")
     keys = [k for k, v in doc.items() if not _is_table(v) and k not in TOP_LEVEL_KEYS]
     if keys:
         raise UserError(f"recipe {path}: unknown top-level key(s) {', '.join(keys)}; known: {', '.join(TOP_LEVEL_KEYS)}")
-    if not any(s in doc for s in SECTIONS):
-        raise UserError(f"recipe {path} has none of the tables {', '.join(SECTIONS)}")
-    for s in ("kld", "needle"):
-        if s in doc and not isinstance(doc[s], dict):
-            raise UserError(f"recipe {path}: [{s}] is one table (write [{s}], not [[{s}]])")
-    if "capacity" in doc:
-        names = [n.removeprefix("capacity-") for n, _ in capacity_setups(doc["capacity"], path)]
-        if len(set(names)) != len(names):
-            raise UserError(
-                f"recipe {path}: two [[capacity]] setups are both named {sorted(n for n in names if names.count(n) > 1)[0]!r}; "
-                "give each a distinct name"
-            )
+    if not any(s in doc for s in names):
+        raise UserError(f"recipe {path} has none of the tables {', '.join(names)}")
+    for ev in sections():
+        if ev.name not in doc:
+            continue
+        if not ev.setups and not isinstance(doc[ev.name], dict):
+            raise UserError(f"recipe {path}: [{ev.name}] is one table (write [{ev.name}], not [[{ev.name}]])")
+        stems = [stem for stem, _ in setups(ev, doc[ev.name], path)]
+        if len(set(stems)) != len(stems):
+            twice = sorted(n for n in stems if stems.count(n) > 1)[0].removeprefix(f"{ev.stem}-")
+            raise UserError(f"recipe {path}: two [[{ev.name}]] setups are both named {twice!r}; give each a distinct name")
     return doc
 
 
@@ -76,29 +82,41 @@ def _is_table(v) -> bool:
     return isinstance(v, dict) or (isinstance(v, list) and bool(v) and all(isinstance(x, dict) for x in v))
 
 
-def capacity_setups(section, path: Path) -> list[tuple[str, dict]]:
-    """(file stem, capacity options) per setup: one [capacity] table -> capacity.json; an array
-    [[capacity]] -> capacity-<name>.json each, the name from its `name` key or from its
-    gpu / gpus / tp / dcp (e.g. capacity-h200-x8-tp8)."""
+def setups(ev: Evaluation, section, path: Path) -> list[tuple[str, dict]]:
+    """(file stem, options) per document of one recipe table. An evaluation without setups: one table,
+    <stem>.json. With setups: one [name] table -> <stem>.json; an array [[name]] -> <stem>-<setup>.json
+    each, the setup named by its `name` key or by the evaluation (capacity: gpu / gpus / tp / dcp, e.g.
+    capacity-h200-x8-tp8)."""
     if isinstance(section, dict):
-        return [("capacity", section)]
+        return [(ev.stem, section)]
     if not _is_table(section):
-        raise UserError(f"recipe {path}: [capacity] must be a table or an array of tables ([[capacity]])")
+        raise UserError(f"recipe {path}: [{ev.name}] must be a table or an array of tables ([[{ev.name}]])")
     out = []
     for i, table in enumerate(section, 1):
         opts = {k: v for k, v in table.items() if k != "name"}
-        parts = [str(opts["gpu"])] if "gpu" in opts else []
-        parts += [f"{prefix}{opts[key]}" for key, prefix in (("gpus", "x"), ("tp", "tp"), ("dcp", "dcp")) if key in opts]
-        name = str(table.get("name") or "-".join(parts) or f"setup{i}")
-        out.append(("capacity-" + "".join(c if c.isalnum() or c in "-_." else "-" for c in name), opts))
+        name = str(table.get("name") or (ev.setup_name(opts) if ev.setup_name else "") or f"setup{i}")
+        out.append((f"{ev.stem}-" + "".join(c if c.isalnum() or c in "-_." else "-" for c in name), opts))
     return out
 
 
-def _capacity_document(opts: dict, where: str) -> dict:
-    """A capacity document from a recipe table through the capacity library (defaults as the command's)."""
-    from mla_eval.capacity import CapacitySettings, evaluate_capacity
+@dataclasses.dataclass(frozen=True)
+class Planned:
+    """One document a recipe asks for: its evaluation, file stem and validated settings."""
 
-    return evaluate_capacity(CapacitySettings.from_options(opts, where=where)).to_document()
+    ev: Evaluation
+    stem: str
+    settings: Any
+
+
+def plan(doc: dict, recipe: Path, fixed: dict) -> list[Planned]:
+    """Every document of the recipe with its settings, each validated (before any work); the instant
+    evaluations first, so a bad setup there costs no model run."""
+    planned = []
+    for ev in sections():
+        for stem, opts in setups(ev, doc[ev.name], recipe) if ev.name in doc else []:
+            where = f"recipe {recipe} [{ev.name}]" + (f" ({stem})" if ev.setups else "")
+            planned.append(Planned(ev, stem, ev.settings_from_table(opts, where, fixed)))
+    return sorted(planned, key=lambda p: not p.ev.instant)  # stable: registry order otherwise
 
 
 def _ours(path: Path, folder_is_ours: bool) -> bool:
@@ -117,7 +135,7 @@ def _ours(path: Path, folder_is_ours: bool) -> bool:
             except UserError:
                 return False
             return True
-        return doc.get("schema") in SCHEMA_FILES
+        return doc.get("schema") in schema_files()
     return folder_is_ours and path.is_file()
 
 
@@ -153,19 +171,19 @@ def _check_destination(out: Path, staged: list[Path], force: bool) -> None:
         )
 
 
-def _planned_files(doc: dict, recipe: Path) -> list[Path]:
-    files = [Path("recipe.toml"), Path("environment.json")]
-    files += [Path(f"{s}.json") for s in ("kld", "needle") if s in doc]
-    if "kld" in doc or "needle" in doc:
+def _planned_files(planned: list[Planned]) -> list[Path]:
+    files = [Path("recipe.toml"), Path("environment.json")] + [Path(f"{p.stem}.json") for p in planned]
+    if any(command_of(p.ev).plots is not None for p in planned):
         files.append(Path("plots"))
-    if "capacity" in doc:
-        files += [Path(f"{stem}.json") for stem, _ in capacity_setups(doc["capacity"], recipe)]
     return files
 
 
 def run(
     recipe: Path = typer.Argument(..., help="Recipe TOML (see recipes/)."),
-    out: Path = typer.Option(None, "--out", "-o", help="Results directory (default results/<recipe name>)."),
+    out: Path = typer.Option(
+        None, "--out", "-o",
+        help=f"Results directory (default ./{DEFAULT_OUTPUT_DIR}/<recipe name> in the current directory).",
+    ),
     force: bool = typer.Option(
         False, "--force", help="Replace the documents an earlier run wrote in the results directory (nothing else)."
     ),
@@ -173,7 +191,7 @@ def run(
 ) -> None:
     """Run every evaluation of a recipe and write one results directory."""
     doc = load_recipe(recipe)
-    out = out or Path("results") / recipe.stem
+    out = out or DEFAULT_OUTPUT_DIR / recipe.stem
     fixed = {
         "model": Path(doc["model"]) if doc.get("model") else None,
         "device": str(doc.get("device") or "auto"),
@@ -181,14 +199,8 @@ def run(
     }
     if fixed["backend"] is not None:
         dispatch.check_backend(fixed["backend"], source="--backend" if backend is not None else f"recipe {recipe}: backend")
-    # every section's settings are validated before the first one runs
-    kld_st = needle_st = None
-    if "kld" in doc:
-        kld_st = settings_from_table(KldSettings, doc["kld"], f"recipe {recipe} [kld]", **fixed)
-    if "needle" in doc:
-        needle_st = settings_from_table(NeedleSettings, doc["needle"], f"recipe {recipe} [needle]", **fixed)
-    setups = capacity_setups(doc["capacity"], recipe) if "capacity" in doc else []
-    _check_destination(out, _planned_files(doc, recipe), force)
+    planned = plan(doc, recipe, fixed)  # every section's settings are validated before the first one runs
+    _check_destination(out, _planned_files(planned), force)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     # beside a new results directory (renamed into place at the end), inside an existing one
@@ -196,27 +208,16 @@ def run(
     umask = os.umask(0)
     os.umask(umask)
     stage.chmod(0o777 & ~umask)  # mkdtemp makes it private; the results directory it becomes should not be
-    section = "capacity"
+    section = planned[0].ev.name
     try:
-        # capacity first: it is instant, and a bad setup should not cost the evaluations
-        for stem, opts in setups:
-            write_result(stage / f"{stem}.json", _capacity_document(opts, f"recipe {recipe} [capacity] ({stem})"))
-        if kld_st is not None:
-            section = "kld"
-            with progress_bars(console, on_first=print_estimate) as progress:
-                result = evaluate_kld(kld_st, progress)
-            print_table(result.formats, result.settings["ref"], result.text["label"], Console(), attention_title(result.settings))
-            for note in result.notes:
-                console.print(f"note: {note}")
-            write_result(stage / "kld.json", result.to_document())
-            write_kld_plots(result, stage / "plots")
-        if needle_st is not None:
-            section = "needle"
-            with progress_bars(console) as progress:
-                needle = evaluate_needle(needle_st, progress)
-            print_needle(needle, Console())
-            write_result(stage / "needle.json", needle.to_document())
-            write_needle_plots(needle, stage / "plots")
+        for p in planned:
+            section, cmd = p.ev.name, command_of(p.ev)
+            with progress_bars(console, on_first=cmd.on_first) as progress:
+                result = p.ev.run(p.settings, progress)
+            cmd.show(result)
+            write_result(stage / f"{p.stem}.json", result.to_document())
+            if cmd.plots is not None:
+                cmd.plots(result, stage / "plots")
         shutil.copyfile(recipe, stage / "recipe.toml")
         write_result(stage / "environment.json", environment(), schema=ENVIRONMENT_SCHEMA)
         _move_in(stage, out)

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -14,10 +15,11 @@ import torch
 from mla_eval.attention import dispatch
 from mla_eval.attention.semantics import BF16, CACHE, AttentionMath, Semantics, get_math, parse_semantics
 from mla_eval.evals import text_sources
-from mla_eval.evals.settings import DEFAULT_CTX, ModelSettings, ProgressCallback, check_ctx, check_math_backend, no_progress
+from mla_eval.evals.settings import DEFAULT_CTX, ModelSettings, check_ctx, check_math_backend
 from mla_eval.evals.text_sources import TokenSource
 from mla_eval.formats import OuterScales, get_format
 from mla_eval.model.session import CacheSession
+from mla_eval.protocol import ProgressCallback, library_only, no_progress, option
 from mla_eval.results import environment
 
 
@@ -65,15 +67,28 @@ def calibrate(
 
 @dataclasses.dataclass(frozen=True)
 class CalibrateSettings(ModelSettings, text_sources.TextSettings):
-    """Everything `mla-eval calibrate` takes. Its self-samples default to one 768-token sample of
-    seed 1000: not the text kld evaluates on (seed 0) by default."""
+    """Everything `mla-eval calibrate` takes (each field one of its options). Its self-samples default
+    to one 768-token sample of seed 1000: not the text kld evaluates on (seed 0) by default."""
 
-    samples: int = 1
-    sample_len: int = 768
-    seed: int = 1000
-    ctx: int = DEFAULT_CTX
-    semantics: str = "cache"  # mla_eval.attention.semantics (one value)
-    math: str = "bf16"
+    text: Path | None = option(
+        None, "--text", path="read", help="Calibration text file (use a different slice than you evaluate on)."
+    )
+    dataset: str | None = option(None, "--dataset", help="A `datasets` name to calibrate on.")
+    max_tokens: int | None = option(None, "--max-tokens", help="Use at most this many tokens (default: all).")
+    samples: int = option(1, "--samples", help="Self-samples (no --text/--dataset): number of sequences.")
+    sample_len: int = option(768, "--sample-len", help="Self-samples: tokens per sequence.")
+    seed: int = option(1000, "--seed", help="Self-samples seed (differs from kld's default 0 on purpose).")
+    ctx: int = option(DEFAULT_CTX, "--ctx", help="Forward window length in tokens.")
+    semantics: str = option(  # mla_eval.attention.semantics (one value)
+        "cache", "--semantics",
+        help="One attention semantics for the calibration forwards (see `mla-eval kld --help`); with the bf16 cache "
+        "calibration runs, only the schedule changes.",
+    )
+    math: str = option("bf16", "--math", help="One attention math (bf16, fp8-q, fp8-qp) for the calibration forwards.")
+    # inherited settings the library accepts and `mla-eval calibrate` does not offer (its document records no text note)
+    text_note: str | None = library_only(None)
+    rope_scaling: str = library_only("none")
+    max_memory: str | None = library_only(None)
 
     def __post_init__(self) -> None:
         ModelSettings.__post_init__(self)

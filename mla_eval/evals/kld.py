@@ -28,12 +28,13 @@ from mla_eval.errors import UserError
 from mla_eval.evals.kld_stats import TokenStats, token_metrics
 from mla_eval.evals.layer_stats import LayerStats
 from mla_eval.evals.ref_store import RefStore, metrics_from_store
-from mla_eval.evals.settings import ProgressCallback, check_ctx, no_progress
+from mla_eval.evals.settings import check_ctx
 from mla_eval.evals.text_sources import TokenSource
 from mla_eval.evals.variants import Variant, scales_for
 from mla_eval.formats import OuterScales, get_format
 from mla_eval.model.executor import LayerLoader, WindowForward
 from mla_eval.model.session import PREFILL_MODES, CacheSession
+from mla_eval.protocol import ProgressCallback, no_progress
 
 # How a window's forward reads the quantised cache (mla_eval.model.session.PREFILL_MODES), or
 # `auto`: the mha form wherever it computes the same semantics as the absorbed one (see

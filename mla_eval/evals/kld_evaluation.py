@@ -12,6 +12,8 @@ from typing import Any
 
 from mla_eval.attention import dispatch
 from mla_eval.attention.semantics import (
+    MATH_HELP,
+    SEMANTICS_HELP,
     AttentionMath,
     Semantics,
     parse_math_list,
@@ -35,16 +37,16 @@ from mla_eval.evals.kld import (
 from mla_eval.evals.ref_store import REF_STORE_MODES, RefStore
 from mla_eval.evals.settings import (
     DEFAULT_CTX,
+    DEFAULT_STRIDE,
     ModelSettings,
-    ProgressCallback,
     check_ctx,
     check_math_backend,
     default_min_context,
     default_stride,
-    no_progress,
 )
 from mla_eval.evals.variants import Variant, parse_variants
 from mla_eval.formats import OuterScales
+from mla_eval.protocol import ProgressCallback, no_progress, option
 from mla_eval.result_schemas import KLD_SCHEMA
 from mla_eval.results import environment
 
@@ -56,27 +58,69 @@ SCALES_MODES = ("auto", "none")  # or a path to an outer-scale JSON
 
 @dataclasses.dataclass(frozen=True)
 class KldSettings(ModelSettings, text_sources.TextSettings):
-    """Everything `mla-eval kld` takes (the same names as its long options)."""
+    """Everything `mla-eval kld` takes: each field is one of its options (and a recipe's [kld] key)."""
 
-    formats: str | list[str] = DEFAULT_FORMATS
-    ref: str = "bf16"
-    ctx: int | None = None  # None: DEFAULT_CTX, or --sample-len for self-samples
-    stride: int | None = None  # None: default_stride(ctx, min_context)
-    min_context: int | None = None  # None: default_min_context(ctx)
-    batch: int | None = None  # None: 1 window, or every self-sample at once
-    scales: str = "auto"  # "auto", "none" or a scales JSON path
-    calib_tokens: int = 2048
-    layer_stats: bool = True
-    save_ref: Path | None = None
-    ref_file: Path | None = None
-    ref_store: str = "topk"
-    semantics: str | list[str] = "cache"  # mla_eval.attention.semantics: cache, engine:C or a preset; a list
-    math: str | list[str] = "bf16"  # attention math(s): bf16, fp8-q, fp8-qp
-    explain: str | None = None  # a format: add its storage-only / compute-only / both rows and breakdown
+    formats: str | list[str] = option(
+        DEFAULT_FORMATS, "--formats", "-f", help="Comma-separated formats; append +s_l to use the per-layer outer scales."
+    )
+    ref: str = option(
+        "bf16", "--ref", help="Reference cache format (bf16, or e.g. fp8_ds_mla to compare against production fp8)."
+    )
+    # None: DEFAULT_CTX, or --sample-len for self-samples
+    ctx: int | None = option(None, "--ctx", help=f"Window length in tokens (default {DEFAULT_CTX}; self-samples: --sample-len).")
+    # None: default_stride(ctx, min_context)
+    stride: int | None = option(
+        None, "--stride", help=f"Window stride in tokens (default {DEFAULT_STRIDE}, or ctx - min-context if smaller)."
+    )
+    min_context: int | None = option(  # None: default_min_context(ctx)
+        None, "--min-context", help="Score only tokens with at least this much context (default ctx/2)."
+    )
+    batch: int | None = option(  # None: 1 window, or every self-sample at once
+        None, "--batch", help="Windows per forward (default: 1; self-samples: all samples at once)."
+    )
+    scales: str = option(  # SCALES_MODES or a scales JSON path
+        "auto", "--scales",
+        help="Outer scales for +s_l: a JSON file (nvfp4_ds_mla_outer_scale_v1), 'auto' (calibrate on a held-out slice), "
+        "or 'none'.",
+    )
+    calib_tokens: int = option(2048, "--calib-tokens", help="--scales auto: tokens held out for calibration.")
+    layer_stats: bool = option(
+        True, "--layer-stats/--no-layer-stats", help="Per-layer attention-output error and latent SNR."
+    )
+    save_ref: Path | None = option(
+        None, "--save-ref", path="write",
+        help="Store the reference log-probs here, to score more formats later with --ref-file.",
+    )
+    ref_file: Path | None = option(
+        None, "--ref-file", path="read",
+        help="Reuse stored reference log-probs (same model, text and window settings) instead of the reference forward.",
+    )
+    ref_store: str = option(
+        "topk", "--ref-store",
+        help="--save-ref encoding: topk (64 largest + tail mass; KL is a lower bound) or fp16 (full rows).",
+    )
+    # mla_eval.attention.semantics: cache, engine:C or a preset; a list
+    semantics: str | list[str] = option("cache", "--semantics", help=SEMANTICS_HELP)
+    math: str | list[str] = option("bf16", "--math", help=MATH_HELP)  # attention math(s): bf16, fp8-q, fp8-qp
+    # a format: add its storage-only / compute-only / both rows and breakdown
+    explain: str | None = option(
+        None, "--explain",
+        help="A format (e.g. nvfp4): add its storage-only (format cache, bf16 math), compute-only (bf16 cache, fp8 "
+        "math) and both rows under every --semantics, and the breakdown in the JSON.",
+    )
     # KLD_PREFILL_MODES: how a window's forward reads the cache. None (not asked): DEFAULT_KLD_PREFILL (auto), quietly:
     # where auto falls back to absorbed (the default layer stats, fp8 math, a DSA model) the reason goes into
     # settings.prefill_reason only; asked for by name, auto's fallback is also a note (printed by the command)
-    prefill: str | None = None
+    prefill: str | None = option(
+        None, "--prefill", show_default=False,
+        help="How each window's forward reads the quantised cache: 'absorbed' runs every position through the absorbed "
+        "MQA attention (decode's arithmetic), 'mha' decodes the cache once, up-projects it through kv_b_proj and runs "
+        "causal SDPA (flash on CUDA; the same mathematics with bf16 math, up to bf16 rounding of K/V; 2.5-3.2x faster "
+        "on an H200). 'auto': mha wherever it computes the same semantics (bf16 math, no --explain fp8 rows, "
+        "--no-layer-stats, not a DSA model), else absorbed; the reason is recorded (settings.prefill_reason) and, when "
+        f"--prefill auto is given, printed as a note. Default {DEFAULT_KLD_PREFILL}. The JSON records the path "
+        "(settings.prefill); give 'absorbed' to compare with figures computed that way.",
+    )
 
     def __post_init__(self) -> None:
         ModelSettings.__post_init__(self)

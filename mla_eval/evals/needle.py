@@ -15,11 +15,11 @@ import torch
 
 from mla_eval.attention.semantics import BF16, CACHE, AttentionMath, Semantics
 from mla_eval.evals.needle_tasks import DEFAULT_NEEDLES, Prompt, PromptBuilder, TaskSpec
-from mla_eval.evals.settings import ProgressCallback, no_progress
 from mla_eval.evals.variants import Variant, scales_for
 from mla_eval.formats import OuterScales
 from mla_eval.model.decode_steps import DecodeSteps, steps_label
 from mla_eval.model.session import CacheSession
+from mla_eval.protocol import ProgressCallback, no_progress
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,12 +17,13 @@ from mla_eval.errors import UserError
 from mla_eval.evals import needle as nd
 from mla_eval.evals import needle_stats
 from mla_eval.evals.calibrate import calibrate
-from mla_eval.evals.needle_tasks import VALUE_KINDS, PromptBuilder, TaskSpec, load_haystack, parse_tasks
-from mla_eval.evals.settings import ModelSettings, ProgressCallback, check_math_backend, no_progress
+from mla_eval.evals.needle_tasks import TASKS, VALUE_KINDS, PromptBuilder, TaskSpec, load_haystack, parse_tasks
+from mla_eval.evals.settings import ModelSettings, check_math_backend
 from mla_eval.evals.text_sources import TokenSource
 from mla_eval.evals.variants import Variant, parse_variants
 from mla_eval.formats import OuterScales
 from mla_eval.model.session import PREFILL_MODES
+from mla_eval.protocol import ProgressCallback, no_progress, option
 from mla_eval.result_schemas import NEEDLE_SCHEMA
 from mla_eval.results import environment
 
@@ -64,26 +65,69 @@ def parse_depths(text: str | list | None, steps: int) -> list[float]:
 
 @dataclasses.dataclass(frozen=True)
 class NeedleSettings(ModelSettings):
-    """Everything `mla-eval needle` takes (the same names as its long options)."""
+    """Everything `mla-eval needle` takes: each field is one of its options (and a recipe's [needle] key)."""
 
-    formats: str | list[str] = DEFAULT_FORMATS
-    lengths: str | list[int] = DEFAULT_LENGTHS
-    depths: str | list[float] | None = None
-    depth_steps: int = 11
-    trials: int = 1
-    task: str | list[str] = "passkey"  # one task or a comma list, each `name[:values]` (needle_tasks.parse_tasks)
-    values: str = "number"
-    needles: int = 0  # multikey / multivalue / vt needle count; 0: each task's default
-    haystack: Path | None = None
-    scales: str = "auto"
-    batch: int = 1
-    prefill: str = "mha"
-    full_answers: bool = False
-    cuda_graphs: bool = True
-    threshold: float = 0.9
-    seed: int = 0
-    semantics: str = "cache"  # mla_eval.attention.semantics (one value): how the prompt's prefill reads the cache
-    math: str = "bf16"  # attention math of every absorbed read (decode steps included)
+    formats: str | list[str] = option(
+        DEFAULT_FORMATS, "--formats", "-f",
+        help="Formats to compare with the bf16 baseline (always run first); +s_l uses outer scales.",
+    )
+    lengths: str | list[int] = option(DEFAULT_LENGTHS, "--lengths", help="Prompt lengths in tokens (4K = 4096).")
+    depths: str | list[float] | None = option(
+        None, "--depths", help="Needle depths in percent (default: 0..100 in --depth-steps steps)."
+    )
+    depth_steps: int = option(11, "--depth-steps", help="Number of evenly spaced depths when --depths is not given.")
+    trials: int = option(1, "--trials", help="Prompts per cell, each with a different needle and seed.")
+    task: str | list[str] = option(  # one task or a comma list, each `name[:values]` (needle_tasks.parse_tasks)
+        "passkey", "--task",
+        help=f"One task or a comma list, each NAME[:VALUES], NAME one of {', '.join(TASKS)} (e.g. "
+        "single:word,multikey:uuid,multivalue,vt): every task runs the whole length x depth x trials grid.",
+    )
+    values: str = option(
+        "number", "--values",
+        help=f"Needle values of tasks without ':VALUES': {', '.join(VALUE_KINDS)} (passkey and vt always use numbers).",
+    )
+    needles: int = option(  # multikey / multivalue / vt needle count; 0: each task's default
+        0, "--needles",
+        help="Needles of the multi-needle tasks: multikey keys (1 asked + distractors, default 4), multivalue values "
+        "(default 3), vt chain variables (default 5); 0: those defaults. Single-needle tasks ignore it.",
+    )
+    haystack: Path | None = option(
+        None, "--haystack", path="read", help="Text file or folder of .txt files (default: noise of repeated filler sentences)."
+    )
+    scales: str = option(
+        "auto", "--scales", help="Outer scales for +s_l: JSON file, 'auto' (calibrate on a separate prompt), or 'none'."
+    )
+    batch: int = option(1, "--batch", help="Prompts of one length per forward.")
+    prefill: str = option(
+        "mha", "--prefill",
+        help="How the prompt's prefill reads the quantised cache: 'mha' decodes it, up-projects through kv_b_proj and runs "
+        "causal SDPA (how serving engines prefill MLA; fast), 'absorbed' runs every prompt token through the absorbed "
+        "MLA attention that decode uses (our kernel on CUDA; slow at 64K). Decode steps are always absorbed.",
+    )
+    full_answers: bool = option(
+        False, "--full-answers",
+        help="Decode every answer to its full token budget. By default a prompt stops once its output holds every "
+        "expected string: the score cannot change by that (appending never removes a match); "
+        "only the recorded output is shorter.",
+    )
+    cuda_graphs: bool = option(
+        True, "--cuda-graphs/--no-cuda-graphs",
+        help="On a GPU, capture the decode step once per prompt shape as a CUDA graph and replay it for every step of "
+        "every cell of that shape (a step is host-bound otherwise). The arithmetic is identical; --no-cuda-graphs runs "
+        "every step eagerly (for debugging).",
+    )
+    threshold: float = option(
+        0.9, "--threshold", help="Accuracy that a length must keep to count toward the effective length."
+    )
+    seed: int = option(0, "--seed", help="Seed of the needles and haystack offsets.")
+    semantics: str = option(  # mla_eval.attention.semantics (one value): how the prompt's prefill reads the cache
+        "cache", "--semantics",
+        help="How the prompt's prefill reads the cache: cache (default), engine:C (chunked prefill: earlier chunks "
+        "through the cache, the own chunk fresh) or a preset (vllm, vllm-offline, sglang). Decode steps read the cache.",
+    )
+    math: str = option(  # attention math of every absorbed read (decode steps included)
+        "bf16", "--math", help="Attention math of the absorbed reads (decode steps): bf16, fp8-q, fp8-qp."
+    )
 
     def __post_init__(self) -> None:
         ModelSettings.__post_init__(self)

@@ -1,20 +1,23 @@
 """What every evaluation shares: the model to load and where, the attention backend, the
-protocol defaults (one definition each), progress reporting, and settings from a recipe table.
+protocol defaults (one definition each), and settings from a recipe table.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import types
-import typing
 from pathlib import Path
-from typing import Callable
 
 from mla_eval.attention import dispatch
 from mla_eval.errors import UserError
+from mla_eval.model.loader import DEVICE_MAP_HELP, MAX_MEMORY_HELP, MODEL_HELP
+from mla_eval.model.rope_scaling import ROPE_SCALING_HELP
+from mla_eval.protocol import option
 
 DEFAULT_CTX = 2048  # window length of text / dataset evaluations (self-samples: their --sample-len)
 DEVICES_HELP = "cpu, cuda, cuda:N or auto"
+BACKEND_HELP = (
+    "Attention path: auto (kernel for CUDA tensors where it can run), kernel, or reference (default: MLA_EVAL_BACKEND or auto)."
+)
 
 
 def default_min_context(ctx: int) -> int:
@@ -45,25 +48,19 @@ def check_math_backend(maths, backend: str | None) -> None:
             raise UserError(f"--math {m.name} with {where}: {m.kernel_blocker}; use --backend reference or auto")
 
 
-# progress(stage, done, total): `stage` names the work ("sample", "calibrate", "score", "prompts"), `done` of
-# `total` units. The library reports; commands draw the bar (the library never prints).
-ProgressCallback = Callable[[str, int, int], None]
-
-
-def no_progress(stage: str, done: int, total: int) -> None:
-    return None
-
-
 @dataclasses.dataclass(frozen=True)
 class ModelSettings:
     """Which checkpoint (None: the embedded default model), on which device, through which attention path."""
 
-    model: Path | str | None = None  # a folder, or a `random:<preset>` spec (see loader.MODEL_HELP)
-    device: str = "auto"
-    device_map: str = "none"
-    backend: str | None = None  # None: MLA_EVAL_BACKEND or auto (dispatch.default_backend)
-    rope_scaling: str = "none"  # 'yarn:FACTOR' extends the context (mla_eval.model.rope_scaling)
-    max_memory: str | None = None  # --device-map auto: accelerate's cap per GPU, e.g. "40GiB"
+    model: Path | str | None = option(None, "--model", "-m", help=MODEL_HELP)  # a folder, or a `random:<preset>` spec
+    device: str = option("auto", "--device", help=DEVICES_HELP + ".")
+    device_map: str = option("none", "--device-map", help=DEVICE_MAP_HELP)
+    # None: MLA_EVAL_BACKEND or auto (dispatch.default_backend)
+    backend: str | None = option(None, "--backend", help=BACKEND_HELP)
+    # 'yarn:FACTOR' extends the context (mla_eval.model.rope_scaling)
+    rope_scaling: str = option("none", "--rope-scaling", help=ROPE_SCALING_HELP)
+    # --device-map auto: accelerate's cap per GPU, e.g. "40GiB"
+    max_memory: str | None = option(None, "--max-memory", help=MAX_MEMORY_HELP)
 
     def __post_init__(self) -> None:
         from mla_eval.model.rope_scaling import parse_rope_scaling  # no torch: validated before any load
@@ -94,46 +91,3 @@ class ModelSettings:
         if self.device_map == "auto":
             out["layer_devices"] = [str(dev) for dev in lm.layer_devices]
         return out
-
-
-def _accepts(annotation, value) -> bool:
-    """Whether a recipe value fits a settings field's annotation (int, float, str, bool, Path, X | None, lists)."""
-    origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType):
-        return any(_accepts(a, value) for a in typing.get_args(annotation))
-    if annotation is type(None):
-        return value is None
-    if origin in (list, tuple):
-        return isinstance(value, (list, tuple))
-    if annotation is bool:
-        return isinstance(value, bool)
-    if annotation is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if annotation is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if annotation is Path:
-        return isinstance(value, (str, Path))
-    return isinstance(value, annotation)
-
-
-def settings_from_table(cls: type, table: dict, where: str, **fixed):
-    """Settings `cls` from a recipe table whose keys are the command's long options (`-` or `_`).
-
-    Unknown keys and values of the wrong type are one-line errors naming the key; `fixed` are set
-    by the caller (model, device, backend) and may not appear in the table.
-    """
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    hints = typing.get_type_hints(cls)
-    kwargs = {}
-    for key, value in table.items():
-        name = key.replace("-", "_")
-        if name not in fields or name in fixed:
-            known = ", ".join(sorted(n for n in fields if n not in fixed))
-            raise UserError(f"{where}: unknown key {key!r}; known keys: {known}")
-        if not _accepts(hints[name], value):
-            raise UserError(f"{where}: {key} = {value!r} has the wrong type (expected {hints[name]})")
-        if hints[name] in (Path, Path | None) and isinstance(value, str):
-            value = Path(value)
-        kwargs[name] = value
-    return cls(**kwargs, **fixed)
-

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from mla_eval.errors import UserError
+from mla_eval.protocol import option
 
 DATASET_ALIASES = {
     "wikitext-2": ("wikitext", "wikitext-2-raw-v1", "test"),
@@ -132,13 +133,17 @@ def self_samples_subset(source: TokenSource, n: int) -> TokenSource:
 class TextSettings:
     """Where the tokens come from: a text file, a `datasets` name, or (neither) seeded self-samples."""
 
-    text: Path | None = None
-    dataset: str | None = None
-    max_tokens: int | None = None  # None: all of the text
-    samples: int = 4
-    sample_len: int = 256
-    seed: int = 0
-    text_note: str | None = None  # how the text was built, recorded in the result's text.note
+    text: Path | None = option(None, "--text", help="Plain-text (UTF-8) file to evaluate on.", path="read")
+    dataset: str | None = option(
+        None, "--dataset", help="A `datasets` name (wikitext-2 = wikitext-2-raw-v1 test); needs the data extra."
+    )
+    max_tokens: int | None = option(None, "--max-tokens", help="Use at most this many tokens of the text (default: all).")
+    samples: int = option(4, "--samples", help="Self-samples (no --text/--dataset): number of sequences.")
+    sample_len: int = option(256, "--sample-len", help="Self-samples: tokens per sequence.")
+    seed: int = option(0, "--seed", help="Seed of the self-samples.")
+    text_note: str | None = option(  # recorded in the result's text.note
+        None, "--text-note", help="How the --text file was built (recorded in the result's text.note), e.g. which articles."
+    )
 
     def __post_init__(self) -> None:
         if self.text is not None and self.dataset is not None:

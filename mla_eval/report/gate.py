@@ -1,10 +1,11 @@
 """Regression gate: compare result documents metric by metric against a baseline.
 
-Every metric has a direction (KLD may not rise, retrieval may not fall, pool tokens must match)
-and a tolerance: a change against the good direction is a regression only when it exceeds
-max(abs, rel * |baseline|). A metric present in the baseline and missing from the results is a
-regression too (a format silently dropped must not pass). A row's identity includes the attention
-semantics and math it ran under (`identity`): a figure is only ever compared with one of the same.
+The metrics are those the registered evaluations declare (mla_eval.evaluation.Metric). Every metric
+has a direction (KLD may not rise, retrieval may not fall, pool tokens must match) and a tolerance:
+a change against the good direction is a regression only when it exceeds max(abs, rel * |baseline|).
+A metric present in the baseline and missing from the results is a regression too (a format silently
+dropped must not pass). A row's identity includes the attention semantics and math it ran under
+(`identity`): a figure is only ever compared with one of the same.
 """
 
 from __future__ import annotations
@@ -15,24 +16,13 @@ from pathlib import Path
 from xml.sax.saxutils import escape
 
 from mla_eval.atomic_io import write_text_atomic
-from mla_eval.attention.semantics import row_label
 from mla_eval.errors import UserError
+from mla_eval.evaluation import evaluation_for_schema, evaluations, gate_metrics
+from mla_eval.protocol import Evaluation
 from mla_eval.result_schemas import validate
 from mla_eval.results import check_writable_folder, fulfil_output, is_our_document, load_json, promise_output, read_result
 
 JUNIT_SUITE = "mla-eval gate"  # the testsuite name of our JUnit files: how --junit recognises one it may replace
-
-# metric -> (direction, default abs tolerance, default rel tolerance); direction "lower" means
-# lower is better, "higher" higher is better, "exact" any change fails.
-METRICS = {
-    "kld_mean": ("lower", 1e-4, 0.05),
-    "kld_p99": ("lower", 1e-3, 0.10),
-    "same_top1_pct": ("higher", 0.5, 0.0),
-    "mean_accuracy": ("higher", 0.0, 0.0),
-    "effective_length": ("higher", 0.0, 0.0),
-    "pool_tokens": ("exact", 0.0, 0.0),
-    "bytes_per_token": ("exact", 0.0, 0.0),
-}
 
 
 @dataclasses.dataclass
@@ -46,36 +36,25 @@ class Check:
     why: str
 
 
-def identity(row_key: str, row: dict, doc: dict) -> str:
-    """A result row's identity: its format with the attention semantics and math it ran under
-    (mla_eval.attention.semantics.row_label), so that figures of different semantics or math are
-    never compared with each other. A kld row names them itself; a needle document (and any
-    document written before they existed: cache, bf16) in its settings."""
-    sem, math = row.get("semantics"), row.get("math")
-    if sem is None or math is None:
-        settings = doc.get("settings", {})
-        given = settings.get("semantics")
-        sem = given.get("semantics", "cache") if isinstance(given, dict) else "cache"
-        math = settings.get("math") if isinstance(settings.get("math"), str) else "bf16"
-    return row_label(row.get("format", row_key), sem, math)
+def _gated() -> list[Evaluation]:
+    return [ev for ev in evaluations() if ev.metrics]
+
+
+def _either(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
 def _metrics(doc: dict) -> dict[str, tuple[str, float | None]]:
-    """'<row identity>.<metric>' -> (metric, value) for a kld, needle or capacity document."""
-    schema = str(doc.get("schema", ""))
+    """'<row identity>.<metric>' -> (metric, value) for a document of a gated evaluation."""
+    schema = doc.get("schema", "")
+    ev = evaluation_for_schema(schema)
+    if ev is None or not ev.metrics:
+        raise UserError(f"unknown result schema {str(schema)!r}; gate reads {_either([e.name for e in _gated()])} results")
     out: dict[str, tuple[str, float | None]] = {}
-    if schema.startswith("mla-eval/kld/") or schema.startswith("mla-eval/needle/"):
-        for fmt, s in doc.get("formats", {}).items():
-            name = identity(fmt, s, doc)
-            for m in ("kld_mean", "kld_p99", "same_top1_pct", "mean_accuracy", "effective_length"):
-                if m in s:
-                    out[f"{name}.{m}"] = (m, s[m])
-    elif schema.startswith("mla-eval.capacity/"):
-        for row in doc.get("formats", []):
-            for m in ("pool_tokens", "bytes_per_token"):
-                out[f"{row['name']}.{m}"] = (m, row[m])
-    else:
-        raise UserError(f"unknown result schema {schema!r}; gate reads kld, needle and capacity results")
+    for key, row in ev.rows(doc):
+        for m in ev.metrics:
+            if m.name in row:
+                out[f"{key}.{m.name}"] = (m.name, row[m.name])
     return out
 
 
@@ -98,14 +77,6 @@ def load_docs(path: Path) -> dict[str, dict]:
     return docs
 
 
-def window_path(doc: dict) -> str | None:
-    """How a kld document's windows read the cache (`settings.prefill`: absorbed or mha); a kld document
-    written before the key existed ran absorbed. None for other documents."""
-    if not str(doc.get("schema", "")).startswith("mla-eval/kld/"):
-        return None
-    return doc.get("settings", {}).get("prefill") or "absorbed"
-
-
 def compare(results: dict[str, dict], baseline: dict[str, dict], tolerances: dict | None = None) -> list[Check]:
     tolerances = tolerances or {}
     checks: list[Check] = []
@@ -118,18 +89,15 @@ def compare(results: dict[str, dict], baseline: dict[str, dict], tolerances: dic
             continue
         if rdoc.get("schema") != bdoc.get("schema"):
             raise UserError(f"{name}: schema {rdoc.get('schema')!r} vs baseline {bdoc.get('schema')!r}")
-        # the two window paths agree only to within path rounding (about 2 % of a mean KLD on the H200), so a gate
-        # across them would pass or fail on the path, not the format (kld's default became auto)
-        if window_path(rdoc) != window_path(bdoc):
-            raise UserError(
-                f"{name}: the results' kld windows ran --prefill {window_path(rdoc)}, the baseline's {window_path(bdoc)}; "
-                f"rerun with --prefill {window_path(bdoc)} (or refresh the baseline with --update)"
-            )
+        ev = evaluation_for_schema(bdoc.get("schema"))
+        if ev is not None and ev.comparable is not None:  # e.g. kld: both ran the same window path
+            ev.comparable(rdoc, bdoc, name)
         rm = _metrics(rdoc)
+        known = gate_metrics()
         for key, (metric, base) in _metrics(bdoc).items():
-            direction, abs_tol, rel_tol = METRICS[metric]
+            direction = known[metric].direction
             tol = tolerances.get(metric, {})
-            abs_tol, rel_tol = float(tol.get("abs", abs_tol)), float(tol.get("rel", rel_tol))
+            abs_tol, rel_tol = float(tol.get("abs", known[metric].abs_tol)), float(tol.get("rel", known[metric].rel_tol))
             value = rm.get(key, (metric, None))[1]
             if value is None or base is None:
                 ok = value == base
@@ -192,9 +160,10 @@ def load_tolerances(path: Path | None) -> dict:
     tol = doc.get("gate", doc)
     if not isinstance(tol, dict):
         raise UserError(f"--tolerances {path}: [gate] must be a table of metrics")
-    unknown = [k for k in tol if k not in METRICS]
+    known = gate_metrics()
+    unknown = [k for k in tol if k not in known]
     if unknown:
-        raise UserError(f"--tolerances {path}: unknown metric(s) {', '.join(unknown)}; known: {', '.join(METRICS)}")
+        raise UserError(f"--tolerances {path}: unknown metric(s) {', '.join(unknown)}; known: {', '.join(known)}")
     for metric, limits in tol.items():
         if not isinstance(limits, dict) or any(k not in ("abs", "rel") for k in limits):
             raise UserError(f"--tolerances {path}: {metric} must be a table with abs and/or rel, e.g. {metric} = {{abs = 1e-4}}")
@@ -207,7 +176,7 @@ def load_tolerances(path: Path | None) -> dict:
 @dataclasses.dataclass(frozen=True)
 class GateSettings:
     """Compare `results` (a result JSON or a results directory) with `baseline`; `tolerances` is
-    a TOML file (see load_tolerances) or None for the defaults in METRICS."""
+    a TOML file (see load_tolerances) or None for each metric's default tolerances."""
 
     results: Path
     baseline: Path

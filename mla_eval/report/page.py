@@ -1,4 +1,8 @@
-"""One self-contained page (HTML with embedded PNGs, and markdown) for a results directory."""
+"""One self-contained page (HTML with embedded PNGs, and markdown) for a results directory.
+
+Each registered evaluation (mla_eval.evaluation) contributes the tables of its documents: its own
+`report` tables (kld_tables, needle_tables, capacity_tables below) or, without them, its gate metrics.
+"""
 
 from __future__ import annotations
 
@@ -9,111 +13,50 @@ from pathlib import Path
 
 from mla_eval.atomic_io import write_text_atomic
 from mla_eval.errors import UserError
+from mla_eval.evals.report_tables import fmt
+from mla_eval.evaluation import evaluations
+from mla_eval.protocol import Evaluation, Table
 
 GENERATOR = "mla-eval report"  # in every page we write: how --out recognises a page it may replace
-
-KLD_COLUMNS = (
-    ("KLD mean", "kld_mean", "{:.5f}"),
-    ("± se", "kld_se", "{:.1e}"),  # a standard error is read for its magnitude: 2e-05, not 0.00000
-    ("median", "kld_median", "{:.5f}"),
-    ("p99", "kld_p99", "{:.4f}"),
-    ("max", "kld_max", "{:.3f}"),
-    ("same top-1 %", "same_top1_pct", "{:.2f}"),
-    ("RMS Δp %", "delta_p_rms_pct", "{:.3f}"),
-    ("PPL ratio", "ppl_ratio", "{:.4f}"),
-)
-
-
-def _fmt(v, spec: str) -> str:
-    return "–" if v is None else spec.format(v)
-
-
-def _attention(settings: dict) -> str:
-    """' — semantics cache, engine:512; math bf16' for documents that name them, else ''."""
-    sems = settings.get("semantics")
-    if isinstance(sems, dict):  # needle: one semantics
-        sems = [sems]
-    if not sems:
-        return ""
-    maths = settings.get("math", "bf16")
-    maths = [maths] if isinstance(maths, str) else maths
-    return f" — semantics {', '.join(x['semantics'] for x in sems)}; math {', '.join(maths)}"
-
-
-def _explain_section(ex: dict) -> tuple[str, list[str], list[list[str]]]:
-    """Storage-only / compute-only / both rows of the --explain format, per semantics and fp8 math."""
-    rows = [
-        [sem, m, f"{r['storage_only']:.5f}", f"{r['compute_only'][m]:.5f}", f"{both:.5f}", f"{r['interaction'][m]:+.5f}"]
-        for sem, r in ex["semantics"].items()
-        for m, both in r["both"].items()
-    ]
-    head = ["semantics", "math", "storage only (KLD)", "compute only (KLD)", "both (KLD)", "both - sum"]
-    return (f"Where {ex['format']}'s error comes from: storage (its cache, bf16 math) vs compute (bf16 cache, fp8 math)",
-            head, rows)
-
 
 def _of_kind(docs: dict[str, dict], kind: str) -> list[dict]:
     """The documents of one kind: `<kind>.json` and any `<kind>-<name>.json`, in name order."""
     return [docs[k] for k in sorted(docs) if k == kind or k.startswith(kind + "-")]
 
 
-def sections(docs: dict[str, dict]) -> list[tuple[str, list[str], list[list[str]]]]:
-    """(title, header, rows) for every table the page shows."""
+def metric_tables(ev: Evaluation, d: dict) -> list[Table]:
+    """An evaluation without tables of its own: its gate metrics, one row per document row."""
+    names = [m.name for m in ev.metrics]
+    rows = [[key] + [fmt(row.get(m), "{:.6g}") for m in names] for key, row in ev.rows(d)] if ev.rows else []
+    return [(ev.summary, ["row", *names], rows)]
+
+
+def sections(docs: dict[str, dict]) -> list[Table]:
+    """(title, header, rows) for every table the page shows: each evaluation's documents in registry order."""
     out = []
-    for d in _of_kind(docs, "kld"):
-        rows = [[name] + [_fmt(s.get(k), f) for _, k, f in KLD_COLUMNS] for name, s in d["formats"].items()]
-        title = f"Teacher-forced KLD vs {d['settings']['ref']} — {d['text']['label']}{_attention(d['settings'])}"
-        out.append((title, ["format"] + [c for c, _, _ in KLD_COLUMNS], rows))
-        for note in d.get("notes", []):
-            out.append((f"Note: {note}", [], []))
-        if d.get("explain"):
-            out.append(_explain_section(d["explain"]))
-    for d in _of_kind(docs, "needle"):
-        s = d["settings"]
-        rows = [[name, f"{v['mean_accuracy']:.3f}", str(v["effective_length"] or "–")] for name, v in d["formats"].items()]
-        title = f"Needle retrieval ({s['task']}, {s['values']}; lengths {s['lengths']}){_attention(s)}"
-        out.append((title, ["format", "mean accuracy", "effective length"], rows))
-        fails = d.get("format_induced_failures", [])
-        if fails:
-            head = ["format", "length", "depth %", "expected", "output"]
-            cells = [
-                [f["format"], str(f["length"]), f"{f['depth']:g}", ", ".join(f["expected"]), f["output"][:40]] for f in fails[:50]
-            ]
-            out.append(("Format-induced failures (bf16 right, format wrong)", head, cells))
-    for d in _of_kind(docs, "capacity"):
-        su = d["setup"]
-        # concurrency is null without a max_model_len, the ratio null when fp8_ds_mla fits no block
-        rows = [
-            [
-                r["name"],
-                str(r["bytes_per_token_per_layer"]),
-                f"{r['bytes_per_token']:,}",
-                f"{r['pool_tokens']:,}",
-                _fmt(r["max_concurrency"], "{:.2f}"),
-                _fmt(r["ratio_vs_fp8_ds_mla"], "{:.2f}"),
-            ]
-            for r in d["formats"]
-        ]
-        dcp = f", DCP {su['dcp']}" if su.get("dcp", 1) > 1 else ""
-        setup = f"{d['model']['name']} on {su['gpus']} x {su['gpu'] or 'GPU'}, TP {su['tp']}{dcp}"
-        head = ["format", "B/token/layer", "B/token (model)", "pool tokens", "concurrency", "x fp8_ds_mla"]
-        out.append((f"KV-cache capacity — {setup}", head, rows))
+    for ev in results_dir_evaluations():
+        for d in _of_kind(docs, ev.stem):
+            out += ev.report(d) if ev.report is not None else metric_tables(ev, d)
     return out
+
+
+def results_dir_evaluations() -> list[Evaluation]:
+    """The evaluations whose documents a results directory holds."""
+    return [ev for ev in evaluations() if ev.stem is not None]
 
 
 def load_results_dir(folder: Path) -> dict[str, dict]:
     """The result documents of a results directory, keyed by file stem, each validated: for
-    each kind (kld, needle, capacity) `<kind>.json` and any `<kind>-<name>.json` (a recipe with
-    several capacity setups writes one per setup)."""
-    from mla_eval.result_schemas import RESULTS_DIR_FILES
+    each evaluation (kld, needle, capacity, ...) `<stem>.json` and any `<stem>-<name>.json` (a recipe
+    with several setups of one evaluation writes one per setup)."""
     from mla_eval.results import read_result
 
     docs = {}
-    for kind, schema in RESULTS_DIR_FILES.items():
-        for p in sorted([*folder.glob(f"{kind}.json"), *folder.glob(f"{kind}-*.json")]):
+    for ev in results_dir_evaluations():
+        for p in sorted([*folder.glob(f"{ev.stem}.json"), *folder.glob(f"{ev.stem}-*.json")]):
             doc = read_result(p)
-            if doc["schema"] != schema:
-                raise UserError(f"{p}: schema {doc['schema']!r}, but a results directory's {p.name} is {schema}")
+            if doc["schema"] != ev.schema:
+                raise UserError(f"{p}: schema {doc['schema']!r}, but a results directory's {p.name} is {ev.schema}")
             docs[p.stem] = doc
     return docs
 
@@ -184,7 +127,8 @@ def build_report(results: Path) -> Report:
         raise UserError(f"{results} is not a results directory (make one with `mla-eval run RECIPE`)")
     docs = load_results_dir(results)
     if not docs:
-        raise UserError(f"{results} holds no kld.json, needle.json or capacity.json")
+        *first, last = [ev.result_file for ev in results_dir_evaluations()]
+        raise UserError(f"{results} holds no {', '.join(first) + ' or ' if first else ''}{last}")
     images = tuple(sorted((results / "plots").glob("*.png"))) if (results / "plots").is_dir() else ()
     return Report(f"mla-eval report — {results.name}", tuple(sections(docs)), images)
 

@@ -1,0 +1,153 @@
+"""The command line of every registered evaluation, generated from its settings (mla_eval.evaluation).
+
+Each settings field declared with `option()` becomes a typer option: its flags, help, default and
+type are written once, on the field. A command adds only what the command alone has (--out,
+--force, --plot, ...) as a small dataclass of the same `option()` fields, and a body that runs the
+evaluation, prints and writes. An evaluation names the module holding its `COMMAND` (an
+`EvaluationCommand`); one that names none gets the generic command: its settings, --out and
+--force, and a body that writes the result document. `mla-eval run` shows and plots a recipe's
+results with the same command's `show` and `plots`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import typer
+from rich.console import Console
+
+from mla_eval.commands.progress import peak_memory_line, progress_bars
+from mla_eval.protocol import Evaluation, OptionField, option, option_fields, written_paths
+from mla_eval.results import check_output_path, default_out_help, default_result_path, write_result
+
+console = Console(stderr=True)
+
+
+def _show_nothing(result: Any) -> None:
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class EvaluationCommand:
+    """How `mla-eval NAME` runs and shows one evaluation, beyond its settings."""
+
+    options: type  # dataclass of the options only the command has (option() fields), e.g. --out and --force
+    body: Callable[[Evaluation, Any, Any], None]  # body(evaluation, settings, options): run, print, write
+    details: str = ""  # the command's help after the evaluation's summary line
+    show: Callable[[Any], None] = _show_nothing  # print a result (the command and `mla-eval run`)
+    after_run: Callable[[Any, Any], None] | None = None  # after_run(settings, result): e.g. say what else was written
+    plots: Callable[[Any, Path], list[Path]] | None = None  # a result's PNGs into a folder (--plot; run's plots/)
+    on_first: Callable[[str, int, int, float], None] | None = None  # progress_bars' first-report hook (an estimate)
+    order: tuple[str, ...] = ()  # --help order of the options named here; the others follow in field order
+
+
+def out_option(kind: str) -> Any:
+    """--out of a command writing one result document (default: a new file in ./mla-eval-out/)."""
+    return option(None, "--out", "-o", path="write", help=default_out_help(kind))
+
+
+def force_option() -> Any:
+    return option(False, "--force", help="Replace an existing --out file.")
+
+
+def model_name(result: Any) -> str | None:
+    """The model a result is about (its default file name says so), if it names one."""
+    model = getattr(result, "model", None)
+    return model.get("name") if isinstance(model, dict) else None
+
+
+def write_document(ev: Evaluation, settings: Any, opts: Any) -> None:
+    """The body of a command that writes one result document (its options hold `out` and `force`):
+    --out (the default name's folder too) and every file the settings write checked before any work,
+    so a bad path never costs a run; the evaluation run with progress bars; the result shown and
+    written (under torchrun by rank 0 only); then the plots, if the command draws any and --plot asks."""
+    cmd = command_of(ev)
+    check_output_path(opts.out if opts.out is not None else default_result_path(ev.name, "model"), opts.force)
+    for path in written_paths(settings):  # e.g. kld --save-ref
+        check_output_path(path, force=True)
+    # under torchrun only rank 0 draws (every rank reports the same kind of progress)
+    with progress_bars(console, disable=os.environ.get("RANK", "0") != "0", on_first=cmd.on_first) as progress:
+        result = ev.run(settings, progress)
+    if getattr(result, "rank", 0) != 0:  # a torchrun worker: rank 0 writes the document
+        return
+    if cmd.after_run is not None:
+        cmd.after_run(settings, result)
+    cmd.show(result)
+    env = getattr(result, "environment", None)
+    if isinstance(env, dict) and (line := peak_memory_line(env)) is not None:
+        console.print(line)
+    path = write_result(opts.out or default_result_path(ev.name, model_name(result)), result.to_document(), force=opts.force)
+    console.print(f"wrote {path}", soft_wrap=True)  # a path is never wrapped: users copy it
+    plot = getattr(opts, "plot", None)
+    if plot and cmd.plots is not None:
+        cmd.plots(result, plot)
+
+
+def _generic_command(ev: Evaluation) -> EvaluationCommand:
+    options = dataclasses.make_dataclass(
+        f"{ev.name.title().replace('-', '')}Options",
+        [("out", Path | None, out_option(ev.name)), ("force", bool, force_option())],
+        frozen=True,
+    )
+    return EvaluationCommand(options=options, body=write_document)
+
+
+def command_of(ev: Evaluation) -> EvaluationCommand:
+    """The evaluation's command: the `COMMAND` of its `cli` module, or the generic one."""
+    if ev.cli is None:
+        return _generic_command(ev)
+    command = getattr(importlib.import_module(ev.cli), "COMMAND", None)
+    if not isinstance(command, EvaluationCommand):
+        raise TypeError(f"{ev.cli} must define COMMAND = EvaluationCommand(...) for the {ev.name!r} evaluation")
+    return command
+
+
+def _typer_option(f: OptionField) -> Any:
+    return typer.Option(... if f.option.required else f.default, *f.option.flags, help=f.option.help,
+                        show_default=f.option.show_default)
+
+
+def _ordered(fields: list[OptionField], order: tuple[str, ...], where: str) -> list[OptionField]:
+    by_name = {f.name: f for f in fields}
+    unknown = [n for n in order if n not in by_name]
+    if unknown:
+        raise TypeError(f"{where}: order names no option {unknown}")
+    return [by_name[n] for n in order] + [f for f in fields if f.name not in order]
+
+
+def typer_command(ev: Evaluation) -> Callable[..., None]:
+    """A function typer reads as the command `mla-eval NAME`: one keyword parameter per option of
+    the settings and of the command; called, it builds both and runs the command's body."""
+    cmd = command_of(ev)
+    own, extra = option_fields(ev.settings), option_fields(cmd.options)
+    names = [f.name for f in own + extra]
+    flags = [flag.split("/")[0] for f in own + extra for flag in f.option.flags]
+    for what, seen in (("option name", names), ("flag", flags)):
+        twice = sorted({x for x in seen if seen.count(x) > 1})
+        if twice:
+            raise TypeError(f"{ev.name}: {what}(s) {', '.join(twice)} declared twice (settings and command)")
+    setting_names = {f.name for f in own}
+
+    def command(**values: Any) -> None:
+        settings = ev.settings(**{k: v for k, v in values.items() if k in setting_names})
+        opts = cmd.options(**{k: v for k, v in values.items() if k not in setting_names})
+        cmd.body(ev, settings, opts)
+
+    params = [
+        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=_typer_option(f), annotation=f.type)
+        for f in _ordered(own + extra, cmd.order, f"{ev.name} command")
+    ]
+    command.__name__ = ev.name.replace("-", "_")
+    command.__doc__ = ev.summary + (f"\n\n{cmd.details}" if cmd.details else "")
+    command.__signature__ = inspect.Signature(params)  # what typer reads
+    command.__annotations__ = {p.name: p.annotation for p in params}
+    return command
+
+
+def register(app: typer.Typer, ev: Evaluation) -> None:
+    app.command(ev.name)(typer_command(ev))
