@@ -1,8 +1,9 @@
 """Memory grows linearly with the context: no forward path holds O(ctx^2) or O(heads x ctx^2) tensors.
 
 Peak CPU memory is read from torch's own allocator events (torch.profiler with profile_memory: every
-allocation and free inside the profiled call carries the running "Total Allocated"), so it counts exactly
-the tensors torch allocates during the call, nothing else of the process. The chunked computations are also
+allocation and free inside the profiled call carries the running "Total Allocated"; see
+benchmarks.memory_bench.cpu_peak_growth), so it counts exactly the tensors torch allocates during the call,
+nothing else of the process. The chunked computations are also
 held equal, bit for bit, to their whole-window form (the indexer's top-k: tests/test_indexer.py).
 """
 
@@ -16,6 +17,7 @@ from tiny_models import tiny_model
 import mla_eval.attention.reference as reference
 import mla_eval.evals.layer_stats as layer_stats
 import mla_eval.model.indexer as indexer
+from benchmarks.memory_bench import cpu_peak_growth
 from mla_eval.evals.kld import KldProtocol, run_kld
 from mla_eval.evals.layer_stats import LayerStats, exact_attention
 from mla_eval.evals.text_sources import TokenSource
@@ -29,15 +31,13 @@ WHOLE = 1 << 62  # block bytes that make one block of the whole window
 
 
 def cpu_peak_bytes(fn, trace: Path) -> int:
-    """Most bytes torch's CPU allocator held at once during fn(), counted from the allocations made inside it."""
+    """Most bytes torch's CPU allocator held at once during fn() above what it held when fn began."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     prof.export_chrome_trace(str(trace))
-    totals = [e["args"]["Total Allocated"] for e in json.loads(trace.read_text())["traceEvents"] if e.get("name") == "[memory]"]
-    assert totals, "the profiler recorded no allocation"
-    return max(totals)
+    return cpu_peak_growth(json.loads(trace.read_text()))
 
 
 # ---------------------------------------------------------------- chunked == whole window, bit for bit
