@@ -31,7 +31,12 @@ from mla_eval.formats import decode, encode, get_format
 from mla_eval.formats.spec import LATENT_DIM, ROPE_DIM
 
 QK_DIM = LATENT_DIM + ROPE_DIM  # the absorbed query / key: latent + rope
-_ELEMS_PER_CHUNK = 1 << 22  # score elements (query x key) held at once: bounds the memory used
+_ELEMS_PER_CHUNK = 1 << 22  # score elements (query x head x key) held at once: bounds the memory used
+# Sparse lists gather each query's own keys [n, L, 576] float32: 576 / heads times the scores' size, so a model of
+# few heads needs this second bound (a 2-head model with top-k 256 held 4.8 GiB of keys for 8192 queries at once).
+# It binds only below 36 heads (2^22 / (2^28 / (4 * 576))); at the 64 and 128 heads of GLM-5 and DeepSeek the score
+# bound is the smaller and the blocks are what they always were.
+_GATHERED_KEY_BYTES = 1 << 28
 
 
 def write_cache(
@@ -107,7 +112,7 @@ def mla_attention(
 
     qf = q.to(torch.float32)
     sink_f = sink.to(torch.float32) if sink is not None else None
-    step = max(1, _ELEMS_PER_CHUNK // max(1, h * slots.shape[1]))
+    step = max(1, min(_ELEMS_PER_CHUNK // max(1, h * slots.shape[1]), _GATHERED_KEY_BYTES // (4 * QK_DIM * slots.shape[1])))
     for a in range(0, n, step):
         b = min(n, a + step)
         k = keys[inverse[a:b]]  # [n, L, 576]

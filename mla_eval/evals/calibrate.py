@@ -49,7 +49,8 @@ def latent_amax(
         step = semantics.forward_chunk(ids.shape[1], lm.adapter.is_dsa)
         with lm.adapter.session(session):
             for a in range(0, ids.shape[1], step):
-                lm.model(input_ids=ids[:, a : a + step], position_ids=pos[:, a : a + step], use_cache=False)
+                # the scales come from the observer; one position's logits, not [ctx, vocab] (2 GiB at 8192 x 129K bf16)
+                lm.model(input_ids=ids[:, a : a + step], position_ids=pos[:, a : a + step], use_cache=False, logits_to_keep=1)
         progress("calibrate", done, len(chunks))
     return amax
 

@@ -150,11 +150,35 @@ class MlaAdapter:
         if session.num_layers != self.num_layers:
             raise ValueError(f"session has {session.num_layers} layers, model {self.num_layers}")
         prev, self._session = self._session, session
+        hook = self.model.base_model.register_forward_pre_hook(_skip_causal_mask, with_kwargs=True) if self.is_dsa else None
         try:
             yield session
         finally:
+            if hook is not None:
+                hook.remove()
             self._session = prev
             self.last_topk = None
+
+
+class _NoMasks(dict):
+    """A prepared mask mapping that answers None for every attention type."""
+
+    def __missing__(self, key):
+        return None
+
+
+def _skip_causal_mask(module, args, kwargs):
+    """Spare a DSA model's forward its [B, 1, T, T] causal mask while a session routes attention.
+
+    The stock DSA models (eager attention) always build that mask for their indexer (`allow_is_causal_skip=False`):
+    B x T^2 model-dtype bytes held through the forward (128 MiB per sequence at T = 8192 in bf16, built through a
+    T^2 bool mask). Our attention and our indexer apply causality themselves and never read it, so when no mask was
+    given we hand the model a prepared mapping instead -- transformers 5.17 and 5.25 take a dict as already prepared
+    (`isinstance(attention_mask, dict)` in `DeepseekV32Model` / `GlmMoeDsaModel.forward`) -- and every layer gets None.
+    """
+    if kwargs.get("attention_mask") is None and len(args) < 2:
+        kwargs["attention_mask"] = _NoMasks()
+    return args, kwargs
 
 
 def _owned_forward(self, hidden_states, *args, **kwargs):
@@ -195,6 +219,7 @@ def _owned_forward(self, hidden_states, *args, **kwargs):
     w_uk, w_uv = w[:, :nope], w[:, nope:]
     q_lat = torch.einsum("bhtn,hnc->bthc", q_nope.float(), w_uk)
     q_abs = torch.cat([q_lat, q_pe.float().transpose(1, 2)], dim=-1)  # [B, T, H, 576]
+    del q, q_nope, q_lat  # O(heads x ctx) each: not held through the attention read
 
     topk = None
     if adapter.is_dsa:
@@ -235,12 +260,16 @@ def _mha_prefill(self, session: CacheSession, q_nope, q_pe, dtype) -> torch.Tens
     k_nope, v = torch.split(kv, [nope, v_d], dim=-1)
     k = torch.cat([k_nope, rope.to(dtype).view(bsz, 1, keys, -1).expand(-1, heads, -1, -1)], dim=-1)
     q = torch.cat([q_nope, q_pe.to(q_nope.dtype)], dim=-1)
+    if q.device.type == "cpu" and v_d != q.shape[-1]:
+        # torch's CPU flash kernel needs one head dim for q, k and v; otherwise SDPA takes its math path, which holds
+        # [B, H, T, T] fp32 scores (32 GiB at 128 heads x 8192). Zero columns of v add nothing to the real ones.
+        v = torch.nn.functional.pad(v, (0, q.shape[-1] - v_d))
     if prefix == 0:
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=float(self.scaling))
     else:  # query i (position prefix + i) sees keys 0 .. prefix + i
         mask = torch.arange(keys, device=q.device).view(1, -1) <= (prefix + torch.arange(seq, device=q.device)).view(-1, 1)
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=float(self.scaling))
-    return out.transpose(1, 2).reshape(bsz, seq, heads * v_d)
+    return out[..., :v_d].transpose(1, 2).reshape(bsz, seq, heads * v_d)
 
 
 def _dsa_topk(self, hidden_states, q_resid, position_embeddings) -> torch.Tensor:

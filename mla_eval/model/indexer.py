@@ -19,14 +19,19 @@ both (the rotation is orthogonal), and so do we: the test oracle is the installe
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 # model_type -> how the indexer rotates the rope part of its q and k (see module docstring)
 INDEXER_ROPE = {"deepseek_v32": "half", "glm_moe_dsa": "interleaved"}
 INDEXER_FIELDS = ("index_topk", "index_n_heads", "index_head_dim")
 
-# Query rows scored at once: bounds the fp32 [rows, H, T] score block to about this many bytes.
-_SCORE_BLOCK_BYTES = 1 << 29
+# Query rows scored at once: the fp32 [B, rows, H, T] score block of one chunk holds at most this many bytes
+# (one row at least). Each query row's scores, mask and top-k depend on that row alone, so the chunking
+# changes no selected index (tests/test_indexer.py holds chunked == unchunked, ties included); memory is
+# O(ctx) per chunk instead of O(heads x ctx^2) per layer (64 heads x 8192^2 fp32 would be 16 GiB).
+SCORE_BLOCK_BYTES = 1 << 28
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kind: str) -> torch.Tensor:
@@ -45,13 +50,29 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kind: str) ->
 
 @torch.no_grad()
 def indexer_topk(indexer: torch.nn.Module, model_type: str, hidden_states: torch.Tensor, q_resid: torch.Tensor,
-                 position_embeddings: tuple[torch.Tensor, torch.Tensor], index_topk: int) -> torch.Tensor:
+                 position_embeddings: tuple[torch.Tensor, torch.Tensor], index_topk: int,
+                 block_bytes: int | None = None) -> torch.Tensor:
     """Top-k key positions [B, S, k] (int32, within the window) of a whole-window forward.
 
     hidden_states [B, S, hidden]; q_resid [B, S, q_lora_rank]; position_embeddings (cos, sin) [B, S, 64]
     as handed to the attention module. k = min(index_topk, S). Rows with fewer than k visible keys
     fill the rest with future positions (masked scores), as the stock indexer does; readers drop them.
+    Query rows are scored `block_bytes` (default SCORE_BLOCK_BYTES) of fp32 scores at a time.
     """
+    bsz, seq, _ = hidden_states.shape
+    k_sel = min(index_topk, seq)
+    out = torch.empty(bsz, seq, k_sel, dtype=torch.int32, device=hidden_states.device)
+    for s0, s1, index in index_score_blocks(indexer, model_type, hidden_states, q_resid, position_embeddings,
+                                            block_bytes):
+        out[:, s0:s1] = index.topk(k_sel, dim=-1).indices
+    return out
+
+
+@torch.no_grad()
+def index_score_blocks(indexer: torch.nn.Module, model_type: str, hidden_states: torch.Tensor, q_resid: torch.Tensor,
+                       position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                       block_bytes: int | None = None) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """(s0, s1, index scores [B, s1 - s0, S] float32 of query rows s0..s1-1, future keys -inf), block by block."""
     kind = INDEXER_ROPE[model_type]
     bsz, seq, _ = hidden_states.shape
     heads, dim = indexer.n_heads, indexer.head_dim
@@ -64,15 +85,12 @@ def indexer_topk(indexer: torch.nn.Module, model_type: str, hidden_states: torch
     w = indexer.weights_proj(hidden_states.to(indexer.weights_proj.weight.dtype)).float() * heads**-0.5  # [B, S, H]
     kf = k.float().transpose(-1, -2).unsqueeze(1)  # [B, 1, D, T]
     scale = dim**-0.5
-    k_sel = min(index_topk, seq)
-    rows = max(1, _SCORE_BLOCK_BYTES // (4 * heads * seq))
+    rows = max(1, (block_bytes or SCORE_BLOCK_BYTES) // (4 * bsz * heads * seq))
     key_pos = torch.arange(seq, device=hidden_states.device)
-    out = []
     for s0 in range(0, seq, rows):
         s1 = min(seq, s0 + rows)
-        scores = torch.relu(torch.matmul(q[:, s0:s1].float(), kf) * scale)  # [B, s, H, T]
+        scores = torch.matmul(q[:, s0:s1].float(), kf).mul_(scale).relu_()  # [B, s, H, T]
         index = torch.matmul(w[:, s0:s1].unsqueeze(-2), scores).squeeze(-2)  # [B, s, T]
+        del scores
         future = key_pos.view(1, -1) > torch.arange(s0, s1, device=key_pos.device).view(-1, 1)
-        index = index.masked_fill(future, float("-inf"))
-        out.append(index.topk(k_sel, dim=-1).indices.to(torch.int32))
-    return torch.cat(out, dim=1)
+        yield s0, s1, index.masked_fill_(future, float("-inf"))
