@@ -102,8 +102,9 @@ def test_kld_records_the_placement(ckpt, tmp_path, capsys):
 
 
 def test_kld_builds_each_layers_cache_on_that_layers_device(monkeypatch):
-    """The session of every scored forward gets the model's per-layer devices (layer 1 moved to 'meta' here),
-    and CacheSession puts each cache there (tests/test_session_devices.py)."""
+    """The session of every scored forward gets the model's per-layer devices (a mixed map is patched in here: no
+    second device on a CPU machine), and CacheSession puts each cache there (tests/test_session_devices.py). A layer
+    on the meta device (a streamed layer between its turns) runs on the model's device."""
     from mla_eval.evals import kld
     from mla_eval.evals.variants import parse_variants
     from mla_eval.model.adapter import MlaAdapter
@@ -113,7 +114,9 @@ def test_kld_builds_each_layers_cache_on_that_layers_device(monkeypatch):
     adapter.modules[1].kv_a_proj_with_mqa.to("meta")
     lm = loader.LoadedModel(model=model, tokenizer=None, adapter=adapter, path=loader.Path("tiny"), name="tiny",
                             device=torch.device("cpu"), is_default=False)
-    assert lm.layer_devices == [torch.device("cpu"), torch.device("meta"), torch.device("cpu")]
+    assert lm.layer_devices == [torch.device("cpu")] * 3
+    mixed = [torch.device("cpu"), torch.device("meta"), torch.device("cpu")]
+    monkeypatch.setattr(loader.LoadedModel, "layer_devices", property(lambda self: mixed))
     seen = []
 
     class Stop(Exception):
@@ -128,4 +131,4 @@ def test_kld_builds_each_layers_cache_on_that_layers_device(monkeypatch):
     protocol = kld.KldProtocol((variant,), variant, ctx=16, stride=8, min_context=8)
     with pytest.raises(Stop):
         kld._forward_hidden(lm, variant, torch.zeros(1, 16, dtype=torch.long), 8, protocol, None)
-    assert seen == [lm.layer_devices]
+    assert seen == [mixed]

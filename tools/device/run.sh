@@ -49,6 +49,8 @@
 #              of MODEL) on request. MODEL=<folder> measures a checkpoint instead of the embedded model.
 #   multigpu   on an x2 / x4 / x8 machine: torchrun data-parallel kld and --device-map auto, each compared with the
 #              single-GPU document of the same windows (MULTIGPU="ckpt dp devmap needle fail" by default)
+#   memory     python -m benchmarks.memory_bench: peak GPU memory per phase of random DeepSeek-V3.2 and GLM-5 layers at
+#              ctx 2K/4K/8K (MEM_ARGS replaces the options, MEM_TIMEOUT the limit)
 #   train-tok  copy training shards (SHARDS, default .train_data/a) to /tmp/mla_train/shards and tokenise them
 #   train      python -m tools.train train for TRAIN_S seconds (RECIPE, default recipes/train-default-model.toml;
 #              INIT / INIT_STATE / RESTART_CURRICULUM=1 for a continuation recipe; DATA, default the tokenised shards);
@@ -441,6 +443,13 @@ PY
     done
     cat "$R/timing.tsv" 2>/dev/null
     ;;
+memory)
+    step "peak GPU memory per phase at production geometry: ${MEM_ARGS:-deepseek-v3.2 and glm-5, ctx 2K/4K/8K, 3 layers}"
+    # shellcheck disable=SC2086  # MEM_ARGS is a list of options
+    timeout "${MEM_TIMEOUT:-400}" python3 -m benchmarks.memory_bench --out "$R/memory" \
+        ${MEM_ARGS:---presets deepseek-v3.2,glm-5 --ctx 2048,4096,8192 --layers 3 --budget-s 300} > "$R/memory.log" 2>&1
+    echo "memory rc=$? (124 = timeout)"; grep -v -E "^ *[0-9]+%|━" "$R/memory.log" | tail -40
+    ;;
 train-tok)
     step "copy and tokenise the training shards of ${SHARDS:-.train_data/a}"
     mkdir -p "$W/shards" && cp "${SHARDS:-.train_data/a}"/train_*.txt.xz "$W/shards/" && ls "$W/shards"
@@ -497,7 +506,7 @@ esac
 }
 
 SUBCOMMANDS=" install kern tests compile bench ncu revs pair pairncu kld-kernels forward prod eval formats semantics long "
-SUBCOMMANDS+="multigpu train-tok train train-check "
+SUBCOMMANDS+="multigpu memory train-tok train train-check "
 [ $# -gt 0 ] || { run_one help; exit 2; }
 case " $* " in *" help "*|*" -h "*|*" --help "*) run_one help; exit 0 ;; esac
 for cmd in "$@"; do  # every name checked before the install spends device time
