@@ -24,6 +24,15 @@ def no_progress(stage: str, done: int, total: int) -> None:
     return None
 
 
+def say(progress: ProgressCallback, line: str) -> None:
+    """A one-line fact for the person watching, said before the work it is about (a run's plan): through the
+    callback's `note(line)` where the command gave it one (`commands.progress.progress_bars` does), else nowhere;
+    what matters later is also in the result."""
+    note = getattr(progress, "note", None)
+    if callable(note):
+        note(line)
+
+
 # --- options: a settings field's command-line face ----------------------------------------------------
 
 OPTION_KEY = "mla_eval.option"  # the dataclasses.field metadata key holding a field's Option

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from mla_eval.commands.evaluation import EvaluationCommand, force_option, out_option, write_document
-from mla_eval.commands.progress import duration
+from mla_eval.commands.progress import duration, progress_bars
 from mla_eval.evals.kld_evaluation import KldSettings
 from mla_eval.protocol import option
 
@@ -26,6 +26,28 @@ class KldOptions:
     plot: Path | None = option(
         None, "--plot", path="write", help="Folder for PNG plots: KLD CDF, KLD by depth, per-layer error."
     )
+    dry_run: bool = option(
+        False, "--dry-run",
+        help="Print the run plan and stop: weight bytes by stored dtype, resident or streamed (--offload), memory, and "
+        "with the shards present (or random values of their shapes) one layer of each build timed on the device for "
+        "a projection. Needs only config.json, the safetensors index and the tokenizer of a --model folder.",
+    )
+
+
+def kld_body(ev, settings: KldSettings, opts: KldOptions) -> None:
+    """--dry-run: the plan alone; otherwise the document (mla_eval.commands.evaluation.write_document)."""
+    if not opts.dry_run:
+        write_document(ev, settings, opts)
+        return
+    from mla_eval.evals.kld_evaluation import plan_kld_run
+
+    with progress_bars(console) as progress:
+        planned = plan_kld_run(settings, progress)
+    out = Console()
+    for line in planned.lines():
+        out.print(line, soft_wrap=True)
+    if planned.plan.cost is None:
+        out.print("time: not measured", soft_wrap=True)
 
 
 def say_reference_written(settings: KldSettings, result) -> None:
@@ -142,7 +164,7 @@ def print_table(summary: dict, ref: str, label: str, con: Console, attention: st
 
 COMMAND = EvaluationCommand(
     options=KldOptions,
-    body=write_document,
+    body=kld_body,
     details="Sliding windows (--ctx, --stride); a token is scored once, with at least --min-context tokens\n"
     "before it; every layer writes its latent through the format's cache writer and reads attention\n"
     "from the quantised cache. Prints a side-by-side table and writes a versioned JSON.",
@@ -153,7 +175,8 @@ COMMAND = EvaluationCommand(
     order=(
         "model", "formats", "ref", "text", "dataset", "max_tokens", "samples", "sample_len", "ctx", "stride", "min_context",
         "batch", "scales", "calib_tokens", "layer_stats", "out", "force", "save_ref", "ref_file", "ref_store", "plot",
-        "device", "device_map", "max_memory", "backend", "seed", "semantics", "math", "explain", "prefill", "rope_scaling",
+        "dry_run", "offload", "device", "device_map", "max_memory", "backend", "seed", "semantics", "math", "explain",
+        "prefill", "rope_scaling",
         "text_note",
     ),
 )

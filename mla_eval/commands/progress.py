@@ -58,6 +58,11 @@ def progress_bars(console: Console, disable: bool = False, on_first: Callable[[s
                     on_first(stage, done, total, spent)
         bars.update(task, completed=done, total=total, eta=eta)
 
+    def note(line: str) -> None:  # mla_eval.protocol.say: printed above the bars, or plainly before any bar
+        if not disable:
+            (bars.console if tasks else console).print(line, soft_wrap=True)
+
+    report.note = note  # type: ignore[attr-defined]
     try:
         yield report
     finally:

@@ -26,40 +26,47 @@ from mla_eval.results import environment
 @torch.no_grad()
 def latent_amax(
     lm, source: TokenSource, ctx: int, progress: ProgressCallback = no_progress,
-    semantics: Semantics = CACHE, attn_math: AttentionMath = BF16,
+    semantics: Semantics = CACHE, attn_math: AttentionMath = BF16, streaming=None,
 ) -> list[float]:
     """max |c_kv| per layer over non-overlapping windows of `ctx` tokens of every sequence.
 
     The windows run through a bf16 cache, where engine and cache semantics read the same keys; under
     engine semantics a window runs in chunks (the engine's schedule). The attention math changes the
-    activations that reach later layers, so it can move the scales."""
+    activations that reach later layers, so it can move the scales. `streaming` (a `kld.Streaming`): every
+    window in one layer-major pass (a streamed model); otherwise window by window through the resident layers."""
+    from mla_eval.model.executor import WindowForward
+
     check_ctx(ctx)
     amax = [0.0] * lm.num_layers
 
     def observe(ev) -> None:
         amax[ev.layer] = max(amax[ev.layer], float(ev.latent.abs().max()))
 
-    chunks = [s[i : i + ctx] for s in source.sequences for i in range(0, int(s.numel()), ctx) if s[i : i + ctx].numel() > 1]
-    progress("calibrate", 0, len(chunks))
-    for done, chunk in enumerate(chunks, 1):
+    def forward(chunk: torch.Tensor) -> WindowForward:
         ids = chunk.view(1, -1).to(lm.device)
         session = CacheSession(get_format("bf16"), lm.num_layers, 1, ids.shape[1], lm.layer_devices, observers=(observe,),
-                               semantics=semantics, attn_math=attn_math)
-        pos = torch.arange(ids.shape[1], device=lm.device).view(1, -1)
-        step = semantics.forward_chunk(ids.shape[1], lm.adapter.is_dsa)
-        with lm.adapter.session(session):
-            for a in range(0, ids.shape[1], step):
-                # the scales come from the observer; one position's logits, not [ctx, vocab] (2 GiB at 8192 x 129K bf16)
-                lm.model(input_ids=ids[:, a : a + step], position_ids=pos[:, a : a + step], use_cache=False, logits_to_keep=1)
+                               semantics=semantics, attn_math=attn_math, lazy=streaming is not None)
+        # the scales come from the observer: one position's final state is kept, nothing else leaves the layers
+        t = ids.shape[1]
+        return WindowForward(ids, session, semantics.forward_chunk(t, lm.adapter.is_dsa), slice(t - 1, t))
+
+    chunks = [s[i : i + ctx] for s in source.sequences for i in range(0, int(s.numel()), ctx) if s[i : i + ctx].numel() > 1]
+    progress("calibrate", 0, len(chunks))
+    if streaming is not None:
+        lm.stack.run_streamed([forward(c) for c in chunks], streaming.loader, streaming.home)
+        progress("calibrate", len(chunks), len(chunks))
+        return amax
+    for done, chunk in enumerate(chunks, 1):
+        lm.stack.run_resident(forward(chunk))
         progress("calibrate", done, len(chunks))
     return amax
 
 
 def calibrate(
     lm, source: TokenSource, ctx: int, progress: ProgressCallback = no_progress,
-    semantics: Semantics = CACHE, attn_math: AttentionMath = BF16,
+    semantics: Semantics = CACHE, attn_math: AttentionMath = BF16, streaming=None,
 ) -> OuterScales:
-    amax = latent_amax(lm, source, ctx, progress, semantics, attn_math)
+    amax = latent_amax(lm, source, ctx, progress, semantics, attn_math, streaming)
     provenance = {"model": lm.name, "calibration": source.label, "tokens": source.num_tokens, "max_abs_c_kv": amax}
     if semantics.is_engine or attn_math.name != "bf16":  # older scale files stay byte-identical
         provenance.update(semantics=semantics.label, math=attn_math.name)

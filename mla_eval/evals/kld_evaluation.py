@@ -22,7 +22,7 @@ from mla_eval.attention.semantics import (
 )
 from mla_eval.errors import UserError
 from mla_eval.evals import distributed as dist_ranks
-from mla_eval.evals import text_sources
+from mla_eval.evals import kld_plan, text_sources
 from mla_eval.evals.calibrate import calibrate
 from mla_eval.evals.kld import (
     DEFAULT_KLD_PREFILL,
@@ -34,6 +34,7 @@ from mla_eval.evals.kld import (
     resolve_prefill,
     run_kld,
 )
+from mla_eval.evals.kld_plan import OFFLOAD_HELP
 from mla_eval.evals.ref_store import REF_STORE_MODES, RefStore
 from mla_eval.evals.settings import (
     DEFAULT_CTX,
@@ -46,7 +47,8 @@ from mla_eval.evals.settings import (
 )
 from mla_eval.evals.variants import Variant, parse_variants
 from mla_eval.formats import OuterScales
-from mla_eval.protocol import ProgressCallback, no_progress, option
+from mla_eval.model.run_plan import OFFLOAD_MODES
+from mla_eval.protocol import ProgressCallback, no_progress, option, say
 from mla_eval.result_schemas import KLD_SCHEMA
 from mla_eval.results import environment
 
@@ -122,9 +124,13 @@ class KldSettings(ModelSettings, text_sources.TextSettings):
         "(settings.prefill); give 'absorbed' to compare with figures computed that way.",
     )
 
+    offload: str = option("auto", "--offload", help=OFFLOAD_HELP)
+
     def __post_init__(self) -> None:
         ModelSettings.__post_init__(self)
         text_sources.TextSettings.__post_init__(self)
+        if self.offload not in OFFLOAD_MODES:
+            raise UserError(f"--offload {self.offload!r}: choose one of {', '.join(OFFLOAD_MODES)}")
         check_ctx(self.ctx)
         if self.stride is not None and self.stride < 1:
             raise UserError(f"--stride must be positive, got {self.stride}")
@@ -200,6 +206,7 @@ class KldResult:
 
     notes: list[str] = dataclasses.field(default_factory=list)  # one-line facts the reader must not miss
     explain: dict[str, Any] | None = None  # see explain_breakdown
+    execution: dict[str, Any] | None = None  # the run plan, what streaming read, peak memory per phase
 
     def to_document(self) -> dict[str, Any]:
         doc = {
@@ -216,6 +223,8 @@ class KldResult:
         }
         if self.explain is not None:
             doc["explain"] = self.explain
+        if self.execution is not None:
+            doc["execution"] = self.execution
         return doc
 
 
@@ -307,12 +316,74 @@ def _sources(lm, st: KldSettings, needs_outer: bool, progress: ProgressCallback)
     return source, None
 
 
+def _protocol(st: KldSettings, lm, source: text_sources.TokenSource) -> tuple[KldProtocol, str | None]:
+    """The resolved protocol of a run (every default decided once) and why auto prefill chose absorbed, if it did."""
+    ctx = st.resolved_ctx(source.kind == "self-samples")
+    min_context = st.min_context if st.min_context is not None else default_min_context(ctx)
+    stride = st.stride if st.stride is not None else default_stride(ctx, min_context)
+    batch = st.batch if st.batch is not None else (len(source.sequences) if source.kind == "self-samples" else 1)
+    semantics, maths = st.semantics_list(), st.math_list()
+    for sem in semantics:
+        sem.check_positions(lm.max_positions)
+    protocol = KldProtocol(
+        tuple(st.variants()), st.ref_variant(), ctx, stride, min_context, batch, layer_stats=st.layer_stats,
+        semantics=tuple(semantics), maths=tuple(maths), explain=st.explain_variant(),
+    )
+    plan_windows(lm, source, protocol)  # bad settings fail here, before any work
+    prefill, why_absorbed = resolve_prefill(st.prefill_mode(), protocol, lm.adapter.is_dsa)
+    return dataclasses.replace(protocol, prefill=prefill), why_absorbed
+
+
+def _ref_meta(lm, source: text_sources.TokenSource, protocol: KldProtocol, outer: OuterScales | None) -> dict:
+    """What a stored reference must agree on with this run (`ref_store.RefStore`)."""
+    model_id = str(lm.path) if lm.is_random else str(lm.path.resolve())  # a random spec has no folder
+    meta = {"model": model_id, "text": source.digest, "ctx": protocol.ctx, "stride": protocol.stride,
+            "min_context": protocol.min_context, "ref": protocol.ref.name}
+    if protocol.semantics[0].is_engine:  # the stored reference ran that forward schedule
+        meta["semantics"] = protocol.semantics[0].label
+    if protocol.prefill == "mha":  # the stored reference ran the mha form (unset: absorbed, as older files)
+        meta["prefill"] = protocol.prefill
+    if protocol.ref.outer:
+        meta["ref_scales"] = list(outer.scales)
+    return meta
+
+
+def plan_kld_run(st: KldSettings, progress: ProgressCallback = no_progress, measure: bool = True,
+                 read_bps: float | None = None, read_source: str = "") -> kld_plan.KldPlan:
+    """`mla-eval kld --dry-run`: the plan of the run these settings ask for, without running it. A checkpoint folder
+    needs only config.json, its safetensors index and its tokenizer (no shard); with the shards present and
+    `measure`, one layer of each build is read and timed on the device (with shards absent: random values of the
+    same shapes) and the run's time projected."""
+    with dispatch.use_backend(st.backend):
+        lm = kld_plan.open_model(st, dry_run=True)
+        source = kld_plan.planning_source(st, lm)
+        needs_outer = any(v.outer for v in [*st.variants(), st.ref_variant(), *filter(None, [st.explain_variant()])])
+        if st.scales == "auto" and needs_outer and not st.self_samples:
+            _calib, source = _split_calibration(source, st.calib_tokens)  # the run evaluates the rest
+        protocol, _ = _protocol(st, lm, source)
+        protocol = dataclasses.replace(protocol, outer_scales=None)
+        loader = None
+        if lm.checkpoint is not None and lm.checkpoint.headers_complete:
+            from mla_eval.model.executor import CheckpointLoader
+
+            loader = CheckpointLoader(lm.checkpoint, lm.stack.layers, lm.device, lm.model.dtype)
+        try:
+            return kld_plan.plan_kld(lm, source, protocol, st.offload, measure, ref_file=st.ref_file, loader=loader,
+                                     read_bps=read_bps, read_source=read_source)
+        finally:
+            if loader is not None:
+                loader.close()
+
+
 def evaluate_kld(st: KldSettings, progress: ProgressCallback = no_progress) -> KldResult:
     """Teacher-forced KL divergence of each format of `st.formats` against `st.ref`.
 
     `progress(stage, done, total)` reports calibration ("calibrate", windows) and scoring
-    ("score", tokens). Under torchrun every rank calls this; rank 0's result holds the document.
+    ("score", tokens); the run plan is said first (`protocol.say`). Under torchrun every rank calls
+    this; rank 0's result holds the document.
     """
+    from mla_eval.model.loader import resolve_device, stream
+
     with dispatch.use_backend(st.backend) as log:
         ranks = distributed(st.device)
         rank, world = ranks.rank, ranks.world
@@ -330,57 +401,80 @@ def evaluate_kld(st: KldSettings, progress: ProgressCallback = no_progress) -> K
         given = None
         if st.scales not in SCALES_MODES:
             given = OuterScales.load(st.scales)  # a bad file fails before the model loads
-        lm = st.load()
+        phases = kld_plan.PhasePeaks(resolve_device(st.device) if st.device_map == "none" else None)
+        phases.start("load")
+        lm = kld_plan.open_model(st)
         if given is not None:
             given.check_layers(lm.num_layers, source=st.scales)
         source, calib = _sources(lm, st, needs_outer, progress)
-        ctx = st.resolved_ctx(source.kind == "self-samples")
-        min_context = st.min_context if st.min_context is not None else default_min_context(ctx)
-        stride = st.stride if st.stride is not None else default_stride(ctx, min_context)
-        batch = st.batch if st.batch is not None else (len(source.sequences) if source.kind == "self-samples" else 1)
-        semantics, maths = st.semantics_list(), st.math_list()
-        for sem in semantics:
-            sem.check_positions(lm.max_positions)
-        protocol = KldProtocol(
-            tuple(variants), ref, ctx, stride, min_context, batch, layer_stats=st.layer_stats,
-            semantics=tuple(semantics), maths=tuple(maths), explain=st.explain_variant(),
-        )
-        plan_windows(lm, source, protocol)  # bad settings fail here, before any work
-        prefill, why_absorbed = resolve_prefill(st.prefill_mode(), protocol, lm.adapter.is_dsa)
-        protocol = dataclasses.replace(protocol, prefill=prefill)
+        protocol, why_absorbed = _protocol(st, lm, source)
+        ctx, stride, min_context, semantics, maths = (protocol.ctx, protocol.stride, protocol.min_context,
+                                                      list(protocol.semantics), list(protocol.maths))
+        phases.start("plan")
+        kp = kld_plan.plan_kld(lm, source, protocol, st.offload, measure=False, ref_file=st.ref_file, rank=rank,
+                               world=world)
+        loader = streaming = None
+        notes = []
+        if kp.plan.mode == "stream":
+            from mla_eval.model.executor import stream_loader
+
+            phases.start("load")
+            if lm.checkpoint is not None:
+                lm = stream(lm)
+            loader = stream_loader(lm)
+            phases.start("plan")
+            kp = kld_plan.plan_kld(lm, source, protocol, st.offload, measure=True, ref_file=st.ref_file, rank=rank,
+                                   world=world, loader=loader)
+            streaming = kld_plan.streaming_for(lm, kp.plan, loader)
+            if calib is not None:
+                notes.append("--scales auto on a streamed run: the calibration text ran as one more pass over the "
+                             "layers (every layer read once more); give --scales FILE to skip it")
+        elif lm.checkpoint is not None:  # a skeleton planned resident: now the weights
+            phases.start("load")
+            lm = st.load()
         outer = given
-        if calib is not None:
-            outer = calibrate(lm, calib, ctx, progress=progress)
-        protocol = dataclasses.replace(protocol, outer_scales=outer if needs_outer else given)
-        model_id = str(lm.path) if lm.is_random else str(lm.path.resolve())  # a random spec has no folder
-        ref_meta = {"model": model_id, "text": source.digest, "ctx": ctx, "stride": stride,
-                    "min_context": min_context, "ref": ref.name}
-        if semantics[0].is_engine:  # the stored reference ran that forward schedule
-            ref_meta["semantics"] = semantics[0].label
-        if prefill == "mha":  # the stored reference ran the mha form (unset: absorbed, as older files; load compares both ways)
-            ref_meta["prefill"] = prefill
-        if ref.outer:
-            ref_meta["ref_scales"] = list(outer.scales)
-        saver = RefStore(mode=st.ref_store, meta=ref_meta) if st.save_ref is not None else None
-        loaded = RefStore.load(st.ref_file, ref_meta) if st.ref_file is not None else None
-        run = run_kld(lm, source, protocol, progress=progress, save_ref=saver, ref_file=loaded, rank=rank, world=world)
+        try:
+            loaded = None
+            if st.ref_file is not None and not ref.outer:  # a mismatched stored reference: refused before the plan
+                # is said (the scales of a +s_l reference come from calibration, later)
+                loaded = RefStore.load(st.ref_file, _ref_meta(lm, source, protocol, None))
+            for line in kp.lines():
+                say(progress, f"plan: {line}")
+            if calib is not None:
+                phases.start("calibrate")
+                outer = calibrate(lm, calib, ctx, progress=progress, streaming=streaming)
+            protocol = dataclasses.replace(protocol, outer_scales=outer if needs_outer else given)
+            ref_meta = _ref_meta(lm, source, protocol, outer)
+            saver = RefStore(mode=st.ref_store, meta=ref_meta) if st.save_ref is not None else None
+            if st.ref_file is not None and loaded is None:
+                loaded = RefStore.load(st.ref_file, ref_meta)
+            phases.start("score")
+            run = run_kld(lm, source, protocol, progress=progress, save_ref=saver, ref_file=loaded, rank=rank, world=world,
+                          streaming=streaming)
+        finally:
+            if loader is not None and hasattr(loader, "close"):
+                loader.close()
+        phases.stop()
         if saver is not None:
             saver.save(st.save_ref)
         with dist_ranks.collective(ranks, "gathering the per-token statistics"):
             run.stats = gather_arrays(run.stats, group=ranks.cpu_group)
-        env = environment(attention=log)
+        env = phases.merge_peaks(environment(attention=log))
+    execution = {"plan": kp.as_dict(), "phases": phases.as_dict(),
+                 "read": loader.stats.as_dict() if hasattr(loader, "stats") else None}
+    weights = lm.weights()
     return KldResult(
         model={"name": lm.name, "path": str(lm.path), "default": lm.is_default, "layers": lm.num_layers,
                "random": lm.is_random, "label": lm.label, "max_positions": lm.max_positions,
-               "rope_scaling": lm.rope_scaling},
+               "rope_scaling": lm.rope_scaling, **({"weights": weights} if weights is not None else {})},
         text={"kind": source.kind, "label": source.label, "digest": source.digest, "tokens": source.num_tokens,
               **({"note": st.text_note} if st.text_note else {})},
-        settings={"ref": ref.name, "ctx": ctx, "stride": stride, "min_context": min_context, "batch": batch,
+        settings={"ref": ref.name, "ctx": ctx, "stride": stride, "min_context": min_context, "batch": protocol.batch,
                   "block_size": protocol.block_size, "world_size": world, "backend": log.backend,
                   "unscored_tokens": run.unscored, "semantics": [s.as_dict() for s in semantics],
                   "math": [m.name for m in maths], "explain": None if st.explain is None else protocol.explain.name,
-                  "prefill": prefill, "prefill_asked": st.prefill_mode(), "prefill_reason": why_absorbed,
-                  **st.placement(lm)},
+                  "prefill": protocol.prefill, "prefill_asked": st.prefill_mode(), "prefill_reason": why_absorbed,
+                  "offload": st.offload, **st.placement(lm)},
         outer_scales=protocol.outer_scales,
         windows=run.windows,
         seconds=run.seconds,
@@ -388,7 +482,8 @@ def evaluate_kld(st: KldSettings, progress: ProgressCallback = no_progress) -> K
         environment=env,
         run=run,
         rank=rank,
-        notes=semantics_notes(semantics, ctx, lm.adapter.is_dsa, maths) + prefill_notes(st.prefill, why_absorbed),
+        notes=semantics_notes(semantics, ctx, lm.adapter.is_dsa, maths) + prefill_notes(st.prefill, why_absorbed) + notes,
         explain=None if protocol.explain is None else explain_breakdown(
             run.summary(), protocol.explain.name, semantics, maths),
+        execution=execution,
     )

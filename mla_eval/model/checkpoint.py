@@ -658,11 +658,33 @@ def empty_model(config, dtype: torch.dtype, attn_implementation: str | None = No
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with _parameters_on_meta():
+        # on the meta device: a full-width MoE layer's fused experts would otherwise be allocated (25 GB at GLM-5
+        # width) before being moved there; the registration hook catches what a module builds on another device
+        with torch.device("meta"), _parameters_on_meta():
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
+        _real_buffers(model)
     finally:
         torch.set_default_dtype(default)
     return model.eval()
+
+
+def _real_buffers(model: torch.nn.Module) -> None:
+    """Buffers made real again after a build on the meta device: a module's non-persistent buffers computed at its
+    construction (the rotary tables) are computed again by building that module alone (it is small) on the CPU;
+    persistent buffers (the router's e_score_correction_bias, which the checkpoint holds) become zeros, as
+    transformers initialises them, until the checkpoint's values are assigned."""
+    for module in model.modules():
+        metas = [k for k, b in module._buffers.items() if b is not None and b.device.type == "meta"]
+        rebuild = [k for k in metas if k in module._non_persistent_buffers_set]
+        if rebuild:
+            config = getattr(module, "config", None) or model.config
+            fresh = type(module)(config=config)
+            for k in rebuild:
+                module._buffers[k] = fresh._buffers[k]
+        for k in metas:
+            if k not in rebuild:
+                b = module._buffers[k]
+                module._buffers[k] = torch.zeros(b.shape, dtype=b.dtype)
 
 
 def quantised_weights(path: str | Path) -> bool:

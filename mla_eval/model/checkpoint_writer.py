@@ -226,12 +226,14 @@ def _random(name: str, shape: tuple[int, ...], dtype: torch.dtype, seed: int, de
 
 def write_random_checkpoint(folder: str | Path, config, fmt: str, seed: int = 0, tokenizer_from: Path | None = None,
                             device: str | torch.device = "cpu", progress: Callable[[str], None] | None = None,
-                            free_bytes_check: bool = False) -> WrittenCheckpoint:
+                            free_bytes_check: bool = False, index_only: bool = False) -> WrittenCheckpoint:
     """Write a random checkpoint of transformers `config` in format `fmt` into `folder` (created; must be empty).
 
     One shard per decoder layer, then one for the rest; the index last. `device`: where weights are drawn
     and quantised (a GPU is much faster at full width). `free_bytes_check`: refuse up front when the
-    folder's disk cannot hold the estimated size. Returns the bytes written per layer."""
+    folder's disk cannot hold the estimated size. Returns the bytes written per layer. `index_only`: config.json,
+    the safetensors index and the tokenizer, no shard (what a user has before downloading the weights: `mla-eval
+    kld --dry-run` plans from it); the sizes returned are the format's byte counts of what the shards would hold."""
     from safetensors.torch import save_file
 
     if fmt not in FORMATS:
@@ -248,7 +250,7 @@ def write_random_checkpoint(folder: str | Path, config, fmt: str, seed: int = 0,
         parts = name.split(".")
         idx = int(parts[2]) if name.startswith("model.layers.") else layers
         groups[idx].append(name)
-    if free_bytes_check:
+    if free_bytes_check and not index_only:
         import shutil
 
         need = sum(_estimate_stored(fmt, n, shapes[n], dtypes[n]) for n in shapes)
@@ -263,10 +265,12 @@ def write_random_checkpoint(folder: str | Path, config, fmt: str, seed: int = 0,
         shard = f"model-{k + 1:05d}-of-{count:05d}.safetensors"
         tensors: dict[str, torch.Tensor] = {}
         for name in sorted(names):
-            w = _random(name, shapes[name], dtypes[name], seed, dev)
+            w = (torch.empty(shapes[name], dtype=dtypes[name], device="meta") if index_only
+                 else _random(name, shapes[name], dtypes[name], seed, dev))
             for stored_name, t in stored_tensors(fmt, name, w).items():
-                tensors[stored_name] = t.contiguous().cpu()
-        save_file(tensors, str(folder / shard), metadata={"format": "pt"})
+                tensors[stored_name] = t if index_only else t.contiguous().cpu()
+        if not index_only:
+            save_file(tensors, str(folder / shard), metadata={"format": "pt"})
         sizes.append(sum(t.numel() * t.element_size() for t in tensors.values()))
         weight_map.update(dict.fromkeys(tensors, shard))
         if progress:

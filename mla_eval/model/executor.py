@@ -70,8 +70,11 @@ class DecoderStack:
 
     def _embed(self, ids: torch.Tensor):
         h = self.base.embed_tokens(ids)
-        pos = torch.arange(ids.shape[1], device=h.device).expand(ids.shape[0], -1)
-        return h, pos
+        return h, self._positions(ids, h)
+
+    @staticmethod
+    def _positions(ids: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return torch.arange(ids.shape[1], device=h.device).expand(ids.shape[0], -1)
 
     def _layer(self, i: int, h: torch.Tensor, pos: torch.Tensor, pe) -> torch.Tensor:
         out = self.layers[i](h, position_ids=pos, position_embeddings=pe, **self._layer_kwargs)
@@ -148,15 +151,20 @@ class DecoderStack:
 
 
     @torch.no_grad()
-    def time_layer(self, i: int, fwd: WindowForward, repeats: int = 3) -> tuple[float, int]:
+    def time_layer(self, i: int, fwd: WindowForward, repeats: int = 3, hidden: torch.Tensor | None = None,
+                   topk: torch.Tensor | None = None) -> tuple[float, int]:
         """(seconds, peak bytes) of layer i's forward over `fwd`'s window (its first chunk), layer i's weights in memory:
         the median of `repeats` timed runs after one warm-up; the peak is the device's allocation above what was held
-        before (0 on a CPU, where it is not measured). The run plan's measured layer cost."""
+        before (0 on a CPU, where it is not measured). The run plan's measured layer cost.
+
+        `hidden`: the layer's input [B, chunk, hidden] (default: the window's embeddings; a planning model without
+        weights passes its own); `topk`: what a GLM-5 shared indexer layer reuses (a full layer's, left in
+        `adapter.last_topk` after its timing)."""
         import statistics
         import time
 
         s, e = fwd.chunks()[0]
-        h, pos = self._embed(fwd.ids[:, s:e])
+        h, pos = self._embed(fwd.ids[:, s:e]) if hidden is None else (hidden, self._positions(fwd.ids[:, s:e], hidden))
         pe = self.base.rotary_emb(h, pos)
         dev = h.device
         cuda = dev.type == "cuda"
@@ -169,7 +177,7 @@ class DecoderStack:
             for r in range(repeats + 1):
                 fwd.session.reset()
                 t0 = time.perf_counter()
-                self._adapter.last_topk = None
+                self._adapter.last_topk = topk
                 self._layer(i, h, pos, pe)
                 if cuda:
                     torch.cuda.synchronize(dev)

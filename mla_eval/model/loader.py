@@ -278,7 +278,7 @@ def _load_checkpoint(
     model: str | Path | None, device: str | None, dtype: str, device_map: str, yarn_factor: float | None = None,
     cap: int | None = None, streamed: bool = False,
 ) -> LoadedModel:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     is_default = model is None
     path = default_model_path() if is_default else Path(model).expanduser()
@@ -293,12 +293,7 @@ def _load_checkpoint(
         device = "auto"
     dev = resolve_device(device)
     torch_dtype = _torch_dtype(dtype, dev)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError, TypeError) as exc:
-        raise UserError(
-            f"{path} has no usable tokenizer ({str(exc).splitlines()[0]}); copy the checkpoint's tokenizer files next to it"
-        ) from None
+    tokenizer = _tokenizer(path)
     attn = stock_attention(config.model_type)
     if streamed:
         if device_map == "auto":
@@ -350,19 +345,74 @@ def _load_checkpoint(
     )
 
 
-def _streamed_skeleton(path: Path, config, dev: torch.device, dtype: torch.dtype, attn: str):
-    """The model with only its embeddings, final norm and head loaded (decoder layers on the meta device), and the
-    checkpoint its layers will be read from."""
+def _skeleton(path: Path, config, dtype: torch.dtype, attn: str, require_weights: bool):
+    """The model built from config.json with every parameter on the meta device, and its checkpoint (headers only)."""
     from mla_eval.model.checkpoint import Checkpoint, empty_model
 
-    ckpt = Checkpoint.open(path, require_weights=True)
+    ckpt = Checkpoint.open(path, require_weights=require_weights)
     hf = empty_model(config, dtype, attn)
     if len(hf.model.layers) != ckpt.num_layers:
         raise UserError(f"{path}: config.json builds {len(hf.model.layers)} layers, the checkpoint has {ckpt.num_layers}")
+    hf.mla_eval_weights = ckpt.describe()
+    return hf, ckpt
+
+
+def _materialise_rest(hf, ckpt, dev: torch.device, dtype: torch.dtype) -> None:
+    """Embeddings, final norm and head read into a skeleton on `dev`; its buffers (rotary tables) join them."""
+    ckpt.check_shards()
     ckpt.materialise_rest(hf, ckpt.read_rest(), dev, dtype)
-    for module in hf.modules():  # buffers (rotary tables) join the device; parameters stay where they are
+    for module in hf.modules():  # parameters of the decoder layers stay where they are (meta)
         for name, buf in list(module._buffers.items()):
             if buf is not None and buf.device.type != "meta":
                 module._buffers[name] = buf.to(dev)
-    hf.mla_eval_weights = ckpt.describe()
+
+
+def _streamed_skeleton(path: Path, config, dev: torch.device, dtype: torch.dtype, attn: str):
+    """The model with only its embeddings, final norm and head loaded (decoder layers on the meta device), and the
+    checkpoint its layers will be read from."""
+    hf, ckpt = _skeleton(path, config, dtype, attn, require_weights=True)
+    _materialise_rest(hf, ckpt, dev, dtype)
     return hf.eval(), ckpt
+
+
+def load_skeleton(model: str | Path | None, device: str | None = None, dtype: str = "auto",
+                  rope_scaling: str | None = None, require_weights: bool = True) -> LoadedModel:
+    """A checkpoint's model with no weight read (every parameter on the meta device), its tokenizer, and its
+    checkpoint's plan (`LoadedModel.checkpoint`): what a run plan needs before deciding how to load.
+    `require_weights=False` accepts a folder holding only config.json, the safetensors index and the tokenizer
+    (planning a download). `stream(lm)` turns it into a streamed model; nothing else may run it."""
+    if model is not None and is_random_spec(str(model)):
+        raise UserError("a random:<preset> model is built, not read: it has no checkpoint to plan from")
+    factor = parse_rope_scaling(rope_scaling)
+    with _quiet_offline():
+        is_default = model is None
+        path = default_model_path() if is_default else Path(model).expanduser()
+        config = load_config(path)
+        if factor is not None:
+            apply_yarn(config, factor)
+        dev = resolve_device(device)
+        tokenizer = _tokenizer(path)
+        hf, ckpt = _skeleton(path, config, _torch_dtype(dtype, dev), stock_attention(config.model_type), require_weights)
+    return LoadedModel(
+        model=hf.eval(), tokenizer=tokenizer, adapter=MlaAdapter(hf), path=path,
+        name="mla-eval default model" if is_default else path.name, device=dev, is_default=is_default,
+        rope_from_option=factor is not None, checkpoint=ckpt,
+    )
+
+
+def stream(lm: LoadedModel) -> LoadedModel:
+    """A skeleton (`load_skeleton`) made runnable layer by layer: its embeddings, final norm and head read onto its
+    device; the decoder layers stay on the meta device until the streamed executor reads each."""
+    _materialise_rest(lm.model, lm.checkpoint, lm.device, lm.model.dtype)
+    return lm
+
+
+def _tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, TypeError) as exc:
+        raise UserError(
+            f"{path} has no usable tokenizer ({str(exc).splitlines()[0]}); copy the checkpoint's tokenizer files next to it"
+        ) from None

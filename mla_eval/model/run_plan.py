@@ -57,6 +57,28 @@ class WeightInventory:
             by_dtype[str(t.dtype).removeprefix("torch.")] = by_dtype.get(str(t.dtype).removeprefix("torch."), 0) + _nbytes(t)
         return cls(source, layer_bytes, total - sum(layer_bytes), by_dtype, layer_bytes)
 
+    @classmethod
+    def of_checkpoint(cls, checkpoint, model: torch.nn.Module, dtype: torch.dtype) -> WeightInventory:
+        """The inventory of a checkpoint before any weight is read: bytes as run from the model built from config.json
+        (`model`, on the meta device), bytes as stored from the shards' headers, or, for shards not downloaded, the
+        estimate from config shapes and the format's dtypes (the source says which)."""
+        run = checkpoint.materialised_bytes(model, dtype)
+        n = checkpoint.num_layers
+        layer_bytes = tuple(run.get(f"layer:{i}", 0) for i in range(n))
+        exact = checkpoint.headers_complete
+        stored = []
+        for i in range(n):
+            b = checkpoint.stored_bytes(i) if exact else checkpoint.estimated_stored_bytes(model, i)
+            stored.append(int(b) if b is not None else layer_bytes[i])
+        by_dtype = checkpoint.bytes_by_dtype() if exact else {
+            "(estimated) all": int(checkpoint.estimated_stored_bytes(model) or sum(stored))}
+        where = "shard headers" if exact else (
+            f"config.json and {len(checkpoint.shards) - len(checkpoint.missing_shards)} of {len(checkpoint.shards)} shard "
+            "headers (stored bytes estimated for the rest)")
+        quant = checkpoint.describe().get("quantisation")
+        return cls(f"{checkpoint.path} ({where})", layer_bytes, run.get("rest", 0), dict(by_dtype or {}), tuple(stored),
+                   quant if isinstance(quant, dict) and quant.get("method") not in (None, "none") else None)
+
 
 def _tensors(module: torch.nn.Module):
     seen = set()
@@ -143,11 +165,18 @@ def available_host_memory() -> int:
 
 @dataclasses.dataclass(frozen=True)
 class LayerCost:
-    """One decoder layer's forward of one window through one cache session, measured on the run's device."""
+    """One decoder layer's forward of one window batch through one cache session, measured on the run's device.
+    `per_layer`: seconds of each decoder layer (layers of the same build share the time of the one measured);
+    `seconds` (their mean) stands for every layer when `per_layer` is empty."""
 
     seconds: float
     peak_bytes: int  # activation memory above the weights and the stream, at the layer's peak
     source: str
+    per_layer: tuple[float, ...] = ()
+    head_seconds: float = 0.0  # per forward: the output head and the loss over its kept positions
+
+    def of(self, layer: int) -> float:
+        return self.per_layer[layer] if self.per_layer else self.seconds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,8 +204,9 @@ class RunPlan:
             return None
         forwards = self.workload.batches * self.workload.forwards_per_batch
         n = len(self.weights.layer_bytes)
+        head = forwards * self.cost.head_seconds  # after the layers, never overlapped with a read
         if self.mode != "stream":
-            return forwards * n * self.cost.seconds
+            return forwards * sum(self.cost.of(i) for i in range(n)) + head
         per_pass_forwards = self.batches_per_pass * self.workload.forwards_per_batch
         total = 0.0
         left = forwards
@@ -184,10 +214,10 @@ class RunPlan:
             now = min(left, per_pass_forwards)
             left -= now
             for layer in range(n):
-                compute = now * self.cost.seconds
+                compute = now * self.cost.of(layer)
                 read = self.weights.stored_layer_bytes[layer] / self.read_bytes_per_second if self.read_bytes_per_second else 0.0
                 total += max(compute, read)
-        return total
+        return total + head
 
     def as_dict(self) -> dict[str, Any]:
         w = self.weights
@@ -209,6 +239,8 @@ class RunPlan:
             },
             "time": {
                 "layer_seconds": None if self.cost is None else self.cost.seconds,
+                "per_layer_seconds": None if self.cost is None or not self.cost.per_layer else list(self.cost.per_layer),
+                "head_seconds_per_forward": None if self.cost is None else self.cost.head_seconds,
                 "layer_peak_bytes": None if self.cost is None else self.cost.peak_bytes,
                 "cost_source": None if self.cost is None else self.cost.source,
                 "read_bytes_per_second": self.read_bytes_per_second, "read_source": self.read_source,
@@ -237,8 +269,10 @@ class RunPlan:
         if seconds is not None:
             read = (f"; disk {self.read_bytes_per_second / 1e9:.2f} GB/s ({self.read_source})"
                     if self.read_bytes_per_second else "")
-            out.append(f"time: {self.cost.seconds * 1e3:.3g} ms per layer-forward ({self.cost.source}){read}; "
-                       f"projected {_duration(seconds)} of forwards")
+            head = (f", {self.cost.head_seconds * 1e3:.3g} ms of output head and loss per forward"
+                    if self.cost.head_seconds else "")
+            out.append(f"time: {self.cost.seconds * 1e3:.3g} ms per layer-forward{head} ({self.cost.source}){read}; "
+                       f"projected {_duration(seconds)} of forwards and loss (calibration not included)")
         return out
 
 
@@ -269,11 +303,12 @@ def plan_run(
         fits = f"the model fits ({_gib(resident_peak)} of {_gib(budget.device_bytes)})"
         why = "asked (--offload none)" if offload == "none" else fits
         return RunPlan("resident", why, peak_device_bytes=resident_peak, **common)
-    fixed = weights.other_bytes + 2 * max(weights.layer_bytes) + activations  # this layer and the prefetched next one
+    # one decoder layer on the device; the next one's read waits in (pinned) host memory until this layer is released
+    fixed = weights.other_bytes + max(weights.layer_bytes) + activations
     if fixed > budget.device_bytes:
         raise UserError(
-            f"even streamed, the device needs {_gib(fixed)} (embeddings and head {_gib(weights.other_bytes)}, two decoder "
-            f"layers {_gib(2 * max(weights.layer_bytes))}, activations {_gib(activations)}) but the budget is "
+            f"even streamed, the device needs {_gib(fixed)} (embeddings and head {_gib(weights.other_bytes)}, one decoder "
+            f"layer {_gib(max(weights.layer_bytes))}, activations {_gib(activations)}) but the budget is "
             f"{_gib(budget.device_bytes)}; use a larger GPU, or a shorter --ctx"
         )
     why = "asked (--offload stream)" if offload == "stream" else (

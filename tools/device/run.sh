@@ -51,6 +51,9 @@
 #              single-GPU document of the same windows (MULTIGPU="ckpt dp devmap needle fail" by default)
 #   memory     python -m benchmarks.memory_bench: peak GPU memory per phase of random DeepSeek-V3.2 and GLM-5 layers at
 #              ctx 2K/4K/8K (MEM_ARGS replaces the options, MEM_TIMEOUT the limit)
+#   stream     python -m benchmarks.stream_bench: a full-width DeepSeek-V3.2 FP8 checkpoint written to /tmp/ckpt, the
+#              disk's O_DIRECT read rate, kld streamed and resident (equal formats), projected full-depth GLM-5.2 and
+#              DeepSeek-V3.2 runs (STREAM_ARGS adds options, e.g. "--steps project"; STREAM_TIMEOUT the limit)
 #   train-tok  copy training shards (SHARDS, default .train_data/a) to /tmp/mla_train/shards and tokenise them
 #   train      python -m tools.train train for TRAIN_S seconds (RECIPE, default recipes/train-default-model.toml;
 #              INIT / INIT_STATE / RESTART_CURRICULUM=1 for a continuation recipe; DATA, default the tokenised shards);
@@ -450,6 +453,14 @@ memory)
         ${MEM_ARGS:---presets deepseek-v3.2,glm-5 --ctx 2048,4096,8192 --layers 3 --budget-s 300} > "$R/memory.log" 2>&1
     echo "memory rc=$? (124 = timeout)"; grep -v -E "^ *[0-9]+%|━" "$R/memory.log" | tail -40
     ;;
+stream)
+    step "layer streaming at full width: ${STREAM_ARGS:-5-layer DeepSeek-V3.2 FP8 checkpoint, ctx 8192; projections}"
+    need "$TEXT" "copy ../shared/data/wikitext-2/wiki.test.raw to .devdata/" || return 3
+    # shellcheck disable=SC2086  # STREAM_ARGS is a list of options
+    timeout "${STREAM_TIMEOUT:-580}" python3 -m benchmarks.stream_bench --out "$R/stream" --text "$TEXT" ${STREAM_ARGS:-} \
+        > "$R/stream.log" 2>&1
+    echo "stream rc=$? (124 = timeout)"; grep -v -E "━|^\s*$" "$R/stream.log" | tail -60
+    ;;
 train-tok)
     step "copy and tokenise the training shards of ${SHARDS:-.train_data/a}"
     mkdir -p "$W/shards" && cp "${SHARDS:-.train_data/a}"/train_*.txt.xz "$W/shards/" && ls "$W/shards"
@@ -506,7 +517,7 @@ esac
 }
 
 SUBCOMMANDS=" install kern tests compile bench ncu revs pair pairncu kld-kernels forward prod eval formats semantics long "
-SUBCOMMANDS+="multigpu memory train-tok train train-check "
+SUBCOMMANDS+="multigpu memory stream train-tok train train-check "
 [ $# -gt 0 ] || { run_one help; exit 2; }
 case " $* " in *" help "*|*" -h "*|*" --help "*) run_one help; exit 0 ;; esac
 for cmd in "$@"; do  # every name checked before the install spends device time

@@ -1,0 +1,177 @@
+"""Layer streaming at full width on one GPU: a full-width DeepSeek-V3.2 FP8-block checkpoint streamed through
+`mla-eval kld`, the same run resident, the disk's sequential read rate, and the projected wall time of full-depth
+runs (GLM-5.2, DeepSeek-V3.2) planned from index-only folders.
+
+    python -m benchmarks.stream_bench --out DIR --ckpt /tmp/ckpt --text wiki.test.raw [--layers 5] [--steps ...]
+
+Steps (each writes DIR/<step>.json; a rerun skips steps whose file exists):
+  write      tools.write_checkpoint: --layers full-width layers (3 dense, the rest MoE), fp8-block, into --ckpt
+  disk       sequential read of the checkpoint's largest shard with O_DIRECT (the page cache bypassed), GB/s
+  stream     mla-eval kld --offload stream at --ctx on --max-tokens of the text: the document (its execution record:
+             plan, per-layer cost, read statistics, peak memory per phase)
+  resident   the same settings with --offload none: the formats must equal the streamed document's bit for bit
+  project    for each preset: an index-only folder of all its layers (no shard), `mla-eval kld --dry-run`'s plan with
+             one layer of each build timed on the GPU (random values of the stored shapes) at the default protocol
+             (wikitext-2 test, the nine default formats + bf16, ctx 2048) and batch 1 and 8, the read rate of `disk`
+Numbers are about time and memory (random weights), never quality.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+STEPS = ("write", "disk", "stream", "resident", "project")
+PROJECT = {"glm-5.2": 78, "deepseek-v3.2": 61}  # decoder layers of the full models (MTP layers are never run)
+
+
+def _save(out: Path, step: str, doc: dict) -> None:
+    tmp = out / f"{step}.json.tmp"
+    tmp.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+    tmp.replace(out / f"{step}.json")
+    print(f"[{step}] saved {out / (step + '.json')}", flush=True)
+
+
+def _run(cmd: list[str], timeout: float) -> tuple[int, float, str]:
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    tail = "\n".join((p.stdout + p.stderr).splitlines()[-25:])
+    return p.returncode, time.perf_counter() - t0, tail
+
+
+def step_write(a, out: Path) -> dict:
+    if (a.ckpt / "model.safetensors.index.json").is_file():
+        return {"skipped": "checkpoint present", "path": str(a.ckpt)}
+    rc, s, tail = _run([sys.executable, "-m", "tools.write_checkpoint", str(a.ckpt), "--layers", str(a.layers),
+                        "--format", "fp8-block"], a.timeout)
+    print(tail)
+    return {"rc": rc, "seconds": s, "layers": a.layers, "path": str(a.ckpt), "log": tail}
+
+
+def step_disk(a, out: Path) -> dict:
+    shards = sorted(a.ckpt.glob("model-*.safetensors"), key=lambda p: p.stat().st_size)
+    if not shards:
+        return {"error": "no shard"}
+    big = shards[-1]
+    size = big.stat().st_size
+    block = 64 << 20
+    fd = os.open(big, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    import mmap
+
+    buf = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT needs
+    done = 0
+    t0 = time.perf_counter()
+    try:
+        while done < size:
+            n = os.readv(fd, [buf])
+            if n <= 0:
+                break
+            done += n
+    finally:
+        os.close(fd)
+    s = time.perf_counter() - t0
+    return {"shard": big.name, "bytes": done, "seconds": s, "gb_per_s": done / s / 1e9, "o_direct": hasattr(os, "O_DIRECT")}
+
+
+def _kld(a, offload: str, path: Path) -> list[str]:
+    return [sys.executable, "-m", "mla_eval", "kld", "--model", str(a.ckpt), "--text", str(a.text), "--max-tokens",
+            str(a.max_tokens), "--ctx", str(a.ctx), "--stride", str(a.stride), "--formats", a.formats, "--scales", "none",
+            "--offload", offload, "--out", str(path), "--force"]
+
+
+def step_kld(a, out: Path, offload: str) -> dict:
+    path = out / f"kld-{offload}.json"
+    rc, s, tail = _run(_kld(a, offload, path), a.timeout)
+    print(tail)
+    doc = {"rc": rc, "wall_seconds": s, "document": str(path.name), "log": tail}
+    if rc == 0:
+        kld = json.loads(path.read_text())
+        ex = kld.get("execution", {})
+        doc["execution"] = ex
+        doc["formats"] = {k: v["kld_mean"] for k, v in kld["formats"].items()}
+        doc["peak_gib"] = kld["environment"].get("gpu_peak_memory_gib")
+        read = ex.get("read") or {}
+        if read.get("read_seconds"):
+            doc["read_gb_per_s"] = read["bytes"] / read["read_seconds"] / 1e9
+    return doc
+
+
+def step_resident(a, out: Path) -> dict:
+    doc = step_kld(a, out, "none")
+    s = out / "kld-stream.json"
+    r = out / "kld-none.json"
+    if doc["rc"] == 0 and s.is_file():
+        fs, fr = json.loads(s.read_text())["formats"], json.loads(r.read_text())["formats"]
+        doc["formats_equal_streamed"] = fs == fr
+    return doc
+
+
+def step_project(a, out: Path) -> dict:
+    from mla_eval.evals.kld_evaluation import KldSettings, plan_kld_run
+
+    disk = out / "disk.json"
+    bps = json.loads(disk.read_text()).get("gb_per_s", 0) * 1e9 if disk.is_file() else None
+    res = {}
+    for preset, layers in PROJECT.items():
+        folder = Path(f"/tmp/index-{preset}")
+        if not (folder / "model.safetensors.index.json").is_file():
+            rc, s, tail = _run([sys.executable, "-m", "tools.write_checkpoint", str(folder), "--layers", str(layers),
+                                "--preset", preset, "--format", "fp8-block", "--index-only"], a.timeout)
+            if rc:
+                res[preset] = {"error": tail}
+                continue
+        for batch in a.batches:
+            t0 = time.perf_counter()
+            try:
+                kp = plan_kld_run(KldSettings(model=str(folder), text=a.text, batch=batch), read_bps=bps,
+                                  read_source="benchmarks.stream_bench disk step (O_DIRECT sequential read)")
+            except Exception as exc:  # a refusal or OOM is a result of this step
+                res[f"{preset}/batch{batch}"] = {"error": f"{type(exc).__name__}: {exc}"}
+                continue
+            d = kp.as_dict()
+            res[f"{preset}/batch{batch}"] = {"plan": d, "lines": kp.lines(), "seconds": time.perf_counter() - t0,
+                                             "projected_hours": (d["time"]["projected_seconds"] or 0) / 3600}
+            print("\n".join(kp.lines()), flush=True)
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.stream_bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--ckpt", type=Path, default=Path("/tmp/ckpt"))
+    p.add_argument("--text", type=Path, required=True)
+    p.add_argument("--layers", type=int, default=5)
+    p.add_argument("--ctx", type=int, default=8192)
+    p.add_argument("--stride", type=int, default=4096)
+    p.add_argument("--max-tokens", type=int, default=16384)
+    p.add_argument("--formats", default="fp8_ds_mla,nvfp4")
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--steps", default=",".join(STEPS))
+    p.add_argument("--timeout", type=float, default=540)
+    p.add_argument("--force", action="store_true", help="rerun steps whose file exists")
+    a = p.parse_args(argv)
+    a.batches = [int(b) for b in a.batches.split(",")]
+    a.out.mkdir(parents=True, exist_ok=True)
+    for step in a.steps.split(","):
+        if step not in STEPS:
+            p.error(f"unknown step {step}: one of {', '.join(STEPS)}")
+        if (a.out / f"{step}.json").is_file() and not a.force:
+            print(f"[{step}] done before: {a.out / (step + '.json')}")
+            continue
+        print(f"[{step}] start", flush=True)
+        t0 = time.perf_counter()
+        fn = {"write": step_write, "disk": step_disk, "stream": lambda a, o: step_kld(a, o, "stream"),
+              "resident": step_resident, "project": step_project}[step]
+        doc = fn(a, a.out)
+        doc["step_seconds"] = time.perf_counter() - t0
+        _save(a.out, step, doc)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
