@@ -146,9 +146,8 @@ def test_read_error_mid_run_leaves_no_document(folders, tmp_path, capsys, monkey
 
 
 def test_host_memory_too_small_is_refused_at_plan_time(folders, tmp_path, capsys, monkeypatch):
-    from mla_eval.model import run_plan
-
     from mla_eval.evals.kld_plan import inventory
+    from mla_eval.model import run_plan
     from mla_eval.model.loader import load_skeleton
 
     weights = inventory(load_skeleton(folders["fp8"], "cpu"))
@@ -173,3 +172,24 @@ def test_unsupported_weight_quantisation_names_the_supported_ones(folders, tmp_p
     for extra in ([], ["--dry-run"]):
         code, _, err = run([*common(odd, folders["text"]), "--scales", "none", *extra], capsys)
         assert code == 2 and err.count("error:") == 1 and "'gptq' is not supported" in err and "fp8" in err, err
+
+
+def test_torchrun_ranks_stream_the_same_layers_and_reduce_exactly(folders, tmp_path):
+    """Data parallel composes with streaming: two gloo ranks on the CPU each stream every layer and score every
+    second window; the gathered document equals one resident process's."""
+    import os
+    import subprocess
+    import sys
+
+    args = [*common(folders["fp8"], folders["text"], "nvfp4"), "--scales", "none", "--no-layer-stats"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    one = subprocess.run([sys.executable, "-m", "mla_eval", *args, "--offload", "none", "--out", str(tmp_path / "one.json")],
+                         env=env, capture_output=True, text=True)
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29563",
+                          "-m", "mla_eval", *args, "--offload", "stream", "--out", str(tmp_path / "two.json")],
+                         env=env, capture_output=True, text=True)
+    assert two.returncode == 0, two.stderr[-2000:]
+    a, b = (json.loads((tmp_path / f).read_text()) for f in ("one.json", "two.json"))
+    assert b["settings"]["world_size"] == 2 and b["execution"]["plan"]["mode"] == "stream"
+    assert a["formats"] == b["formats"]

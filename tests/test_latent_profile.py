@@ -102,3 +102,46 @@ def test_bad_profiles_are_one_line_errors(tmp_path, content, match):
 def test_an_unknown_profile_names_the_choices(tmp_path):
     with pytest.raises(UserError, match="neither a built-in profile \\(glm-5.2\\) nor a JSON file"):
         parse_profile(str(tmp_path / "missing.json"))
+
+
+def test_commands_apply_and_record_the_profile(tmp_path, capsys):
+    """kld, calibrate and needle take --latent-profile: the result records it, and the cache's measured per-layer
+    max |c_kv| (calibrate's max_abs_c_kv over the same text) follows the profile within 2 %."""
+    from mla_eval.cli import main
+
+    text = tmp_path / "t.txt"
+    text.write_text(" ".join(f"The river {w} flows past the old mill near the {w} bridge." for w in ["north", "south"] * 60))
+    code = main(["calibrate", "--text", str(text), "--latent-profile", "glm-5.2", "--device", "cpu", "--ctx", "2048",
+                 "--out", str(tmp_path / "s.json")])
+    assert code == 0, capsys.readouterr().err[-2000:]
+    doc = json.loads((tmp_path / "s.json").read_text())
+    target = PROFILES["glm-5.2"].for_layers(len(doc["max_abs_c_kv"]))
+    # one calibration window holds the whole text, the window the profile was fitted on: the maxima agree up to the
+    # float32 rounding of the rescaled weights
+    assert all(abs(m / t - 1) < 0.02 for m, t in zip(doc["max_abs_c_kv"], target))
+    assert doc["latent_profile"]["name"] == "glm-5.2"
+    out = tmp_path / "k.json"
+    code = main(["kld", "--text", str(text), "--latent-profile", "glm-5.2", "--formats", "nvfp4", "--scales", "none",
+                 "--no-layer-stats", "--ctx", "128", "--device", "cpu", "--out", str(out)])
+    assert code == 0, capsys.readouterr().err[-2000:]
+    kld = json.loads(out.read_text())
+    assert kld["model"]["latent_profile"]["max_abs_target"] == pytest.approx(target)
+    assert kld["execution"]["plan"]["mode"] == "resident"
+    out = tmp_path / "n.json"
+    code = main(["needle", "--latent-profile", "glm-5.2", "--formats", "nvfp4", "--lengths", "256", "--depths", "50",
+                 "--trials", "1", "--device", "cpu", "--out", str(out)])
+    assert code == 0, capsys.readouterr().err[-2000:]
+    assert json.loads(out.read_text())["model"]["latent_profile"]["name"] == "glm-5.2"
+
+
+def test_a_profile_refuses_streaming_and_a_bad_name_before_loading(tmp_path, capsys):
+    from mla_eval.cli import main
+
+    text = tmp_path / "t.txt"
+    text.write_text("a b c " * 200)
+    code = main(["kld", "--text", str(text), "--latent-profile", "glm-5.2", "--offload", "stream", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--latent-profile reparametrises the whole model in memory" in err and "Traceback" not in err
+    code = main(["needle", "--latent-profile", "glm-9", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert code == 2 and "is neither a built-in profile (glm-5.2)" in err

@@ -432,6 +432,7 @@ def evaluate_kld(st: KldSettings, progress: ProgressCallback = no_progress) -> K
         elif lm.checkpoint is not None:  # a skeleton planned resident: now the weights
             phases.start("load")
             lm = st.load()
+        profile = st.apply_profile(lm, (calib or source).sequences[0], (calib or source).label)
         outer = given
         try:
             loaded = None
@@ -466,7 +467,8 @@ def evaluate_kld(st: KldSettings, progress: ProgressCallback = no_progress) -> K
     return KldResult(
         model={"name": lm.name, "path": str(lm.path), "default": lm.is_default, "layers": lm.num_layers,
                "random": lm.is_random, "label": lm.label, "max_positions": lm.max_positions,
-               "rope_scaling": lm.rope_scaling, **({"weights": weights} if weights is not None else {})},
+               "rope_scaling": lm.rope_scaling, **({"weights": weights} if weights is not None else {}),
+               **({"latent_profile": profile} if profile is not None else {})},
         text={"kind": source.kind, "label": source.label, "digest": source.digest, "tokens": source.num_tokens,
               **({"note": st.text_note} if st.text_note else {})},
         settings={"ref": ref.name, "ctx": ctx, "stride": stride, "min_context": min_context, "batch": protocol.batch,

@@ -58,8 +58,11 @@ def open_model(st, dry_run: bool = False):
                         "which a streamed run never holds")
     if st.device_map != "none" and st.offload == "stream":
         raise UserError("--offload stream runs one layer at a time on one device; drop --device-map auto")
+    if st.latent_profile != "none" and st.offload == "stream":
+        raise UserError("--latent-profile reparametrises the whole model in memory: use --offload none or auto")
     random = st.model is not None and is_random_spec(str(st.model))
-    may_stream = st.offload != "none" and not st.self_samples and st.device_map == "none"
+    # a latent profile measures and rewrites every layer of a resident model
+    may_stream = st.offload != "none" and not st.self_samples and st.device_map == "none" and st.latent_profile == "none"
     if not random and (dry_run or may_stream):
         return load_skeleton(st.model, None if st.device_map != "none" else st.device, rope_scaling=st.rope_scaling,
                              require_weights=not dry_run)

@@ -226,6 +226,7 @@ def evaluate_needle(st: NeedleSettings, progress: ProgressCallback = no_progress
                 "use shorter lengths or extend the context with --rope-scaling yarn:FACTOR"
             )
         hay_ids, noise, hay_label = load_haystack(lm.tokenizer, st.haystack)
+        profile = st.apply_profile(lm, torch.as_tensor(hay_ids), hay_label)
         builder = PromptBuilder(lm.tokenizer, hay_ids, noise)
         for t in tasks:  # fail early: a haystack too short for the longest prompt, needles too many for the shortest
             budget = nd.new_tokens_for(t.kind, t.name, t.count)
@@ -271,7 +272,8 @@ def evaluate_needle(st: NeedleSettings, progress: ProgressCallback = no_progress
         }
     return NeedleResult(
         model={"name": lm.name, "path": str(lm.path), "default": lm.is_default, "max_positions": lm.max_positions,
-               "random": lm.is_random, "label": lm.label, "rope_scaling": lm.rope_scaling},
+               "random": lm.is_random, "label": lm.label, "rope_scaling": lm.rope_scaling,
+               **({"latent_profile": profile} if profile is not None else {})},
         settings={"task": ",".join(labels), "values": st.values, "haystack": hay_label, "lengths": lens, "depths": deps,
                   "trials": st.trials, "seed": st.seed, "threshold": st.threshold, "prefill": st.prefill,
                   "max_new_tokens": run.max_new_tokens, "stop_at_answer": not st.full_answers,

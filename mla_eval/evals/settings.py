@@ -9,10 +9,12 @@ from pathlib import Path
 
 from mla_eval.attention import dispatch
 from mla_eval.errors import UserError
+from mla_eval.model.latent_profile import PROFILE_HELP
 from mla_eval.model.loader import DEVICE_MAP_HELP, MAX_MEMORY_HELP, MODEL_HELP
 from mla_eval.model.rope_scaling import ROPE_SCALING_HELP
 from mla_eval.protocol import option
 
+PROFILE_CALIBRATION_TOKENS = 2048  # tokens a latent profile measures the model's own magnitudes on
 DEFAULT_CTX = 2048  # window length of text / dataset evaluations (self-samples: their --sample-len)
 DEVICES_HELP = "cpu, cuda, cuda:N or auto"
 BACKEND_HELP = (
@@ -61,13 +63,17 @@ class ModelSettings:
     rope_scaling: str = option("none", "--rope-scaling", help=ROPE_SCALING_HELP)
     # --device-map auto: accelerate's cap per GPU, e.g. "40GiB"
     max_memory: str | None = option(None, "--max-memory", help=MAX_MEMORY_HELP)
+    # a built-in profile name, a JSON file of per-layer max |c_kv|, or none (mla_eval.model.latent_profile)
+    latent_profile: str = option("none", "--latent-profile", help=PROFILE_HELP)
 
     def __post_init__(self) -> None:
+        from mla_eval.model.latent_profile import parse_profile
         from mla_eval.model.rope_scaling import parse_rope_scaling  # no torch: validated before any load
 
         if self.backend is not None:
             dispatch.check_backend(self.backend)
         parse_rope_scaling(self.rope_scaling)
+        parse_profile(self.latent_profile)  # a bad name or file fails before any load
         if self.max_memory is not None:
             from mla_eval.model.loader import check_max_memory  # torch: only when the option is used
 
@@ -81,6 +87,20 @@ class ModelSettings:
         return load_model(
             self.model, self.device, device_map=self.device_map, rope_scaling=self.rope_scaling, max_memory=self.max_memory
         )
+
+    def apply_profile(self, lm, ids, label: str) -> dict | None:
+        """--latent-profile: reparametrise the loaded model so each layer's max |c_kv| over the first window of the
+        run's own text (`ids`, 1-D, at most PROFILE_CALIBRATION_TOKENS used) follows the profile; what was done, for
+        the result's model.latent_profile (None without a profile)."""
+        from mla_eval.model.latent_profile import apply_latent_profile, parse_profile
+
+        profile = parse_profile(self.latent_profile)
+        if profile is None:
+            return None
+        if getattr(lm, "checkpoint", None) is not None:
+            raise UserError("--latent-profile reparametrises the whole model in memory: run it with --offload none")
+        window = ids[:PROFILE_CALIBRATION_TOKENS].view(1, -1)
+        return apply_latent_profile(lm, profile, window, f"{window.shape[1]} tokens from the start of {label}").as_dict()
 
     def placement(self, lm) -> dict:
         """Where the model ran, for the result document: the device map, the per-GPU cap (bytes) and,
