@@ -373,6 +373,10 @@ def plan_kld_run(st: KldSettings, progress: ProgressCallback = no_progress, meas
         finally:
             if loader is not None:
                 loader.close()
+            del lm  # the skeleton and its stack refer to each other: collected now, its device memory with it
+            import gc
+
+            gc.collect()
 
 
 def evaluate_kld(st: KldSettings, progress: ProgressCallback = no_progress) -> KldResult:

@@ -141,7 +141,10 @@ def measure_layers(lm, source: TokenSource, protocol: KldProtocol, loader=None, 
     indexer layer reuses the top-k of the full layer before it."""
     stack = lm.stack
     windows = plan_windows(lm, source, protocol)
-    group = _same_shape_groups(list(enumerate(windows))[: protocol.batch])[0]
+    # the run's widest window batch (the first windows of a sequence may batch apart: another scored range)
+    groups = [g for i in range(0, len(windows), protocol.batch)
+              for g in _same_shape_groups(list(enumerate(windows))[i : i + protocol.batch])]
+    group = max(groups, key=lambda g: len(g) * g[0][1].length)
     ws = [w for _, w in group]
     ids = torch.stack([source.sequences[w.seq][w.start : w.start + w.length] for w in ws]).to(lm.device)
     rows = [v for v, _ in protocol.rows(Variant(get_format("bf16"))) if not v.outer]  # scales are not known yet
@@ -188,8 +191,8 @@ def measure_layers(lm, source: TokenSource, protocol: KldProtocol, loader=None, 
             seconds, bytes_ = stack.time_layer(i, fwd, TIMING_REPEATS, hidden=hidden, topk=topk)
             times.append(seconds)
             peak = max(peak, bytes_)
-        if lm.adapter.last_topk is not None:
-            topk = lm.adapter.last_topk
+        if stack.timed_topk is not None:  # a full indexer layer's top-k, for the shared layers after it
+            topk = stack.timed_topk
         per_build[i] = sum(w * t for w, t in zip(weight, times)) / sum(weight)
         if fetched:
             if loader is not None and shards_present:

@@ -281,6 +281,10 @@ def write_random_checkpoint(folder: str | Path, config, fmt: str, seed: int = 0,
     config.save_pretrained(folder)
     raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     raw.pop("quantization_config", None)
+    # transformers >= 5.2x writes a derived `layer_types` ("indexed_attention") that transformers 5.17 (the H200's)
+    # refuses; the published DSA configs do not carry it, and every version derives it again
+    if raw.get("model_type") in ("glm_moe_dsa", "deepseek_v32") and set(raw.get("layer_types") or []) <= {"indexed_attention"}:
+        raw.pop("layer_types", None)
     if qc is not None:
         raw["quantization_config"] = qc
     (folder / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n", encoding="utf-8")

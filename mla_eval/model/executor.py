@@ -67,6 +67,7 @@ class DecoderStack:
         # the keyword arguments the model's own forward passes its decoder layers, where this version takes them
         self._layer_kwargs = {k: v for k, v in (("attention_mask", None), ("use_cache", False)) if k in params}
         self._adapter = lm.adapter
+        self.timed_topk: torch.Tensor | None = None  # the DSA top-k of the last `time_layer` (None: not a DSA layer)
 
     def _embed(self, ids: torch.Tensor):
         h = self.base.embed_tokens(ids)
@@ -183,6 +184,7 @@ class DecoderStack:
                     torch.cuda.synchronize(dev)
                 if r:
                     times.append(time.perf_counter() - t0)
+            self.timed_topk = self._adapter.last_topk  # before the session closes (it clears the adapter's)
         peak = torch.cuda.max_memory_allocated(dev) - before if cuda else 0
         return statistics.median(times), int(peak)
 

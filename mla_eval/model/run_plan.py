@@ -146,6 +146,8 @@ class Budget:
         host = int(available_host_memory() * HOST_UTILISATION)
         if device.type == "cuda":
             free, _total = torch.cuda.mem_get_info(device)
+            # what torch's allocator holds but no tensor uses is free to this process too
+            free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
             return cls(int(free * DEVICE_UTILISATION), host, str(device),
                        f"cuda free memory x {DEVICE_UTILISATION}, host MemAvailable x {HOST_UTILISATION}")
         return cls(host, host, str(device), f"host MemAvailable x {HOST_UTILISATION} (a CPU run: one memory)")
