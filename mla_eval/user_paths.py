@@ -90,15 +90,20 @@ def read_input_bytes(path: Path, what: str, limit: int) -> bytes:
     except OSError as exc:
         raise UserError(f"{what} {path} is not readable ({exc.strerror or exc})") from None
     with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
             raise UserError(f"{what} {path} is not a regular file; give a file")
+        chunk = min(limit + 1, max(st.st_size + 1, 1 << 16))  # read(n) allocates n: never the whole limit at once
+        parts, total = [], 0
         try:
-            data = f.read(limit + 1)
+            while part := f.read(min(chunk, limit + 1 - total)):
+                parts.append(part)
+                total += len(part)
+                if total > limit:
+                    raise UserError(f"{what} {path} is over the {_size(limit)} a {what} file may hold; give the right file")
         except OSError as exc:
             raise UserError(f"{what} {path} is not readable ({exc.strerror or exc})") from None
-    if len(data) > limit:
-        raise UserError(f"{what} {path} is over the {_size(limit)} a {what} file may hold; give the right file")
-    return data
+    return b"".join(parts)
 
 
 def read_input_text(path: Path, what: str, limit: int) -> str:

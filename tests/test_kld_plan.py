@@ -146,9 +146,8 @@ def test_read_error_mid_run_leaves_no_document(folders, tmp_path, capsys, monkey
 
 
 def test_host_memory_too_small_is_refused_at_plan_time(folders, tmp_path, capsys, monkeypatch):
-    from mla_eval.model import run_plan
-
     from mla_eval.evals.kld_plan import inventory
+    from mla_eval.model import run_plan
     from mla_eval.model.loader import load_skeleton
 
     weights = inventory(load_skeleton(folders["fp8"], "cpu"))

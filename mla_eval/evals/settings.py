@@ -5,6 +5,7 @@ protocol defaults (one definition each), and settings from a recipe table.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from pathlib import Path
 
 from mla_eval.attention import dispatch
@@ -13,6 +14,7 @@ from mla_eval.model.loader import DEVICE_MAP_HELP, MAX_MEMORY_HELP, MODEL_HELP
 from mla_eval.model.rope_scaling import ROPE_SCALING_HELP
 from mla_eval.protocol import option
 
+SCALES_MODES = ("auto", "none")  # --scales: one of these, or a path to an outer-scale JSON
 DEFAULT_CTX = 2048  # window length of text / dataset evaluations (self-samples: their --sample-len)
 DEVICES_HELP = "cpu, cuda, cuda:N or auto"
 BACKEND_HELP = (
@@ -78,9 +80,13 @@ class ModelSettings:
 
         if self.device_map == "none":  # --backend kernel where the kernels cannot run: refused before the load
             dispatch.preflight(self.backend, [resolve_device(self.device)])
-        return load_model(
+        lm = load_model(
             self.model, self.device, device_map=self.device_map, rope_scaling=self.rope_scaling, max_memory=self.max_memory
         )
+        if self.device_map == "auto" and all(d.type == "cpu" for d in lm.layer_devices):  # said, not silent
+            warnings.warn("--device-map auto found no GPU: every layer runs on the CPU (drop --device-map auto for a "
+                          "plain CPU run, or make the GPUs visible)", stacklevel=2)
+        return lm
 
     def placement(self, lm) -> dict:
         """Where the model ran, for the result document: the device map, the per-GPU cap (bytes) and,
