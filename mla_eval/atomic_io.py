@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from mla_eval.errors import UserError
+from mla_eval.user_paths import check_output_target
 
 
 class TargetExistsError(UserError, FileExistsError):
@@ -63,6 +64,7 @@ def write_bytes_atomic(path: Path, data: bytes, replace: bool = True) -> None:
     path = Path(path)
     if path.is_dir():
         raise UserError(f"{path} is a folder; give a file path to write")
+    check_output_target(path, "output")  # the rename below would replace a device node, not write into it
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = _temp_file(path)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -49,7 +50,7 @@ from mla_eval.model_presets import (
     load_config,
     preset_names,
 )
-from mla_eval.protocol import ProgressCallback, no_progress, option
+from mla_eval.protocol import ProgressCallback, no_progress, option, value_fits
 from mla_eval.result_schemas import CAPACITY_SCHEMA
 
 GIB = 1 << 30
@@ -368,6 +369,10 @@ class CapacitySettings:
             raise UserError(f"{where}: unknown capacity option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         if isinstance(values.get("formats"), (list, tuple)):
             values["formats"] = ",".join(str(f) for f in values["formats"])
+        hints = typing.get_type_hints(cls)
+        for key, value in values.items():  # a recipe's `tp = "eight"` is named here, not met as a TypeError later
+            if not value_fits(hints[key], value):
+                raise UserError(f"{where}: {key} = {value!r} has the wrong type (expected {hints[key]})")
         if values.get("config") is not None:
             values["config"] = Path(values["config"])
         return cls(**values)

@@ -11,7 +11,10 @@ written (exit 130 / 143).
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib
+import io
+import os
 import signal
 import sys
 import threading
@@ -142,6 +145,25 @@ def _interrupted(scope: _SignalScope, pending) -> int:
     return SIGNAL_EXIT[sig]
 
 
+# a write that cannot go on (stdout on a full device or a closed pipe, a full disk): the user's to fix
+OUTPUT_ERRNOS = {errno.ENOSPC, errno.EPIPE, errno.EDQUOT, errno.EFBIG, errno.EIO}
+
+
+def _output_failed(exc: OSError) -> int:
+    """One line for a write that failed (the file it names, else the command's standard output), exit 2. What
+    stdout still buffers is dropped (fd 1 pointed at /dev/null), so the exit does not fail on it again."""
+    where = f"{exc.filename}" if exc.filename else "the output (standard output)"
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        sys.stdout.flush()
+    with contextlib.suppress(OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        fd = sys.stdout.fileno()
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, fd)
+        os.close(devnull)
+    typer.echo(f"error: cannot write {where}: {exc.strerror or exc}; free space there or send the output elsewhere", err=True)
+    return 2
+
+
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
     """The library's warnings (e.g. the kernel fallback) as one `warning: ...` line on stderr."""
     typer.echo(f"warning: {_one_line(message)}", err=True)
@@ -172,6 +194,10 @@ def main(argv: list[str] | None = None) -> int:
         except USAGE_ERRORS as exc:
             typer.echo(f"error: {_usage_message(exc)}", err=True)
             return 2
+        except OSError as exc:
+            if exc.errno not in OUTPUT_ERRNOS:
+                raise
+            return _output_failed(exc)
         if scope.received is not None or code == SIGNAL_EXIT[signal.SIGINT]:
             return _interrupted(scope, pending)  # typer >= 0.2x turns KeyboardInterrupt into exit code 130
     return code if isinstance(code, int) else 0

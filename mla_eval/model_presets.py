@@ -32,6 +32,7 @@ from typing import Any
 
 from mla_eval.errors import UserError
 from mla_eval.formats import check_model_dims
+from mla_eval.user_paths import SMALL_JSON_LIMIT, read_input_text
 
 INDEXER_QUANT_BLOCK = 128  # vLLM Indexer.quant_block_size: one fp32 scale per 128 key values
 INDEXER_SCALE_BYTES = 4  # fp32
@@ -266,14 +267,13 @@ def load_config(path: str | Path) -> tuple[MlaCacheGeometry, WeightsInfo | None]
         directory, config_file = path, path / "config.json"
         if not config_file.is_file():
             raise UserError(f"{path} is a directory without a config.json; point --config at a HF config.json")
-    elif path.is_file():
+    elif path.exists():  # a file (read_input_text refuses a device or a pipe by name)
         directory, config_file = None, path
     else:
         raise UserError(f"config {path} does not exist; point --config at a HF config.json or a checkpoint directory")
+    text = read_input_text(config_file, "--config", SMALL_JSON_LIMIT)  # a regular file, bounded: never a device or pipe
     try:
-        cfg = json.loads(config_file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"cannot read {config_file}: {exc}") from None
+        cfg = json.loads(text)
     except json.JSONDecodeError as exc:
         raise UserError(f"{config_file} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
     geometry = geometry_from_config(cfg, name=str(config_file), source=str(config_file))

@@ -115,10 +115,10 @@ def option_fields(cls: type) -> list[OptionField]:
     return out
 
 
-def written_paths(settings: Any) -> list[Path]:
-    """The files a settings object asks its evaluation to write (options declared path="write")."""
-    return [Path(getattr(settings, f.name)) for f in option_fields(type(settings))
-            if f.option.path == "write" and getattr(settings, f.name) is not None]
+def path_options(obj: Any, kind: Literal["read", "write"]) -> list[tuple[str, Path]]:
+    """(long flag, path) of each set option of a settings (or command-options) object declared path=kind."""
+    return [(f.option.flags[0].split("/")[0], Path(getattr(obj, f.name))) for f in option_fields(type(obj))
+            if f.option.path == kind and getattr(obj, f.name) is not None]
 
 
 # --- the evaluation protocol --------------------------------------------------------------------------
@@ -182,11 +182,11 @@ class Evaluation:
 # --- recipe tables ----------------------------------------------------------------------------------
 
 
-def _accepts(annotation, value) -> bool:
+def value_fits(annotation, value) -> bool:
     """Whether a recipe value fits a settings field's annotation (int, float, str, bool, Path, X | None, lists)."""
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
-        return any(_accepts(a, value) for a in typing.get_args(annotation))
+        return any(value_fits(a, value) for a in typing.get_args(annotation))
     if annotation is type(None):
         return value is None
     if origin in (list, tuple):
@@ -216,7 +216,7 @@ def settings_from_table(cls: type, table: dict, where: str, **fixed):
         if name not in fields or name in fixed:
             known = ", ".join(sorted(n for n in fields if n not in fixed))
             raise UserError(f"{where}: unknown key {key!r}; known keys: {known}")
-        if not _accepts(hints[name], value):
+        if not value_fits(hints[name], value):
             raise UserError(f"{where}: {key} = {value!r} has the wrong type (expected {hints[name]})")
         if hints[name] in (Path, Path | None) and isinstance(value, str):
             value = Path(value)

@@ -26,6 +26,7 @@ from mla_eval.atomic_io import write_json_atomic
 from mla_eval.errors import UserError
 from mla_eval.formats.spec import OUTER_SCALE_SCHEMA
 from mla_eval.result_schemas import require_validator, schema_files, validate
+from mla_eval.user_paths import RESULT_LIMIT, check_output_target, read_input_text
 from mla_eval.version import __version__
 
 
@@ -78,18 +79,13 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not JSON; mla-eval writes NaN as null and infinity as \"inf\"")
 
 
-def load_json(path: Path) -> Any:
-    """A JSON file as written by mla-eval (no NaN/Infinity literals); every failure is one
-    UserError line naming the file."""
+def load_json(path: Path, what: str = "result") -> Any:
+    """A JSON file as written by mla-eval (no NaN/Infinity literals), read as a regular file of bounded
+    size (never a device or a pipe); every failure is one UserError line naming the file."""
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise UserError(f"{path} does not exist") from None
-    except IsADirectoryError:
-        raise UserError(f"{path} is a directory, not a result JSON file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"{path} is not readable ({exc})") from None
+    if path.is_dir():
+        raise UserError(f"{path} is a directory, not a {what} JSON file")
+    text = read_input_text(path, what, RESULT_LIMIT)
     try:
         return json.loads(text, parse_constant=_reject_constant)
     except json.JSONDecodeError as exc:
@@ -174,8 +170,8 @@ def is_our_document(path: Path, schema: str | None = None) -> bool:
     """Is the file at `path` a document mla-eval writes (valid JSON naming one of our schema ids,
     an outer-scale file, or valid against `schema`)? Only such files may be replaced by --force."""
     try:
-        doc = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
+        doc = json.loads(read_input_text(Path(path), "output", RESULT_LIMIT))
+    except (UserError, ValueError):  # not a regular file, too large, not UTF-8, not JSON: not ours
         return False
     if not isinstance(doc, dict):
         return False
@@ -190,14 +186,16 @@ def is_our_document(path: Path, schema: str | None = None) -> bool:
     return False
 
 
-def check_replaceable(path: Path, force: bool, schema: str | None = None) -> None:
-    """An existing `path` may be replaced only with --force and only when it is a document we wrote."""
+def check_replaceable(path: Path, force: bool, schema: str | None = None, option: str = "--out") -> None:
+    """An existing `path` may be replaced only with --force and only when it is a document we wrote
+    (and never when it is a device or a pipe: user_paths.check_output_target)."""
+    check_output_target(path, option)
     if not path.exists():
         return
     if not force:
-        raise UserError(f"{path} exists; choose another --out or pass --force to replace it")
+        raise UserError(f"{path} exists; choose another {option} or pass --force to replace it")
     if not is_our_document(path, schema):
-        raise UserError(f"{path} exists and is not an mla-eval result (--force replaces only those); choose another --out")
+        raise UserError(f"{path} exists and is not an mla-eval result (--force replaces only those); choose another {option}")
 
 
 def check_writable_folder(path: Path) -> None:
@@ -217,7 +215,7 @@ def check_writable_folder(path: Path) -> None:
     os.unlink(tmp)
 
 
-def check_output_path(path: Path, force: bool = False, schema: str | None = None) -> Path:
+def check_output_path(path: Path, force: bool = False, schema: str | None = None, option: str = "--out") -> Path:
     """Before any long work: can a result document be written at `path`? One-line UserError if not
     (exists without --force, exists and is not ours, is a folder, its folder cannot be created or
     written).
@@ -226,10 +224,13 @@ def check_output_path(path: Path, force: bool = False, schema: str | None = None
     `pending_outputs()` the path is remembered until it is written (an interrupted run names it).
     """
     path = Path(path)
+    if str(path) in ("", "."):
+        raise UserError(f"{option} is empty; give a file path (e.g. {option} result.json)")
+    check_output_target(path, option)
     if path.is_dir():
         raise UserError(f"{path} is a folder; give a file path (e.g. {path / 'result.json'})")
     require_validator()  # the document is validated when written: a missing validator must not cost the run
-    check_replaceable(path, force, schema)
+    check_replaceable(path, force, schema, option)
     check_writable_folder(path)
     promise_output(path)
     return path

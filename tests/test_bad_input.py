@@ -258,6 +258,40 @@ CASES = {
     "run: --force over a user's file of the same name": (
         lambda w: ["run", str(w.recipe("cap.toml", '[capacity]\npreset = "glm-5"\n')),
                    "--out", str(_user_file_named(w, "capacity.json")), "--force"], {}, "capacity.json"),
+    # issue 29: recipe types, undecodable files, absurd scales, limits, self-overwrites
+    "run: [capacity] tp is not a number": (lambda w: ["run", _toml(w, "tp", '[capacity]\ntp = "eight"\n'),
+                                                      "--out", str(w.root / "run-tp")], {}, 'tp = \'eight\' has the wrong type'),
+    "run: [[capacity]] preset is not a string": (lambda w: ["run", _toml(w, "preset", "[[capacity]]\npreset = 7\n"),
+                                                            "--out", str(w.root / "run-p")], {}, "preset = 7 has the wrong type"),
+    "run: recipe is not UTF-8": (lambda w: ["run", str(_bytes(w, "latin.toml", b'[capacity]\npreset = "glm-5" # \xe9t\xe9\n')),
+                                            "--out", str(w.root / "run-u")], {}, "is not UTF-8 text"),
+    "run: model is not a string": (lambda w: ["run", _toml(w, "m7", "model = 7\n[capacity]\n"), "--out", str(w.root / "run-m")],
+                                   {}, "model = 7 must be a string"),
+    "kld: --scales file is not UTF-8": (lambda w: _kld(w, "--formats", "nvfp4+s_l", "--scales",
+                                                       str(_bytes(w, "latin.json", b'{"format": "\xe9"}'))), {},
+                                        "is not UTF-8 text"),
+    "kld: --scales 1e300": (lambda w: _kld(w, "--formats", "nvfp4+s_l", "--scales", _scales(w, "huge.json", "1e300")), {},
+                            "huge.json: scale of layer 1 is 1e+300"),
+    "kld: --scales Infinity": (lambda w: _kld(w, "--formats", "nvfp4+s_l", "--scales", _scales(w, "inf.json", "Infinity")), {},
+                               "inf.json is not readable JSON (Infinity is not JSON)"),
+    "kld: --scales NaN": (lambda w: _kld(w, "--formats", "nvfp4+s_l", "--scales", _scales(w, "nan.json", "NaN")), {},
+                          "nan.json is not readable JSON (NaN is not JSON)"),
+    "kld: --scales negative": (lambda w: _kld(w, "--formats", "nvfp4+s_l", "--scales", _scales(w, "neg.json", "-0.5")), {},
+                               "neg.json: scale of layer 1 is -0.5"),
+    "needle: --scales 1e300": (lambda w: _needle(w, "--formats", "nvfp4+s_l", "--scales", _scales(w, "huge.json", "1e300")),
+                               {}, "huge.json: scale of layer 1 is 1e+300"),
+    "kld: --sample-len beyond the positions": (
+        lambda w: ["kld", "--model", str(w.ckpt), "--formats", "nvfp4", "--scales", "none", "--samples", "1",
+                   "--sample-len", "100000", "--device", "cpu", "--out", str(w.root / "out" / "k.json")], {},
+        "--sample-len 100000 is beyond the model's 256 positions"),
+    "kld: --out is its own --scales input": (
+        lambda w: _kld(w, "--formats", "nvfp4+s_l", "--scales", _scales(w, "mine-scales.json", "0.01"), "--out",
+                       str(w.root / "mine-scales.json"), "--force"), {}, "is also the --scales input"),
+    "needle: --haystack is not UTF-8": (lambda w: _needle(w, "--haystack", str(w.binary)), {}, "--haystack"),
+    "needle: --haystack folder with a non-UTF-8 file": (lambda w: _needle(w, "--haystack", str(_hay_folder(w))), {},
+                                                        "is not UTF-8 text"),
+    "kld: truncated safetensors": (lambda w: _kld(w, "--model", str(_truncated(w))), {}, "truncated"),
+    "kld: --out ''": (lambda w: _kld(w, "--out", ""), {}, "--out is empty"),
     # report
     "report: not a directory": (lambda w: ["report", str(w.kld_doc)], {}, "not a results directory"),
     "report: empty directory": (lambda w: ["report", str(w.empty)], {}, "holds no kld.json"),
@@ -266,6 +300,37 @@ CASES = {
     "report: --out over a user's file": (lambda w: ["report", str(w.results), "--out", str(w.user_file.with_suffix(".html"))],
                                          {}, "not a report mla-eval wrote"),
 }
+
+
+def _bytes(w: World, name: str, data: bytes) -> Path:
+    path = w.root / name
+    path.write_bytes(data)
+    return path
+
+
+def _scales(w: World, name: str, second: str) -> str:
+    """An outer-scale file for the tiny model (3 layers) whose second scale is written as `second`."""
+    path = w.root / name
+    path.write_text('{"format": "nvfp4_ds_mla_outer_scale_v1", "num_layers": 3, "latent_dim": 512, '
+                    f'"denominator": 2688, "scales": [0.01, {second}, 0.01]}}')
+    return str(path)
+
+
+def _hay_folder(w: World) -> Path:
+    folder = w.root / "hay"
+    folder.mkdir(exist_ok=True)
+    (folder / "a.txt").write_text(TEXT)
+    (folder / "b.txt").write_bytes(b"caf\xe9 " * 40)
+    return folder
+
+
+def _truncated(w: World) -> Path:
+    folder = w.root / "truncated"
+    if not folder.exists():
+        shutil.copytree(w.ckpt, folder)
+        weights = folder / "model.safetensors"
+        os.truncate(weights, weights.stat().st_size // 2)
+    return folder
 
 
 def _user_files(w: World) -> dict[Path, str]:
@@ -465,3 +530,36 @@ def torch_device(name):
     import torch
 
     return torch.device(name)
+
+
+def test_a_bad_plot_path_fails_before_the_work(world, capsys, tmp_path):
+    """kld --plot EXISTING_FILE ran the whole evaluation and wrote the JSON before dying: now it is refused
+    first, and no result is written."""
+    out = tmp_path / "k.json"
+    code = main(_kld(world, "--out", str(out), "--plot", str(world.user_file)))
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [
+        f"error: --plot {world.user_file} is a file; give a folder for the PNG plots (it is created if missing)"
+    ]
+    assert not out.exists() and world.user_file.read_text() == USER_TEXT
+    folder = tmp_path / "plots"
+    folder.mkdir()
+    (folder / "kld_cdf.png").write_text(USER_TEXT)  # a user's file with the name a plot would take
+    assert main(_kld(world, "--out", str(out), "--plot", str(folder))) == 2
+    assert "kld_cdf.png exists and is not a plot mla-eval wrote" in capsys.readouterr().err
+    assert not out.exists() and (folder / "kld_cdf.png").read_text() == USER_TEXT
+
+
+@pytest.mark.parametrize("argv", [["capacity", "--json"], ["formats"]])
+def test_stdout_on_a_full_device_is_one_line(argv, tmp_path):
+    """`mla-eval capacity --json > /dev/full` and `mla-eval formats > /dev/full`: one line, exit 2."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS="100")
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-m", "mla_eval", *argv], cwd=tmp_path, env=env, stdout=full,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-800:]
+    assert proc.stderr.strip().splitlines() == [
+        "error: cannot write the output (standard output): No space left on device; free space there or send the output "
+        "elsewhere"
+    ]

@@ -96,6 +96,8 @@ def test_kld_records_the_placement(ckpt, tmp_path, capsys):
     args = ["kld", "--model", str(ckpt), "--text", str(tmp_path / "t.txt"), "--ctx", "64", "--stride", "32",
             "--formats", "nvfp4", "--scales", "none", "--no-layer-stats", "--device-map", "auto", "--out", str(out)]
     assert main(args) == 0, capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "warning: --device-map auto found no GPU: every layer runs on the CPU" in err  # said, not silent
     settings = json.loads(out.read_text())["settings"]
     assert settings["device_map"] == "auto" and settings["max_memory_per_gpu"] is None
     assert settings["layer_devices"] == ["cpu"] * 3  # no GPU here: accelerate keeps every layer on the CPU

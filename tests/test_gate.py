@@ -146,3 +146,99 @@ def test_results_of_another_kld_window_path_are_refused(tmp_path, capsys):
     assert main(["gate", str(res), "--baseline", str(base)]) == 2  # no key: absorbed
     res.write_text(json.dumps(legacy | {"settings": legacy["settings"] | {"prefill": "absorbed"}}))
     assert main(["gate", str(res), "--baseline", str(base)]) == 0
+
+
+# --- nothing passes by omission -------------------------------------------------------------------------
+
+
+def _dir_copy(tmp_path, name):
+    folder = tmp_path / name
+    shutil.copytree(BASELINE, folder)
+    return folder
+
+
+@pytest.mark.parametrize("side", ["baseline", "results"])
+def test_a_document_one_side_lacks_fails(tmp_path, capsys, side):
+    """The issue's case: a baseline without kld.json (or results without it) must not pass with the KLD
+    silently not compared."""
+    res, base = _dir_copy(tmp_path, "r"), _dir_copy(tmp_path, "b")
+    ((base if side == "baseline" else res) / "kld.json").unlink()
+    assert main(["gate", str(res), "--baseline", str(base)]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "kld.json" in out
+    assert ("document not in the baseline" if side == "baseline" else "result document missing") in out
+    tol = tmp_path / "tol.toml"
+    tol.write_text('[gate]\noptional = ["kld.json"]\n')
+    assert main(["gate", str(res), "--baseline", str(base), "--tolerances", str(tol)]) == 0
+    out = capsys.readouterr().out
+    assert "PASS" in out and "allowed:" in out and "(optional)" in out  # an allowed absence is still listed
+
+
+def _kld_pair(tmp_path, edit_results):
+    doc = json.loads((BASELINE / "kld.json").read_text())
+    base, res = tmp_path / "b.json", tmp_path / "r.json"
+    base.write_text(json.dumps(doc))
+    edit_results(doc)
+    res.write_text(json.dumps(doc))
+    return res, base
+
+
+def _with_variant(doc):
+    """A semantics variant of nvfp4 the baseline never ran."""
+    row = dict(doc["formats"]["nvfp4"], semantics="engine:512")
+    doc["formats"]["nvfp4 (engine:512, bf16)"] = row
+
+
+def test_a_row_or_variant_only_the_results_have_fails(tmp_path, capsys):
+    res, base = _kld_pair(tmp_path, lambda d: d["formats"].setdefault("mxfp4_copy", dict(d["formats"]["mxfp4"],
+                                                                                          format="mxfp4_copy")))
+    assert main(["gate", str(res), "--baseline", str(base)]) == 1
+    assert "mxfp4_copy" in capsys.readouterr().out
+    res, base = _kld_pair(tmp_path, _with_variant)
+    assert main(["gate", str(res), "--baseline", str(base)]) == 1
+    out = capsys.readouterr().out
+    assert "nvfp4 (engine:512, bf16)" in out and "row not in the baseline" in out
+    for pattern in ("nvfp4 (engine:512, bf16)", "* (engine:512, *)", "nvfp4"):  # identity, glob, bare format
+        tol = tmp_path / "tol.toml"
+        tol.write_text(f"[gate]\noptional = [{json.dumps(pattern)}]\n")
+        assert main(["gate", str(res), "--baseline", str(base), "--tolerances", str(tol)]) == 0, pattern
+    capsys.readouterr()
+
+
+def test_a_metric_one_side_lacks_fails_unless_optional():
+    """A row holding a metric on one side only (documents of another version; compared through the library:
+    the schema would refuse such a file) is a failure, either way round."""
+    from mla_eval.report.gate import compare
+
+    doc = json.loads((BASELINE / "kld.json").read_text())
+    lacking = json.loads(json.dumps(doc))
+    del lacking["formats"]["nvfp4"]["kld_p99"]
+    for results, baseline, why in ((lacking, doc, "missing in results"), (doc, lacking, "not in the baseline")):
+        bad = [c for c in compare({"k.json": results}, {"k.json": baseline}) if not c.ok]
+        assert [(c.name, c.why) for c in bad] == [("nvfp4.kld_p99", why)]
+        for pattern in ("kld_p99", "nvfp4.kld_p99", "nvfp4"):
+            assert all(c.ok for c in compare({"k.json": results}, {"k.json": baseline}, {"optional": [pattern]})), pattern
+
+
+def test_optional_must_be_a_list_of_names(tmp_path):
+    from mla_eval.errors import UserError
+    from mla_eval.report.gate import load_tolerances
+
+    tol = tmp_path / "t.toml"
+    for bad in ('optional = "kld.json"', "optional = [1]", 'optional = [""]'):
+        tol.write_text(f"[gate]\n{bad}\n")
+        with pytest.raises(UserError, match="optional must be a list of names"):
+            load_tolerances(tol)
+    tol.write_text('[gate]\noptional = ["needle.json"]\nkld_mean = {abs = 1e-3}\n')
+    assert load_tolerances(tol) == {"kld_mean": {"abs": 1e-3}, "optional": ["needle.json"]}
+
+
+def test_ci_smoke_gate_still_passes_and_the_rule_is_in_the_help(capsys):
+    ci = str(BASELINE)
+    recipe = str(BASELINE.parents[2] / "recipes" / "ci-smoke.toml")
+    assert main(["gate", ci, "--baseline", ci, "--tolerances", recipe]) == 0
+    assert "PASS" in capsys.readouterr().out
+    assert main(["gate", "--help"]) == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "Nothing passes by omission" in help_text
+    assert "[gate] table" in help_text  # the brackets survive rich markup

@@ -9,7 +9,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from mla_eval.commands.evaluation import EvaluationCommand, force_option
+from mla_eval.commands.evaluation import EvaluationCommand, check_inputs_and_outputs, force_option
 from mla_eval.commands.progress import progress_bars
 from mla_eval.evals.calibrate import CalibrateSettings, CalibrationResult
 from mla_eval.protocol import REQUIRED, Evaluation, option
@@ -28,6 +28,7 @@ def run_calibrate(ev: Evaluation, settings: CalibrateSettings, opts: CalibrateOp
     from mla_eval.atomic_io import write_json_atomic
 
     check_output_path(opts.out, opts.force)
+    check_inputs_and_outputs(settings, [("--out", opts.out)])  # e.g. --text t.json --out t.json
     with progress_bars(console) as progress:
         result = ev.run(settings, progress)
     write_json_atomic(opts.out, result.to_document())

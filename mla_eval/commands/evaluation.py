@@ -22,8 +22,12 @@ import typer
 from rich.console import Console
 
 from mla_eval.commands.progress import peak_memory_line, progress_bars
-from mla_eval.protocol import Evaluation, OptionField, option, option_fields, written_paths
+from mla_eval.errors import UserError
+from mla_eval.evals.settings import SCALES_MODES
+from mla_eval.protocol import Evaluation, OptionField, option, option_fields, path_options
+from mla_eval.report.plots import check_plot_folder
 from mla_eval.results import check_output_path, default_out_help, default_result_path, write_result
+from mla_eval.user_paths import check_not_special, same_file
 
 console = Console(stderr=True)
 
@@ -42,6 +46,7 @@ class EvaluationCommand:
     show: Callable[[Any], None] = _show_nothing  # print a result (the command and `mla-eval run`)
     after_run: Callable[[Any, Any], None] | None = None  # after_run(settings, result): e.g. say what else was written
     plots: Callable[[Any, Path], list[Path]] | None = None  # a result's PNGs into a folder (--plot; run's plots/)
+    plot_files: tuple[str, ...] = ()  # names `plots` always writes: checked in --plot's folder before the work
     on_first: Callable[[str, int, int, float], None] | None = None  # progress_bars' first-report hook (an estimate)
     order: tuple[str, ...] = ()  # --help order of the options named here; the others follow in field order
 
@@ -67,9 +72,14 @@ def write_document(ev: Evaluation, settings: Any, opts: Any) -> None:
     so a bad path never costs a run; the evaluation run with progress bars; the result shown and
     written (under torchrun by rank 0 only); then the plots, if the command draws any and --plot asks."""
     cmd = command_of(ev)
-    check_output_path(opts.out if opts.out is not None else default_result_path(ev.name, "model"), opts.force)
-    for path in written_paths(settings):  # e.g. kld --save-ref
-        check_output_path(path, force=True)
+    out = opts.out if opts.out is not None else default_result_path(ev.name, "model")
+    check_output_path(out, opts.force)
+    for flag, path in path_options(settings, "write"):  # e.g. kld --save-ref
+        check_output_path(path, force=True, option=flag)
+    plot = getattr(opts, "plot", None)
+    if plot is not None and cmd.plots is not None:
+        check_plot_folder(plot, cmd.plot_files)
+    check_inputs_and_outputs(settings, [("--out", out), *path_options(settings, "write")])
     # under torchrun only rank 0 draws (every rank reports the same kind of progress)
     with progress_bars(console, disable=os.environ.get("RANK", "0") != "0", on_first=cmd.on_first) as progress:
         result = ev.run(settings, progress)
@@ -83,9 +93,29 @@ def write_document(ev: Evaluation, settings: Any, opts: Any) -> None:
         console.print(line)
     path = write_result(opts.out or default_result_path(ev.name, model_name(result)), result.to_document(), force=opts.force)
     console.print(f"wrote {path}", soft_wrap=True)  # a path is never wrapped: users copy it
-    plot = getattr(opts, "plot", None)
-    if plot and cmd.plots is not None:
+    if plot is not None and cmd.plots is not None:
         cmd.plots(result, plot)
+
+
+def input_paths(settings: Any) -> list[tuple[str, Path]]:
+    """(flag, path) of the files a run reads: its path="read" options, and --scales where it names a file."""
+    found = path_options(settings, "read")
+    scales = getattr(settings, "scales", None)
+    if isinstance(scales, str) and scales not in SCALES_MODES:
+        found.append(("--scales", Path(scales)))
+    return found
+
+
+def check_inputs_and_outputs(settings: Any, outputs: list[tuple[str, Path]]) -> None:
+    """Before any work: no input is a device or a pipe (read without end), and no output is one of the
+    inputs (`--scales s.json --out s.json` would replace the file the run reads)."""
+    inputs = input_paths(settings)
+    for flag, path in inputs:
+        check_not_special(path, flag)
+    for out_flag, out in outputs:
+        for in_flag, path in inputs:
+            if path.exists() and same_file(out, path):
+                raise UserError(f"{out_flag} {out} is also the {in_flag} input; write the result to another path")
 
 
 def _generic_command(ev: Evaluation) -> EvaluationCommand:

@@ -5,6 +5,7 @@ Parses the options, calls `mla_eval.report.gate.run_gate` (or `update_baseline`)
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import typer
@@ -17,12 +18,18 @@ def gate(
     results: Path = typer.Argument(..., help="A result JSON, or a results directory of them."),
     baseline: Path = typer.Option(..., "--baseline", "-b", help="Baseline JSON or directory (e.g. results/baselines/ci-smoke)."),
     tolerances: Path = typer.Option(
-        None, "--tolerances", help="TOML with [gate.<metric>] abs = .., rel = .. (a recipe's [gate] table works)."
+        None, "--tolerances",
+        help=r"TOML with a \[gate] table (a recipe's works): <metric> = {abs = .., rel = ..} per metric, and optional = "
+        r'\["needle.json", "mxfp4", "effective_length", ...]: documents, format rows (bare or "fmt (semantics, math)", '
+        "globs allowed) or metrics that may be missing on either side.",
     ),
     junit: Path = typer.Option(None, "--junit", help="Also write JUnit XML here."),
     update: bool = typer.Option(False, "--update", help="Replace the baseline with these results (explicit refresh) and exit 0."),
 ) -> None:
-    """Compare results with a baseline metric by metric; exit 1 on any regression."""
+    """Compare results with a baseline metric by metric; exit 1 on any regression.
+
+    Nothing passes by omission: a document, a format row (each semantics and math variant) or a metric that
+    one side has and the other lacks fails the gate, unless the --tolerances file lists it as optional."""
     if update:
         g.update_baseline(results, baseline)
         typer.echo(f"baseline {baseline} updated from {results}")
@@ -55,4 +62,4 @@ def metrics_help() -> str:
 
 
 def register(app: typer.Typer) -> None:
-    app.command("gate", help=f"{gate.__doc__}\n\n{metrics_help()}")(gate)
+    app.command("gate", help=f"{inspect.cleandoc(gate.__doc__)}\n\n{metrics_help()}")(gate)

@@ -13,6 +13,7 @@ from mla_eval.commands.evaluation import EvaluationCommand, force_option, out_op
 from mla_eval.commands.progress import duration, progress_bars
 from mla_eval.evals.kld_evaluation import KldSettings
 from mla_eval.protocol import option
+from mla_eval.report.plots import KLD_PLOT_FILES
 
 console = Console(stderr=True)
 
@@ -171,6 +172,7 @@ COMMAND = EvaluationCommand(
     show=show_kld,
     after_run=say_reference_written,
     plots=write_kld_plots,
+    plot_files=KLD_PLOT_FILES,
     on_first=print_estimate,
     order=(
         "model", "formats", "ref", "text", "dataset", "max_tokens", "samples", "sample_len", "ctx", "stride", "min_context",

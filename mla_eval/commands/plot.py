@@ -12,7 +12,7 @@ from pathlib import Path
 import typer
 
 from mla_eval.errors import UserError
-from mla_eval.report.plots import needle_document_plots
+from mla_eval.report.plots import check_plot_folder, needle_document_plots
 from mla_eval.result_schemas import NEEDLE_SCHEMA
 from mla_eval.results import load_json, read_result
 
@@ -25,7 +25,8 @@ def plot(
 
     Draws what `needle --plot` would have, from the JSON alone (a GPU run's lost plots, an old result).
     """
-    if not result.is_file():
+    check_plot_folder(out, option="--out")  # before reading: a bad --out fails first
+    if not result.exists():
         raise UserError(f"{result}: no such file; give a needle result JSON")
     first = load_json(result)
     schema = first.get("schema") if isinstance(first, dict) else None
@@ -33,8 +34,6 @@ def plot(
         raise UserError(f"{result}: plot draws needle results ({NEEDLE_SCHEMA}), not {schema or 'this file'}; "
                         "kld plots need the run's per-token data: use kld --plot")
     doc = read_result(result, NEEDLE_SCHEMA)
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} is a file; give a folder")
     for p in needle_document_plots(doc, out):
         typer.echo(f"wrote {p}")
 

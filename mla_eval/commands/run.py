@@ -36,9 +36,11 @@ from mla_eval.evaluation import evaluations
 from mla_eval.protocol import Evaluation
 from mla_eval.result_schemas import ENVIRONMENT_SCHEMA, schema_files, validate
 from mla_eval.results import DEFAULT_OUTPUT_DIR, environment, write_result
+from mla_eval.user_paths import RESULT_LIMIT, TOML_LIMIT, check_output_target, read_input_text
 
 console = Console(stderr=True)
 TOP_LEVEL_KEYS = ("model", "device", "backend")
+_EXAMPLES = {"model": "/path/to/checkpoint", "device": "cpu", "backend": "auto"}
 
 
 def sections() -> list[Evaluation]:
@@ -51,10 +53,13 @@ def load_recipe(path: Path) -> dict:
         import tomllib
     except ImportError:  # Python 3.10
         import tomli as tomllib
-    if not path.is_file():
+    if path.is_dir():
+        raise UserError(f"recipe {path} is a folder; give a recipe .toml file (see recipes/)")
+    if not path.exists():
         raise UserError(f"recipe {path} does not exist (see recipes/)")
+    text = read_input_text(path, "recipe", TOML_LIMIT)
     try:
-        doc = tomllib.loads(path.read_text())
+        doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise UserError(f"recipe {path}: {exc}") from None
     names = [ev.name for ev in sections()]
@@ -62,8 +67,15 @@ def load_recipe(path: Path) -> dict:
     if unknown:
         raise UserError(f"recipe {path}: unknown table(s) {', '.join(unknown)}; known: {', '.join(names)}, gate")
     keys = [k for k, v in doc.items() if not _is_table(v) and k not in TOP_LEVEL_KEYS]
+    misplaced = [k for k in keys if k in [*names, "gate"]]
+    if misplaced:
+        k = misplaced[0]
+        raise UserError(f"recipe {path}: {k} = {doc[k]!r} must be a table of options ([{k}] with keys below it)")
     if keys:
         raise UserError(f"recipe {path}: unknown top-level key(s) {', '.join(keys)}; known: {', '.join(TOP_LEVEL_KEYS)}")
+    for key in TOP_LEVEL_KEYS:
+        if key in doc and not isinstance(doc[key], str):
+            raise UserError(f"recipe {path}: {key} = {doc[key]!r} must be a string, e.g. {key} = \"{_EXAMPLES[key]}\"")
     if not any(s in doc for s in names):
         raise UserError(f"recipe {path} has none of the tables {', '.join(names)}")
     for ev in sections():
@@ -124,8 +136,8 @@ def _ours(path: Path, folder_is_ours: bool) -> bool:
     folder whose environment.json is ours) the recipe copy and the plots."""
     if path.suffix == ".json":
         try:
-            doc = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+            doc = json.loads(read_input_text(path, "results file", RESULT_LIMIT))
+        except (UserError, ValueError):  # a device, a pipe, not UTF-8, not JSON: not ours
             return False
         if not isinstance(doc, dict):
             return False
@@ -148,6 +160,7 @@ def _replaceable(path: Path, folder_is_ours: bool) -> bool:
 def _check_destination(out: Path, staged: list[Path], force: bool) -> None:
     """Before any work: the results directory can take every file of the run, and --force would
     replace only files an earlier mla-eval run wrote (never anything else)."""
+    check_output_target(out, "--out")
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file; give a folder for the results directory")
     probe = out

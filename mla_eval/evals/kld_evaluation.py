@@ -39,6 +39,7 @@ from mla_eval.evals.ref_store import REF_STORE_MODES, RefStore
 from mla_eval.evals.settings import (
     DEFAULT_CTX,
     DEFAULT_STRIDE,
+    SCALES_MODES,
     ModelSettings,
     check_ctx,
     check_math_backend,
@@ -55,7 +56,6 @@ from mla_eval.results import environment
 DEFAULT_FORMATS = (
     "fp8_ds_mla,fp8_ds_mla_pow2,nvfp4,nvfp4+s_l,nvfp4_fp8rope,nvfp4_fp8rope+s_l,nvfp4_fp8rope_st,mxfp4,fp8_e4m3"
 )
-SCALES_MODES = ("auto", "none")  # or a path to an outer-scale JSON
 
 
 @dataclasses.dataclass(frozen=True)

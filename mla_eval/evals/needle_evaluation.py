@@ -17,8 +17,8 @@ from mla_eval.errors import UserError
 from mla_eval.evals import needle as nd
 from mla_eval.evals import needle_stats
 from mla_eval.evals.calibrate import calibrate
-from mla_eval.evals.needle_tasks import TASKS, VALUE_KINDS, PromptBuilder, TaskSpec, load_haystack, parse_tasks
-from mla_eval.evals.settings import ModelSettings, check_math_backend
+from mla_eval.evals.needle_tasks import TASKS, VALUE_KINDS, PromptBuilder, TaskSpec, haystack_text, load_haystack, parse_tasks
+from mla_eval.evals.settings import SCALES_MODES, ModelSettings, check_math_backend
 from mla_eval.evals.text_sources import TokenSource
 from mla_eval.evals.variants import Variant, parse_variants
 from mla_eval.formats import OuterScales
@@ -151,6 +151,8 @@ class NeedleSettings(ModelSettings):
             )
         self.depth_list()
         self.variants()
+        if self.haystack is not None:
+            haystack_text(Path(self.haystack))  # a missing, binary or endless file fails before any model loads
 
     def variants(self) -> list[Variant]:
         """bf16 first (the baseline every failure is measured against), then the asked formats."""
@@ -218,6 +220,7 @@ def evaluate_needle(st: NeedleSettings, progress: ProgressCallback = no_progress
     needs_outer = any(v.outer for v in variants)
     if needs_outer and st.scales == "none":
         raise UserError("--scales none, but +s_l formats were asked for; drop them or give --scales FILE")
+    given = OuterScales.load(st.scales) if needs_outer and st.scales not in SCALES_MODES else None  # before the load
     with dispatch.use_backend(st.backend) as log:
         lm = st.load()
         if lm.max_positions and max(lens) > lm.max_positions:
@@ -240,7 +243,7 @@ def evaluate_needle(st: NeedleSettings, progress: ProgressCallback = no_progress
                 source = TokenSource("needle", "a separate needle prompt", [torch.tensor(calib.ids)], "calib")
                 outer = calibrate(lm, source, min(lens), progress)
             else:
-                outer = OuterScales.load(st.scales)
+                outer = given
                 outer.check_layers(lm.num_layers, source=st.scales)
         semantics = parse_semantics(st.semantics)
         semantics.check_positions(lm.max_positions)

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from mla_eval.errors import UserError
+from mla_eval.user_paths import TEXT_LIMIT, read_input_text
 
 TASKS = ("passkey", "single", "multikey", "multivalue", "vt")
 DEFAULT_NEEDLES = {"passkey": 1, "single": 1, "multikey": 4, "multivalue": 3, "vt": 5}
@@ -254,23 +255,30 @@ class PromptBuilder:
         return int(ends[k]) if k < len(ends) else len(hay)
 
 
+def haystack_text(haystack: Path) -> str:
+    """The text of a --haystack file, or of every .txt file under a folder: regular files of UTF-8 text, as
+    kld --text takes (undecodable bytes would be retrieved through as noise)."""
+    if haystack.is_dir():
+        files = sorted(p for p in haystack.rglob("*.txt") if p.is_file())
+        if not files:
+            raise UserError(f"--haystack {haystack} holds no .txt files")
+    else:
+        files = [haystack]
+    text = "\n".join(read_input_text(p, "--haystack", TEXT_LIMIT) for p in files)
+    if "\x00" in text:
+        raise UserError(f"--haystack {haystack} holds NUL bytes (binary data?); give plain-text files")
+    if not text.strip():
+        raise UserError(f"--haystack {haystack} is empty")
+    return text
+
+
 def load_haystack(tokenizer, haystack: Path | None) -> tuple[np.ndarray, bool, str]:
     """(token ids, is_noise, label). No path: the filler-sentence noise haystack."""
     if haystack is None:
         ids = np.asarray(tokenizer(" " + FILLER, add_special_tokens=False)["input_ids"])
         return ids, True, "noise (repeated filler sentences)"
     haystack = Path(haystack)
-    if haystack.is_dir():
-        files = sorted(p for p in haystack.rglob("*.txt") if p.is_file())
-        if not files:
-            raise UserError(f"--haystack {haystack} holds no .txt files")
-    elif haystack.is_file():
-        files = [haystack]
-    else:
-        raise UserError(f"--haystack {haystack}: no such file or folder")
-    text = "\n".join(p.read_text(encoding="utf-8", errors="replace") for p in files)
-    if not text.strip():
-        raise UserError(f"--haystack {haystack} is empty")
+    text = haystack_text(haystack)
     ids = np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"])
     eos = tokenizer.eos_token_id
     if eos is not None:

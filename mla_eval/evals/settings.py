@@ -5,6 +5,7 @@ protocol defaults (one definition each), and settings from a recipe table.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from pathlib import Path
 
 from mla_eval.attention import dispatch
@@ -15,6 +16,7 @@ from mla_eval.model.rope_scaling import ROPE_SCALING_HELP
 from mla_eval.protocol import option
 
 PROFILE_CALIBRATION_TOKENS = 2048  # tokens a latent profile measures the model's own magnitudes on
+SCALES_MODES = ("auto", "none")  # --scales: one of these, or a path to an outer-scale JSON
 DEFAULT_CTX = 2048  # window length of text / dataset evaluations (self-samples: their --sample-len)
 DEVICES_HELP = "cpu, cuda, cuda:N or auto"
 BACKEND_HELP = (
@@ -84,9 +86,13 @@ class ModelSettings:
 
         if self.device_map == "none":  # --backend kernel where the kernels cannot run: refused before the load
             dispatch.preflight(self.backend, [resolve_device(self.device)])
-        return load_model(
+        lm = load_model(
             self.model, self.device, device_map=self.device_map, rope_scaling=self.rope_scaling, max_memory=self.max_memory
         )
+        if self.device_map == "auto" and all(d.type == "cpu" for d in lm.layer_devices):  # said, not silent
+            warnings.warn("--device-map auto found no GPU: every layer runs on the CPU (drop --device-map auto for a "
+                          "plain CPU run, or make the GPUs visible)", stacklevel=2)
+        return lm
 
     def apply_profile(self, lm, ids, label: str) -> dict | None:
         """--latent-profile: reparametrise the loaded model so each layer's max |c_kv| over the first window of the

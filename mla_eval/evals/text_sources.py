@@ -10,6 +10,7 @@ import torch
 
 from mla_eval.errors import UserError
 from mla_eval.protocol import option
+from mla_eval.user_paths import TEXT_LIMIT, read_input_text
 
 DATASET_ALIASES = {
     "wikitext-2": ("wikitext", "wikitext-2-raw-v1", "test"),
@@ -42,23 +43,15 @@ def _tokenize(tokenizer, text: str) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.int64)
 
 
-def read_text_file(path: str | Path) -> str:
-    """The file's text; refuses what is not plain UTF-8 text (binary data would be scored as noise)."""
+def read_text_file(path: str | Path, option: str = "--text") -> str:
+    """The file's text; refuses what is not a regular file of plain UTF-8 text (binary data would be scored
+    as noise; a device or a pipe would be read without end)."""
     path = Path(path)
-    if not path.is_file():
-        raise UserError(f"--text {path}: no such file")
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise UserError(f"--text {path} is not readable ({exc.strerror})") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise UserError(f"--text {path} is not UTF-8 text (byte {exc.start}); give a plain-text file") from None
+    text = read_input_text(path, option, TEXT_LIMIT)
     if "\x00" in text:
-        raise UserError(f"--text {path} holds NUL bytes (binary data?); give a plain-text file")
+        raise UserError(f"{option} {path} holds NUL bytes (binary data?); give a plain-text file")
     if not text.strip():
-        raise UserError(f"--text {path} is empty")
+        raise UserError(f"{option} {path} is empty")
     return text
 
 
@@ -101,6 +94,8 @@ def self_samples(lm, num: int, length: int, seed: int, progress=None) -> TokenSo
 
     if num < 1 or length < 2:
         raise UserError("self-samples need --samples >= 1 and --sample-len >= 2")
+    if length > lm.max_positions > 0:  # as --ctx is: refused before the sampling, not hours into it
+        raise UserError(f"--sample-len {length} is beyond the model's {lm.max_positions} positions; lower --sample-len")
     gen = torch.Generator(device="cpu").manual_seed(seed)
     model = lm.model
     bos = lm.tokenizer.bos_token_id

@@ -19,6 +19,16 @@ from typing import Any
 from mla_eval.atomic_io import write_json_atomic
 from mla_eval.errors import UserError
 from mla_eval.formats.spec import LATENT_DIM, OUTER_SCALE_SCHEMA, TOKEN_SCALE_DENOMINATOR
+from mla_eval.user_paths import SMALL_JSON_LIMIT, read_input_text
+
+# The range a scale may take: s_l * 6 * 448 (the largest value a scaled record decodes to) must stay a finite
+# bf16, and s_l a normal float32 (its reciprocal finite). A calibrated s_l is max|c_kv| / 2688, far inside both.
+MAX_SCALE = float.fromhex("0x1.FEp127") / TOKEN_SCALE_DENOMINATOR  # bf16 max / 2688
+MIN_SCALE = 2.0**-126  # float32's smallest normal
+
+
+def _not_json(name: str):
+    raise ValueError(f"{name} is not JSON")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,14 +75,17 @@ class OuterScales:
 
     @classmethod
     def load(cls, path: str | Path) -> "OuterScales":
+        """A scales file: a regular file of bounded size holding UTF-8 JSON (no NaN / Infinity literals) in the
+        published schema; every failure is one UserError line naming the file."""
         path = Path(path)
+        if not path.exists():
+            raise UserError(f"scales file {path} does not exist; create it with `mla-eval calibrate`")
+        text = read_input_text(path, "scales file", SMALL_JSON_LIMIT)
         try:
-            doc = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise UserError(f"scales file {path} does not exist; create it with `mla-eval calibrate`") from None
-        except (OSError, json.JSONDecodeError) as exc:
+            doc = json.loads(text, parse_constant=_not_json)
+        except ValueError as exc:
             raise UserError(f"scales file {path} is not readable JSON ({exc}); re-create it with `mla-eval calibrate`") from None
-        return cls.from_json(doc, source=str(path))
+        return cls.from_json(doc, source=f"scales file {path}")
 
     @classmethod
     def from_json(cls, doc: Any, source: str = "scales JSON") -> "OuterScales":
@@ -98,6 +111,9 @@ class OuterScales:
         for i, s in enumerate(scales):
             if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) or s <= 0:
                 raise bad(f"scale of layer {i} is {s!r}; every scale must be a positive finite number")
+            if not MIN_SCALE <= s <= MAX_SCALE:
+                raise bad(f"scale of layer {i} is {s!r}, outside {MIN_SCALE:.3g}..{MAX_SCALE:.3g} (where a scaled latent "
+                          "stays a finite number); re-create the file with `mla-eval calibrate`")
             out.append(float(s))
         known = {"format", "num_layers", "latent_dim", "denominator", "scales"}
         return cls(scales=tuple(out), provenance={k: v for k, v in doc.items() if k not in known})

@@ -182,7 +182,8 @@ def gpu_max_memory(cap_bytes: int, gpus: int) -> dict[int, int]:
     return {i: cap_bytes for i in range(gpus)}
 DEVICE_MAP_HELP = (
     "'auto': spread the model's layers over every visible GPU (a checkpoint too large for one; needs accelerate); "
-    "each layer's cache lives on its layer's GPU. 'none': the whole model on --device."
+    "each layer's cache lives on its layer's GPU; with no GPU visible every layer stays on the CPU, and a warning says "
+    "so. 'none': the whole model on --device."
 )
 
 

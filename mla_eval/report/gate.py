@@ -3,14 +3,17 @@
 The metrics are those the registered evaluations declare (mla_eval.evaluation.Metric). Every metric
 has a direction (KLD may not rise, retrieval may not fall, pool tokens must match) and a tolerance:
 a change against the good direction is a regression only when it exceeds max(abs, rel * |baseline|).
-A metric present in the baseline and missing from the results is a regression too (a format silently
-dropped must not pass). A row's identity includes the attention semantics and math it ran under
-(`identity`): a figure is only ever compared with one of the same.
+Nothing passes by omission: a document, a format row (with its semantics and math) or a metric that
+one side has and the other lacks is a regression (a format silently dropped, or a document the
+baseline never had, must not pass), unless the tolerances file lists it in `optional = [...]`. A
+row's identity includes the attention semantics and math it ran under (`identity`): a figure is only
+ever compared with one of the same.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import math
 from pathlib import Path
 from xml.sax.saxutils import escape
@@ -21,6 +24,7 @@ from mla_eval.evaluation import evaluation_for_schema, evaluations, gate_metrics
 from mla_eval.protocol import Evaluation
 from mla_eval.result_schemas import validate
 from mla_eval.results import check_writable_folder, fulfil_output, is_our_document, load_json, promise_output, read_result
+from mla_eval.user_paths import RESULT_LIMIT, TOML_LIMIT, check_output_target, read_input_text
 
 JUNIT_SUITE = "mla-eval gate"  # the testsuite name of our JUnit files: how --junit recognises one it may replace
 
@@ -44,18 +48,13 @@ def _either(names: list[str]) -> str:
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
-def _metrics(doc: dict) -> dict[str, tuple[str, float | None]]:
-    """'<row identity>.<metric>' -> (metric, value) for a document of a gated evaluation."""
+def _rows(doc: dict) -> dict[str, dict[str, float | None]]:
+    """'<row identity>' -> {metric: value} for a document of a gated evaluation (only the metrics the row holds)."""
     schema = doc.get("schema", "")
     ev = evaluation_for_schema(schema)
     if ev is None or not ev.metrics:
         raise UserError(f"unknown result schema {str(schema)!r}; gate reads {_either([e.name for e in _gated()])} results")
-    out: dict[str, tuple[str, float | None]] = {}
-    for key, row in ev.rows(doc):
-        for m in ev.metrics:
-            if m.name in row:
-                out[f"{key}.{m.name}"] = (m.name, row[m.name])
-    return out
+    return {key: {m.name: row[m.name] for m in ev.metrics if m.name in row} for key, row in ev.rows(doc)}
 
 
 def load_docs(path: Path) -> dict[str, dict]:
@@ -77,46 +76,93 @@ def load_docs(path: Path) -> dict[str, dict]:
     return docs
 
 
+OPTIONAL_KEY = "optional"  # the [gate] key listing what may be missing on either side (not a metric)
+
+
+class OptionalAbsences:
+    """The `optional = [...]` list of a tolerances file: shell-style patterns (fnmatch) naming what may be
+    missing on one side without failing the gate. A pattern matches a document by file name or stem
+    ("needle.json", "needle"), a row by its identity or bare format ("nvfp4 (engine:512, bf16)", "nvfp4",
+    "* (engine:512, *)"), a metric by name or as "<row>.<metric>" ("effective_length", "mxfp4.kld_p99")."""
+
+    def __init__(self, patterns: list[str]) -> None:
+        self.patterns = list(patterns)
+
+    def allows(self, *names: str) -> bool:
+        return any(fnmatch.fnmatchcase(n, p) for p in self.patterns for n in names)
+
+
+def _row_names(row: str) -> tuple[str, str]:
+    return row, row.split(" (", 1)[0]  # identity and bare format ("nvfp4 (engine:512, bf16)" -> "nvfp4")
+
+
+def _absent(doc: str, name: str, metric: str, optional: bool, why: str) -> Check:
+    """A check for something one side lacks: a failure unless the tolerances mark it optional."""
+    return Check(doc, name, metric, None, None, optional, f"{why} (optional)" if optional else why)
+
+
+def _compare_value(doc: str, key: str, metric: str, base, value, tol: dict) -> Check:
+    known = gate_metrics()[metric]
+    if value is None or base is None:
+        ok = value == base
+        if value is None and base is not None:
+            why = "missing in results"
+        else:
+            why = "ok" if ok else "new value where baseline had none"
+        return Check(doc, key, metric, base, value, ok, why)
+    abs_tol, rel_tol = float(tol.get("abs", known.abs_tol)), float(tol.get("rel", known.rel_tol))
+    allowed = max(abs_tol, rel_tol * abs(base))
+    delta = value - base
+    if known.direction == "exact":
+        ok = value == base
+    elif known.direction == "lower":
+        ok = delta <= allowed or math.isclose(value, base)
+    else:
+        ok = -delta <= allowed or math.isclose(value, base)
+    moved = "rose" if delta > 0 else "fell"
+    why = "ok" if ok else f"{moved} by {abs(delta):.6g} (allowed {allowed:.3g}, {known.direction} is better)"
+    return Check(doc, key, metric, base, value, ok, why)
+
+
+def _compare_rows(name: str, rrows: dict, brows: dict, tolerances: dict, optional: OptionalAbsences) -> list[Check]:
+    checks: list[Check] = []
+    for row in [*brows, *(r for r in rrows if r not in brows)]:
+        if row not in rrows or row not in brows:
+            side = "row missing in results" if row not in rrows else "row not in the baseline"
+            checks.append(_absent(name, row, "*", optional.allows(*_row_names(row)), side))
+            continue
+        bmetrics, rmetrics = brows[row], rrows[row]
+        for metric in [*bmetrics, *(m for m in rmetrics if m not in bmetrics)]:
+            key = f"{row}.{metric}"
+            if metric not in rmetrics or metric not in bmetrics:
+                side = "missing in results" if metric not in rmetrics else "not in the baseline"
+                checks.append(_absent(name, key, metric, optional.allows(*_row_names(row), metric, key), side))
+                continue
+            checks.append(_compare_value(name, key, metric, bmetrics[metric], rmetrics[metric], tolerances.get(metric, {})))
+    return checks
+
+
 def compare(results: dict[str, dict], baseline: dict[str, dict], tolerances: dict | None = None) -> list[Check]:
+    """Every row and metric of either side, compared. Nothing passes by omission: a document, format row
+    (with its semantics and math) or metric that one side has and the other lacks is a failure, unless the
+    tolerances' `optional` list names it (then it is listed as an allowed absence)."""
     tolerances = tolerances or {}
+    optional = OptionalAbsences(tolerances.get(OPTIONAL_KEY, []))
     checks: list[Check] = []
     if len(results) == 1 and len(baseline) == 1:  # two single files: pair them whatever their names
         results = {next(iter(baseline)): next(iter(results.values()))}
-    for name, bdoc in baseline.items():
-        rdoc = results.get(name)
-        if rdoc is None:
-            checks.append(Check(name, "*", "*", None, None, False, "result document missing"))
+    for name in [*baseline, *(n for n in results if n not in baseline)]:
+        bdoc, rdoc = baseline.get(name), results.get(name)
+        if rdoc is None or bdoc is None:
+            side = "result document missing" if rdoc is None else "document not in the baseline"
+            checks.append(_absent(name, "*", "*", optional.allows(name, Path(name).stem), side))
             continue
         if rdoc.get("schema") != bdoc.get("schema"):
             raise UserError(f"{name}: schema {rdoc.get('schema')!r} vs baseline {bdoc.get('schema')!r}")
         ev = evaluation_for_schema(bdoc.get("schema"))
         if ev is not None and ev.comparable is not None:  # e.g. kld: both ran the same window path
             ev.comparable(rdoc, bdoc, name)
-        rm = _metrics(rdoc)
-        known = gate_metrics()
-        for key, (metric, base) in _metrics(bdoc).items():
-            direction = known[metric].direction
-            tol = tolerances.get(metric, {})
-            abs_tol, rel_tol = float(tol.get("abs", known[metric].abs_tol)), float(tol.get("rel", known[metric].rel_tol))
-            value = rm.get(key, (metric, None))[1]
-            if value is None or base is None:
-                ok = value == base
-                if value is None and base is not None:
-                    why = "missing in results"
-                else:
-                    why = "ok" if ok else "new value where baseline had none"
-            else:
-                allowed = max(abs_tol, rel_tol * abs(base))
-                delta = value - base
-                if direction == "exact":
-                    ok = value == base
-                elif direction == "lower":
-                    ok = delta <= allowed or math.isclose(value, base)
-                else:
-                    ok = -delta <= allowed or math.isclose(value, base)
-                moved = "rose" if delta > 0 else "fell"
-                why = "ok" if ok else f"{moved} by {abs(delta):.6g} (allowed {allowed:.3g}, {direction} is better)"
-            checks.append(Check(name, key, metric, base, value, ok, why))
+        checks.extend(_compare_rows(name, _rows(rdoc), _rows(bdoc), tolerances, optional))
     return checks
 
 
@@ -126,7 +172,8 @@ def markdown(checks: list[Check]) -> str:
     lines = [head, "", "| result | metric | baseline | now | verdict |", "|---|---|---|---|---|"]
     for c in sorted(checks, key=lambda c: c.ok):
         fmt = lambda v: "-" if v is None else f"{v:.6g}"  # noqa: E731
-        lines.append(f"| {c.doc} | {c.name} | {fmt(c.baseline)} | {fmt(c.value)} | {'ok' if c.ok else 'REGRESSION: ' + c.why} |")
+        verdict = "ok" if c.why == "ok" else f"allowed: {c.why}" if c.ok else f"REGRESSION: {c.why}"
+        lines.append(f"| {c.doc} | {c.name} | {fmt(c.baseline)} | {fmt(c.value)} | {verdict} |")
     return "\n".join(lines)
 
 
@@ -146,20 +193,27 @@ def junit(checks: list[Check]) -> str:
 
 def load_tolerances(path: Path | None) -> dict:
     """Tolerances from a TOML file: its [gate] table (a recipe works) or the top level, each
-    `<metric> = {abs = .., rel = ..}`; unknown metrics are a one-line UserError."""
+    `<metric> = {abs = .., rel = ..}`, and `optional = [...]`: what may be missing on either side
+    (OptionalAbsences); unknown metrics are a one-line UserError."""
     if path is None:
         return {}
     try:
         import tomllib
     except ImportError:  # Python 3.10
         import tomli as tomllib
+    text = read_input_text(Path(path), "--tolerances", TOML_LIMIT)
     try:
-        doc = tomllib.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
         raise UserError(f"--tolerances {path}: {' '.join(str(exc).split())}") from None
     tol = doc.get("gate", doc)
     if not isinstance(tol, dict):
         raise UserError(f"--tolerances {path}: [gate] must be a table of metrics")
+    tol = dict(tol)
+    optional = tol.pop(OPTIONAL_KEY, [])
+    if not isinstance(optional, list) or not all(isinstance(p, str) and p for p in optional):
+        raise UserError(f"--tolerances {path}: {OPTIONAL_KEY} must be a list of names, e.g. "
+                        f'{OPTIONAL_KEY} = ["needle.json", "mxfp4", "effective_length"]')
     known = gate_metrics()
     unknown = [k for k in tol if k not in known]
     if unknown:
@@ -170,7 +224,7 @@ def load_tolerances(path: Path | None) -> dict:
         for k, v in limits.items():
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
                 raise UserError(f"--tolerances {path}: {metric}.{k} must be a number >= 0, got {v!r}")
-    return tol
+    return {**tol, OPTIONAL_KEY: optional} if optional else tol
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,12 +266,14 @@ def check_junit_path(path: Path) -> Path:
     """Before the work: can the JUnit file be written? An existing file is replaced only when it
     is a gate report we wrote."""
     path = Path(path)
+    check_output_target(path, "--junit")
     if path.is_dir():
         raise UserError(f"--junit {path} is a folder; give a file path (e.g. {path / 'gate.xml'})")
     if path.exists():
         try:
-            head = path.read_text(encoding="utf-8")[:400]
-        except (OSError, UnicodeDecodeError):
+            with open(path, "rb") as f:
+                head = f.read(400).decode("utf-8", errors="replace")
+        except OSError:
             head = ""
         if f'<testsuite name="{JUNIT_SUITE}"' not in head:
             raise UserError(f"--junit {path} exists and is not a gate report mla-eval wrote; choose another path")
@@ -237,19 +293,20 @@ def update_baseline(results: Path, baseline: Path) -> list[str]:
     the file names written. Plots and reports are not baseline material and are not copied; a
     stale baseline document is removed only if it is one of ours."""
     results, baseline = Path(results), Path(baseline)
+    check_output_target(baseline, "--baseline")
     docs = load_docs(results)
     if not results.is_dir():
         if baseline.is_dir():
             raise UserError(f"--baseline {baseline} is a folder but {results} is one file; give a baseline file")
         if baseline.exists() and not is_our_document(baseline):
             raise UserError(f"--baseline {baseline} exists and is not an mla-eval result; it is not replaced")
-        write_text_atomic(baseline, results.read_text(encoding="utf-8"))
+        write_text_atomic(baseline, read_input_text(results, "results", RESULT_LIMIT))
         return [baseline.name]
     if baseline.exists() and not baseline.is_dir():
         raise UserError(f"--baseline {baseline} is a file but {results} is a results directory; give a folder")
     keep = [*docs, *(n for n in ("environment.json", "recipe.toml") if (results / n).is_file())]
     for name in keep:
-        write_text_atomic(baseline / name, (results / name).read_text(encoding="utf-8"))
+        write_text_atomic(baseline / name, read_input_text(results / name, "results", RESULT_LIMIT))
     for stale in baseline.glob("*.json"):  # a document the new results no longer have
         if stale.name not in keep and is_our_document(stale):
             stale.unlink()

@@ -16,6 +16,7 @@ from mla_eval.errors import UserError
 from mla_eval.evals.report_tables import fmt
 from mla_eval.evaluation import evaluations
 from mla_eval.protocol import Evaluation, Table
+from mla_eval.user_paths import check_output_target, is_special
 
 GENERATOR = "mla-eval report"  # in every page we write: how --out recognises a page it may replace
 
@@ -134,6 +135,8 @@ def build_report(results: Path) -> Report:
 
 
 def _is_our_page(path: Path) -> bool:
+    if is_special(path):  # never opened: a FIFO would wait for a writer
+        return False
     try:
         with open(path, encoding="utf-8") as f:
             return GENERATOR in f.read(600)
@@ -147,12 +150,14 @@ def report_paths(results: Path, out: Path | None) -> tuple[Path, Path]:
     from mla_eval.results import check_writable_folder, promise_output
 
     out = Path(out) if out is not None else Path(results) / "report.html"
+    check_output_target(out, "--out")
     if out.is_dir():
         out = out / "report.html"
     if out.suffix.lower() == ".md":
         raise UserError(f"--out {out}: give the .html path; the markdown goes beside it")
     pair = (out, out.with_suffix(".md"))
     for path in pair:
+        check_output_target(path, "--out")
         if path.is_dir():
             raise UserError(f"--out {out}: {path} is a folder")
         if path.exists() and not _is_our_page(path):

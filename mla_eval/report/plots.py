@@ -9,8 +9,10 @@ import numpy as np
 
 from mla_eval.atomic_io import write_bytes_atomic
 from mla_eval.errors import UserError
+from mla_eval.user_paths import check_output_target, is_special
 
 GIB = 1 << 30
+KLD_PLOT_FILES = ("kld_cdf.png", "kld_by_depth.png", "kld_layer_error.png")  # what kld --plot writes (the last with layer stats)
 PNG_SOFTWARE = "mla-eval"  # PNG metadata of every plot we write: how --plot recognises a file it may replace
 
 
@@ -40,7 +42,7 @@ def kld_plots(result: dict, summary: dict, folder: Path) -> list[Path]:
     ax.set_title("KLD CDF per cache format")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    paths.append(_save(fig, folder / "kld_cdf.png"))
+    paths.append(_save(fig, folder / KLD_PLOT_FILES[0]))
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, s in summary.items():
@@ -52,7 +54,7 @@ def kld_plots(result: dict, summary: dict, folder: Path) -> list[Path]:
     ax.set_title("KLD by context depth")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    paths.append(_save(fig, folder / "kld_by_depth.png"))
+    paths.append(_save(fig, folder / KLD_PLOT_FILES[1]))
 
     if all("layers" in s for s in summary.values()):
         fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -65,7 +67,7 @@ def kld_plots(result: dict, summary: dict, folder: Path) -> list[Path]:
         ax.set_title("Per-layer attention-output error vs exact float32")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-        paths.append(_save(fig, folder / "kld_layer_error.png"))
+        paths.append(_save(fig, folder / KLD_PLOT_FILES[2]))
     return paths
 
 
@@ -77,6 +79,8 @@ def _save(fig, path: Path) -> Path:
         fig.savefig(buf, format="png", dpi=120, metadata={"Software": PNG_SOFTWARE})
     finally:
         _plt().close(fig)
+    if path.exists() and not is_our_png(path):  # a user's file of the same name is never replaced
+        raise UserError(f"{path} exists and is not a plot mla-eval wrote; it was not replaced (choose another plot folder)")
     try:
         write_bytes_atomic(path, buf.getvalue())
     except OSError as exc:
@@ -89,12 +93,32 @@ def _save(fig, path: Path) -> Path:
 
 def is_our_png(path: Path) -> bool:
     """A PNG written by mla-eval (its tEXt Software chunk, near the start of the file)."""
+    if is_special(path):  # a device or a pipe: never opened (a FIFO would wait for a writer)
+        return False
     try:
         with open(path, "rb") as f:
             head = f.read(4096)
     except OSError:
         return False
     return head.startswith(b"\x89PNG") and b"Software\x00" + PNG_SOFTWARE.encode() in head
+
+
+def check_plot_folder(folder: Path, names: tuple[str, ...] = (), option: str = "--plot") -> Path:
+    """Before the work: can plots be written into `folder` (a folder, or a path where one can be made)?
+    Of the files to be written, `names` are known now: each that exists must be a plot we wrote."""
+    from mla_eval.results import check_writable_folder
+
+    folder = Path(folder)
+    check_output_target(folder, option)
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"{option} {folder} is a file; give a folder for the PNG plots (it is created if missing)")
+    check_writable_folder(folder / "plot.png")
+    for name in names:
+        target = folder / name
+        check_output_target(target, option)
+        if target.exists() and not is_our_png(target):
+            raise UserError(f"{option}: {target} exists and is not a plot mla-eval wrote; choose another folder")
+    return folder
 
 
 def plot_path(path: Path, default_name: str) -> Path:
@@ -104,6 +128,7 @@ def plot_path(path: Path, default_name: str) -> Path:
     from mla_eval.results import check_writable_folder, promise_output
 
     path = Path(path)
+    check_output_target(path, "--plot")
     if path.is_dir():
         path = path / default_name
     elif not path.suffix:
@@ -112,6 +137,7 @@ def plot_path(path: Path, default_name: str) -> Path:
         raise UserError(f"--plot {path}: plots are PNG files; give a .png path or a folder")
     if path.is_dir():
         raise UserError(f"--plot {path} is a folder")
+    check_output_target(path, "--plot")
     if path.exists() and not is_our_png(path):
         raise UserError(f"--plot {path} exists and is not a plot mla-eval wrote; choose another path")
     check_writable_folder(path)
