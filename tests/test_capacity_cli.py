@@ -234,14 +234,14 @@ def test_bad_input_in_a_real_process_has_no_traceback():
 
 
 def test_readme_capacity_library_example_runs(capsys):
-    """The README's Python example runs as written and agrees with the CLI's JSON."""
+    """The README's Python expression (the Capacity section's `api.evaluate_capacity(...)`) runs as written and gives
+    the document the CLI's --json prints for the same settings."""
     import re
 
+    from mla_eval import api
+
     readme = (REPO / "README.md").read_text()
-    block = re.search(r"### Capacity.*?```python\n(.*?)```", readme, re.S).group(1)
-    scope: dict = {}
-    exec(compile(block, "README.md", "exec"), scope)
-    printed = capsys.readouterr().out
+    expr = re.search(r"### Capacity.*?`(api\.evaluate_capacity\(.*?\)\.to_document\(\))`", readme, re.S).group(1)
+    doc = eval(compile(expr, "README.md", "eval"), {"api": api})
     cli = run_json(capsys, "--preset", "glm-5", "--gpu", "h200", "--tp", "8", "--formats", "fp8_ds_mla,nvfp4")
-    assert scope["doc"] == cli
-    assert printed.strip() == str({r["name"]: r["pool_tokens"] for r in cli["formats"]})
+    assert doc == cli and doc["formats"]
