@@ -170,7 +170,9 @@ def measure_layers(lm, source: TokenSource, protocol: KldProtocol, loader=None, 
     topk = None
     hidden = None
     if lm.model.get_input_embeddings().weight.device.type == "meta":  # a skeleton without weights: its own input
-        _buffers_to(lm.model, lm.device)
+        from mla_eval.model.loader import buffers_to
+
+        buffers_to(lm.model, lm.device)
         g = torch.Generator(device="cpu").manual_seed(0)
         hidden = (torch.randn(len(ws), fwds[0].chunks()[0][1], lm.model.config.hidden_size, generator=g)
                   .to(lm.device, lm.model.dtype))
@@ -248,13 +250,6 @@ def _sync(dev: torch.device) -> None:
 
 def _on_meta(layer: torch.nn.Module) -> bool:
     return any(p.device.type == "meta" for p in layer.parameters())
-
-
-def _buffers_to(model: torch.nn.Module, dev: torch.device) -> None:
-    for module in model.modules():
-        for name, buf in list(module._buffers.items()):
-            if buf is not None and buf.device.type != "meta":
-                module._buffers[name] = buf.to(dev)
 
 
 @torch.no_grad()

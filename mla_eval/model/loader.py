@@ -362,7 +362,13 @@ def _materialise_rest(hf, ckpt, dev: torch.device, dtype: torch.dtype) -> None:
     """Embeddings, final norm and head read into a skeleton on `dev`; its buffers (rotary tables) join them."""
     ckpt.check_shards()
     ckpt.materialise_rest(hf, ckpt.read_rest(), dev, dtype)
-    for module in hf.modules():  # parameters of the decoder layers stay where they are (meta)
+    buffers_to(hf, dev)
+
+
+def buffers_to(model: torch.nn.Module, dev: torch.device) -> None:
+    """Every real buffer of `model` (rotary tables, router biases) moved to `dev`; parameters stay where they are
+    (a skeleton's decoder layers on the meta device)."""
+    for module in model.modules():
         for name, buf in list(module._buffers.items()):
             if buf is not None and buf.device.type != "meta":
                 module._buffers[name] = buf.to(dev)
