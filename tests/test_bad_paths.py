@@ -15,12 +15,12 @@ from __future__ import annotations
 import json
 import os
 import select
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from test_bad_input import _lock
 from tiny_models import tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,16 +98,6 @@ class World:
     def close(self) -> None:
         if self._unlock is not None:
             self._unlock()
-
-
-def _lock(folder: Path):
-    """Make `folder` unwritable (mode 0555; as root, which ignores modes, the immutable attribute)."""
-    if os.geteuid() != 0:
-        folder.chmod(0o555)
-        return lambda: folder.chmod(0o755)
-    if shutil.which("chattr") and subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode == 0:
-        return lambda: subprocess.run(["chattr", "-i", str(folder)], check=True)
-    return None
 
 
 def _kld(w: World, *extra: str) -> list[str]:

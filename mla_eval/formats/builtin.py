@@ -344,6 +344,13 @@ def _bf16_rope(offset: int) -> VectorCoding:
     return VectorCoding(ROPE_DIM, "bf16", Field("rope", offset, "bf16", ROPE_DIM), ScaleRule.NONE, ROPE_DIM)
 
 
+def _b12x_fp8_rope() -> VectorCoding:
+    """b12x's E4M3 rope of its 368 B records: one fp32 scale (amax/448) at [288,292), codes at [304,368), the
+    hardware reciprocal applied, a zero scale clearing the codes."""
+    return VectorCoding(ROPE_DIM, "e4m3", Field("rope", 304, "e4m3", ROPE_DIM), ScaleRule.AMAX_FP32_MUL, ROPE_DIM,
+                        Field("rope_scale", 288, "fp32", 1), apply=ScaleApply.MUL_RCP_APPROX, zero_scale_clears=True)
+
+
 def _nvfp4_latent(
     rule: ScaleRule = ScaleRule.AMAX_E4M3, apply: ScaleApply = ScaleApply.MUL_RCP, clears: bool = False
 ) -> VectorCoding:
@@ -435,16 +442,7 @@ BUILTIN_FORMATS: tuple[FormatSpec, ...] = (
         source="NVFP4 MLA cache with fp8 rope: 368 B",
         record_bytes=368,
         latent=_nvfp4_latent(ScaleRule.AMAX_E4M3_RCP6, ScaleApply.MUL_RCP_APPROX, clears=True),
-        rope=VectorCoding(
-            ROPE_DIM,
-            "e4m3",
-            Field("rope", 304, "e4m3", ROPE_DIM),
-            ScaleRule.AMAX_FP32_MUL,
-            ROPE_DIM,
-            Field("rope_scale", 288, "fp32", 1),
-            apply=ScaleApply.MUL_RCP_APPROX,
-            zero_scale_clears=True,
-        ),
+        rope=_b12x_fp8_rope(),
         pads=(Field("pad", 292, "pad", 12),),
         outer_scale=NVFP4_OUTER,
         engine=B12X_NVFP4_FP8ROPE,
@@ -581,16 +579,7 @@ BUILTIN_FORMATS: tuple[FormatSpec, ...] = (
         source="b12x per_token_scale writer (vLLM fork VLLM_NVFP4_MLA_DYNAMIC_SCALE=1), 368 B, s_t at [292,296)",
         record_bytes=368,
         latent=_nvfp4_latent(ScaleRule.AMAX_E4M3_RCP6, ScaleApply.MUL_RCP_APPROX, clears=True),
-        rope=VectorCoding(
-            ROPE_DIM,
-            "e4m3",
-            Field("rope", 304, "e4m3", ROPE_DIM),
-            ScaleRule.AMAX_FP32_MUL,
-            ROPE_DIM,
-            Field("rope_scale", 288, "fp32", 1),
-            apply=ScaleApply.MUL_RCP_APPROX,
-            zero_scale_clears=True,
-        ),
+        rope=_b12x_fp8_rope(),
         token_scale=Field("token_scale", 292, "fp32", 1),
         pads=(Field("pad", 296, "pad", 8),),
         engine=B12X_NVFP4_FP8ROPE_DYNAMIC,
