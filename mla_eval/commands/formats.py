@@ -8,7 +8,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from mla_eval.formats import FormatSpec, get_format, parse_format_list
+from mla_eval.formats import FormatSpec, control_formats, get_format, parse_format_list
 from mla_eval.formats.builtin import ENGINE_NAMES, KNOWN_NOT_BUILT_IN
 from mla_eval.formats.registry import ambiguous_engine_names
 from mla_eval.formats.spec import EngineName
@@ -25,6 +25,7 @@ def format_row(spec: FormatSpec) -> dict:
     fp8 = get_format("fp8_ds_mla").record_bytes
     return {
         "name": spec.name,
+        "control": spec.control,  # a deliberately damaging yardstick, not a real format (formats.controls)
         "title": spec.title,
         "bytes_per_token_per_layer": spec.record_bytes,
         "bits_per_value": round(spec.bits_per_value, 4),
@@ -78,7 +79,8 @@ def formats(
     rows = [format_row(s) for s in parse_format_list(names)]
     if as_json:
         known = [_engine_name_row(e) for e in ENGINE_NAMES if e.format is None]
-        typer.echo(json.dumps({"formats": rows, "known_not_built_in": known}, indent=2))
+        controls = [format_row(s) for s in control_formats()] if not names else []
+        typer.echo(json.dumps({"formats": rows, "known_not_built_in": known, "controls": controls}, indent=2))
         return
     specs = parse_format_list(names)
     console = Console()
@@ -156,14 +158,33 @@ def formats(
         "per-tensor NVFP4 scale (not stored per token); read as e4m3 = the engine's attention reads an E4M3 copy; "
         "residual pass = a second E2M1 pass over the first one's error."
     )
+    if not names:
+        _print_controls(console)
 
 
-def _coding_label(coding) -> str:
-    """'e2m1 e4m3/16' = E2M1 values, one E4M3 scale per 16 values ('2x' with a residual pass)."""
+def _print_controls(console: Console) -> None:
+    """The control ladder, apart from the real formats: it exists to show what a test can detect."""
+    ct = Table(title="Control formats: NOT real formats -- deliberately damaging yardsticks, mildest first "
+               "(--formats control:* selects them all; needle --power reports which ones a grid detects)")
+    ct.add_column("control", style="bold", no_wrap=True)
+    ct.add_column("bytes", justify="right")
+    ct.add_column("latent")
+    ct.add_column("rope")
+    ct.add_column("what it does", overflow="fold")
+    for spec in control_formats():
+        outer = spec.outer_scale is not None
+        ct.add_row(spec.name, str(spec.record_bytes), _coding_label(spec.latent, outer), _coding_label(spec.rope, outer),
+                   spec.description.removeprefix("Control, not a real format: "))
+    console.print(ct)
+
+
+def _coding_label(coding, outer: bool = True) -> str:
+    """'e2m1 e4m3/16' = E2M1 values, one E4M3 scale per 16 values ('2x' with a residual pass); a per-tensor
+    coding is scaled by s_l where the format takes one (`outer`), else stored unscaled."""
     if coding.ggml:
         return f"{coding.elem} blocks/{coding.group}"
     if coding.scale is None:
-        return coding.elem if coding.scale_rule.value == "none" else f"{coding.elem} x s_l"
+        return coding.elem if coding.scale_rule.value == "none" else f"{coding.elem} {'x s_l' if outer else 'unscaled'}"
     return f"{'2x ' if coding.residual else ''}{coding.elem} {coding.scale.dtype}/{coding.group}"
 
 

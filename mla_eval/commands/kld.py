@@ -161,6 +161,8 @@ def print_table(summary: dict, ref: str, label: str, con: Console, attention: st
         )
     else:
         con.print("All figures: the result JSON.")
+    if any(name.startswith("control:") for name in summary):
+        con.print("control:* rows are deliberately damaging yardsticks, not real formats (mla-eval formats).")
 
 
 COMMAND = EvaluationCommand(

@@ -45,6 +45,30 @@ def print_needle(result, con: Console) -> None:
     _print(result.formats, result.format_induced_failures, s["lengths"], s["depths"], s["threshold"], con)
     if result.tasks:
         _print_cells(result, con)
+    if result.power is not None:
+        _print_power(result.power, con)
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f}"
+
+
+def _print_power(power: dict, con: Console) -> None:
+    """What the grid can detect (mla_eval.evals.needle_power): analytic per cell, and the control rungs flagged."""
+    t = Table(title=f"Power: smallest accuracy drop (points) detected with {power['method']['power']:.0%} probability; "
+              f"prompts needed for a {100 * power['drop']:.0f}-point drop (alpha {power['alpha']} over "
+              f"{power['tests']} tests; recovery rate {power['recovery_rate']:.2f})")
+    for c in ("task", "length", "n", "bf16 acc", "detectable drop", f"n for {100 * power['drop']:.0f} pts",
+              "controls flagged", "smallest flagged drop"):
+        t.add_column(c, justify="left" if c in ("task", "controls flagged") else "right")
+    for c in power["cells"]:
+        flagged = [f["format"].removeprefix("control:") for f in c["controls"] if f["detected"]]
+        t.add_row(c["task"], str(c["length"]), str(c["n"]), f"{c['bf16_accuracy']:.2f}", _pct(c["detectable_drop"]),
+                  str(c["prompts_for_drop"] or "-"),
+                  f"{len(flagged)}/{len(c['controls'])} " + ", ".join(flagged) if c["controls"] else "-",
+                  _pct(c["smallest_detected_drop"]))
+    con.print(t)
+    con.print("Control formats are deliberately damaging yardsticks, not real formats (mla-eval formats).")
 
 
 def _print_cells(result, con: Console) -> None:
@@ -119,7 +143,8 @@ COMMAND = EvaluationCommand(
     plots=write_needle_plots,
     order=(
         "model", "formats", "lengths", "depths", "depth_steps", "trials", "task", "values", "needles", "haystack", "scales",
-        "batch", "prefill", "full_answers", "cuda_graphs", "threshold", "seed", "out", "force", "plot", "device",
+        "batch", "prefill", "full_answers", "cuda_graphs", "threshold", "seed", "power", "power_drop", "out", "force",
+        "plot", "device",
         "device_map", "max_memory", "backend", "semantics", "math", "rope_scaling",
     ),
 )

@@ -26,7 +26,7 @@ import torch
 from mla_eval.attention.semantics import BF16, CACHE, MATHS, AttentionMath, Semantics, row_label
 from mla_eval.errors import UserError
 from mla_eval.evals.kld_stats import TokenStats, token_metrics
-from mla_eval.evals.layer_stats import LayerStats
+from mla_eval.evals.layer_stats import LayerStats, TopkRecorder
 from mla_eval.evals.ref_store import RefStore, metrics_from_store
 from mla_eval.evals.settings import check_ctx
 from mla_eval.evals.text_sources import TokenSource
@@ -267,14 +267,19 @@ def run_kld(
         # every forward of the pass, in the order a resident run takes them: per batch and semantics, the
         # reference (unless stored), then each row; `make(lazy)` builds its cache session only when it runs
         todo = []
+        # DSA models with layer stats: the reference forward records its top-k, each format's the overlap with it
+        topk = TopkRecorder() if layers and lm.adapter.is_dsa and ref_file is None else None
         for bi, b in enumerate(batches):
             for sem in st.semantics:
+                ref_key = (bi, sem.label, None)
                 if ref_file is None:
-                    todo.append(((bi, sem.label, None), functools.partial(
-                        _window_forward, lm, st.ref, b.ids, b.score_from, st, None, sem)))
+                    ref_obs = (topk.observer(ref_key),) if topk is not None else None
+                    todo.append((ref_key, functools.partial(
+                        _window_forward, lm, st.ref, b.ids, b.score_from, st, ref_obs, sem, keep_exact=False)))
+                ref_topk = functools.partial(topk.lookup, ref_key) if topk is not None else None
                 for s2, v, am, key in keys:
                     if s2 == sem:
-                        obs = layers[key].observers(v.spec) if layers else ()
+                        obs = layers[key].observers(v.spec, ref_topk) if layers else ()
                         todo.append(((bi, sem.label, key), functools.partial(
                             _window_forward, lm, v, b.ids, b.score_from, st, obs, sem, am)))
         if streaming is None:
@@ -310,7 +315,7 @@ def run_kld(
                     stats[key].add({k: torch.cat([p[k] for p in ps]) for k in ps[0]}, b.depth, b.order)
             done += b.tokens
             progress("score", done, total_scored)
-        del hidden
+        del hidden, topk
     info = {
         k: {"format": v.name, "semantics": sem.label, "math": m.name, "chunk": sem.chunk, "prefill": st.prefill}
         for sem, v, m, k in keys
@@ -382,10 +387,12 @@ def _forward_hidden(
 def _window_forward(
     lm, variant: Variant, ids: torch.Tensor, score_from: int, st: KldProtocol, observers,
     semantics: Semantics = CACHE, attn_math: AttentionMath = BF16, chunk_keys: str = "fresh", lazy: bool = False,
+    keep_exact: bool | None = None,
 ) -> WindowForward:
     """The forward of one window batch through the variant's cache (`mla_eval.model.executor`): its session, chunk
     schedule and the positions whose final hidden states the loss reads. `lazy`: caches allocated per layer as it
-    runs (the layer-major executor)."""
+    runs (the layer-major executor). `keep_exact` (default: with observers) keeps the unquantised latents that the
+    layer statistics compare with; the reference's top-k recorder needs none."""
     b, t = ids.shape
     chunk = semantics.forward_chunk(t, lm.adapter.is_dsa)
     if lm.adapter.is_dsa:
@@ -399,7 +406,7 @@ def _window_forward(
         block_size=st.block_size,
         outer_scales=scales_for(variant, st.outer_scales),
         observers=tuple(observers or ()),
-        keep_exact=bool(observers),
+        keep_exact=bool(observers) if keep_exact is None else keep_exact,
         semantics=semantics,
         attn_math=attn_math,
         chunk_keys=chunk_keys,

@@ -5,7 +5,12 @@
   the same keys (on DSA models, the top-k positions the layer's indexer chose: the reference is
   sparse too, so the error is the format's alone, not the sparsity's); relative L2 over all
   tokens and heads, and mean cosine per token-head;
-- latent quantisation SNR: c_kv and k_pe vs what the cache actually stores (read back).
+- latent quantisation SNR: c_kv and k_pe vs what the cache actually stores (read back);
+- on DSA models, top-k overlap: of the positions the reference run's indexer chose for a query at a layer, the
+  share the format's run chose too (|A & B| / |A|), per layer and per query depth. The indexer reads the hidden
+  state, so layer 0 agrees exactly and each later layer's top-k moves with the error earlier layers' caches put
+  into the residual stream: the mechanism by which a small-latent layer's quantisation error loses a needle on a
+  sparse model (b12x PR 86's GLM-5.2 report).
 """
 
 from __future__ import annotations
@@ -52,6 +57,51 @@ def exact_attention(q: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor, s
     return out
 
 
+# Query-depth buckets of the top-k overlap: [0, 512), [512, 1K), [1K, 2K), ... (powers of two past 512)
+TOPK_DEPTH_EDGES = (0, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 1 << 40)
+
+
+def topk_overlap(ref: torch.Tensor, got: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query row of ref/got [B, T, k] (positions; -1 or a future position is no choice, as the cache reader
+    treats it): (|A & B|, |A|) as float64 [B, T], A the reference's valid choices and B the format's."""
+    b, t, _ = ref.shape
+    pos = torch.arange(start, start + t, device=ref.device).view(1, t, 1)
+    keys = start + t
+    inter = torch.empty(b, t, dtype=torch.float64, device=ref.device)
+    size = torch.empty_like(inter)
+    rows = max(1, EXACT_BLOCK_BYTES // max(1, b * (keys + 1)))  # a [B, rows, keys] bool block at a time
+    for a in range(0, t, rows):
+        e = min(t, a + rows)
+        masks = []
+        for idx in (ref[:, a:e], got[:, a:e]):
+            idx = idx.long()
+            valid = (idx >= 0) & (idx <= pos[:, a:e])
+            m = torch.zeros(b, e - a, keys + 1, dtype=torch.bool, device=ref.device)
+            m.scatter_(-1, torch.where(valid, idx, keys), True)  # invalid ones land in slot `keys`
+            masks.append(m[..., :keys])
+        inter[:, a:e] = (masks[0] & masks[1]).sum(-1).double()
+        size[:, a:e] = masks[0].sum(-1).double()
+    return inter, size
+
+
+class TopkRecorder:
+    """The reference run's top-k per (forward key, layer), kept until the formats' runs of the same window batch
+    have read it (one pass of the kld loop); an observer of the reference forward."""
+
+    def __init__(self) -> None:
+        self.sets: dict[tuple, torch.Tensor] = {}
+
+    def observer(self, key: tuple):
+        def observe(ev) -> None:
+            if ev.topk is not None:
+                self.sets[(key, ev.layer)] = ev.topk.to(torch.int32)
+
+        return observe
+
+    def lookup(self, key: tuple, layer: int) -> torch.Tensor | None:
+        return self.sets.get((key, layer))
+
+
 class LayerStats:
     def __init__(self, num_layers: int) -> None:
         self.err2 = [0.0] * num_layers
@@ -60,8 +110,26 @@ class LayerStats:
         self.cos_n = [0] * num_layers
         self.sig = {"latent": [0.0] * num_layers, "rope": [0.0] * num_layers}
         self.noise = {"latent": [0.0] * num_layers, "rope": [0.0] * num_layers}
+        buckets = len(TOPK_DEPTH_EDGES) - 1
+        self.topk_inter = [[0.0] * buckets for _ in range(num_layers)]
+        self.topk_size = [[0.0] * buckets for _ in range(num_layers)]
 
-    def observers(self, spec: FormatSpec):
+    def observers(self, spec: FormatSpec, ref_topk=None):
+        """Observers of one format forward; `ref_topk(layer)` gives the reference run's top-k of the same window batch
+        (DSA models), whose overlap with this run's is recorded."""
+        def observe_topk(ev) -> None:
+            ref = ref_topk(ev.layer) if ref_topk is not None and ev.topk is not None else None
+            if ref is None:
+                return
+            start = ev.session.lengths[ev.layer] - ev.topk.shape[1]
+            inter, size = topk_overlap(ref.to(ev.topk.device), ev.topk, start)
+            depth = torch.arange(start, start + inter.shape[1], device=inter.device)
+            for i in range(len(TOPK_DEPTH_EDGES) - 1):
+                sel = (depth >= TOPK_DEPTH_EDGES[i]) & (depth < TOPK_DEPTH_EDGES[i + 1])
+                if bool(sel.any()):
+                    self.topk_inter[ev.layer][i] += float(inter[:, sel].sum())
+                    self.topk_size[ev.layer][i] += float(size[:, sel].sum())
+
         def observe(ev) -> None:
             sess, layer = ev.session, ev.layer
             t = ev.latent.shape[1]
@@ -89,7 +157,7 @@ class LayerStats:
             self.cos_sum[layer] += float(cos.double().sum())
             self.cos_n[layer] += cos.numel()
 
-        return (observe,)
+        return (observe, observe_topk)
 
     def summary(self) -> list[dict]:
         rows = []
@@ -107,4 +175,11 @@ class LayerStats:
                     "rope_snr_db": snr("rope"),
                 }
             )
+            if any(self.topk_size[i]):  # a DSA layer compared with the reference run's choices
+                edges, inter, size = TOPK_DEPTH_EDGES, self.topk_inter[i], self.topk_size[i]
+                rows[-1]["topk_overlap"] = sum(inter) / sum(size)
+                rows[-1]["topk_overlap_by_depth"] = [
+                    {"depth_lo": edges[j], "depth_hi": edges[j + 1], "overlap": inter[j] / size[j]}
+                    for j in range(len(size)) if size[j]
+                ]
         return rows

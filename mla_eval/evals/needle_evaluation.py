@@ -15,7 +15,7 @@ from mla_eval.attention import dispatch
 from mla_eval.attention.semantics import get_math, parse_semantics
 from mla_eval.errors import UserError
 from mla_eval.evals import needle as nd
-from mla_eval.evals import needle_stats
+from mla_eval.evals import needle_power, needle_stats
 from mla_eval.evals.calibrate import calibrate
 from mla_eval.evals.needle_tasks import TASKS, VALUE_KINDS, PromptBuilder, TaskSpec, haystack_text, load_haystack, parse_tasks
 from mla_eval.evals.settings import SCALES_MODES, ModelSettings, check_math_backend
@@ -120,6 +120,15 @@ class NeedleSettings(ModelSettings):
         0.9, "--threshold", help="Accuracy that a length must keep to count toward the effective length."
     )
     seed: int = option(0, "--seed", help="Seed of the needles and haystack offsets.")
+    power: bool = option(
+        False, "--power",
+        help="Report what the grid can detect: per task and length, the smallest accuracy drop its paired test flags "
+        "with 80 % probability given the prompts, the prompts needed to flag a drop of --power-drop, and which "
+        "control formats (--formats control:*) it flagged.",
+    )
+    power_drop: float = option(
+        0.1, "--power-drop", help="The accuracy drop (0..1) whose prompts-needed --power reports."
+    )
     semantics: str = option(  # mla_eval.attention.semantics (one value): how the prompt's prefill reads the cache
         "cache", "--semantics",
         help="How the prompt's prefill reads the cache: cache (default), engine:C (chunked prefill: earlier chunks "
@@ -142,6 +151,8 @@ class NeedleSettings(ModelSettings):
             raise UserError(f"--prefill {self.prefill!r}: choose one of {', '.join(PREFILL_MODES)}")
         if self.trials < 1 or self.batch < 1:
             raise UserError("--trials and --batch must be at least 1")
+        if not 0 < self.power_drop < 1:
+            raise UserError(f"--power-drop is an accuracy drop in (0, 1), e.g. 0.1, got {self.power_drop}")
         if not 0 <= self.threshold <= 1:
             raise UserError(f"--threshold is an accuracy in 0..1, got {self.threshold}")
         if min(self.length_list()) <= self.max_new_tokens() + 16:
@@ -191,6 +202,7 @@ class NeedleResult:
     tasks: dict[str, dict] = dataclasses.field(default_factory=dict)  # per task label: per format accuracy + intervals
     paired_tests: list[dict] = dataclasses.field(default_factory=list)  # needle_stats.paired_tests
     statistics: dict[str, Any] = dataclasses.field(default_factory=dict)  # needle_stats.METHOD
+    power: dict[str, Any] | None = None  # needle_power.power_report, with --power
 
     @property
     def significant_failures(self) -> list[dict]:
@@ -211,6 +223,7 @@ class NeedleResult:
             "tasks": self.tasks,
             "paired_tests": self.paired_tests,
             "statistics": self.statistics,
+            **({"power": self.power} if self.power is not None else {}),
         }
 
 
@@ -273,6 +286,8 @@ def evaluate_needle(st: NeedleSettings, progress: ProgressCallback = no_progress
             "seconds": run.seconds[v.name],
             "decode_steps": run.decode_steps[v.name],
         }
+    paired = needle_stats.paired_tests(run.records, BASELINE, names, labels, lens)
+    controls = [v.name for v in variants if v.spec.control]
     return NeedleResult(
         model={"name": lm.name, "path": str(lm.path), "default": lm.is_default, "max_positions": lm.max_positions,
                "random": lm.is_random, "label": lm.label, "rope_scaling": lm.rope_scaling,
@@ -281,7 +296,7 @@ def evaluate_needle(st: NeedleSettings, progress: ProgressCallback = no_progress
                   "trials": st.trials, "seed": st.seed, "threshold": st.threshold, "prefill": st.prefill,
                   "max_new_tokens": run.max_new_tokens, "stop_at_answer": not st.full_answers,
                   "cuda_graphs": st.cuda_graphs, "backend": log.backend, "semantics": semantics.as_dict(),
-                  "math": st.math, "tasks": labels,
+                  "math": st.math, "tasks": labels, "controls": controls,
                   "needles": {t.label: t.count for t in tasks}, "answer_budgets": run.budgets,
                   "samples_per_cell": len(deps) * st.trials, **st.placement(lm)},
         outer_scales=outer,
@@ -291,6 +306,7 @@ def evaluate_needle(st: NeedleSettings, progress: ProgressCallback = no_progress
         records=run.records,
         total_seconds=run.total_seconds,
         tasks=per_task,
-        paired_tests=needle_stats.paired_tests(run.records, BASELINE, names, labels, lens),
+        paired_tests=paired,
         statistics=dict(needle_stats.METHOD),
+        power=needle_power.power_report(paired, controls, st.power_drop) if st.power else None,
     )

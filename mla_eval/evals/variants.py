@@ -1,6 +1,7 @@
 """A cache format as an evaluation runs it (`Variant`), and the `--formats` list syntax.
 
-'nvfp4,nvfp4+s_l' -> variants; '+s_l' applies the per-layer outer scales s_l. Which formats take an
+'nvfp4,nvfp4+s_l' -> variants; '+s_l' applies the per-layer outer scales s_l; 'control:*' is the control
+ladder (mla_eval.formats.controls), mildest first. Which formats take an
 outer scale, and how the calibrated max |c_kv| maps onto it (its denominator), is the format
 spec's fact (`FormatSpec.outer_scale`), never repeated here.
 """
@@ -11,7 +12,8 @@ import dataclasses
 
 from mla_eval.errors import UserError
 from mla_eval.formats import FormatSpec, OuterScales, get_format
-from mla_eval.formats.registry import all_formats
+from mla_eval.formats.controls import ALL_CONTROLS
+from mla_eval.formats.registry import all_formats, control_formats
 
 OUTER_OPTIONS = ("s_l", "sl")
 
@@ -31,6 +33,7 @@ class Variant:
 def parse_variants(text: str | list[str] | tuple[str, ...], option: str = "--formats") -> list[Variant]:
     """'nvfp4,nvfp4+s_l' (or a list of names) -> distinct variants in order; one-line UserError on a bad name."""
     tokens = text.split(",") if isinstance(text, str) else [str(t) for t in text]
+    tokens = [name for t in tokens for name in ([s.name for s in control_formats()] if t.strip() == ALL_CONTROLS else [t])]
     out: list[Variant] = []
     for tok in (t.strip() for t in tokens):
         if not tok:

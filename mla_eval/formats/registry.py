@@ -11,9 +11,13 @@ from __future__ import annotations
 
 from mla_eval.errors import UnknownFormatError, UserError
 from mla_eval.formats.builtin import BUILTIN_FORMATS, ENGINE_NAMES
+from mla_eval.formats.controls import CONTROL_FORMATS
 from mla_eval.formats.spec import LATENT_DIM, ROPE_DIM, EngineName, FormatSpec
 
 _REGISTRY: dict[str, FormatSpec] = {spec.name: spec for spec in BUILTIN_FORMATS}
+# Controls resolve by name but sit outside the registry's lists: never in a default, a table of all
+# formats, or a lookup by record width (mla_eval.formats.controls).
+_CONTROLS: dict[str, FormatSpec] = {spec.name: spec for spec in CONTROL_FORMATS}
 
 
 # Aliases that once selected a format under a name its engine never used: refused with the engine's real name.
@@ -65,6 +69,8 @@ def register_format(spec: FormatSpec, *, replace: bool = False) -> FormatSpec:
     """Add a user-defined format. Raises ValueError if the name is taken (unless replace)."""
     if not isinstance(spec, FormatSpec):
         raise TypeError("register_format takes a FormatSpec")
+    if spec.control or spec.name in _CONTROLS:
+        raise ValueError(f"{spec.name!r}: control formats are built in (mla_eval.formats.controls), not registered")
     if spec.name in _REGISTRY and not replace:
         raise ValueError(f"format {spec.name!r} is already registered; pass replace=True to override it")
     ambiguous = ambiguous_engine_names()
@@ -78,7 +84,7 @@ def register_format(spec: FormatSpec, *, replace: bool = False) -> FormatSpec:
 
 def unregister_format(name: str) -> None:
     """Remove a user-registered format (built-ins cannot be removed)."""
-    if any(spec.name == name for spec in BUILTIN_FORMATS):
+    if any(spec.name == name for spec in BUILTIN_FORMATS) or name in _CONTROLS:
         raise ValueError(f"{name!r} is a built-in format and cannot be removed")
     _REGISTRY.pop(name, None)
 
@@ -92,12 +98,22 @@ def format_names() -> list[str]:
     return list(_REGISTRY)
 
 
+def control_formats() -> list[FormatSpec]:
+    """The control ladder (not real formats), mildest first."""
+    return list(_CONTROLS.values())
+
+
 def get_format(fmt: str | FormatSpec) -> FormatSpec:
     """Look a format up by name (a FormatSpec passes through)."""
     if isinstance(fmt, FormatSpec):
         return fmt
     if fmt in _REGISTRY:
         return _REGISTRY[fmt]
+    if fmt in _CONTROLS:
+        return _CONTROLS[fmt]
+    if fmt.startswith("control:"):
+        raise UnknownFormatError(f"unknown control format {fmt!r}; the controls are {', '.join(_CONTROLS)} "
+                                 "(or control:* for all)")
     if fmt in ambiguous_engine_names():
         raise _ambiguous(fmt)
     try:

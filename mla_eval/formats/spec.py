@@ -309,6 +309,9 @@ class FormatSpec:
     token_scale_rule: TokenScaleRule = TokenScaleRule.DIV_FLOORED  # how s_t is taken (steps 2 and 8)
     # The engine's writer defines what NaN / inf become (see the module docstring); None: refused, as always
     nonfinite: Literal["nan_zero_inf_saturate"] | None = None
+    # A control (mla_eval.formats.controls): a deliberately damaging record of no engine, named 'control:...',
+    # that results mark as not a real format
+    control: bool = False
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -334,6 +337,8 @@ class FormatSpec:
 
 def _validate(spec: FormatSpec) -> None:
     """The fields must tile the record exactly: no overlap, no hole, nothing past the end."""
+    if spec.control != spec.name.startswith("control:") or (spec.control and spec.engine is not None):
+        raise ValueError(f"{spec.name}: a control format (control=True) is named 'control:...', has no engine, and only it")
     if spec.latent.dim != LATENT_DIM or spec.rope.dim != ROPE_DIM:
         raise ValueError(f"{spec.name}: formats are defined for a {LATENT_DIM}-d latent and {ROPE_DIM}-d rope")
     pos = 0

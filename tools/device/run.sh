@@ -26,6 +26,10 @@
 #   revs       the held v3 instruction cuts (docs/kernels.md#held-revisions): consumer rev 2 and decode rev 2, each
 #              bitwise against rev 1 and against the reference; then bench rows v3 / v3-c2 / v3-d2 / v3-c2-d2 at (b)
 #              and (d) and v3-t32 / v3-t32-c2 at (a) and (d). Flip a default only where its tests pass and its rows win.
+#              REVS="tests bench t32" picks steps (each under its own limit: REVS_TEST_TIMEOUT, REVS_BENCH_TIMEOUT).
+#   power      issue 30 on the GPU (POWER="grid topk"): needle --power with the real formats and control:* on the
+#              embedded model under --latent-profile glm-5.2 (4K/16K/64K, single + multikey, held-out Wikipedia
+#              haystack .devdata/wiki-long.txt), and kld with the DSA top-k overlap on random:glm-5.2 (same profile)
 #   pair       the held CTA pair (docs/kernels.md#the-cta-pair): one launch first under a 180 s limit (a cluster
 #              deadlock leaves the GPU context stuck), then its GPU tests, then bench (a)/(d) at h=128 and 64 with
 #              --pair; each stage only after the previous passed.
@@ -235,13 +239,23 @@ ncu)
     gpu_ncu 300 ncu-v3 ${PROFILE_ARGS:---formats nvfp4}
     ;;
 revs)
-    step "held revisions: consumer rev 2 and decode rev 2, bitwise vs rev 1 and the default kernel, vs the reference"
-    gpu_pytest 550 revs -n 8 tests/test_kernels_v3_gpu.py -k "(consumer or decode_rev) and not pair" \
-        || { echo "revision tests failed: no bench"; return 1; }
-    step "bench (b) and (d) with variants: v3 and its -c2 / -d2 / -c2-d2 rows"
-    gpu_bench 550 bench-revs --shapes b,d --variants --formats nvfp4,nvfp4_fp8rope,nvfp4_fp8_ds_mla,bf16,fp8_ds_mla,mxfp4
-    step "bench (a) and (d) at h=128: v3-t32 (rev 1) vs v3-t32-c2"
-    gpu_bench 550 bench-revs-t32 --shapes a,d --variants --formats nvfp4,bf16,fp8_ds_mla
+    local w
+    for w in ${REVS:-tests bench t32}; do
+    case "$w" in
+    tests)
+        step "held revisions: consumer rev 2 and decode rev 2, bitwise vs rev 1 and the default kernel, vs the reference"
+        gpu_pytest "${REVS_TEST_TIMEOUT:-550}" revs -n 8 tests/test_kernels_v3_gpu.py -k "(consumer or decode_rev) and not pair" \
+            || { echo "revision tests failed: no bench"; return 1; } ;;
+    bench)
+        step "bench (b) and (d) with variants: v3 and its -c2 / -d2 / -c2-d2 rows"
+        gpu_bench "${REVS_BENCH_TIMEOUT:-550}" bench-revs --shapes b,d --variants \
+            --formats "${REVS_FORMATS:-nvfp4,nvfp4_fp8rope,nvfp4_fp8_ds_mla,bf16,fp8_ds_mla,mxfp4}" ;;
+    t32)
+        step "bench (a) and (d) at h=128: v3-t32 (rev 1) vs v3-t32-c2"
+        gpu_bench "${REVS_BENCH_TIMEOUT:-550}" bench-revs-t32 --shapes a,d --variants --formats nvfp4,bf16,fp8_ds_mla ;;
+    *) echo "unknown revs step $w (tests, bench, t32)"; return 2 ;;
+    esac
+    done
     ;;
 pair)
     step "CTA pair: one launch first (nvfp4, dense h=64), 180 s limit"
@@ -322,6 +336,29 @@ semantics)
             --prefill absorbed --semantics cache,engine:512 --math bf16,fp8-q,fp8-qp --explain nvfp4 --backend reference \
             --out "$R/kld-default-fp8qp.json" ;;
     *) echo "unknown semantics step $w (default, prod, qp)"; return 2 ;;
+    esac
+    done
+    ;;
+power)
+    # issue 30's GPU steps: a needle grid with measured power (controls beside the real formats) on the embedded model
+    # under GLM-5.2's latent profile, and the DSA indexer's top-k overlap per format and depth on a random GLM-5.2
+    local w real=${POWER_FORMATS:-fp8_ds_mla,nvfp4,nvfp4+s_l,nvfp4_fp8rope,nvfp4_fp8rope+s_l,mxfp4}
+    for w in ${POWER:-grid topk}; do
+    case "$w" in
+    grid)
+        need "$LONG_TEXT" "build it with python -m tools.make_wiki_long and carry .devdata" || return 3
+        step "needle --power, embedded model, --latent-profile glm-5.2: $real + control:*"
+        mla_eval "${GRID_TIMEOUT:-560}" needle --latent-profile glm-5.2 --task "${TASKS:-single:number,multikey:number}" \
+            --haystack "$LONG_TEXT" --lengths "${LENGTHS:-4K,16K,64K}" --depths "${DEPTHS:-0,25,50,75,100}" \
+            --trials "${TRIALS:-6}" --formats "$real,control:*" --scales auto --power \
+            --out "$R/needle-power-glm52-profile.json" ;;
+    topk)
+        need "$TEXT" "carry .devdata (wikitext-2 test)" || return 3
+        step "kld + top-k overlap, random:glm-5.2:layers=${TOPK_LAYERS:-8} under --latent-profile glm-5.2, ctx 8192"
+        mla_eval "${TOPK_TIMEOUT:-500}" kld --model "random:glm-5.2:layers=${TOPK_LAYERS:-8}" --latent-profile glm-5.2 \
+            --text "$TEXT" --max-tokens "${TOPK_TOKENS:-34816}" --ctx 8192 --stride 8192 --min-context 1024 --prefill absorbed \
+            --formats "$real,control:*" --scales auto --out "$R/kld-topk-random-glm52-profile.json" ;;
+    *) echo "unknown power step $w (grid, topk)"; return 2 ;;
     esac
     done
     ;;
