@@ -26,7 +26,7 @@ At (b), every format the v3 kernel covers (`tuning.v3_blocker`) gets both a `ker
 v3-p2 (producer warpgroups) and, for the decoded formats, the timing probes v3-nodec / v3-nomma (wrong
 output: no decode / no wgmma), which tell which side bounds v3, and v3-r<S>x<K> for each raw ring that fits
 other than the default (`tuning.v3_raw_rings`: the fp8 records' part-tile rings), and v3-c<rev>: the other
-consumer revision than `tuning.V3_CONSUMER_REV` (rev 2: fewer SASS per tile, the same output bit for bit;
+consumer revision than `tuning.V3_CONSUMER_REV` (the default is rev 2; v3-c1 times rev 1, the same output bits;
 at h = 128 also v3-t16-c<rev> / v3-t32-c<rev> beside v3-t16 / v3-t32). Formats that v3 runs but
 `tuning.V3_AWAITING_GPU_TESTS` still holds on v2 (the fp8 records and their part-tile raw rings) get
 their v3 rows with `--variants` only, marked `v3_held` (the reason): run their GPU tests first.
@@ -37,9 +37,9 @@ With `--variants`, also the 32-head tile with the other producer warpgroup count
 with per-role registers, `setmaxnreg`; v3-t32-p2, marked `v3_held`, while `V3_TILE_32_TWO_PRODUCERS` is listed), and
 where h % 64 == 0 the CTA pair v3-t32-pair (two CTAs of a cluster share each tile's decode; marked `v3_held` while
 `V3_TILE_32_PAIR` is listed). The v3-t<tile> rows run the unpaired kernel (`cta_pair=False`) either way.
-For the formats of the fold decode (`tuning.v3_decode_rev`), rows v3-d2 at (b) and <tile row>-d2 at (d)
-(and (a) with `--variants`) run the E2M1 decode rev 2 (the same output bits), marked `v3_held` while
-`V3_DECODE_REV` is 1; once the default is 2, they run rev 1 as v3-d1.
+For the formats of the fold decode (`tuning.v3_decode_rev`), rows v3-d1 at (b) and <tile row>-d1 at (d)
+(and (a) with `--variants`) run the E2M1 decode revision the default does not (`V3_DECODE_REV` is 2: rev 1, the same
+output bits).
 
 Compiling every kernel takes seconds each, so one worker process per format compiles and warms
 up in parallel; the timed part runs under an exclusive file lock, one worker at a time.

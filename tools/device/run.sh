@@ -356,7 +356,7 @@ power)
         need "$TEXT" "carry .devdata (wikitext-2 test)" || return 3
         step "kld + top-k overlap, random:glm-5.2:layers=${TOPK_LAYERS:-8} under --latent-profile glm-5.2, ctx 8192"
         mla_eval "${TOPK_TIMEOUT:-500}" kld --model "random:glm-5.2:layers=${TOPK_LAYERS:-8}" --latent-profile glm-5.2 \
-            --text "$TEXT" --max-tokens "${TOPK_TOKENS:-34816}" --ctx 8192 --stride 8192 --min-context 1024 --prefill absorbed \
+            --text "$TEXT" --max-tokens "${TOPK_TOKENS:-34816}" --ctx 8192 --stride 7168 --min-context 1024 --prefill absorbed \
             --formats "$real,control:*" --scales auto --out "$R/kld-topk-random-glm52-profile.json" ;;
     *) echo "unknown power step $w (grid, topk)"; return 2 ;;
     esac
@@ -553,7 +553,7 @@ help|-h|--help) sed -n '2,/^set -o pipefail/p' "$0" | sed '$d' | sed 's/^# \{0,1
 esac
 }
 
-SUBCOMMANDS=" install kern tests compile bench ncu revs pair pairncu kld-kernels forward prod eval formats semantics long "
+SUBCOMMANDS=" install kern tests compile bench ncu revs pair pairncu kld-kernels forward prod eval formats semantics long  power "
 SUBCOMMANDS+="multigpu memory stream train-tok train train-check "
 [ $# -gt 0 ] || { run_one help; exit 2; }
 case " $* " in *" help "*|*" -h "*|*" --help "*) run_one help; exit 0 ;; esac

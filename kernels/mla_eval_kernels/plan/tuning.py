@@ -59,10 +59,12 @@ V3_RAW_PREFERRED = (2, V3_BN // 2)
 # level for bf16 (docs/kernels.md#l2-prefetch). V3_L2_PREFETCH_PROBE keeps it measurable (bench row v3-pf).
 V3_L2_PREFETCH = 0
 V3_L2_PREFETCH_PROBE = 2
-# The consumer warpgroup's per-tile code: rev 1 is GPU-tested; rev 2 (tile loop unrolled by the K ring's stages,
-# the O^T rescale skipped when no running max moved, a 16-byte max / sum exchange) computes the same bits in fewer
-# instructions and is held until its GPU test passes and a bench times it (docs/kernels.md#consumer-rev-2). In the compile key.
-V3_CONSUMER_REV = 1
+# The consumer warpgroup's per-tile code. Rev 2 (tile loop unrolled by the K ring's stages, the O^T rescale skipped
+# when no running max moved, a 16-byte max / sum exchange) computes rev 1's bits in fewer instructions: its GPU tests
+# passed on an H200 (bitwise vs rev 1 and vs the reference) and the bench timed it faster or level at (b), (d) and (a)
+# except fp8_ds_mla at (a), 1.3 % slower (docs/kernels.md#consumer-rev-2; results/published/h200/kernels/
+# bench-revs.json). Rev 1 stays as the bench probe row v3-c1. In the compile key.
+V3_CONSUMER_REV = 2
 V3_CONSUMER_REVS = (1, 2)
 V3_DECODE_PRODUCER_WGS = 2  # producer warpgroups of a v3 CTA, every format (docs/kernels.md#producer-warpgroups; bench v3-p1)
 V3_PRODUCER_WGS_CHOICES = (1, 2)  # what a launch may ask for (bench probes, tests); more would not fit the registers
@@ -74,9 +76,10 @@ V3_WIDE_PRODUCER_WGS = 2
 # thread besides S^T) spills; the producers .dec to 136, the consumer .inc to 232: 232 x 128 + 136 x 256 = 64,512 =
 # 168 x 384, the CTA's own registers moved between roles (docs/kernels.md#register-budget-of-the-32-head-tile).
 V3_REG_SPLIT = (232, 136)  # (consumer, producer) registers per thread
-# The producer's E2M1 latent decode (the fold formats): rev 1 is GPU-tested; rev 2 writes the same bf16 K bytes in
-# fewer instructions (`e2m1_bits`) and is held until its GPU test and bench (b) run (docs/kernels.md#decode-rev-2). In the key.
-V3_DECODE_REV = 1
+# The producer's E2M1 latent decode (the fold formats): rev 2 writes rev 1's bf16 K bytes in fewer instructions
+# (`e2m1_bits`); GPU-tested on an H200 (bitwise vs rev 1 and the reference) and timed faster at (b) (nvfp4 64K 0.577 ->
+# 0.509 ms), (d) and (a) (docs/kernels.md#decode-rev-2). Rev 1 stays as the bench probe row v3-d1. In the key.
+V3_DECODE_REV = 2
 V3_DECODE_REVS = (1, 2)
 # Formats whose dense decode launches (h <= 16) run v3 by default: an H200 bench timed v3 faster than v2 at every
 # context (8K / 32K / 64K) for each (docs/kernels.md#default-formats-at-16-heads). v3 refuses the TensorRT-LLM and SGLang
