@@ -123,6 +123,17 @@ def solve(sens: Sensitivity, budget: dict[str, Any]) -> knapsack.Choice:
     return knapsack.min_cost(cost, size, limit)
 
 
+def check_reachable(budget: dict[str, Any], candidates: list[Variant], num_layers: int) -> None:
+    """A byte budget below every layer in the smallest candidate fails before the sweep, not after it."""
+    if budget["kind"] == "max_kld":
+        return
+    limit = budget["value"] if budget["kind"] == "bytes_per_token" else pool_gain_budget(budget["value"], num_layers)
+    least = num_layers * min(c.spec.record_bytes for c in candidates)
+    if limit < least:
+        raise UserError(f"no plan fits {limit} bytes per token: {num_layers} layers of the smallest candidate take "
+                        f"{least}; raise the budget or add a smaller format to --candidates")
+
+
 def make_plan(sens: Sensitivity, choice: knapsack.Choice, outer: OuterScales | None, **kw) -> LayerPlan:
     layers = tuple(sens.candidates[k] for k in choice.picks)
     scales = tuple(layer_scales(v, outer, sens.num_layers)[i] for i, v in enumerate(layers))
@@ -185,6 +196,7 @@ def evaluate_plan(st: PlanSettings, progress: ProgressCallback = no_progress) ->
         lm = st.load()
         if given is not None:
             given.check_layers(lm.num_layers, source=st.scales)
+        check_reachable(st.budget(lm.num_layers), candidates, lm.num_layers)
         source = text_sources.load_source(lm, st, progress)
         calib = None
         if st.scales == "auto" and needs_outer:
