@@ -35,13 +35,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from mla_eval.errors import UserError
 from mla_eval.formats import FormatSpec, get_format, parse_format_list
 from mla_eval.gpu_presets import get_gpu, gpu_names
+from mla_eval.layer_plan import LayerPlan
 from mla_eval.model_presets import (
     WEIGHT_DTYPE_BYTES,
     MlaCacheGeometry,
@@ -208,9 +209,16 @@ class FormatCapacity:
     max_concurrency: float | None
     full_length_requests: int | None
     ratio_vs_fp8_ds_mla: float | None
+    # a per-layer plan's row: each cache layer's record bytes (bytes_per_token_per_layer is then the widest)
+    layer_record_bytes: tuple[int, ...] | None = None
 
     def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        if self.layer_record_bytes is None:
+            del out["layer_record_bytes"]
+        else:
+            out["layer_record_bytes"] = list(self.layer_record_bytes)
+        return out
 
 
 def format_capacity(
@@ -224,9 +232,40 @@ def format_capacity(
     max_model_len: int | None = None,
 ) -> FormatCapacity:
     """Every figure for one format. max_model_len defaults to the model's max_position_embeddings."""
+    return layers_capacity(spec.name, spec.title, (spec.record_bytes,) * geometry.cache_layers(include_mtp), geometry,
+                           budget, parallel, block_size=block_size, include_mtp=include_mtp,
+                           max_model_len=max_model_len, per_layer=False)
+
+
+def plan_layer_bytes(layer_bytes: Sequence[int], geometry: MlaCacheGeometry, include_mtp: bool = True) -> tuple[int, ...]:
+    """A plan's record bytes per cache layer: one per main layer (its length must be the model's), and the MTP
+    layers, when counted, at the plan's widest record (a plan covers the main layers; an MTP layer's cache gets no
+    cheaper than the worst case without a plan for it)."""
+    if len(layer_bytes) != geometry.num_hidden_layers:
+        raise UserError(f"the plan has {len(layer_bytes)} layers but {geometry.name} has {geometry.num_hidden_layers}; "
+                        "give the plan's own model (--config) or make a plan for this one")
+    return tuple(layer_bytes) + (max(layer_bytes),) * geometry.mtp_layers(include_mtp)
+
+
+def layers_capacity(
+    name: str,
+    title: str,
+    layer_bytes: Sequence[int],
+    geometry: MlaCacheGeometry,
+    budget: KvBudget,
+    parallel: Parallelism,
+    *,
+    block_size: int = 64,
+    include_mtp: bool = True,
+    max_model_len: int | None = None,
+    per_layer: bool = True,
+) -> FormatCapacity:
+    """Every figure for a cache whose layers may hold different records (`layer_bytes`, one per cache layer): a
+    token's bytes are the sum over the layers, and one block of every layer runs out together (vLLM's one block
+    pool: num_blocks = available // (block_size x bytes per token), whatever each layer's page size)."""
     if max_model_len is not None and max_model_len < 1:
         raise UserError(f"--max-model-len must be >= 1, got {max_model_len}")
-    latent = latent_bytes_per_token(spec, geometry, include_mtp)
+    latent = sum(layer_bytes)
     indexer = geometry.indexer_bytes_per_token(include_mtp)
     token_bytes = latent + indexer
     blocks = num_blocks(budget.bytes_per_gpu, block_size, token_bytes)
@@ -245,9 +284,9 @@ def format_capacity(
         max_context, limited_by = usable, "pool"
     concurrency = None if length is None else max_concurrency(blocks, length, block_size, parallel.dcp)
     return FormatCapacity(
-        name=spec.name,
-        title=spec.title,
-        bytes_per_token_per_layer=spec.record_bytes,
+        name=name,
+        title=title,
+        bytes_per_token_per_layer=max(layer_bytes),
         latent_bytes_per_token=latent,
         indexer_bytes_per_token=indexer,
         bytes_per_token=token_bytes,
@@ -264,6 +303,7 @@ def format_capacity(
         max_concurrency=concurrency,
         full_length_requests=None if concurrency is None else int(concurrency),
         ratio_vs_fp8_ds_mla=pool / ref_pool if ref_pool else None,
+        layer_record_bytes=tuple(layer_bytes) if per_layer else None,
     )
 
 
@@ -355,7 +395,12 @@ class CapacitySettings:
         "max_position_embeddings).",
     )
     formats: str | None = option(  # comma-separated names; None = every registered format
-        None, "--formats", "-f", help="Comma-separated cache formats (default: all registered)."
+        None, "--formats", "-f", help="Comma-separated cache formats (default: all registered; with --plan: the "
+        "plan's own formats and fp8_ds_mla)."
+    )
+    plan: Path | None = option(
+        None, "--plan", path="read", help="A per-layer plan (`mla-eval plan`): one more row, its layers' records summed "
+        "per token (MTP layers, when counted, at the plan's widest record).",
     )
 
     @classmethod
@@ -373,8 +418,9 @@ class CapacitySettings:
         for key, value in values.items():  # a recipe's `tp = "eight"` is named here, not met as a TypeError later
             if not value_fits(hints[key], value):
                 raise UserError(f"{where}: {key} = {value!r} has the wrong type (expected {hints[key]})")
-        if values.get("config") is not None:
-            values["config"] = Path(values["config"])
+        for key in ("config", "plan"):
+            if values.get(key) is not None:
+                values[key] = Path(values[key])
         return cls(**values)
 
 
@@ -464,11 +510,20 @@ def evaluate_capacity(settings: CapacitySettings, progress: ProgressCallback = n
             raise UserError(f"--weights-gib must be positive, got {s.weights_gib}")
         weights = WeightsInfo(bytes=gib_to_bytes(s.weights_gib), source="--weights-gib")
     parallel = Parallelism(gpus=s.gpus if s.gpus is not None else s.tp, tp=s.tp, dcp=s.dcp)
-    specs = parse_format_list(s.formats)
+    plan = None if s.plan is None else LayerPlan.load(s.plan)
+    default = None if plan is None else list(dict.fromkeys([REFERENCE_FORMAT, *(sp.name for sp in plan.specs)]))
+    specs = parse_format_list(s.formats, default)
+    plan_bytes = None if plan is None else plan_layer_bytes([sp.record_bytes for sp in plan.specs], geometry, s.mtp)
     gpu_label, budget = _resolve_budget(s, weights, parallel, geometry)
     rows = capacity_table(
         specs, geometry, budget, parallel, block_size=s.block_size, include_mtp=s.mtp, max_model_len=s.max_model_len
     )
+    if plan is not None:
+        rows.append(layers_capacity(plan.label, f"per-layer plan: {plan.summary()}", plan_bytes, geometry, budget,
+                                    parallel, block_size=s.block_size, include_mtp=s.mtp, max_model_len=s.max_model_len))
+        if geometry.mtp_layers(s.mtp):
+            notes.append(f"{plan.label}: the {geometry.mtp_layers(s.mtp)} MTP layer(s) are sized at the plan's widest "
+                         f"record ({max(plan_bytes)} B); --no-mtp leaves them out")
     notes += list(geometry.notes)
     if any(r.num_blocks == 0 for r in rows):
         notes.append("a format with 0 blocks does not fit one block in the KV budget (vLLM would refuse to start)")

@@ -26,11 +26,13 @@ KLD_SCHEMA = "mla-eval/kld/v1"
 NEEDLE_SCHEMA = "mla-eval/needle/v1"
 CAPACITY_SCHEMA = "mla-eval.capacity/1"
 ENVIRONMENT_SCHEMA = "mla-eval/environment/v1"  # environment.json (has no "schema" key)
+PLAN_SCHEMA = "mla-eval/plan/v1"  # a per-layer cache plan (mla_eval.layer_plan), `mla-eval plan`'s document
 BUILTIN_SCHEMA_FILES: dict[str, str] = {
     KLD_SCHEMA: "kld-v1.schema.json",
     NEEDLE_SCHEMA: "needle-v1.schema.json",
     CAPACITY_SCHEMA: "capacity-v1.schema.json",
     ENVIRONMENT_SCHEMA: "environment-v1.schema.json",
+    PLAN_SCHEMA: "plan-v1.schema.json",
 }
 _registered: dict[str, str | Path] = {}
 

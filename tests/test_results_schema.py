@@ -106,8 +106,10 @@ def test_shared_definitions_agree_across_schema_files():
 
 
 def test_the_documented_committed_documents_exist():
+    # a plan (mla-eval/plan/v1) has no committed document under results/ (its tracked files are capped):
+    # tests/test_layer_plan.py writes, validates and reads plans instead
     kinds = {json.loads(p.read_text()).get("schema") if s is None else s for p, s in COMMITTED}
-    assert kinds == set(SCHEMA_FILES)
+    assert kinds == set(SCHEMA_FILES) - {"mla-eval/plan/v1"}
 
 
 @pytest.mark.parametrize("path,schema", COMMITTED, ids=[str(p.relative_to(ROOT)) for p, _ in COMMITTED])

@@ -13,7 +13,8 @@ from typing import Callable, Iterator
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-STAGE_UNITS = {"sample": "steps", "calibrate": "windows", "score": "tokens", "prompts": "prompts"}
+STAGE_UNITS = {"sample": "steps", "calibrate": "windows", "score": "tokens", "prompts": "prompts", "sensitivity": "tokens",
+               "proxy": "tokens"}
 
 
 def duration(seconds: float) -> str:

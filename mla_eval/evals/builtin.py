@@ -12,10 +12,11 @@ from mla_eval.errors import UserError
 from mla_eval.evals.calibrate import CalibrateSettings, CalibrationResult, evaluate_calibration
 from mla_eval.evals.kld_evaluation import KldResult, KldSettings, evaluate_kld
 from mla_eval.evals.needle_evaluation import NeedleResult, NeedleSettings, evaluate_needle
+from mla_eval.evals.plan_evaluation import PlanResult, PlanSettings, evaluate_plan
 from mla_eval.evals.report_tables import capacity_tables, identity, kld_tables, needle_tables
 from mla_eval.formats.spec import OUTER_SCALE_SCHEMA
 from mla_eval.protocol import Evaluation, Metric
-from mla_eval.result_schemas import BUILTIN_SCHEMA_FILES, CAPACITY_SCHEMA, KLD_SCHEMA, NEEDLE_SCHEMA
+from mla_eval.result_schemas import BUILTIN_SCHEMA_FILES, CAPACITY_SCHEMA, KLD_SCHEMA, NEEDLE_SCHEMA, PLAN_SCHEMA
 
 
 def format_rows(doc: dict) -> Iterable[tuple[str, dict]]:
@@ -117,5 +118,17 @@ CAPACITY = Evaluation(
     cli="mla_eval.commands.capacity",
 )
 
+PLAN = Evaluation(
+    name="plan",
+    summary="Per-layer cache formats under a byte or quality budget: per-layer sensitivity, then an exact knapsack.",
+    settings=PlanSettings,
+    run=evaluate_plan,
+    result=PlanResult,
+    schema=PLAN_SCHEMA,
+    schema_file=BUILTIN_SCHEMA_FILES[PLAN_SCHEMA],
+    result_file="plan.json",
+    cli="mla_eval.commands.plan",
+)
+
 # registry order: commands, recipe tables, gate metrics and report sections follow it
-BUILTIN_EVALUATIONS = (KLD, CALIBRATE, NEEDLE, CAPACITY)
+BUILTIN_EVALUATIONS = (KLD, CALIBRATE, NEEDLE, CAPACITY, PLAN)

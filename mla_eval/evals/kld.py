@@ -30,7 +30,7 @@ from mla_eval.evals.layer_stats import LayerStats, TopkRecorder
 from mla_eval.evals.ref_store import RefStore, metrics_from_store
 from mla_eval.evals.settings import check_ctx
 from mla_eval.evals.text_sources import TokenSource
-from mla_eval.evals.variants import Variant, scales_for
+from mla_eval.evals.variants import Variant, session_formats
 from mla_eval.formats import OuterScales, get_format
 from mla_eval.model.executor import LayerLoader, WindowForward
 from mla_eval.model.session import PREFILL_MODES, CacheSession
@@ -397,14 +397,15 @@ def _window_forward(
     chunk = semantics.forward_chunk(t, lm.adapter.is_dsa)
     if lm.adapter.is_dsa:
         semantics = CACHE  # engine == cache on the sparse path: one forward, every key from the cache
+    specs, outer = session_formats(variant, st.outer_scales)  # a plan row: each layer's own format and s_l
     session = CacheSession(
-        variant.spec,
+        specs,
         lm.num_layers,
         b,
         t,
         lm.layer_devices,
         block_size=st.block_size,
-        outer_scales=scales_for(variant, st.outer_scales),
+        outer_scales=outer,
         observers=tuple(observers or ()),
         keep_exact=bool(observers) if keep_exact is None else keep_exact,
         semantics=semantics,

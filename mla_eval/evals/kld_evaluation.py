@@ -46,7 +46,7 @@ from mla_eval.evals.settings import (
     default_min_context,
     default_stride,
 )
-from mla_eval.evals.variants import Variant, parse_variants
+from mla_eval.evals.variants import PlanVariant, Variant, check_plan_layers, parse_variants
 from mla_eval.formats import OuterScales
 from mla_eval.model.run_plan import OFFLOAD_MODES
 from mla_eval.protocol import ProgressCallback, no_progress, option, say
@@ -170,8 +170,8 @@ class KldSettings(ModelSettings, text_sources.TextSettings):
             raise UserError(f"--explain takes one quantised format (e.g. nvfp4), got {self.explain!r}")
         return found[0]
 
-    def variants(self) -> list[Variant]:
-        return parse_variants(self.formats)
+    def variants(self) -> list[Variant | PlanVariant]:
+        return parse_variants(self.formats, plans=True)
 
     def ref_variant(self) -> Variant:
         refs = parse_variants(self.ref, option="--ref")
@@ -245,6 +245,34 @@ def explain_breakdown(formats: dict[str, dict], fmt: str, semantics: list[Semant
             "interaction": {m: kld(fmt, m) - storage - kld("bf16", m) for m in fp8},
         }
     return out
+
+
+def plan_figures(formats: dict[str, dict], variants) -> dict[str, dict]:
+    """Each plan row's figures with the plan beside them: its file, layers, bytes per token and the KLD its maker
+    predicted (the sum of single-layer KLDs), so the measured `kld_mean` reads against the prediction."""
+    plans = {v.name: v for v in variants if isinstance(v, PlanVariant)}
+    out = {}
+    for key, row in formats.items():
+        pv = plans.get(row.get("format"))
+        if pv is not None:
+            row = {**row, "plan": {"file": pv.source, "layers": [v.name for v in pv.plan.layers],
+                                   "bytes_per_token": pv.plan.bytes_per_token, "predicted_kld": pv.plan.predicted_kld,
+                                   "budget": pv.plan.budget}}
+        out[key] = row
+    return out
+
+
+def plan_notes(formats: dict[str, dict], variants) -> list[str]:
+    """One line per plan row: measured against predicted KLD (the plan's additivity, seen once per run)."""
+    notes = []
+    for v in variants:
+        if isinstance(v, PlanVariant) and v.plan.predicted_kld is not None:
+            for row in formats.values():
+                if row.get("format") == v.name:
+                    m, p = row["kld_mean"], v.plan.predicted_kld
+                    notes.append(f"{v.name} ({v.plan.bytes_per_token} B/token): measured KLD {m:.5f} vs predicted {p:.5f} "
+                                 f"({(m - p) / p:+.0%})" if p > 0 else f"{v.name}: measured KLD {m:.5f}, predicted {p}")
+    return notes
 
 
 def semantics_notes(semantics: list[Semantics], ctx: int, is_dsa: bool, maths: list[AttentionMath]) -> list[str]:
@@ -410,6 +438,7 @@ def evaluate_kld(st: KldSettings, progress: ProgressCallback = no_progress) -> K
         lm = kld_plan.open_model(st)
         if given is not None:
             given.check_layers(lm.num_layers, source=st.scales)
+        check_plan_layers(variants, lm.num_layers)
         source, calib = _sources(lm, st, needs_outer, progress)
         protocol, why_absorbed = _protocol(st, lm, source)
         ctx, stride, min_context, semantics, maths = (protocol.ctx, protocol.stride, protocol.min_context,
@@ -485,11 +514,12 @@ def evaluate_kld(st: KldSettings, progress: ProgressCallback = no_progress) -> K
         outer_scales=protocol.outer_scales,
         windows=run.windows,
         seconds=run.seconds,
-        formats=run.summary(),
+        formats=plan_figures(run.summary(), variants),
         environment=env,
         run=run,
         rank=rank,
-        notes=semantics_notes(semantics, ctx, lm.adapter.is_dsa, maths) + prefill_notes(st.prefill, why_absorbed) + notes,
+        notes=semantics_notes(semantics, ctx, lm.adapter.is_dsa, maths) + prefill_notes(st.prefill, why_absorbed) + notes
+        + plan_notes(run.summary(), variants),
         explain=None if protocol.explain is None else explain_breakdown(
             run.summary(), protocol.explain.name, semantics, maths),
         execution=execution,

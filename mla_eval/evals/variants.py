@@ -1,7 +1,8 @@
 """A cache format as an evaluation runs it (`Variant`), and the `--formats` list syntax.
 
 'nvfp4,nvfp4+s_l' -> variants; '+s_l' applies the per-layer outer scales s_l; 'control:*' is the control
-ladder (mla_eval.formats.controls), mildest first. Which formats take an
+ladder (mla_eval.formats.controls), mildest first; 'plan:FILE' is one row running a per-layer plan
+(`PlanVariant`, mla_eval.layer_plan), each layer in its own format. Which formats take an
 outer scale, and how the calibrated max |c_kv| maps onto it (its denominator), is the format
 spec's fact (`FormatSpec.outer_scale`), never repeated here.
 """
@@ -9,34 +10,91 @@ spec's fact (`FormatSpec.outer_scale`), never repeated here.
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence, Union
 
 from mla_eval.errors import UserError
 from mla_eval.formats import FormatSpec, OuterScales, get_format
 from mla_eval.formats.controls import ALL_CONTROLS
 from mla_eval.formats.registry import all_formats, control_formats
+from mla_eval.formats.variant import Variant
+from mla_eval.layer_plan import PLAN_PREFIX, LayerPlan
 
 OUTER_OPTIONS = ("s_l", "sl")
 
 
-@dataclasses.dataclass(frozen=True)
-class Variant:
-    """A format as evaluated: its spec, and whether the per-layer outer scales are applied."""
+@dataclasses.dataclass(frozen=True, eq=False)
+class PlanVariant:
+    """A per-layer plan as one evaluated row (`plan:<file stem>`): each layer's cache in that layer's format.
 
-    spec: FormatSpec
-    outer: bool = False
+    Its scales travel in the plan (`outer` is False: the run's --scales never apply to it)."""
+
+    plan: LayerPlan
+    source: str = ""  # the file it was read from
+
+    outer = False
 
     @property
     def name(self) -> str:
-        return f"{self.spec.name}+s_l" if self.outer else self.spec.name
+        return self.plan.label
+
+    @property
+    def spec(self) -> FormatSpec:
+        """The layer spec with the widest record: what code holding one spec per row sizes memory by (the run
+        plan's workload); every cache read and write goes through the layer's own spec (`session_formats`)."""
+        return max(self.plan.specs, key=lambda s: s.record_bytes)
+
+    def _key(self) -> tuple:
+        return (self.plan.label, self.plan.layers, self.plan.scales)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PlanVariant) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
 
 
-def parse_variants(text: str | list[str] | tuple[str, ...], option: str = "--formats") -> list[Variant]:
-    """'nvfp4,nvfp4+s_l' (or a list of names) -> distinct variants in order; one-line UserError on a bad name."""
+Row = Union[Variant, PlanVariant]  # one row of a kld run
+
+
+def load_plan_variant(token: str) -> PlanVariant:
+    """'plan:PATH' -> the plan read from PATH (one-line UserErrors for a missing or bad file)."""
+    path = token[len(PLAN_PREFIX):].strip()
+    if not path:
+        raise UserError(f"{token!r} names no file; write plan:PATH (a plan made by `mla-eval plan`)")
+    return PlanVariant(LayerPlan.load(path), source=path)
+
+
+def check_plan_layers(rows: Sequence[Row], num_layers: int) -> None:
+    """Every plan row has one format per layer of the model (a one-line UserError naming the file otherwise)."""
+    for v in rows:
+        if isinstance(v, PlanVariant):
+            v.plan.check_layers(num_layers, source=f"plan file {v.source}" if v.source else None)
+
+
+def session_formats(variant: Row, outer: OuterScales | None):
+    """What a cache session takes for this row: (spec, or one spec per layer; OuterScales, one s_l per layer, or None)."""
+    if isinstance(variant, PlanVariant):
+        return variant.plan.specs, variant.plan.scales
+    return variant.spec, scales_for(variant, outer)
+
+
+def parse_variants(text: str | list[str] | tuple[str, ...], option: str = "--formats", plans: bool = False) -> list:
+    """'nvfp4,nvfp4+s_l' (or a list of names) -> distinct variants in order; one-line UserError on a bad name.
+    `plans`: 'plan:FILE' items are read as `PlanVariant` rows (else refused: the evaluation runs one format per row)."""
     tokens = text.split(",") if isinstance(text, str) else [str(t) for t in text]
     tokens = [name for t in tokens for name in ([s.name for s in control_formats()] if t.strip() == ALL_CONTROLS else [t])]
     out: list[Variant] = []
     for tok in (t.strip() for t in tokens):
         if not tok:
+            continue
+        if tok.startswith(PLAN_PREFIX):
+            if not plans:
+                raise UserError(f"{option} {tok!r}: per-layer plans run in `mla-eval kld --formats plan:FILE` only")
+            pv = load_plan_variant(tok)
+            if any(o.name == pv.name and o != pv for o in out):
+                raise UserError(f"{option}: two different plans are both named {pv.name}; rename one file")
+            if pv not in out:
+                out.append(pv)
             continue
         base, plus, opt = tok.partition("+")
         if plus and opt not in OUTER_OPTIONS:

@@ -39,9 +39,10 @@ def graph_blocker(session: CacheSession) -> str | None:
     (dev,) = devices
     if dev.type != "cuda":
         return f"{dev.type} device"
-    ok, why = kernel_status(session.spec, dev)
-    if not ok:
-        return why
+    for spec in dict.fromkeys(session.specs):  # a mixed plan: every layer's format must run on the kernels
+        ok, why = kernel_status(spec, dev)
+        if not ok:
+            return why
     if session.observers or session.exact:
         return "per-layer observers run Python in every layer"
     return None

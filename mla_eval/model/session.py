@@ -75,18 +75,23 @@ class CacheSession:
     pool). `capacity` is the most tokens a sequence may reach in this session. `device` is one
     device for every layer, or one per layer (a model spread over GPUs with device_map): each
     layer's cache lives where that layer's attention runs.
+
+    `spec` is one format for every layer, or one per layer (a mixed plan, mla_eval.layer_plan): each
+    layer's cache holds that layer's records and every write, read-back and attention of the layer
+    goes through its own spec. `outer_scales` likewise: one `OuterScales` file for every layer, or
+    one s_l per layer (None where that layer stores unscaled).
     """
 
     def __init__(
         self,
-        spec: FormatSpec,
+        spec: FormatSpec | Sequence[FormatSpec],
         num_layers: int,
         batch: int,
         capacity: int,
         device: torch.device | str | Sequence[torch.device | str],
         *,
         block_size: int = 64,
-        outer_scales: OuterScales | None = None,
+        outer_scales: OuterScales | Sequence[float | None] | None = None,
         observers: tuple[Callable[[LayerEvent], None], ...] = (),
         keep_exact: bool = False,
         prefill: str = "absorbed",
@@ -99,9 +104,18 @@ class CacheSession:
             raise ValueError(f"prefill mode {prefill!r}: one of {', '.join(PREFILL_MODES)}")
         if chunk_keys not in CHUNK_KEYS:
             raise ValueError(f"chunk keys {chunk_keys!r}: one of {', '.join(CHUNK_KEYS)}")
-        if outer_scales is not None:
+        self.specs: tuple[FormatSpec, ...] = (spec,) * num_layers if isinstance(spec, FormatSpec) else tuple(spec)
+        if len(self.specs) != num_layers:
+            raise ValueError(f"{len(self.specs)} layer formats for {num_layers} layers")
+        if isinstance(outer_scales, OuterScales):
             outer_scales.check_layers(num_layers)
-        self.spec = spec
+            self._outer: tuple[float | None, ...] = outer_scales.scales
+        elif outer_scales is None:
+            self._outer = (None,) * num_layers
+        else:
+            self._outer = tuple(outer_scales)
+            if len(self._outer) != num_layers:
+                raise ValueError(f"{len(self._outer)} layer scales for {num_layers} layers")
         self.num_layers = num_layers
         self.batch = batch
         self.capacity = capacity
@@ -112,7 +126,6 @@ class CacheSession:
             self.devices = [torch.device(d) for d in device]
             if len(self.devices) != num_layers:
                 raise ValueError(f"{len(self.devices)} devices for {num_layers} layers")
-        self.outer_scales = outer_scales
         self.observers = observers
         self.prefill = prefill
         self.semantics = semantics
@@ -124,7 +137,7 @@ class CacheSession:
         self._nblocks = nblocks
         # lazy: a layer's cache is allocated at its first write and freed by release_layer (the layer-major executor
         # holds one layer's caches at a time, mla_eval.model.executor)
-        self.caches: list[torch.Tensor | None] = [None if lazy else self._new_cache(d) for d in self.devices]
+        self.caches: list[torch.Tensor | None] = [None if lazy else self._new_cache(i) for i in range(num_layers)]
         table = torch.arange(nblocks, dtype=torch.int32).view(batch, self.blocks_per_seq)
         self.block_tables = {d: table.to(d) for d in set(self.devices)}  # one copy per device
         self.lengths = [0] * num_layers
@@ -136,8 +149,16 @@ class CacheSession:
         self._step: dict[torch.device, _StepBuffers] = {}
         self._step_finite: list[torch.Tensor] = []  # per layer: were the step's latent and rope finite?
 
-    def _new_cache(self, device: torch.device) -> torch.Tensor:
-        return torch.zeros(self._nblocks, self.block_size, self.spec.record_bytes, dtype=torch.uint8, device=device)
+    @property
+    def spec(self) -> FormatSpec:
+        """The one format of a uniform session (a mixed one has no single spec: read `specs`)."""
+        if any(s != self.specs[0] for s in self.specs):
+            raise ValueError("a mixed-format cache session has one spec per layer (session.specs)")
+        return self.specs[0]
+
+    def _new_cache(self, layer: int) -> torch.Tensor:
+        shape = (self._nblocks, self.block_size, self.specs[layer].record_bytes)
+        return torch.zeros(shape, dtype=torch.uint8, device=self.devices[layer])
 
     def release_layer(self, layer: int) -> None:
         """Free what `layer` holds (its cache, its unquantised history): nothing reads that layer again."""
@@ -158,7 +179,7 @@ class CacheSession:
             self.exact = [None] * self.num_layers
 
     def outer_scale(self, layer: int) -> float | None:
-        return None if self.outer_scales is None else self.outer_scales.for_layer(layer)
+        return self._outer[layer]
 
     def _slots(self, layer: int, start: int, count: int) -> torch.Tensor:
         """Global slot ids [B, count] of positions start..start+count-1 of each sequence (on the layer's device)."""
@@ -175,10 +196,10 @@ class CacheSession:
             raise ValueError(f"cache session holds {self.capacity} tokens per sequence; {start + t} requested")
         step = self._in_step(layer, t)
         if self.caches[layer] is None:
-            self.caches[layer] = self._new_cache(self.devices[layer])
+            self.caches[layer] = self._new_cache(layer)
         slots = self._step[self.devices[layer]].slots if step else self._slots(layer, start, t).reshape(-1)
         dispatch.write_cache(
-            self.spec,
+            self.specs[layer],
             latent.reshape(b * t, -1),
             rope.reshape(b * t, -1),
             slots,
@@ -201,8 +222,9 @@ class CacheSession:
     def read_back(self, layer: int, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode what the cache stores for positions start..start+count-1: ([B, n, 512], [B, n, 64])."""
         slots = self._slots(layer, start, count)
-        flat = self.caches[layer].view(-1, self.spec.record_bytes)
-        return decode(self.spec, flat[slots], outer_scale=self.outer_scale(layer))
+        spec = self.specs[layer]
+        flat = self.caches[layer].view(-1, spec.record_bytes)
+        return decode(spec, flat[slots], outer_scale=self.outer_scale(layer))
 
     def uses_mha_prefill(self, layer: int, new_tokens: int) -> bool:
         """True when this forward is a fresh multi-token prefill that the mha mode serves.
@@ -239,7 +261,7 @@ class CacheSession:
             # the split-KV grid sized for the session's capacity, so every step launches the same
             # kernels (eager or replayed from a CUDA graph, identical arithmetic)
             out, _ = dispatch.mla_attention_dense(
-                self.spec,
+                self.specs[layer],
                 q.reshape(b, h, -1),
                 self.caches[layer],
                 block_table=self.block_tables[dev],
@@ -254,7 +276,7 @@ class CacheSession:
         if topk is None and self.semantics.is_engine:
             latent, rope = self.chunk_kv(layer, t)
             out, _ = dispatch.mla_attention_chunk(
-                self.spec,
+                self.specs[layer],
                 q.reshape(b * t, h, -1),
                 self.caches[layer],
                 softmax_scale=softmax_scale,
@@ -266,7 +288,7 @@ class CacheSession:
             )
         elif topk is None:
             out, _ = dispatch.mla_attention_dense(
-                self.spec,
+                self.specs[layer],
                 q.reshape(b * t, h, -1),
                 self.caches[layer],
                 block_table=self.block_tables[dev].repeat_interleave(t, 0),
@@ -287,7 +309,7 @@ class CacheSession:
             valid = (idx >= 0) & (idx <= q_pos.view(1, t, 1))
             slots = torch.where(valid, seq_base + idx, -1)
             out, _ = dispatch.mla_attention_sparse(
-                self.spec,
+                self.specs[layer],
                 q.reshape(b * t, h, -1),
                 self.caches[layer],
                 indices=slots.reshape(b * t, -1).to(torch.int32),

@@ -58,6 +58,10 @@
 #   stream     python -m benchmarks.stream_bench: a full-width DeepSeek-V3.2 FP8 checkpoint written to /tmp/ckpt, the
 #              disk's O_DIRECT read rate, kld streamed and resident (equal formats), projected full-depth GLM-5.2 and
 #              DeepSeek-V3.2 runs (STREAM_ARGS adds options, e.g. "--steps project"; STREAM_TIMEOUT the limit)
+#   plan       a mixed per-layer plan (fp8_ds_mla, nvfp4+s_l, nvfp4_fp8_ds_mla, nvfp4_fp8rope: several formats in one
+#              forward) through the kernels and through the torch reference: kld --formats plan:FILE on
+#              random:glm-5.2:layers=4 (DSA: the sparse path) and random:deepseek-v3:layers=4 (dense), kernel KLD equal
+#              to reference KLD within 2 % (self-samples, no data needed)
 #   train-tok  copy training shards (SHARDS, default .train_data/a) to /tmp/mla_train/shards and tokenise them
 #   train      python -m tools.train train for TRAIN_S seconds (RECIPE, default recipes/train-default-model.toml;
 #              INIT / INIT_STATE / RESTART_CURRICULUM=1 for a continuation recipe; DATA, default the tokenised shards);
@@ -361,6 +365,33 @@ power)
     *) echo "unknown power step $w (grid, topk)"; return 2 ;;
     esac
     done
+    ;;
+plan)
+    local m rc=0
+    python3 -c "
+from mla_eval.formats import get_format
+from mla_eval.formats.variant import Variant
+from mla_eval.layer_plan import LayerPlan
+v = [Variant(get_format('fp8_ds_mla')), Variant(get_format('nvfp4'), True), Variant(get_format('nvfp4_fp8_ds_mla')),
+     Variant(get_format('nvfp4_fp8rope'))]
+LayerPlan(tuple(v), (None, 0.01, None, None), model={'name': 'random', 'layers': 4}).save('$R/mixed4.json')
+" || return 1
+    for m in glm-5.2 deepseek-v3; do
+        step "plan: mixed per-layer kld on random:$m:layers=4, kernels vs reference"
+        mla_eval 300 kld --model "random:$m:layers=4" --formats "nvfp4,plan:$R/mixed4.json" --samples 2 \
+            --sample-len 2048 --ctx 2048 --prefill absorbed --backend kernel --out "$R/plan-$m-kernel.json" --force
+        mla_eval 300 kld --model "random:$m:layers=4" --formats "nvfp4,plan:$R/mixed4.json" --samples 2 \
+            --sample-len 2048 --ctx 2048 --prefill absorbed --backend reference --out "$R/plan-$m-reference.json" --force
+        python3 - "$R/plan-$m-kernel.json" "$R/plan-$m-reference.json" <<'PY' || rc=1
+import json, sys
+k, r = (json.load(open(p))["formats"] for p in sys.argv[1:3])
+bad = [f for f in r if abs(k[f]["kld_mean"] - r[f]["kld_mean"]) > 0.02 * r[f]["kld_mean"] + 1e-6]
+for f in r:
+    print(f"{f}: kernel {k[f]['kld_mean']:.6f} reference {r[f]['kld_mean']:.6f}")
+sys.exit(1 if bad else 0)
+PY
+    done
+    return $rc
     ;;
 long)
     need "$LONG_TEXT" "build it with python -m tools.make_wiki_long and carry .devdata" || return 3
