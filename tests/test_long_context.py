@@ -275,3 +275,31 @@ def test_kld_depth_plot_across_windows(tmp_path):
 
     path = kld_depth_across_windows([doc(65536), doc(16384)], tmp_path / "depth.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+
+def test_a_long_text_does_not_warn_about_indexing_errors(capfd, caplog, tmp_path):
+    """Windows are cut by mla-eval: transformers' "longer than the specified maximum ... indexing errors" is noise."""
+    from transformers import AutoTokenizer
+
+    from mla_eval.evals.needle_tasks import load_haystack
+    from mla_eval.evals.text_sources import _tokenize
+
+    def tokenizer():
+        tok = AutoTokenizer.from_pretrained(Path(__file__).resolve().parents[1] / "mla_eval" / "default_model")
+        tok.model_max_length = 64
+        return tok
+
+    text = "The mill stood by the river and its wheel turned all day. " * 40
+    hay = tmp_path / "hay.txt"
+    hay.write_text(text)
+
+    def warned() -> bool:
+        printed = capfd.readouterr()
+        return "indexing errors" in printed.err + printed.out + caplog.text
+
+    assert _tokenize(tokenizer(), text).numel() > 64 and not warned()
+    load_haystack(tokenizer(), hay)
+    assert not warned()
+    tokenizer()(text, add_special_tokens=False)  # the check can fail: the same call without the guard warns
+    assert warned()

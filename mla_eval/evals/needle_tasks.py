@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from mla_eval.errors import UserError
+from mla_eval.evals.text_sources import quiet_long_text
 from mla_eval.user_paths import TEXT_LIMIT, read_input_text
 
 TASKS = ("passkey", "single", "multikey", "multivalue", "vt")
@@ -279,6 +280,7 @@ def load_haystack(tokenizer, haystack: Path | None) -> tuple[np.ndarray, bool, s
         return ids, True, "noise (repeated filler sentences)"
     haystack = Path(haystack)
     text = haystack_text(haystack)
+    quiet_long_text(tokenizer)  # a haystack is cut into prompts here, never fed whole
     ids = np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"])
     eos = tokenizer.eos_token_id
     if eos is not None:

@@ -38,7 +38,21 @@ def _digest(seqs: list[torch.Tensor]) -> str:
     return h.hexdigest()[:16]
 
 
+# transformers warns once per tokenizer when a text is longer than the model's maximum ("will result in indexing
+# errors"): we cut texts into windows ourselves, so the warning is noise. Marking it as already given silences just
+# it (the key of PreTrainedTokenizerBase._eventual_warn_about_too_long_sequence, transformers 4.x and 5.x).
+_TOO_LONG_WARNING = "sequence-length-is-longer-than-the-specified-maximum"
+
+
+def quiet_long_text(tokenizer) -> None:
+    """Silence transformers' one too-long-sequence warning on this tokenizer (windows are cut by mla-eval)."""
+    flags = getattr(tokenizer, "deprecation_warnings", None)
+    if isinstance(flags, dict):
+        flags[_TOO_LONG_WARNING] = True
+
+
 def _tokenize(tokenizer, text: str) -> torch.Tensor:
+    quiet_long_text(tokenizer)
     ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
     return torch.tensor(ids, dtype=torch.int64)
 
