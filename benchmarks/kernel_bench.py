@@ -249,7 +249,7 @@ def run_format(
     reps = 5 if quick else 20
     rows, todo = [], []
     # the E2M1 decode revision the default does not run (`V3_DECODE_REV`), as rows v3-d<rev> beside v3 at (b) and
-    # beside each head tile at (d) (also (a) with --variants); held while the default is rev 1 (rev 2's GPU test)
+    # beside each head tile at (d) (also (a) with --variants); a rev-2 row would be marked held while the default is 1
     other_rev = (3 - V3_DECODE_REV) if v3_decode_rev(plan_for(spec), 2) == 2 else None
     rev_mark = dict(v3_held="decode rev 2 waits for its GPU test (V3_DECODE_REV)") if other_rev == 2 else {}
 
@@ -377,9 +377,9 @@ def run_format(
                 # warpgroup are worth
                 pwg = v3_producer_wgs(plan_for(spec))
                 probes = [("v3-pf", dict(l2_prefetch=V3_L2_PREFETCH_PROBE)), (f"v3-p{3 - pwg}", dict(producer_wgs=3 - pwg))]
-                # the other consumer revision (`V3_CONSUMER_REV`; rev 2: fewer SASS per tile, same output bit for bit)
+                # the other consumer revision (`V3_CONSUMER_REV`; the same output bit for bit)
                 probes += [(f"v3-c{other_consumer}", dict(consumer_rev=other_consumer))]
-                if other_rev:  # both held revisions together (docs/kernels.md#held-revisions: consumer and decode)
+                if other_rev:  # both other revisions together (docs/kernels.md#held-revisions: consumer and decode)
                     probes += [(f"v3-c{other_consumer}-d{other_rev}", dict(consumer_rev=other_consumer, decode_rev=other_rev))]
                 if not is_bf16_plan(plan_for(spec)):
                     # timing probes (wrong output): the producer's decode left out; the consumer's wgmma left out

@@ -707,7 +707,7 @@ def test_sass_role_registers_reads_each_role_after_its_setmaxnreg():
     assert sass_role_registers(line(0x10, "MOV R1, c[0x0][0x28]")) == {}
 
 
-# consumer rev 2 (`attention_tuning.V3_CONSUMER_REV`, held at 1 until this passes on an H200 and a bench times it)
+# consumer rev 2 (`attention_tuning.V3_CONSUMER_REV`, the default since these passed on an H200 and a bench timed it)
 CONSUMER_FORMATS = ["nvfp4", "bf16", "fp8_ds_mla", "mxfp4"]
 # dense lengths: 0 keys, 1 .. 4 + 1 tiles (even and odd tile counts: rev 2 runs tiles in pairs, then the remainder),
 # one short of / past the 64-key tile, and 33 tiles (long runs where no head's running max moves: the skipped rescale)
@@ -863,7 +863,7 @@ def _rev2_case(fmt, launch, sparse_seed, dense_seed, lengths=LENGTHS):
 @pytest.mark.parametrize("launch", list(REV2_LAUNCHES))
 @pytest.mark.parametrize("fmt", DECODE_REV2_FORMATS)
 def test_v3_decode_rev2_matches_reference_and_rev1_bitwise(fmt, launch):
-    """The E2M1 decode rev 2 (`attention_tuning.V3_DECODE_REV`, held at 1 until this passes on an H200): NaN-poisoned
+    """The E2M1 decode rev 2 (`attention_tuning.V3_DECODE_REV`, the default since this passed on an H200): NaN-poisoned
     outputs against the reference, unsplit and 3 splits, and bit for bit (int32 views: signed zeros, lse included) the
     outputs of rev 1, the GPU-tested decode, on the same launch: it writes the same bf16 K tiles. Every fold format
     (the outer scale where the format has one), dense and sparse lists, the 16-head tile (one and two producer

@@ -17,7 +17,7 @@ multiplies the latent part of each score and the output rows by FOLD * s_l in fl
 `e2m1_byte_to_bf16x2_bits` is the word the kernel computes, written in Python; the CPU test checks
 it against the codec's E2M1 table for all 256 bytes.
 
-Decode rev 2 (`tuning.V3_DECODE_REV`, held until its GPU test): the same bf16x2 words in fewer
+Decode rev 2 (`tuning.V3_DECODE_REV`, the default since its H200 GPU tests and bench): the same bf16x2 words in fewer
 instructions (ncu: rev 1 issued ~6 SASS per pair, the producer is issue-bound). Per 32-bit word of
 8 codes, once: the even codes (low nibbles) and the odd codes (high nibbles, shifted down) each masked to clean
 bytes (`NIBBLES`). Per pair i: one `prmt` puts even code 2i in byte 0 and odd code 2i + 1 in byte 2 and zeros in
