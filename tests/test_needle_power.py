@@ -203,3 +203,9 @@ def test_kld_records_topk_overlap_on_a_dsa_model(tmp_path):
     assert control[0]["topk_overlap"] == 1.0
     assert min(row["topk_overlap"] for row in control[1:]) < 1.0
     assert all(0 <= d["overlap"] <= 1 for row in control for d in row["topk_overlap_by_depth"])
+
+
+def test_every_format_list_expands_the_control_ladder():
+    from mla_eval.formats import parse_format_list
+
+    assert [s.name for s in parse_format_list("nvfp4,control:*")] == ["nvfp4", *(s.name for s in CONTROL_FORMATS)]

@@ -135,6 +135,7 @@ def parse_format_list(text: str | None, default: list[str] | None = None) -> lis
         names = default if default is not None else format_names()
         return [get_format(n) for n in names]
     names = [t.strip() for t in text.split(",") if t.strip()]
+    names = [n for t in names for n in (list(_CONTROLS) if t == "control:*" else [t])]  # the whole control ladder
     if not names:
         raise UnknownFormatError("--formats is empty; give a comma-separated list such as nvfp4,fp8_ds_mla")
     seen: list[FormatSpec] = []
