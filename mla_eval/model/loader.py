@@ -136,6 +136,8 @@ def _check_raw_config(path: Path) -> None:
 def load_config(path: Path):
     from transformers import AutoConfig
 
+    if path.exists() and not path.is_dir():
+        raise UserError(f"--model {path} is a file, not a checkpoint folder; give the folder that holds its config.json")
     if not path.is_dir():
         raise UserError(f"model directory {path} does not exist; give --model a local Hugging Face checkpoint folder")
     if not (path / "config.json").is_file():
