@@ -76,3 +76,16 @@ def test_engine_names_per_engine_and_version_and_known_records(capsys, monkeypat
     assert main(["formats", "--help"]) == 0
     helptext = " ".join(capsys.readouterr().out.split())
     assert "Known, not built in: DeepSeek-V4" in helptext and "GLM-5.3-Flash's rope-less records" in helptext
+
+
+def test_formats_table_fits_80_columns_without_cut_headers():
+    """At 80 columns the bits and x fp8 columns give way (said below the table); no header or cell is cut short."""
+    import subprocess
+    import sys
+
+    env = {**__import__("os").environ, "COLUMNS": "80"}
+    out = subprocess.run([sys.executable, "-m", "mla_eval", "formats", "--no-layout"], capture_output=True, text=True,
+                         env=env, check=True).stdout
+    table = out.split("Not shown below")[0]
+    assert "…" not in table and max(len(line) for line in table.splitlines()) <= 80
+    assert "latent" in table and "scales" in table and "Not shown below 110 columns: bits, x fp8" in out

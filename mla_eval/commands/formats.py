@@ -13,6 +13,8 @@ from mla_eval.formats.builtin import ENGINE_NAMES, KNOWN_NOT_BUILT_IN
 from mla_eval.formats.registry import ambiguous_engine_names
 from mla_eval.formats.spec import EngineName
 
+WIDE_TABLE = 110  # terminal columns the formats table needs with every column (the longest labels unwrapped)
+
 
 def _engine_name_row(e: EngineName) -> dict:
     return {"engine": e.engine, "name": e.name, "version": e.version, "record_bytes": e.record_bytes,
@@ -84,15 +86,19 @@ def formats(
         return
     specs = parse_format_list(names)
     console = Console()
+    # below this width the ratio and bits columns give way (named under the table) so no cell is cut to "late..."
+    narrow = console.width < WIDE_TABLE
     table = Table(title="MLA KV-cache formats: bytes per token per layer (512 latent + 64 rope values)")
     table.add_column("format", style="bold", no_wrap=True)
-    table.add_column("bytes", justify="right")
-    table.add_column("bits", justify="right")
-    table.add_column("x bf16", justify="right")
-    table.add_column("x fp8", justify="right")
-    table.add_column("latent")
-    table.add_column("rope")
-    table.add_column("scales")
+    table.add_column("bytes", justify="right", no_wrap=True)
+    if not narrow:
+        table.add_column("bits", justify="right")
+    table.add_column("x bf16", justify="right", no_wrap=True)
+    if not narrow:
+        table.add_column("x fp8", justify="right", no_wrap=True)
+    table.add_column("latent", overflow="fold")
+    table.add_column("rope", overflow="fold")
+    table.add_column("scales", overflow="fold")
     for spec, row in zip(specs, rows):
         extra = []
         if spec.token_scale is not None:
@@ -107,17 +113,15 @@ def formats(
             extra.append("read as e4m3")
         if spec.rope.residual or spec.latent.residual:
             extra.append("residual pass")
-        table.add_row(
-            spec.name,
-            str(spec.record_bytes),
-            f"{spec.bits_per_value:.2f}",
-            f"{row['tokens_per_byte_vs_bf16']:.2f}",
-            f"{row['tokens_per_byte_vs_fp8_ds_mla']:.2f}",
-            _coding_label(spec.latent),
-            _coding_label(spec.rope),
-            ", ".join(extra) or "-",
-        )
+        cells = [spec.name, str(spec.record_bytes)]
+        cells += [] if narrow else [f"{spec.bits_per_value:.2f}"]
+        cells += [f"{row['tokens_per_byte_vs_bf16']:.2f}"]
+        cells += [] if narrow else [f"{row['tokens_per_byte_vs_fp8_ds_mla']:.2f}"]
+        cells += [_coding_label(spec.latent), _coding_label(spec.rope), ", ".join(extra) or "-"]
+        table.add_row(*cells)
     console.print(table)
+    if narrow:
+        console.print(f"Not shown below {WIDE_TABLE} columns: bits, x fp8 (widen the terminal, or --json).")
     if layout:
         lt = Table(title="Byte layouts [start,end)", show_lines=False)
         lt.add_column("format", style="bold", no_wrap=True)
