@@ -144,8 +144,10 @@ def test_bad_plan_on_the_command_line(tmp_path, capsys):
     assert main(["kld", "--formats", f"plan:{path}", "--out", str(tmp_path / "k.json")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "no s_l" in err and "\n" not in err
-    assert main(["needle", "--formats", f"plan:{path}"]) == 2
-    assert "kld --formats plan:FILE` only" in capsys.readouterr().err
+    assert main(["needle", "--formats", f"plan:{path}"]) == 2  # needle reads the same file the same way
+    assert "no s_l" in capsys.readouterr().err
+    assert main(["kld", "--ref", f"plan:{path}"]) == 2  # a reference is one format: plans are refused there
+    assert "per-layer plans run in `mla-eval kld` and `needle` (--formats plan:FILE)" in capsys.readouterr().err
 
 
 def test_plan_of_the_wrong_layer_count(tmp_path, capsys):
@@ -266,3 +268,34 @@ def test_plan_command_end_to_end(tmp_path, capsys):
     assert main(["kld", *common, "--formats", f"nvfp4,plan:{out}", "--no-layer-stats", "--out", str(kout)]) == 0
     row = json.loads(kout.read_text())["formats"]["plan:plan"]
     assert row["plan"]["predicted_kld"] == plan.predicted_kld and row["kld_mean"] >= 0
+
+
+# --- needle reads plans too ----------------------------------------------------------------------
+
+
+def test_needle_runs_a_plan_row_on_the_same_prompts(tmp_path, capsys):
+    """A uniform nvfp4 plan answers exactly as the nvfp4 row; a mixed plan runs with one format per layer; a plan made
+    for another layer count is one line before any prompt."""
+    from mla_eval.cli import main
+
+    nv, fp8 = Variant(get_format("nvfp4")), Variant(get_format("fp8_ds_mla"))
+    LayerPlan.uniform(nv, 6, name="all-nvfp4").save(tmp_path / "all-nvfp4.json")
+    LayerPlan((fp8, nv) * 3, (None,) * 6, name="alt").save(tmp_path / "alt.json")
+    out = tmp_path / "n.json"
+    code = main(["needle", "--lengths", "384", "--depths", "0,60", "--scales", "none", "--out", str(out), "--formats",
+                 f"nvfp4,plan:{tmp_path / 'all-nvfp4.json'},plan:{tmp_path / 'alt.json'}"])
+    assert code == 0, capsys.readouterr().err
+    doc = json.loads(out.read_text())
+    names = list(doc["formats"])
+    assert names == ["bf16", "nvfp4", "plan:all-nvfp4", "plan:alt"]
+    assert doc["settings"]["plans"] == {"plan:all-nvfp4": str(tmp_path / "all-nvfp4.json"),
+                                        "plan:alt": str(tmp_path / "alt.json")}
+
+    def answers(name):
+        return [(r["depth"], r["output"]) for r in doc["records"] if r["format"] == name]
+
+    assert answers("plan:all-nvfp4") == answers("nvfp4") and len(answers("plan:alt")) == 2
+    LayerPlan.uniform(nv, 4, name="four").save(tmp_path / "four.json")
+    assert main(["needle", "--lengths", "384", "--depths", "0", "--scales", "none", "--out", str(tmp_path / "x.json"),
+                 "--formats", f"plan:{tmp_path / 'four.json'}"]) == 2
+    assert "4 layers" in capsys.readouterr().err.strip().splitlines()[-1]

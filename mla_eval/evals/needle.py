@@ -15,7 +15,7 @@ import torch
 
 from mla_eval.attention.semantics import BF16, CACHE, AttentionMath, Semantics
 from mla_eval.evals.needle_tasks import DEFAULT_NEEDLES, Prompt, PromptBuilder, TaskSpec
-from mla_eval.evals.variants import Variant, scales_for
+from mla_eval.evals.variants import Variant, session_formats
 from mla_eval.formats import OuterScales
 from mla_eval.model.decode_steps import DecodeSteps, steps_label
 from mla_eval.model.session import CacheSession
@@ -152,16 +152,17 @@ def generate(
     ids = torch.tensor([p.ids for p in prompts], device=lm.device)
     b, t = ids.shape
     max_new = opts.max_new
-    outer = scales_for(variant, outer_scales)
+    specs, outer = session_formats(variant, outer_scales)  # a plan row: one format and s_l per layer
 
     def build():
         session = CacheSession(
-            variant.spec, lm.num_layers, b, t + max_new, lm.layer_devices, outer_scales=outer, prefill=opts.prefill,
+            specs, lm.num_layers, b, t + max_new, lm.layer_devices, outer_scales=outer, prefill=opts.prefill,
             semantics=opts.semantics, attn_math=opts.math,
         )
         return session, DecodeSteps(lm, session, graphs=opts.graphs)
 
-    key = (variant.name, None if outer is None else outer.scales, b, t + max_new, opts.prefill, opts.graphs,
+    scales = getattr(outer, "scales", outer)  # OuterScales, a plan's per-layer tuple, or None
+    key = (variant.name, None if scales is None else tuple(scales), b, t + max_new, opts.prefill, opts.graphs,
            opts.semantics, opts.math)
     session, steps = (reuse or SessionReuse()).get(key, build)
     out: list[list[int]] = [[] for _ in prompts]

@@ -20,7 +20,7 @@ from mla_eval.evals.calibrate import calibrate
 from mla_eval.evals.needle_tasks import TASKS, VALUE_KINDS, PromptBuilder, TaskSpec, haystack_text, load_haystack, parse_tasks
 from mla_eval.evals.settings import SCALES_MODES, ModelSettings, check_math_backend
 from mla_eval.evals.text_sources import TokenSource
-from mla_eval.evals.variants import Variant, parse_variants
+from mla_eval.evals.variants import PlanVariant, Variant, check_plan_layers, parse_variants
 from mla_eval.formats import OuterScales
 from mla_eval.model.session import PREFILL_MODES
 from mla_eval.protocol import ProgressCallback, no_progress, option
@@ -168,7 +168,7 @@ class NeedleSettings(ModelSettings):
     def variants(self) -> list[Variant]:
         """bf16 first (the baseline every failure is measured against), then the asked formats."""
         formats = self.formats.split(",") if isinstance(self.formats, str) else list(self.formats)
-        return parse_variants([BASELINE, *formats])
+        return parse_variants([BASELINE, *formats], plans=True)
 
     def length_list(self) -> list[int]:
         return parse_lengths(self.lengths)
@@ -236,6 +236,7 @@ def evaluate_needle(st: NeedleSettings, progress: ProgressCallback = no_progress
     given = OuterScales.load(st.scales) if needs_outer and st.scales not in SCALES_MODES else None  # before the load
     with dispatch.use_backend(st.backend) as log:
         lm = st.load()
+        check_plan_layers(variants, lm.num_layers)  # a plan for another model fails before any prompt runs
         if lm.max_positions and max(lens) > lm.max_positions:
             raise UserError(
                 f"--lengths {max(lens)} exceeds the model's {lm.max_positions} positions; "
@@ -297,6 +298,7 @@ def evaluate_needle(st: NeedleSettings, progress: ProgressCallback = no_progress
                   "max_new_tokens": run.max_new_tokens, "stop_at_answer": not st.full_answers,
                   "cuda_graphs": st.cuda_graphs, "backend": log.backend, "semantics": semantics.as_dict(),
                   "math": st.math, "tasks": labels, "controls": controls,
+                  "plans": {v.name: v.source for v in variants if isinstance(v, PlanVariant)},
                   "needles": {t.label: t.count for t in tasks}, "answer_budgets": run.budgets,
                   "samples_per_cell": len(deps) * st.trials, **st.placement(lm)},
         outer_scales=outer,

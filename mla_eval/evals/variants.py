@@ -89,7 +89,7 @@ def parse_variants(text: str | list[str] | tuple[str, ...], option: str = "--for
             continue
         if tok.startswith(PLAN_PREFIX):
             if not plans:
-                raise UserError(f"{option} {tok!r}: per-layer plans run in `mla-eval kld --formats plan:FILE` only")
+                raise UserError(f"{option} {tok!r}: per-layer plans run in `mla-eval kld` and `needle` (--formats plan:FILE)")
             pv = load_plan_variant(tok)
             if any(o.name == pv.name and o != pv for o in out):
                 raise UserError(f"{option}: two different plans are both named {pv.name}; rename one file")
