@@ -85,8 +85,8 @@ def detectable_drop(k1: int, k0: int, w: float, alpha_test: float, power: float 
 
 def prompts_needed(base_accuracy: float, drop: float, w: float, alpha_test: float, power: float = POWER) -> int | None:
     """The fewest prompts a cell needs for a format that costs `drop` of accuracy (bf16 at `base_accuracy`) to be
-    detected with probability `power`: the smallest n from which the power stays at or above it (a discrete test's
-    power zigzags in n). None when the drop exceeds what bf16 retrieves, or within MAX_PROMPTS."""
+    detected with probability `power`: the smallest n at which it does and keeps doing so for the next 8 prompt
+    counts (a discrete test's power zigzags in n). None when the drop exceeds what bf16 retrieves, or past MAX_PROMPTS."""
     if base_accuracy <= 0 or not 0 < drop <= base_accuracy:
         return None
     q = min(1.0, (drop + (1 - base_accuracy) * w) / base_accuracy)  # the loss rate whose net drop is `drop`
