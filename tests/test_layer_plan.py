@@ -299,3 +299,26 @@ def test_needle_runs_a_plan_row_on_the_same_prompts(tmp_path, capsys):
     assert main(["needle", "--lengths", "384", "--depths", "0", "--scales", "none", "--out", str(tmp_path / "x.json"),
                  "--formats", f"plan:{tmp_path / 'four.json'}"]) == 2
     assert "4 layers" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_plan_refuses_a_checkpoint_that_does_not_fit_before_reading_it(tmp_path, capsys, monkeypatch):
+    """The sweep runs resident: a model larger than the memory budget is one line, decided from the index alone."""
+    from test_checkpoint import TOKENIZER, small_config
+
+    from mla_eval.cli import main
+    from mla_eval.model import run_plan
+    from mla_eval.model.checkpoint_writer import write_random_checkpoint
+
+    bare = tmp_path / "bare"
+    write_random_checkpoint(bare, small_config("deepseek_v32", vocab=12288), "fp8-block", tokenizer_from=TOKENIZER,
+                            index_only=True)
+    text = tmp_path / "t.txt"
+    text.write_text("The river flows past the mill near the bridge. " * 200)
+    tiny = run_plan.Budget(1 << 20, 1 << 30, "cpu", "test: 1 MiB")
+    monkeypatch.setattr(run_plan.Budget, "measure", classmethod(lambda cls, device: tiny))
+    args = ["plan", "--model", str(bare), "--text", str(text), "--device", "cpu", "--budget-bytes-per-token", "4000",
+            "--out", str(tmp_path / "p.json")]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "runs the model resident" in err[0] and "budget is 0.0 GiB" in err[0]
+    assert not (tmp_path / "p.json").exists()

@@ -185,6 +185,24 @@ def replan(st: PlanSettings) -> PlanResult:
     return PlanResult(plan, sens, outer, old.extra.get("environment", {}))
 
 
+def check_resident_fit(st: PlanSettings) -> None:
+    """The sweep runs the model resident: a checkpoint whose weights exceed the device's memory is refused in one
+    line before anything is read (kld streams such a model layer by layer; plan does not yet)."""
+    from mla_eval.evals.kld_plan import inventory
+    from mla_eval.model.loader import load_skeleton
+    from mla_eval.model.random_models import is_random_spec
+    from mla_eval.model.run_plan import Budget
+
+    if st.model is None or is_random_spec(str(st.model)) or st.device_map != "none":
+        return  # the embedded model, a random spec (built at its size) or several devices: nothing to stream
+    skeleton = load_skeleton(st.model, st.device, rope_scaling=st.rope_scaling, require_weights=False)
+    need, budget = inventory(skeleton).run_bytes, Budget.measure(skeleton.device)
+    if need > budget.device_bytes:
+        raise UserError(f"mla-eval plan runs the model resident: its weights need {need / 2**30:.1f} GiB as run, the "
+                        f"{budget.device} budget is {budget.device_bytes / 2**30:.1f} GiB; plan a model that fits "
+                        "(several GPUs: --device-map auto) -- layer streaming is built for kld (--offload stream), not plan")
+
+
 def evaluate_plan(st: PlanSettings, progress: ProgressCallback = no_progress) -> PlanResult:
     """Sensitivity of every candidate at every layer, then the exact knapsack under the budget."""
     if st.sensitivity is not None:
@@ -193,6 +211,7 @@ def evaluate_plan(st: PlanSettings, progress: ProgressCallback = no_progress) ->
     needs_outer = any(v.outer for v in candidates)
     given = None if st.scales in ("auto", "none") else OuterScales.load(st.scales)
     with dispatch.use_backend(st.backend) as log:
+        check_resident_fit(st)
         lm = st.load()
         if given is not None:
             given.check_layers(lm.num_layers, source=st.scales)
