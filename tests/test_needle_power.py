@@ -209,3 +209,17 @@ def test_every_format_list_expands_the_control_ladder():
     from mla_eval.formats import parse_format_list
 
     assert [s.name for s in parse_format_list("nvfp4,control:*")] == ["nvfp4", *(s.name for s in CONTROL_FORMATS)]
+
+
+def test_kld_table_shows_topk_only_where_a_dsa_model_recorded_it():
+    from pathlib import Path
+
+    from mla_eval.commands.kld import available_columns
+
+    root = Path(__file__).resolve().parents[1]
+    dense = json.loads((root / "results" / "baselines" / "ci-smoke" / "kld.json").read_text())["formats"]
+    dsa = json.loads((root / "results" / "published" / "h200" / "needle-power" /
+                      "kld-topk-random-glm52-profile.json").read_text())["formats"]
+    assert "topk%" not in [c[0] for c in available_columns(dense)]
+    cols = {c[0]: c[1] for c in available_columns(dsa)}
+    assert cols["topk%"](dsa["nvfp4"]) == "87.3" and cols["topk%"](dsa["fp8_ds_mla"]) == "97.2"

@@ -93,19 +93,27 @@ COLUMNS = (
     ("med", lambda s: f"{s['kld_median']:.4f}", 5),
     ("RMSΔp%", lambda s: f"{s['delta_p_rms_pct']:.2f}", 6),
     ("attn", lambda s: f"{max(r['attn_rel_l2'] for r in s['layers']):.3f}", 7),
+    ("topk%", lambda s: f"{100 * min(r['topk_overlap'] for r in s['layers'] if 'topk_overlap' in r):.1f}", 3.5),
 )
 GLOSSARY = {
     "KLD": "mean KL(ref || format) in nats over the full vocabulary", "±se": "its standard error",
     "top1%": "same argmax as the reference", "p99": "99th percentile of the per-token KLD", "PPLx": "PPL ratio",
     "med": "median per-token KLD", "RMSΔp%": "RMS change of the target token's probability",
     "attn": "worst layer's attention-output relative L2 vs exact float32",
+    "topk%": "DSA: the worst layer's share of the reference run's top-k positions that this format's run also chose",
 }
+
+
+def available_columns(summary: dict) -> list[tuple]:
+    """The columns these rows have figures for: attn with layer stats, topk% on a DSA model's layer stats."""
+    with_layers = all("layers" in s for s in summary.values())
+    with_topk = with_layers and all(any("topk_overlap" in r for r in s["layers"]) for s in summary.values())
+    return [c for c in COLUMNS if (c[0] != "attn" or with_layers) and (c[0] != "topk%" or with_topk)]
 
 
 def table_columns(summary: dict, width: int) -> list[tuple]:
     """The columns that fit in `width` terminal columns, in display order (by priority first)."""
-    with_layers = all("layers" in s for s in summary.values())
-    cols = [c for c in COLUMNS if c[0] != "attn" or with_layers]
+    cols = available_columns(summary)
     used = max(len("format"), *(len(n) for n in summary)) + 4  # borders and padding of the format column
     chosen = []
     for col in sorted(cols, key=lambda c: c[2]):
@@ -152,7 +160,7 @@ def print_table(summary: dict, ref: str, label: str, con: Console, attention: st
     con.print(table)
     first = next(iter(summary.values()))
     shown = [c[0] for c in cols]
-    hidden = [c[0] for c in COLUMNS if c[0] not in shown and (c[0] != "attn" or "layers" in first)]
+    hidden = [c[0] for c in available_columns(summary) if c[0] not in shown]
     con.print(f"{first['tokens']} scored tokens; PPL({ref}) = {first['ppl_ref']:.3f}. "
               + "; ".join(f"{c} = {GLOSSARY[c]}" for c in shown) + ".")
     if hidden:
