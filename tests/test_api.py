@@ -9,7 +9,7 @@ import pytest
 from rich.console import Console
 
 from mla_eval.cli import main
-from mla_eval.commands.kld import COLUMNS, print_table
+from mla_eval.commands.kld import COLUMNS, available_columns, print_table
 from mla_eval.errors import UserError
 from mla_eval.evals.kld_evaluation import KldSettings
 from mla_eval.evals.variants import Variant, parse_variants, scales_for
@@ -170,7 +170,8 @@ def _summary(with_layers=True):
 @pytest.mark.parametrize("width", [80, 200])
 def test_kld_table_fits_the_terminal(width):
     con = Console(width=width, record=True, color_system=None)
-    print_table(_summary(), "bf16", "self-samples", con)
+    summary = _summary()
+    print_table(summary, "bf16", "self-samples", con)
     text = con.export_text()
     lines = text.splitlines()
     assert max(len(line) for line in lines) <= width
@@ -179,7 +180,8 @@ def test_kld_table_fits_the_terminal(width):
     assert "KLD" in shown and "±se" in shown
     # no empty header cell: every column has its title
     assert all(cell.strip() for cell in header.strip("┃│ ").split("┃" if "┃" in header else "│"))
-    hidden = [c[0] for c in COLUMNS if c[0] not in shown]
+    hidden = [c[0] for c in available_columns(summary) if c[0] not in shown]  # topk% exists for DSA rows only
+    assert "topk%" not in shown
     if width == 200:
         assert hidden == []
         assert "All figures: the result JSON" in text
