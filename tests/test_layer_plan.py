@@ -4,6 +4,7 @@ kld and capacity, and the sensitivity's prediction against a measurement."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import random
@@ -12,6 +13,7 @@ import pytest
 import torch
 from tiny_models import tiny_checkpoint
 
+from mla_eval.attention.semantics import BF16 as BF16_MATH
 from mla_eval.capacity import CapacitySettings, evaluate_capacity
 from mla_eval.cli import main
 from mla_eval.errors import UserError
@@ -322,3 +324,42 @@ def test_plan_refuses_a_checkpoint_that_does_not_fit_before_reading_it(tmp_path,
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "runs the model resident" in err[0] and "budget is 0.0 GiB" in err[0]
     assert not (tmp_path / "p.json").exists()
+
+
+@pytest.mark.parametrize("model", ["embedded", "glm_moe_dsa", "deepseek_v32"])
+def test_forked_rows_equal_whole_forwards_bit_for_bit(model, embedded, tmp_path):
+    """A plan row starting at its first non-bf16 layer from the reference's recorded state gives the same per-token
+    figures as running it whole -- on the dense model, and on DSA models (a GLM shared-indexer layer at the fork)."""
+    from tiny_models import tiny_checkpoint
+
+    from mla_eval.evals.kld import fork_layer
+    from mla_eval.evals.sensitivity import single_layer_plan
+
+    lm = embedded if model == "embedded" else load_model(tiny_checkpoint(tmp_path / model, model), "cpu")
+    n = lm.num_layers
+    nv, fp8 = parse_variants("nvfp4")[0], parse_variants("fp8_ds_mla")[0]
+    rows = [PlanVariant(single_layer_plan(c, i, n, None)) for c in (nv, fp8) for i in range(n)]
+    assert [fork_layer(r, BF16_MATH, Variant(get_format("bf16"))) for r in rows[:n]] == [0, *range(1, n)]
+    src = _source() if model == "embedded" else TokenSource(
+        "text", "random tokens", [torch.randint(0, 300, (CTX,), generator=torch.Generator().manual_seed(5))], "t")
+    calls = []
+    real = type(lm.stack)._layer
+
+    def counted(self, i, *a):
+        calls.append(i)
+        return real(self, i, *a)
+
+    type(lm.stack)._layer = counted
+    try:
+        whole = run_kld(lm, src, _protocol(rows))
+        ran_whole = len(calls)
+        forked = run_kld(lm, src, dataclasses.replace(_protocol(rows), fork_rows=True))
+    finally:
+        type(lm.stack)._layer = real
+    per_batch = n * (1 + len(rows))  # the reference and every row, whole
+    assert ran_whole % per_batch == 0
+    batches = ran_whole // per_batch
+    assert len(calls) - ran_whole == batches * (n + 2 * sum(n - i for i in range(n)))  # each row from its own layer
+    for key, stats in whole.stats.items():
+        a, b = stats.arrays(), forked.stats[key].arrays()
+        assert all(torch.equal(torch.as_tensor(a[k]), torch.as_tensor(b[k])) for k in a), key

@@ -100,6 +100,9 @@ class KldProtocol:
     explain: Variant | None = None
     loss_chunk: int = 0  # rows of full-vocabulary log-probs at a time; 0: loss_chunk_rows(vocab)
     prefill: str = "absorbed"  # resolved (resolve_prefill): one mode for the reference and every row
+    # a plan row whose first layers are bf16 starts at its first other layer from the bf16 reference's state there
+    # (resident one-chunk forwards; the same bits, fewer layers run): the per-layer sensitivity sweep sets it
+    fork_rows: bool = False
 
     def rows(self, bf16: Variant) -> list[tuple[Variant, AttentionMath]]:
         """The (variant, math) pairs scored under each semantics, distinct, in order: every format in
@@ -253,6 +256,7 @@ def run_kld(
     mine = list(enumerate(windows))[rank::world]
     rows = st.rows(Variant(get_format("bf16")))
     keys = [(sem, v, m, row_label(v.name, sem, m)) for sem in st.semantics for v, m in rows]
+    rows_by_key = {key: (v, m) for _, v, m, key in keys}
     stats = {k: TokenStats() for *_, k in keys}
     layers = {k: LayerStats(lm.num_layers) for *_, k in keys} if st.layer_stats else {}
     total_scored = sum(w.length - 1 - w.score_from for _, w in mine)
@@ -283,7 +287,8 @@ def run_kld(
                         todo.append(((bi, sem.label, key), functools.partial(
                             _window_forward, lm, v, b.ids, b.score_from, st, obs, sem, am)))
         if streaming is None:
-            hidden = {k: lm.stack.run_resident(make()) for k, make in todo}
+            hidden = _run_resident(lm, todo, st, rows_by_key) if st.fork_rows else {
+                k: lm.stack.run_resident(make()) for k, make in todo}
         else:
             n, first = lm.num_layers, p // per_pass * lm.num_layers
             out = lm.stack.run_streamed(
@@ -323,6 +328,38 @@ def run_kld(
     run = KldRun(stats, layers, len(windows), time.perf_counter() - t0, unscored_positions(source, windows, st.min_context))
     run.rows = info
     return run
+
+
+def fork_layer(variant, math: AttentionMath, ref: Variant) -> int:
+    """The layer a row may start at from the reference's recorded state: its first layer that is not plain bf16 (0:
+    none may be skipped). Only a per-layer plan against a plain bf16 reference, in bf16 math: its earlier layers
+    then compute exactly what the reference's did."""
+    plan = getattr(variant, "plan", None)
+    if plan is None or math.name != "bf16" or ref.outer or ref.spec.name != "bf16":
+        return 0
+    for i, (v, scale) in enumerate(zip(plan.layers, plan.scales)):
+        if v.spec.name != "bf16" or v.outer or scale is not None:
+            return i
+    return 0
+
+
+def _run_resident(lm, todo, st: KldProtocol, rows_by_key: dict) -> dict:
+    """The forwards of one pass, resident, each plan row starting at its `fork_layer` from the reference forward of
+    its batch and semantics (recorded as it runs); a forward of several chunks runs whole."""
+    hidden, recorded = {}, {}
+    for key, make in todo:
+        fwd = make()
+        one_chunk = len(fwd.chunks()) == 1
+        if key[2] is None:  # the reference of (batch, semantics)
+            rec = [] if one_chunk else None
+            hidden[key] = lm.stack.run_resident(fwd, record=rec)
+            recorded[key[:2]] = rec
+            continue
+        v, m = rows_by_key[key[2]]
+        layer, rec = fork_layer(v, m, st.ref), recorded.get(key[:2])
+        start = (layer, *rec[layer]) if layer > 0 and one_chunk and rec else None
+        hidden[key] = lm.stack.run_resident(fwd, start=start)
+    return hidden
 
 
 def workload(lm, source: TokenSource, st: KldProtocol, ref_file: RefStore | None = None, rank: int = 0, world: int = 1):

@@ -3,8 +3,9 @@
 A layer's cost of a format is the teacher-forced KLD (nats, against the bf16 cache) when only that layer's cache uses
 the format and every other layer stays bf16. All single-layer rows run in ONE kld pass (mla_eval.evals.kld.run_kld):
 every window batch runs one reference forward, shared by the candidates x layers rows, each a single-layer plan
-(mla_eval.layer_plan). The pass therefore costs (C x L + 1) forwards per window batch, against (C + 1) for a kld run
-of the C candidates: about L x the forwards of that run, plus the loss of each row.
+(mla_eval.layer_plan) that starts at its own layer from the reference's recorded state (`KldProtocol.fork_rows`: its
+earlier layers are the reference's, the same bits). The pass runs L + C x L(L+1)/2 layer forwards per window batch,
+against (C + 1) x L for a kld run of the C candidates: about C(L+1) / 2(C+1) x that run, plus the loss of each row.
 
 The cheaper proxy is the per-layer attention-output error a kld run's layer statistics already record
 (`attn_rel_l2`: ||out - exact|| / ||exact|| of the layer's latent-space attention output, against exact attention
@@ -154,7 +155,9 @@ def measure_sensitivity(
     `protocol` gives the windows, semantics and prefill of the single-layer pass; its variants are replaced."""
     n = lm.num_layers
     rows = {(c.name, i): PlanVariant(single_layer_plan(c, i, n, outer)) for c in candidates for i in range(n)}
-    sweep = dataclasses.replace(protocol, variants=tuple(rows.values()), layer_stats=False, outer_scales=outer)
+    # fork_rows: a row for layer i starts there from the reference's state (its layers before i are the reference's)
+    sweep = dataclasses.replace(protocol, variants=tuple(rows.values()), layer_stats=False, outer_scales=outer,
+                                fork_rows=True)
     run = run_kld(lm, source, sweep, progress=lambda s, d, t: progress("sensitivity" if s == "score" else s, d, t))
     summary = {row["format"]: row for row in run.summary().values()}
     kld = {c.name: [summary[rows[(c.name, i)].name]["kld_mean"] for i in range(n)] for c in candidates}

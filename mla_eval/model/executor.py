@@ -90,15 +90,27 @@ class DecoderStack:
         return h[:, lo - s : hi - s] if lo < hi else None
 
     @torch.no_grad()
-    def run_resident(self, fwd: WindowForward) -> torch.Tensor:
-        """Final hidden states of `fwd.keep` [B * kept, hidden], every layer resident (window-major)."""
+    def run_resident(self, fwd: WindowForward, record: list | None = None,
+                     start: tuple[int, torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
+        """Final hidden states of `fwd.keep` [B * kept, hidden], every layer resident (window-major).
+
+        One-chunk forwards only: `record` collects each layer's input (hidden state, the shared indexer's top-k);
+        `start` = (layer, hidden, top-k) runs from that layer on with what another forward recorded there -- the
+        same bits where this forward's earlier layers would compute exactly what that one's did."""
+        if (record is not None or start is not None) and len(fwd.chunks()) != 1:
+            raise ValueError("recording or starting a forward mid-stack needs a one-chunk forward")
         parts = []
         with self._adapter.session(fwd.session), _quiet():
             for s, e in fwd.chunks():
                 h, pos = self._embed(fwd.ids[:, s:e])
                 pos = pos + s
                 pe = self.base.rotary_emb(h, pos)
-                for i in range(len(self.layers)):
+                first = 0
+                if start is not None:
+                    first, h, self._adapter.last_topk = start
+                for i in range(first, len(self.layers)):
+                    if record is not None:
+                        record.append((h, self._adapter.last_topk))
                     h = self._layer(i, h, pos, pe)
                 kept = self._kept(fwd, s, e, self.base.norm(h))
                 if kept is not None:
