@@ -16,7 +16,6 @@ its s_l, a scale without +s_l, or a layer count that is not the model's (`check_
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ from mla_eval.formats.builtin import ENGINE_NAMES
 from mla_eval.formats.outer_scale import MAX_SCALE, MIN_SCALE
 from mla_eval.formats.variant import Variant
 from mla_eval.result_schemas import PLAN_SCHEMA, validate
-from mla_eval.user_paths import SMALL_JSON_LIMIT, read_input_text
+from mla_eval.user_paths import read_small_json
 
 PLAN_PREFIX = "plan:"  # `--formats plan:FILE`
 
@@ -132,13 +131,7 @@ class LayerPlan:
     @classmethod
     def load(cls, path: str | Path) -> "LayerPlan":
         path = Path(path)
-        if not path.exists():
-            raise UserError(f"plan file {path} does not exist; make one with `mla-eval plan`")
-        text = read_input_text(path, "plan file", SMALL_JSON_LIMIT)
-        try:
-            doc = json.loads(text, parse_constant=_not_json)
-        except ValueError as exc:
-            raise UserError(f"plan file {path} is not readable JSON ({exc}); make it again with `mla-eval plan`") from None
+        doc = read_small_json(path, "plan file", "make one with `mla-eval plan`")
         return cls.from_json(doc, source=f"plan file {path}", name=path.stem)
 
     @classmethod
@@ -201,7 +194,3 @@ def _entry_variant(e: dict, i: int, source: str) -> tuple[Variant, float | None]
                             f"{v.spec.outer_scale.denominator:g}")
     check_layer(v, s, i, source)
     return v, s
-
-
-def _not_json(name: str):
-    raise ValueError(f"{name} is not JSON")

@@ -12,6 +12,7 @@ character device, FIFO, socket or block device is refused as an output: a result
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from pathlib import Path
@@ -113,6 +114,23 @@ def read_input_text(path: Path, what: str, limit: int) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise UserError(f"{what} {path} is not UTF-8 text (bad byte at offset {exc.start}); save it as UTF-8") from None
+
+
+def _not_json(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def read_small_json(path: Path, what: str, remake: str, limit: int = SMALL_JSON_LIMIT):
+    """A small JSON file mla-eval wrote (scales, plans): a regular UTF-8 file of bounded size with no NaN / Infinity
+    literals. Every failure is one UserError line naming the file and `remake` (how to make it again)."""
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"{what} {path} does not exist; {remake}")
+    text = read_input_text(path, what, limit)
+    try:
+        return json.loads(text, parse_constant=_not_json)
+    except ValueError as exc:
+        raise UserError(f"{what} {path} is not readable JSON ({exc}); {remake}") from None
 
 
 def check_not_special(path: Path, what: str) -> None:

@@ -12,6 +12,7 @@ from rich.table import Table
 from mla_eval.commands.evaluation import EvaluationCommand, force_option, out_option, write_document
 from mla_eval.commands.progress import duration, progress_bars
 from mla_eval.evals.kld_evaluation import KldSettings
+from mla_eval.formats.spec import CONTROL_PREFIX
 from mla_eval.protocol import option
 from mla_eval.report.plots import KLD_PLOT_FILES
 
@@ -169,7 +170,7 @@ def print_table(summary: dict, ref: str, label: str, con: Console, attention: st
         )
     else:
         con.print("All figures: the result JSON.")
-    if any(name.startswith("control:") for name in summary):
+    if any(name.startswith(CONTROL_PREFIX) for name in summary):
         con.print("control:* rows are deliberately damaging yardsticks, not real formats (mla-eval formats).")
 
 

@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from mla_eval.commands.evaluation import EvaluationCommand, force_option, out_option, write_document
+from mla_eval.formats.spec import CONTROL_PREFIX
 from mla_eval.protocol import option
 
 console = Console(stderr=True)
@@ -62,7 +63,7 @@ def _print_power(power: dict, con: Console) -> None:
               "controls flagged", "smallest flagged drop"):
         t.add_column(c, justify="left" if c in ("task", "controls flagged") else "right")
     for c in power["cells"]:
-        flagged = [f["format"].removeprefix("control:") for f in c["controls"] if f["detected"]]
+        flagged = [f["format"].removeprefix(CONTROL_PREFIX) for f in c["controls"] if f["detected"]]
         t.add_row(c["task"], str(c["length"]), str(c["n"]), f"{c['bf16_accuracy']:.2f}", _pct(c["detectable_drop"]),
                   str(c["prompts_for_drop"] or "-"),
                   f"{len(flagged)}/{len(c['controls'])} " + ", ".join(flagged) if c["controls"] else "-",

@@ -14,8 +14,7 @@ from typing import Sequence, Union
 
 from mla_eval.errors import UserError
 from mla_eval.formats import FormatSpec, OuterScales, get_format
-from mla_eval.formats.controls import ALL_CONTROLS
-from mla_eval.formats.registry import all_formats, control_formats
+from mla_eval.formats.registry import all_formats, expand_controls
 from mla_eval.formats.variant import Variant
 from mla_eval.layer_plan import PLAN_PREFIX, LayerPlan
 
@@ -82,7 +81,7 @@ def parse_variants(text: str | list[str] | tuple[str, ...], option: str = "--for
     """'nvfp4,nvfp4+s_l' (or a list of names) -> distinct variants in order; one-line UserError on a bad name.
     `plans`: 'plan:FILE' items are read as `PlanVariant` rows (else refused: the evaluation runs one format per row)."""
     tokens = text.split(",") if isinstance(text, str) else [str(t) for t in text]
-    tokens = [name for t in tokens for name in ([s.name for s in control_formats()] if t.strip() == ALL_CONTROLS else [t])]
+    tokens = expand_controls(tokens)
     out: list[Variant] = []
     for tok in (t.strip() for t in tokens):
         if not tok:

@@ -344,6 +344,10 @@ def _bf16_rope(offset: int) -> VectorCoding:
     return VectorCoding(ROPE_DIM, "bf16", Field("rope", offset, "bf16", ROPE_DIM), ScaleRule.NONE, ROPE_DIM)
 
 
+def _bf16_latent() -> VectorCoding:
+    return VectorCoding(LATENT_DIM, "bf16", Field("latent", 0, "bf16", LATENT_DIM), ScaleRule.NONE, LATENT_DIM)
+
+
 def _b12x_fp8_rope() -> VectorCoding:
     """b12x's E4M3 rope of its 368 B records: one fp32 scale (amax/448) at [288,292), codes at [304,368), the
     hardware reciprocal applied, a zero scale clearing the codes."""
@@ -399,7 +403,7 @@ BUILTIN_FORMATS: tuple[FormatSpec, ...] = (
         description="Uncompressed reference: 512 bf16 latent + 64 bf16 rope.",
         source="DeepSeek-V3 MLA cache (FlashMLA / vLLM bf16 MLA cache)",
         record_bytes=1152,
-        latent=VectorCoding(LATENT_DIM, "bf16", Field("latent", 0, "bf16", LATENT_DIM), ScaleRule.NONE, LATENT_DIM),
+        latent=_bf16_latent(),
         rope=_bf16_rope(1024),
     ),
     _fp8_ds_mla(

@@ -22,10 +22,10 @@ The rungs, mildest first (KLD of each on the embedded model: docs/findings/2026-
 
 from __future__ import annotations
 
-from mla_eval.formats.spec import LATENT_DIM, ROPE_DIM, Field, FormatSpec, ScaleRule, VectorCoding
+from mla_eval.formats.builtin import _bf16_latent, _bf16_rope
+from mla_eval.formats.spec import CONTROL_PREFIX, LATENT_DIM, ROPE_DIM, Field, FormatSpec, ScaleRule, VectorCoding
 
-CONTROL_PREFIX = "control:"
-ALL_CONTROLS = "control:*"
+ALL_CONTROLS = CONTROL_PREFIX + "*"  # in a format list: the whole ladder, mildest first
 _SOURCE = "mla-eval control (not a real format): a yardstick of known damage for measuring a test's power"
 
 
@@ -37,58 +37,29 @@ def _e2m1(dim: int, name: str, offset: int, scale_offset: int | None) -> VectorC
     return VectorCoding(dim, "e2m1", data, ScaleRule.OCP_E8M0, dim, Field(f"{name}_scale", scale_offset, "e8m0", 1))
 
 
-def _bf16(offset: int) -> VectorCoding:
-    return VectorCoding(ROPE_DIM, "bf16", Field("rope", offset, "bf16", ROPE_DIM), ScaleRule.NONE, ROPE_DIM)
+def _control(what: str, title: str, description: str, record_bytes: int, latent: VectorCoding, rope: VectorCoding,
+             pad: tuple[int, int]) -> FormatSpec:
+    """One rung: named `control:<what>` and labelled as no real format; `pad` = (offset, bytes) of its padding."""
+    return FormatSpec(name=CONTROL_PREFIX + what, title=f"CONTROL {title} (not a real format)",
+                      description=f"Control, not a real format: {description}", source=_SOURCE, record_bytes=record_bytes,
+                      latent=latent, rope=rope, pads=(Field("pad", pad[0], "pad", pad[1]),), control=True)
 
 
 CONTROL_FORMATS: tuple[FormatSpec, ...] = (
     # [0,256) codes | [256,257) scale | [257,272) pad | [272,400) bf16 rope
-    FormatSpec(
-        name="control:e2m1_g512",
-        title="CONTROL e2m1, one scale per 512 (not a real format)",
-        description="Control, not a real format: E2M1 latent under one E8M0 scale per token (OCP rule); bf16 rope.",
-        source=_SOURCE,
-        record_bytes=400,
-        latent=_e2m1(LATENT_DIM, "latent", 0, 256),
-        rope=_bf16(272),
-        pads=(Field("pad", 257, "pad", 15),),
-        control=True,
-    ),
+    _control("e2m1_g512", "e2m1, one scale per 512",
+             "E2M1 latent under one E8M0 scale per token (OCP rule); bf16 rope.",
+             400, _e2m1(LATENT_DIM, "latent", 0, 256), _bf16_rope(272), (257, 15)),
     # [0,256) codes | [256,257) scale | [257,289) rope codes | [289,290) rope scale | [290,304) pad
-    FormatSpec(
-        name="control:e2m1_g512_rope",
-        title="CONTROL e2m1 latent and rope, one scale each (not a real format)",
-        description="Control, not a real format: E2M1 latent and E2M1 rope, one E8M0 scale per vector each.",
-        source=_SOURCE,
-        record_bytes=304,
-        latent=_e2m1(LATENT_DIM, "latent", 0, 256),
-        rope=_e2m1(ROPE_DIM, "rope", 257, 289),
-        pads=(Field("pad", 290, "pad", 14),),
-        control=True,
-    ),
+    _control("e2m1_g512_rope", "e2m1 latent and rope, one scale each",
+             "E2M1 latent and E2M1 rope, one E8M0 scale per vector each.",
+             304, _e2m1(LATENT_DIM, "latent", 0, 256), _e2m1(ROPE_DIM, "rope", 257, 289), (290, 14)),
     # [0,1024) bf16 latent | [1024,1056) rope codes | [1056,1072) pad
-    FormatSpec(
-        name="control:e2m1_unscaled_rope",
-        title="CONTROL e2m1 rope without scales (not a real format)",
-        description="Control, not a real format: bf16 latent; the rope as bare E2M1 codes (clip at 6, flush below 0.25).",
-        source=_SOURCE,
-        record_bytes=1072,
-        latent=VectorCoding(LATENT_DIM, "bf16", Field("latent", 0, "bf16", LATENT_DIM), ScaleRule.NONE, LATENT_DIM),
-        rope=_e2m1(ROPE_DIM, "rope", 1024, None),
-        pads=(Field("pad", 1056, "pad", 16),),
-        control=True,
-    ),
+    _control("e2m1_unscaled_rope", "e2m1 rope without scales",
+             "bf16 latent; the rope as bare E2M1 codes (clip at 6, flush below 0.25).",
+             1072, _bf16_latent(), _e2m1(ROPE_DIM, "rope", 1024, None), (1056, 16)),
     # [0,256) latent codes | [256,272) pad | [272,400) bf16 rope
-    FormatSpec(
-        name="control:e2m1_unscaled_latent",
-        title="CONTROL e2m1 latent without scales (not a real format)",
-        description="Control, not a real format: the latent as bare E2M1 codes (clip at 6, flush below 0.25); bf16 rope.",
-        source=_SOURCE,
-        record_bytes=400,
-        latent=_e2m1(LATENT_DIM, "latent", 0, None),
-        rope=_bf16(272),
-        pads=(Field("pad", 256, "pad", 16),),
-        control=True,
-    ),
-
+    _control("e2m1_unscaled_latent", "e2m1 latent without scales",
+             "the latent as bare E2M1 codes (clip at 6, flush below 0.25); bf16 rope.",
+             400, _e2m1(LATENT_DIM, "latent", 0, None), _bf16_rope(272), (256, 16)),
 )

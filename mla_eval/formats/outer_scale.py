@@ -11,7 +11,6 @@ tokens) are kept as provenance and ignored by readers.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -19,16 +18,12 @@ from typing import Any
 from mla_eval.atomic_io import write_json_atomic
 from mla_eval.errors import UserError
 from mla_eval.formats.spec import LATENT_DIM, OUTER_SCALE_SCHEMA, TOKEN_SCALE_DENOMINATOR
-from mla_eval.user_paths import SMALL_JSON_LIMIT, read_input_text
+from mla_eval.user_paths import read_small_json
 
 # The range a scale may take: s_l * 6 * 448 (the largest value a scaled record decodes to) must stay a finite
 # bf16, and s_l a normal float32 (its reciprocal finite). A calibrated s_l is max|c_kv| / 2688, far inside both.
 MAX_SCALE = float.fromhex("0x1.FEp127") / TOKEN_SCALE_DENOMINATOR  # bf16 max / 2688
 MIN_SCALE = 2.0**-126  # float32's smallest normal
-
-
-def _not_json(name: str):
-    raise ValueError(f"{name} is not JSON")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,13 +73,7 @@ class OuterScales:
         """A scales file: a regular file of bounded size holding UTF-8 JSON (no NaN / Infinity literals) in the
         published schema; every failure is one UserError line naming the file."""
         path = Path(path)
-        if not path.exists():
-            raise UserError(f"scales file {path} does not exist; create it with `mla-eval calibrate`")
-        text = read_input_text(path, "scales file", SMALL_JSON_LIMIT)
-        try:
-            doc = json.loads(text, parse_constant=_not_json)
-        except ValueError as exc:
-            raise UserError(f"scales file {path} is not readable JSON ({exc}); re-create it with `mla-eval calibrate`") from None
+        doc = read_small_json(path, "scales file", "create it with `mla-eval calibrate`")
         return cls.from_json(doc, source=f"scales file {path}")
 
     @classmethod

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from mla_eval.errors import UnknownFormatError, UserError
 from mla_eval.formats.builtin import BUILTIN_FORMATS, ENGINE_NAMES
-from mla_eval.formats.controls import CONTROL_FORMATS
-from mla_eval.formats.spec import LATENT_DIM, ROPE_DIM, EngineName, FormatSpec
+from mla_eval.formats.controls import ALL_CONTROLS, CONTROL_FORMATS
+from mla_eval.formats.spec import CONTROL_PREFIX, LATENT_DIM, ROPE_DIM, EngineName, FormatSpec
 
 _REGISTRY: dict[str, FormatSpec] = {spec.name: spec for spec in BUILTIN_FORMATS}
 # Controls resolve by name but sit outside the registry's lists: never in a default, a table of all
@@ -103,6 +103,11 @@ def control_formats() -> list[FormatSpec]:
     return list(_CONTROLS.values())
 
 
+def expand_controls(names: list[str]) -> list[str]:
+    """A format list with 'control:*' replaced by the whole ladder, mildest first (every list of names reads it so)."""
+    return [n for t in names for n in (list(_CONTROLS) if t.strip() == ALL_CONTROLS else [t])]
+
+
 def get_format(fmt: str | FormatSpec) -> FormatSpec:
     """Look a format up by name (a FormatSpec passes through)."""
     if isinstance(fmt, FormatSpec):
@@ -111,9 +116,9 @@ def get_format(fmt: str | FormatSpec) -> FormatSpec:
         return _REGISTRY[fmt]
     if fmt in _CONTROLS:
         return _CONTROLS[fmt]
-    if fmt.startswith("control:"):
+    if fmt.startswith(CONTROL_PREFIX):
         raise UnknownFormatError(f"unknown control format {fmt!r}; the controls are {', '.join(_CONTROLS)} "
-                                 "(or control:* for all)")
+                                 f"(or {ALL_CONTROLS} for all)")
     if fmt in ambiguous_engine_names():
         raise _ambiguous(fmt)
     try:
@@ -135,7 +140,7 @@ def parse_format_list(text: str | None, default: list[str] | None = None) -> lis
         names = default if default is not None else format_names()
         return [get_format(n) for n in names]
     names = [t.strip() for t in text.split(",") if t.strip()]
-    names = [n for t in names for n in (list(_CONTROLS) if t == "control:*" else [t])]  # the whole control ladder
+    names = expand_controls(names)
     if not names:
         raise UnknownFormatError("--formats is empty; give a comma-separated list such as nvfp4,fp8_ds_mla")
     seen: list[FormatSpec] = []

@@ -97,6 +97,7 @@ LATENT_DIM = 512  # kv_lora_rank of DeepSeek-V3 / V3.2, Kimi-K2, GLM-5
 ROPE_DIM = 64  # qk_rope_head_dim of the same models
 TOKEN_SCALE_DENOMINATOR = 6.0 * 448.0  # E2M1 max x E4M3 max: s_t maps the token amax onto 6*448
 OUTER_SCALE_SCHEMA = "nvfp4_ds_mla_outer_scale_v1"
+CONTROL_PREFIX = "control:"  # the name of every control format (formats/controls.py), and only theirs
 FLT_MIN = 2.0**-126  # smallest normal float32: vLLM's guard for all-zero groups
 
 
@@ -337,7 +338,7 @@ class FormatSpec:
 
 def _validate(spec: FormatSpec) -> None:
     """The fields must tile the record exactly: no overlap, no hole, nothing past the end."""
-    if spec.control != spec.name.startswith("control:") or (spec.control and spec.engine is not None):
+    if spec.control != spec.name.startswith(CONTROL_PREFIX) or (spec.control and spec.engine is not None):
         raise ValueError(f"{spec.name}: a control format (control=True) is named 'control:...', has no engine, and only it")
     if spec.latent.dim != LATENT_DIM or spec.rope.dim != ROPE_DIM:
         raise ValueError(f"{spec.name}: formats are defined for a {LATENT_DIM}-d latent and {ROPE_DIM}-d rope")
