@@ -509,7 +509,7 @@ def evaluate_kld(st: KldSettings, progress: ProgressCallback = no_progress) -> K
                   "unscored_tokens": run.unscored, "semantics": [s.as_dict() for s in semantics],
                   "math": [m.name for m in maths], "explain": None if st.explain is None else protocol.explain.name,
                   "prefill": protocol.prefill, "prefill_asked": st.prefill_mode(), "prefill_reason": why_absorbed,
-                  "offload": st.offload, "controls": [v.name for v in st.variants() if v.spec.control],
+                  "offload": st.offload, "controls": [v.name for v in variants if v.spec.control],
                   **st.placement(lm)},
         outer_scales=protocol.outer_scales,
         windows=run.windows,

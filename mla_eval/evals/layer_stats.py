@@ -29,6 +29,13 @@ from mla_eval.formats import FormatSpec
 EXACT_BLOCK_BYTES = 1 << 28
 
 
+def chosen_mask(idx: torch.Tensor, valid: torch.Tensor, keys: int) -> torch.Tensor:
+    """[..., keys] bool: the positions `idx` [..., k] names where `valid` (the others land in a spare slot, dropped)."""
+    m = torch.zeros(*idx.shape[:-1], keys + 1, dtype=torch.bool, device=idx.device)
+    m.scatter_(-1, torch.where(valid, idx, keys), True)
+    return m[..., :keys]
+
+
 def exact_attention(q: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor, scale: float,
                     topk: torch.Tensor | None = None, block_bytes: int | None = None) -> torch.Tensor:
     """Causal float32 MLA attention of the last T queries q [B, T, H, 576] over the whole
@@ -49,9 +56,7 @@ def exact_attention(q: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor, s
         hidden = (keys > torch.arange(s - t + a, s - t + e, device=q.device).view(-1, 1)).expand(b, e - a, s)
         if topk is not None:
             idx = topk[:, a:e].long()
-            chosen = torch.zeros(b, e - a, s + 1, dtype=torch.bool, device=q.device)
-            chosen.scatter_(-1, torch.where((idx >= 0) & (idx < s), idx, s), True)  # invalid ones land in slot s
-            hidden = hidden | ~chosen[..., :s]
+            hidden = hidden | ~chosen_mask(idx, (idx >= 0) & (idx < s), s)
         scores.masked_fill_(hidden.unsqueeze(1), torch.finfo(torch.float32).min)
         out[:, a:e] = torch.einsum("bhts,bsc->bthc", scores.softmax(-1), kv[..., :512])
     return out
@@ -75,10 +80,7 @@ def topk_overlap(ref: torch.Tensor, got: torch.Tensor, start: int) -> tuple[torc
         masks = []
         for idx in (ref[:, a:e], got[:, a:e]):
             idx = idx.long()
-            valid = (idx >= 0) & (idx <= pos[:, a:e])
-            m = torch.zeros(b, e - a, keys + 1, dtype=torch.bool, device=ref.device)
-            m.scatter_(-1, torch.where(valid, idx, keys), True)  # invalid ones land in slot `keys`
-            masks.append(m[..., :keys])
+            masks.append(chosen_mask(idx, (idx >= 0) & (idx <= pos[:, a:e]), keys))
         inter[:, a:e] = (masks[0] & masks[1]).sum(-1).double()
         size[:, a:e] = masks[0].sum(-1).double()
     return inter, size
@@ -124,11 +126,14 @@ class LayerStats:
             start = ev.session.lengths[ev.layer] - ev.topk.shape[1]
             inter, size = topk_overlap(ref.to(ev.topk.device), ev.topk, start)
             depth = torch.arange(start, start + inter.shape[1], device=inter.device)
-            for i in range(len(TOPK_DEPTH_EDGES) - 1):
-                sel = (depth >= TOPK_DEPTH_EDGES[i]) & (depth < TOPK_DEPTH_EDGES[i + 1])
-                if bool(sel.any()):
-                    self.topk_inter[ev.layer][i] += float(inter[:, sel].sum())
-                    self.topk_size[ev.layer][i] += float(size[:, sel].sum())
+            bucket = torch.bucketize(depth, torch.tensor(TOPK_DEPTH_EDGES, device=depth.device), right=True) - 1
+            nb = len(TOPK_DEPTH_EDGES) - 1
+            sums = torch.zeros(2, nb, dtype=torch.float64, device=inter.device)
+            sums[0].index_add_(0, bucket, inter.sum(0))
+            sums[1].index_add_(0, bucket, size.sum(0))
+            for i, (x, n) in enumerate(zip(*sums.tolist())):  # one copy to the host per layer
+                self.topk_inter[ev.layer][i] += x
+                self.topk_size[ev.layer][i] += n
 
         def observe(ev) -> None:
             sess, layer = ev.session, ev.layer
