@@ -52,12 +52,11 @@ def main(argv=None) -> int:
         def run():
             if args.consumer_rev is not None or args.cta_pair is not None:
                 from mla_eval_kernels.cute.launch import mla_attention_v3
-                from mla_eval_kernels.plan.tuning import V3_CONSUMER_REV
 
                 tile = {} if args.cta_pair is None else dict(head_tile=32, producer_wgs=2, cta_pair=bool(args.cta_pair))
                 return mla_attention_v3(
                     plan_for(spec), q, cache, softmax_scale=0.0417, block_table=table, seq_lens=lens, sink=None,
-                    outer_scale=s_l, max_seq_len=args.context, consumer_rev=args.consumer_rev or V3_CONSUMER_REV, **tile,
+                    outer_scale=s_l, max_seq_len=args.context, consumer_rev=args.consumer_rev, **tile,
                 )
             return dispatch.mla_attention_dense(
                 spec, q, cache, block_table=table, seq_lens=lens, softmax_scale=0.0417, outer_scale=s_l,

@@ -257,19 +257,19 @@ def compile_v3(plan, name: str, stream, heads_list=(16,), cuobjdump: str | None 
     """Compile every v3 specialisation of one format (dense 16-head tile: every (outer, sink, split) and the
     bench's probes; each head tile `heads_list` selects, sparse and dense: split with and without, the sink on
     the unsplit one, the outer scale where the format has one; the 32-head tile also with two producer warpgroups,
-    the bench's v3-t32-p1 / -p2), all with the default consumer (`V3_CONSUMER_REV`) and decode (`v3_decode_rev`), and
+    the bench's v3-t32-p1 / -p2), all with the default consumer (`v3_consumer_rev`) and decode (`v3_decode_rev`), and
     every one but the probes with the other consumer revision (`V3_CONSUMER_REVS`: the bench's v3-c<rev> rows) and,
     for the fold formats, the other decode revision (v3-d<rev>), one revision changed at a time; returns the number
     of failures."""
     from mla_eval_kernels.cute.mla_attention_v3 import MlaAttentionV3  # noqa: PLC0415
     from mla_eval_kernels.plan.tuning import (  # noqa: PLC0415
-        V3_CONSUMER_REV,
         V3_CONSUMER_REVS,
         V3_HEADS,
         V3_L2_PREFETCH,
         V3_L2_PREFETCH_PROBE,
         V3_PAIR_CTAS,
         V3_WIDE_HEADS,
+        v3_consumer_rev,
         v3_decode_rev,
         v3_head_tile,
         v3_pair_blocker,
@@ -314,10 +314,12 @@ def compile_v3(plan, name: str, stream, heads_list=(16,), cuobjdump: str | None 
     # the other consumer revision (`V3_CONSUMER_REVS`) and decode revision (`v3_decode_rev`: the fold formats only) of
     # every non-probe case, one revision changed at a time
     d0 = v3_decode_rev(plan)
-    crevs = [r for r in V3_CONSUMER_REVS if r != V3_CONSUMER_REV]
     drevs = [r for r in ((1, 2) if v3_decode_rev(plan, 2) == 2 else ()) if r != d0]
-    cases = ([(*c, V3_CONSUMER_REV, d0) for c in cases + probes] + [(*c, r, d0) for r in crevs for c in cases]
-             + [(*c, V3_CONSUMER_REV, r) for r in drevs for c in cases])
+    # c[8]: the CTA pair, whose consumer revision is its own (`v3_consumer_rev`: rev 2 spills there, so it has no
+    # other revision to check)
+    cases = ([(*c, v3_consumer_rev(c[8]), d0) for c in cases + probes]
+             + [(*c, r, d0) for c in cases if not c[8] for r in V3_CONSUMER_REVS if r != v3_consumer_rev(False)]
+             + [(*c, v3_consumer_rev(c[8]), r) for r in drevs for c in cases])
     for outer, sink, split, l2pf, wgs, raw_ring, tile, sparse, pair, crev, drev in cases:
         t = time.time()
         dump = tempfile.mkdtemp()

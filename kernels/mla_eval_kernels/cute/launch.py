@@ -25,7 +25,7 @@ from mla_eval_kernels.cute.mla_combine import MlaCombine
 from mla_eval_kernels.plan.device_limits import device_facts
 from mla_eval_kernels.plan.launch import D_V, LaunchPlan, V2Config, launch_plan, split_schedule, v2_plan, v3_plan
 from mla_eval_kernels.plan.record_plan import RecordPlan
-from mla_eval_kernels.plan.tuning import V3_CONSUMER_REV, V3_L2_PREFETCH, Tuning
+from mla_eval_kernels.plan.tuning import V3_L2_PREFETCH, Tuning
 
 
 def mla_attention(
@@ -95,7 +95,7 @@ def mla_attention_v3(
     timing_probe: str = "",
     raw_ring: tuple[int, int] | None = None,
     head_tile: int | None = None,
-    consumer_rev: int = V3_CONSUMER_REV,
+    consumer_rev: int | None = None,
     decode_rev: int | None = None,
     cta_pair: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:

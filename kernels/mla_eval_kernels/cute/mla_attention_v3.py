@@ -81,8 +81,6 @@ from mla_eval_kernels.plan.launch import D_QK, D_V
 from mla_eval_kernels.plan.record_plan import ORDER_8X4, RecordPlan
 from mla_eval_kernels.plan.tuning import (
     V3_BN,
-    V3_CONSUMER_REV,
-    V3_CONSUMER_REVS,
     V3_HEAD_TILES,
     V3_HEADS,
     V3_K_STAGES,
@@ -90,6 +88,7 @@ from mla_eval_kernels.plan.tuning import (
     V3_PAIR_CTAS,
     fast_e2m1_eligible,
     is_bf16_plan,
+    v3_consumer_rev,
     v3_decode_rev,
     v3_pair_blocker,
     v3_pair_keys,
@@ -135,16 +134,14 @@ class MlaAttentionV3(MlaAttention):
     def __init__(
         self, plan: RecordPlan, has_sink: bool, has_outer: bool, split: bool, l2_prefetch: int = V3_L2_PREFETCH,
         producer_wgs: int | None = None, timing_probe: str = "", raw_ring: tuple[int, int] | None = None,
-        heads: int = V3_HEADS, sparse: bool = False, consumer_rev: int = V3_CONSUMER_REV, decode_rev: int | None = None,
+        heads: int = V3_HEADS, sparse: bool = False, consumer_rev: int | None = None, decode_rev: int | None = None,
         cta_pair: bool = False,
     ):
         if timing_probe not in TIMING_PROBES:
             raise ValueError(f"timing_probe must be one of {TIMING_PROBES}, not {timing_probe!r}")
         if heads not in V3_HEAD_TILES:
             raise ValueError(f"heads (the head tile) must be one of {V3_HEAD_TILES}, not {heads}")
-        if consumer_rev not in V3_CONSUMER_REVS:
-            raise ValueError(f"consumer_rev must be one of {V3_CONSUMER_REVS}, not {consumer_rev}")
-        self.consumer_rev = consumer_rev  # the consumer's per-tile code (`tuning.V3_CONSUMER_REV`)
+        self.consumer_rev = v3_consumer_rev(cta_pair, consumer_rev)  # the consumer's per-tile code
         # benchmark only, wrong output: "nodec" leaves the K tile undecoded (the producer still copies and
         # hands over each tile), "nomma" drops the consumer's 68 wgmma per tile (softmax on zeros)
         self.probe = timing_probe
@@ -733,7 +730,7 @@ class MlaAttentionV3(MlaAttention):
     def consume_tile(self, kpipe, state, stage, it: Int32, t: dict, fresh_q: cutlass.Constexpr = False):
         """One key tile of the consumer warpgroup: wait for K stage `stage` (`state`: its mbarrier index and phase), S^T,
         the online softmax, P^T to shared memory, O^T += V^T P^T, release the stage. `stage` is `state.index` (rev 1)
-        or the same value as a compile-time constant (rev 2, `V3_CONSUMER_REV`); `t` holds the consumer's tensors;
+        or the same value as a compile-time constant (rev 2, `v3_consumer_rev`); `t` holds the consumer's tensors;
         `fresh_q` (rev 2, copies after the first of a loop trip): Q's descriptors from `q_descriptors`."""
         bn, nh = self.bn, self.nh
         hsl = nh // 4
@@ -969,13 +966,13 @@ class MlaAttentionV3(MlaAttention):
 def compile_key(
     plan: RecordPlan, has_sink: bool, has_outer: bool, split: bool, device, l2_prefetch: int = V3_L2_PREFETCH,
     producer_wgs: int | None = None, timing_probe: str = "", raw_ring: tuple[int, int] | None = None,
-    heads: int = V3_HEADS, sparse: bool = False, consumer_rev: int = V3_CONSUMER_REV, decode_rev: int | None = None,
+    heads: int = V3_HEADS, sparse: bool = False, consumer_rev: int | None = None, decode_rev: int | None = None,
     cta_pair: bool = False,
 ) -> tuple:
     """Every specialisation of a compiled v3 kernel: `heads` is the head tile (the head count, lengths, scales are
     run-time), `sparse` the slot lists (index lists or block_table); the per-role register budgets follow from the
     tile and the producer warpgroups (`v3_reg_budget`) and are named too; `consumer_rev` the consumer's per-tile code
-    (`tuning.V3_CONSUMER_REV`), `decode_rev` the E2M1 decode's revision (`v3_decode_rev`), `cta_pair` whether
+    (`v3_consumer_rev`), `decode_rev` the E2M1 decode's revision (`v3_decode_rev`), `cta_pair` whether
     two CTAs of a cluster share each tile's decode (`v3_cta_pair`: a cluster launch, another kernel)."""
     stages, keys = raw_ring or v3_raw_ring(plan, heads, sparse)
     wgs = int(producer_wgs or v3_producer_wgs(plan, heads))
@@ -984,6 +981,7 @@ def compile_key(
         "mla_attention_v3", 1, plan, bool(has_sink), bool(has_outer), bool(split), int(l2_prefetch),
         wgs, f"probe={timing_probe}", f"raw={stages}x{keys}",
         f"heads={int(heads)}", f"sparse={bool(sparse)}", f"setmaxnreg={'%d/%d' % regs if regs else 'none'}",
-        f"consumer={int(consumer_rev)}", f"decode_rev={v3_decode_rev(plan, decode_rev)}", "q=bf16", "acc=f32",
+        f"consumer={v3_consumer_rev(cta_pair, consumer_rev)}", f"decode_rev={v3_decode_rev(plan, decode_rev)}",
+        "q=bf16", "acc=f32",
         f"cta_pair={bool(cta_pair)}", arch_tag(device),
     )

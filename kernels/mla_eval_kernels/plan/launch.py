@@ -60,7 +60,7 @@ class V3Config:
     raw_ring: tuple[int, int] | None = None
     cta_pair: bool = False
     l2_prefetch: int = tn.V3_L2_PREFETCH
-    consumer_rev: int = tn.V3_CONSUMER_REV
+    consumer_rev: int | None = None  # None: `tuning.v3_consumer_rev`'s (the pair's own, else V3_CONSUMER_REV)
     decode_rev: int | None = None
     timing_probe: str = ""
 
@@ -125,7 +125,7 @@ def v2_plan(
 def v3_plan(
     plan: RecordPlan, heads: int, sparse: bool, facts: DeviceFacts, *, why: str = "asked for v3", head_tile: int | None = None,
     producer_wgs: int | None = None, raw_ring: tuple[int, int] | None = None, cta_pair: bool | None = None,
-    l2_prefetch: int = tn.V3_L2_PREFETCH, consumer_rev: int = tn.V3_CONSUMER_REV, decode_rev: int | None = None,
+    l2_prefetch: int = tn.V3_L2_PREFETCH, consumer_rev: int | None = None, decode_rev: int | None = None,
     timing_probe: str = "",
 ) -> LaunchPlan:
     """A v3 launch: the head tile `tuning.v3_head_tile` picks unless given, the CTA pair where `tuning.v3_cta_pair`

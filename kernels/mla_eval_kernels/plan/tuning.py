@@ -66,6 +66,9 @@ V3_L2_PREFETCH_PROBE = 2
 # bench-revs.json). Rev 1 stays as the bench probe row v3-c1. In the compile key.
 V3_CONSUMER_REV = 2
 V3_CONSUMER_REVS = (1, 2)
+# The held CTA pair keeps rev 1: with rev 2 its dense 32-head nvfp4 / nvfp4_fp8_ds_mla kernels spill 16 B of stack
+# under `setmaxnreg` (tools/compile_check, sm_90a); rev 1 compiles clean. `v3_consumer_rev` reads both.
+V3_PAIR_CONSUMER_REV = 1
 V3_DECODE_PRODUCER_WGS = 2  # producer warpgroups of a v3 CTA, every format (docs/kernels.md#producer-warpgroups; bench v3-p1)
 V3_PRODUCER_WGS_CHOICES = (1, 2)  # what a launch may ask for (bench probes, tests); more would not fit the registers
 # The 32-head tile's default: two producer warpgroups with per-role registers (`v3_reg_budget`), measured faster for
@@ -151,6 +154,15 @@ def is_bf16_plan(plan) -> bool:
         and plan.record_bytes == 2 * D_QK
         and not plan.outer_allowed
     )
+
+
+def v3_consumer_rev(cta_pair: bool, requested: int | None = None) -> int:
+    """The consumer revision a v3 kernel compiles: `requested` (a probe: bench v3-c<rev>, the GPU tests), else
+    `V3_PAIR_CONSUMER_REV` for the CTA pair and `V3_CONSUMER_REV` for every other launch (one definition for the
+    kernel and its compile key)."""
+    if requested is not None and requested not in V3_CONSUMER_REVS:
+        raise ValueError(f"consumer_rev must be one of {V3_CONSUMER_REVS}, not {requested}")
+    return requested or (V3_PAIR_CONSUMER_REV if cta_pair else V3_CONSUMER_REV)
 
 
 def v3_decode_rev(plan, requested: int | None = None) -> int:
