@@ -5,14 +5,17 @@ protocol defaults (one definition each), and settings from a recipe table.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from pathlib import Path
 
 from mla_eval.attention import dispatch
 from mla_eval.errors import UserError
+from mla_eval.model.experts import DEFAULT_EXPERTS, EXPERTS_HELP, check_experts
+from mla_eval.model.fp8_linear import WEIGHT_MATH_HELP, check_weight_math
 from mla_eval.model.latent_profile import PROFILE_HELP
 from mla_eval.model.loader import DEVICE_MAP_HELP, MAX_MEMORY_HELP, MODEL_HELP
 from mla_eval.model.rope_scaling import ROPE_SCALING_HELP
+from mla_eval.model.run_plan import OFFLOAD_MODES
+from mla_eval.model.strategy import OFFLOAD_HELP, ExecutionRequest
 from mla_eval.protocol import option
 
 PROFILE_CALIBRATION_TOKENS = 2048  # tokens a latent profile measures the model's own magnitudes on
@@ -67,6 +70,11 @@ class ModelSettings:
     max_memory: str | None = option(None, "--max-memory", help=MAX_MEMORY_HELP)
     # a built-in profile name, a JSON file of per-layer max |c_kv|, or none (mla_eval.model.latent_profile)
     latent_profile: str = option("none", "--latent-profile", help=PROFILE_HELP)
+    # how the routed experts run (mla_eval.model.experts) and how quantised weights compute (mla_eval.model.fp8_linear)
+    experts: str = option(DEFAULT_EXPERTS, "--experts", help=EXPERTS_HELP)
+    weight_math: str = option("auto", "--weight-math", help=WEIGHT_MATH_HELP)
+    # resident | streamed | device map: the run's execution strategy (mla_eval.model.strategy), decided from its plan
+    offload: str = option("auto", "--offload", help=OFFLOAD_HELP)
 
     def __post_init__(self) -> None:
         from mla_eval.model.latent_profile import parse_profile
@@ -76,23 +84,35 @@ class ModelSettings:
             dispatch.check_backend(self.backend)
         parse_rope_scaling(self.rope_scaling)
         parse_profile(self.latent_profile)  # a bad name or file fails before any load
+        check_experts(self.experts)
+        check_weight_math(self.weight_math)
+        if self.offload not in OFFLOAD_MODES:
+            raise UserError(f"--offload {self.offload!r}: choose one of {', '.join(OFFLOAD_MODES)}")
         if self.max_memory is not None:
             from mla_eval.model.loader import check_max_memory  # torch: only when the option is used
 
             check_max_memory(self.max_memory, self.device_map)
 
-    def load(self):
-        from mla_eval.model.loader import load_model, resolve_device  # torch + transformers: only when used
+    def whole_model(self) -> tuple[str, str] | None:
+        """Why this run needs every decoder layer in memory at once, and the fix (None: it may stream). Evaluations
+        add their own reasons (kld's self-samples, needle's generated answers)."""
+        if self.latent_profile != "none":
+            return "--latent-profile reparametrises every layer of the model in memory", "use --offload none or auto"
+        return None
 
-        if self.device_map == "none":  # --backend kernel where the kernels cannot run: refused before the load
+    def execution_request(self, whole_model: tuple[str, str] | None = None) -> ExecutionRequest:
+        """What this run asks of its execution strategy (mla_eval.model.strategy): the model, where, --offload, and
+        the first reason it needs the whole model (`whole_model`, or the settings' own)."""
+        from mla_eval.model.loader import resolve_device
+
+        if self.device_map == "none":  # --backend kernel where the kernels cannot run: refused before any load
             dispatch.preflight(self.backend, [resolve_device(self.device)])
-        lm = load_model(
-            self.model, self.device, device_map=self.device_map, rope_scaling=self.rope_scaling, max_memory=self.max_memory
+        why = whole_model or self.whole_model()
+        return ExecutionRequest(
+            model=self.model, device=self.device, device_map=self.device_map, max_memory=self.max_memory,
+            rope_scaling=self.rope_scaling, experts=self.experts, weight_math=self.weight_math, offload=self.offload,
+            whole_model=None if why is None else why[0], whole_model_fix="use --offload none or auto" if why is None else why[1],
         )
-        if self.device_map == "auto" and all(d.type == "cpu" for d in lm.layer_devices):  # said, not silent
-            warnings.warn("--device-map auto found no GPU: every layer runs on the CPU (drop --device-map auto for a "
-                          "plain CPU run, or make the GPUs visible)", stacklevel=2)
-        return lm
 
     def apply_profile(self, lm, ids, label: str) -> dict | None:
         """--latent-profile: reparametrise the loaded model so each layer's max |c_kv| over the first window of the
@@ -103,8 +123,6 @@ class ModelSettings:
         profile = parse_profile(self.latent_profile)
         if profile is None:
             return None
-        if getattr(lm, "checkpoint", None) is not None:
-            raise UserError("--latent-profile reparametrises the whole model in memory: run it with --offload none")
         window = ids[:PROFILE_CALIBRATION_TOKENS].view(1, -1)
         return apply_latent_profile(lm, profile, window, f"{window.shape[1]} tokens from the start of {label}").as_dict()
 
