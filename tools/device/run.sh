@@ -55,6 +55,12 @@
 #              single-GPU document of the same windows (MULTIGPU="ckpt dp devmap needle fail" by default)
 #   memory     python -m benchmarks.memory_bench: peak GPU memory per phase of random DeepSeek-V3.2 and GLM-5 layers at
 #              ctx 2K/4K/8K (MEM_ARGS replaces the options, MEM_TIMEOUT the limit)
+#   moe        python -m benchmarks.moe_bench: one MoE block per preset geometry (DeepSeek-V3.2, Kimi-K2, GLM-5.2) at
+#              2K/16K/64K tokens, eager / grouped_mm / fp8 (DeepGEMM) beside the dense bf16 ceiling of the same run
+#              (MOE_ARGS replaces the options, MOE_TIMEOUT the limit); needs the sgl-deep-gemm wheel in .whl/ for fp8
+#   fp8        the FP8 weight-math GPU tests (DeepGEMM dense and grouped against the torch reference) and the compute
+#              paths' KLD checks (expert paths and weight maths give the same rows), MLA_EVAL_FP8_GEMM=deepgemm: a
+#              DeepGEMM that cannot load fails them. Carry .whl (the sgl-deep-gemm wheel: README "wheels")
 #   stream     python -m benchmarks.stream_bench: a full-width DeepSeek-V3.2 FP8 checkpoint written to /tmp/ckpt, the
 #              disk's O_DIRECT read rate, kld streamed and resident (equal formats), projected full-depth GLM-5.2 and
 #              DeepSeek-V3.2 runs (STREAM_ARGS adds options, e.g. "--steps project"; STREAM_TIMEOUT the limit)
@@ -129,6 +135,12 @@ install_stack() {
     # mla-eval validates every result with jsonschema, which the image lacks: the wheels of .devwheels/js
     if [ -d .devwheels/js ] && ! python3 -c 'import jsonschema' 2>/dev/null; then
         python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devwheels/js/*.whl 2>&1 | tail -2
+    fi
+    # DeepGEMM (the sgl-deep-gemm wheel, carried in .whl/): FP8 weight math's kernels (mla_eval.model.deepgemm)
+    if ls .whl/sgl_deep_gemm-*.whl >/dev/null 2>&1 && ! python3 -c 'import deep_gemm' 2>/dev/null; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/sgl_deep_gemm-*.whl \
+            2>&1 | tail -2
+        python3 -c 'import deep_gemm; print("deep_gemm", deep_gemm.__file__)' 2>&1 | tail -1
     fi
     python3 -m pip install -q -e . --no-deps --no-build-isolation 2>&1 | grep -v "WARNING: Running pip as" | tail -3
     nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
@@ -520,6 +532,17 @@ memory)
     timeout "${MEM_TIMEOUT:-400}" python3 -m benchmarks.memory_bench --out "$R/memory" \
         ${MEM_ARGS:---presets deepseek-v3.2,glm-5 --ctx 2048,4096,8192 --layers 3 --budget-s 300} > "$R/memory.log" 2>&1
     echo "memory rc=$? (124 = timeout)"; grep -v -E "^ *[0-9]+%|━" "$R/memory.log" | tail -40
+    ;;
+moe)
+    step "MoE block per preset geometry: ${MOE_ARGS:-deepseek-v3.2, kimi-k2, glm-5.2 at 2K/16K/64K tokens, every path}"
+    # shellcheck disable=SC2086  # MOE_ARGS is a list of options
+    timeout "${MOE_TIMEOUT:-560}" python3 -m benchmarks.moe_bench --out "$R/moe" ${MOE_ARGS:-} > "$R/moe.log" 2>&1
+    echo "moe rc=$? (124 = timeout)"; grep -v -E "━|^\s*$" "$R/moe.log" | tail -60
+    ;;
+fp8)
+    step "FP8 weight math on the GPU: DeepGEMM against the reference; KLD rows across expert paths and weight maths"
+    MLA_EVAL_FP8_GEMM=deepgemm gpu_pytest "${TEST_TIMEOUT:-550}" fp8 tests/test_fp8_gpu.py tests/test_compute_paths_gpu.py \
+        ${KEXPR:+-k "$KEXPR"}
     ;;
 stream)
     step "layer streaming at full width: ${STREAM_ARGS:-5-layer DeepSeek-V3.2 FP8 checkpoint, ctx 8192; projections}"
