@@ -1,5 +1,5 @@
 """How the weights compute never changes what a kld document compares (CPU, float32): the experts' eager and grouped
-paths give the same rows exactly, FP8 weight math gives each format's KLD within noise of the dequantised run's (the
+paths give the same rows up to float32 summation order, FP8 weight math gives each format's KLD within noise of the dequantised run's (the
 rows share the weights), and the document records which ran."""
 
 from __future__ import annotations
@@ -37,7 +37,11 @@ def test_expert_paths_give_the_same_rows(setup, tmp_path):
     grouped = _kld(folders["deepseek_v3"], text, tmp_path / "g.json", "--experts", "grouped_mm", "--weight-math", "dequant")
     assert eager["model"]["experts"]["implementation"] == "eager"
     assert grouped["model"]["experts"]["implementation"] == "grouped_mm"
-    assert eager["formats"] == grouped["formats"]  # float32: the same sums, every figure equal
+    for fmt, row in grouped["formats"].items():  # float32: only the experts' summation order differs
+        want = eager["formats"][fmt]
+        assert row["tokens"] == want["tokens"]
+        assert row["kld_mean"] == pytest.approx(want["kld_mean"], rel=1e-5), fmt
+        assert row["same_top1_pct"] == pytest.approx(want["same_top1_pct"], abs=0.5), fmt
 
 
 def test_fp8_weight_math_keeps_each_formats_kld_within_noise(setup, tmp_path):

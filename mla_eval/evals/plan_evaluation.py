@@ -223,7 +223,9 @@ def plan_plan(st: PlanSettings, progress: ProgressCallback = no_progress, measur
         raise UserError("--dry-run plans a sensitivity sweep; --sensitivity re-solves a stored one without a model: "
                         "drop one of them")
     with dispatch.use_backend(st.backend), ExecutionStrategy.open(st.execution_request(), dry_run=True) as ex:
-        source = text_sources.load_source(ex.lm, st, progress)
+        from mla_eval.evals.kld_plan import planning_source
+
+        source = planning_source(st, ex.lm)  # self-samples: sequences of their shape, not generated
         if st.scales == "auto" and any(v.outer for v in st.candidate_variants()):
             _calib, source = _split_calibration(source, st.calib_tokens)
         return _plan(ex, source, st, measure)

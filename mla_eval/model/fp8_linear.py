@@ -266,6 +266,3 @@ def convert(model: torch.nn.Module, quantised: dict, num_layers: int, rule: ActQ
     return {"linears": len(linears), "experts_layers": len(experts), "kept_dequantised": list(_KEEP_DEQUANTISED),
             "rule": rule.name, "rule_source": rule.source}
 
-
-def is_fp8(t: torch.Tensor) -> bool:
-    return t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)

@@ -212,23 +212,34 @@ class RunPlan:
         head = forwards * self.cost.head_seconds  # after the layers, never overlapped with a read
         if self.mode != "stream":
             return {"forwards": forwards * sum(self.cost.of(i) for i in range(n)), "reads": 0.0, "loss": head}
+        compute, bounded = self._streamed_layers()
+        return {"forwards": compute, "reads": max(0.0, bounded - compute), "loss": head}
+
+    def _streamed_layers(self) -> tuple[float, float]:
+        """A streamed run's layer time: (compute alone, each pass's layer time bounded below by that layer's read)."""
+        forwards = self.workload.batches * self.workload.forwards_per_batch
         per_pass_forwards = self.batches_per_pass * self.workload.forwards_per_batch
-        compute_total, read_extra = 0.0, 0.0
+        compute_total, total = 0.0, 0.0
         left = forwards
         for _ in range(self.passes):
             now = min(left, per_pass_forwards)
             left -= now
-            for layer in range(n):
+            for layer in range(len(self.weights.layer_bytes)):
                 compute = now * self.cost.of(layer)
                 read = self.weights.stored_layer_bytes[layer] / self.read_bytes_per_second if self.read_bytes_per_second else 0.0
                 compute_total += compute
-                read_extra += max(0.0, read - compute)
-        return {"forwards": compute_total, "reads": read_extra, "loss": head}
+                total += max(compute, read)
+        return compute_total, total
 
     def projected_seconds(self) -> float | None:
-        """The projected time of the run (the sum of `projected_split`)."""
+        """Forwards x layers x the measured layer cost, and for a streamed run each pass's layer time bounded below
+        by the read of that layer (the next layer's read overlaps this layer's compute); `projected_split` parts it."""
         split = self.projected_split()
-        return None if split is None else sum(split.values())
+        if split is None:
+            return None
+        if self.mode != "stream":
+            return split["forwards"] + split["loss"]
+        return self._streamed_layers()[1] + split["loss"]
 
     def as_dict(self) -> dict[str, Any]:
         w = self.weights
