@@ -133,11 +133,11 @@ def test_read_error_mid_run_leaves_no_document(folders, tmp_path, capsys, monkey
     real = checkpoint.Checkpoint.read_layer
     calls = []
 
-    def failing(self, layer, pin_memory=False):
+    def failing(self, layer, pin_memory=False, **kw):
         calls.append(layer)
         if len(calls) > 3:  # after the plan's measurement and the first layers of the run
             raise UserError(f"reading {self.path}/model-00002-of-00004.safetensors failed (Input/output error)")
-        return real(self, layer, pin_memory)
+        return real(self, layer, pin_memory, **kw)
 
     monkeypatch.setattr(checkpoint.Checkpoint, "read_layer", failing)
     out = tmp_path / "k.json"

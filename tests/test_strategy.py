@@ -119,7 +119,7 @@ def test_needle_plans_resident_and_refuses_to_stream(dense, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("command", [
-    ["calibrate", "--ctx", "64"],
+    ["calibrate", "--ctx", "64", "--out", "never-written.json"],
     ["plan", "--candidates", "nvfp4", "--budget-bytes-per-token", "2000", "--ctx", "64", "--stride", "32"],
     ["needle", "--formats", "nvfp4", "--lengths", "160", "--depths", "50"],
 ])
@@ -130,7 +130,7 @@ def test_every_evaluation_has_a_dry_run(ckpt, dense, command, tmp_path, capsys):
     code, out, err = run([*command, "--model", str(folder), *extra, "--device", "cpu", "--dry-run"], capsys)
     assert code == 0, err[-2000:]
     assert "weights: " in out and "execution: " in out and "projected" in out, out
-    assert not list(tmp_path.iterdir())  # a dry run writes nothing
+    assert not list(tmp_path.iterdir()) and not (tmp_path / "never-written.json").exists()  # a dry run writes nothing
 
 
 def test_every_refusal_has_one_wording(ckpt):

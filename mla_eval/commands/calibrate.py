@@ -17,9 +17,8 @@ from mla_eval.commands.evaluation import (
     force_option,
 )
 from mla_eval.commands.progress import progress_bars
-from mla_eval.errors import UserError
 from mla_eval.evals.calibrate import CalibrateSettings, CalibrationResult
-from mla_eval.protocol import Evaluation, option
+from mla_eval.protocol import REQUIRED, Evaluation, option
 from mla_eval.results import check_output_path
 
 console = Console(stderr=True)
@@ -27,8 +26,8 @@ console = Console(stderr=True)
 
 @dataclasses.dataclass(frozen=True)
 class CalibrateOptions:
-    out: Path | None = option(None, "--out", "-o", path="write",
-                              help="Where to write the nvfp4_ds_mla_outer_scale_v1 JSON (required but with --dry-run).")
+    out: Path = option(REQUIRED, "--out", "-o", path="write",
+                       help="Where to write the nvfp4_ds_mla_outer_scale_v1 JSON (--dry-run writes nothing there).")
     force: bool = force_option()
     dry_run: bool = dry_run_option("calibration")
 
@@ -41,8 +40,6 @@ def run_calibrate(ev: Evaluation, settings: CalibrateSettings, opts: CalibrateOp
 
         dry_run(plan_calibration, settings)
         return
-    if opts.out is None:
-        raise UserError("Missing option '--out': where to write the outer scales (only --dry-run writes nothing)")
 
     check_output_path(opts.out, opts.force)
     check_inputs_and_outputs(settings, [("--out", opts.out)])  # e.g. --text t.json --out t.json
