@@ -1,6 +1,12 @@
-"""How the weights compute never changes what a kld document compares (CPU, float32): the experts' eager and grouped
-paths give the same rows up to float32 summation order, FP8 weight math gives each format's KLD within noise of the dequantised run's (the
-rows share the weights), and the document records which ran."""
+"""How the weights compute, and what that does to what a kld document compares (CPU, float32): the experts' eager and
+grouped paths give the same rows up to float32 summation order; FP8 weight math computes the same model (its reference
+perplexity within 2 % of the dequantised run's) but adds to each format's KLD, and the document records which ran.
+
+Why FP8 math adds KLD (measured here, embedded model, ctx 64: fp8_ds_mla 0.00031 -> 0.00169, nvfp4 0.0034 -> 0.0045):
+the engines quantise every Linear's activations to e4m3 (3 mantissa bits) per token, so a cache format's small
+perturbation of the attention output flips some of those roundings, and each flip moves the next layer by a whole
+e4m3 step. That floor is what an engine serving the checkpoint in FP8 shows too; it matters most for the formats that
+perturb least. Whether it stays within noise at bf16 on a full model is tests/test_compute_paths_gpu.py's question."""
 
 from __future__ import annotations
 
@@ -44,14 +50,44 @@ def test_expert_paths_give_the_same_rows(setup, tmp_path):
         assert row["same_top1_pct"] == pytest.approx(want["same_top1_pct"], abs=0.5), fmt
 
 
-def test_fp8_weight_math_keeps_each_formats_kld_within_noise(setup, tmp_path):
-    folders, text = setup
-    deq = _kld(folders["deepseek_v32"], text, tmp_path / "d.json", "--weight-math", "dequant")
-    fp8 = _kld(folders["deepseek_v32"], text, tmp_path / "f.json")  # auto: the engines' math for FP8 block weights
+def fp8_default_model(folder):
+    """The embedded default model (trained weights) stored as a DeepSeek-style FP8-block checkpoint: every 2-D
+    decoder-layer weight quantised as the writer quantises (block amax / 448), the rest as it is."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from mla_eval.model.checkpoint_writer import quantization_config, stored_tensors
+
+    folder.mkdir()
+    state = load_file(str(TOKENIZER / "model.safetensors"))
+    out = {}
+    for name, w in state.items():
+        out.update(stored_tensors("fp8-block", name, w))
+    save_file(out, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((TOKENIZER / "config.json").read_text())
+    cfg["quantization_config"] = quantization_config("fp8-block")[0]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TOKENIZER / f, folder / f)
+    return folder
+
+
+def test_fp8_weight_math_computes_the_same_model_and_adds_its_rounding_to_each_formats_kld(setup, tmp_path):
+    """On trained weights (a random model's activations move too much under any FP8 rounding to stand for a real
+    one): the embedded model stored in FP8 blocks, computed in FP8 and dequantised."""
+    _, text = setup
+    folder = fp8_default_model(tmp_path / "fp8-default")
+    deq = _kld(folder, text, tmp_path / "d.json", "--weight-math", "dequant")
+    fp8 = _kld(folder, text, tmp_path / "f.json")  # auto: the engines' math for FP8 block weights
     assert fp8["model"]["weight_math"]["math"] == "fp8" and deq["model"]["weight_math"]["math"] == "dequant"
-    assert fp8["model"]["experts"]["implementation"] == "fp8-grouped"
-    assert fp8["execution"]["fp8_gemm_calls"]["torch-grouped"] > 0
+    assert fp8["model"]["weight_math"]["linears"] > 0 and fp8["execution"]["fp8_gemm_calls"]["torch"] > 0
+    assert not deq["execution"]["fp8_gemm_calls"]  # dequantised: no FP8 product ran
     for fmt, row in fp8["formats"].items():
-        a, b = row["kld_mean"], deq["formats"][fmt]["kld_mean"]
-        noise = 3 * (row["kld_se"] ** 2 + deq["formats"][fmt]["kld_se"] ** 2) ** 0.5
-        assert abs(a - b) <= max(noise, 0.1 * b), (fmt, a, b, noise)
+        want = deq["formats"][fmt]
+        assert row["tokens"] == want["tokens"]
+        assert row["ppl_ref"] == pytest.approx(want["ppl_ref"], rel=0.02), fmt  # the same model, computed in FP8
+        noise = 3 * (row["kld_se"] ** 2 + want["kld_se"] ** 2) ** 0.5
+        assert row["kld_mean"] >= want["kld_mean"] - noise, fmt  # rounding flips add; they never hide the format
+    order = sorted(deq["formats"], key=lambda f: deq["formats"][f]["kld_mean"])
+    assert sorted(fp8["formats"], key=lambda f: fp8["formats"][f]["kld_mean"]) == order  # the ranking a user reads

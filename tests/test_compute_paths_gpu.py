@@ -3,7 +3,7 @@ is the same within noise whether the experts run eager or grouped, and whether F
 or computed in FP8 -- every row of a run shares the weights, so the comparison a user reads is unchanged.
 
 One dense (DeepSeek-V3) and one DSA (GLM-5) FP8-block checkpoint written at a small width (hidden 1024, 16 experts of
-512, 4 layers), random tokens. Run by `bash tools/device/run.sh fp8`."""
+512, 4 layers), random tokens. Run by `python -m tools.device fp8` (after the merge of main's device steps)."""
 
 from __future__ import annotations
 
@@ -55,21 +55,40 @@ def _kld(folder, text, tmp_path, *extra):
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("model_type", ["deepseek_v3", "glm_moe_dsa"])
-def test_kld_rows_are_unchanged_between_expert_paths_and_weight_maths(checkpoints, model_type, tmp_path):
-    folders, text = checkpoints
-    runs = {
-        "eager+dequant": _kld(folders[model_type], text, tmp_path, "--experts", "eager", "--weight-math", "dequant"),
-        "grouped+dequant": _kld(folders[model_type], text, tmp_path, "--experts", "grouped_mm", "--weight-math", "dequant"),
-        "fp8": _kld(folders[model_type], text, tmp_path, "--weight-math", "fp8"),
-    }
-    assert runs["eager+dequant"]["model"]["experts"]["implementation"] == "eager"
-    assert runs["grouped+dequant"]["model"]["experts"]["implementation"] == "grouped_mm"
-    assert runs["fp8"]["model"]["weight_math"]["math"] == "fp8"
-    assert runs["fp8"]["execution"]["fp8_gemm_calls"].get("deepgemm-grouped", 0) > 0
-    base = runs["eager+dequant"]["formats"]
+def _within_noise(runs, base_name):
+    """Every run's row of every format against `base_name`'s: within 3 standard errors (or 5 %); the table printed."""
+    base = runs[base_name]["formats"]
+    for name, doc in runs.items():
+        print(name, {f: (round(r["kld_mean"], 6), round(r["kld_se"], 6), round(r["ppl_ref"], 3))
+                     for f, r in doc["formats"].items()})
     for name, doc in runs.items():
         for fmt, row in doc["formats"].items():
             a, b = row["kld_mean"], base[fmt]["kld_mean"]
             noise = 3 * (row["kld_se"] ** 2 + base[fmt]["kld_se"] ** 2) ** 0.5
             assert abs(a - b) <= max(noise, 0.05 * b), (name, fmt, a, b, noise)
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "glm_moe_dsa"])
+def test_kld_rows_are_unchanged_between_expert_paths(checkpoints, model_type, tmp_path):
+    folders, text = checkpoints
+    runs = {
+        "eager+dequant": _kld(folders[model_type], text, tmp_path, "--experts", "eager", "--weight-math", "dequant"),
+        "grouped+dequant": _kld(folders[model_type], text, tmp_path, "--experts", "grouped_mm", "--weight-math", "dequant"),
+    }
+    assert runs["eager+dequant"]["model"]["experts"]["implementation"] == "eager"
+    assert runs["grouped+dequant"]["model"]["experts"]["implementation"] == "grouped_mm"
+    _within_noise(runs, "eager+dequant")
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "glm_moe_dsa"])
+def test_kld_rows_are_unchanged_between_weight_maths(checkpoints, model_type, tmp_path):
+    """The issue's claim at bf16 on a GPU. On a CPU in float32 FP8 activation rounding adds a KLD floor that small-error
+    formats feel (tests/test_compute_paths.py says why); here the dequantised run rounds to bf16 as well."""
+    folders, text = checkpoints
+    runs = {
+        "grouped+dequant": _kld(folders[model_type], text, tmp_path, "--experts", "grouped_mm", "--weight-math", "dequant"),
+        "fp8": _kld(folders[model_type], text, tmp_path, "--weight-math", "fp8"),
+    }
+    assert runs["fp8"]["model"]["weight_math"]["math"] == "fp8"
+    assert runs["fp8"]["execution"]["fp8_gemm_calls"].get("deepgemm-grouped", 0) > 0
+    _within_noise(runs, "grouped+dequant")
