@@ -237,11 +237,8 @@ def test_v3_sparse_lists_and_the_32_head_tile_are_held_off_until_their_gpu_tests
     runs v2 with the reason, and h > 16 keeps the 16-head tile with the reason; cleared (as the GPU tests' fixture
     does, and as shipped since), forced v3 runs sparse lists, and h > 16 the 32-head tile. The default (v2 for
     both: timed level with v2) is the same either way."""
-    # both passed on the H200; what may still wait is the two-producer 32-head probe and the CTA pair (other
-    # tests)
-    assert set(attention_tuning.V3_LAUNCHES_AWAITING_GPU_TESTS) <= {
-        attention_tuning.V3_TILE_32_TWO_PRODUCERS, attention_tuning.V3_TILE_32_PAIR,
-    }
+    # both passed on the H200; what may still wait is the two-producer 32-head probe (another test)
+    assert set(attention_tuning.V3_LAUNCHES_AWAITING_GPU_TESTS) <= {attention_tuning.V3_TILE_32_TWO_PRODUCERS}
     monkeypatch.setattr(attention_tuning, "V3_LAUNCHES_AWAITING_GPU_TESTS", {
         attention_tuning.V3_SPARSE: "v3's sparse top-k lists have not yet passed their GPU tests",
         attention_tuning.V3_TILE_32: "v3's 32-head tile has not yet passed its GPU tests",
@@ -596,71 +593,18 @@ def test_bench_h128_rows_add_the_two_producer_32_head_tile_with_variants(monkeyp
     monkeypatch.setattr(attention_tuning, "V3_AWAITING_GPU_TESTS", {})
     nvfp4 = plan_for(get_format("nvfp4"))
     for sparse in (False, True):
-        t16 = ("v3-t16", 16, None, False, attention_tuning.v3_head_tile(nvfp4, 128, sparse)[1])
-        assert "32-head tiles" in t16[4]
-        assert bench.v3_tile_variants(nvfp4, 128, sparse, False) == [t16, ("v3-t32", 32, None, False, None)]
+        t16 = ("v3-t16", 16, None, attention_tuning.v3_head_tile(nvfp4, 128, sparse)[1])
+        assert "32-head tiles" in t16[3]
+        assert bench.v3_tile_variants(nvfp4, 128, sparse, False) == [t16, ("v3-t32", 32, None, None)]
         assert bench.v3_tile_variants(nvfp4, 128, sparse, True) == [
-            t16, ("v3-t32", 32, None, False, None), ("v3-t32-p2", 32, 2, False, "not yet GPU-tested"),
-            ("v3-t32-pair", 32, 2, True, None),  # (this monkeypatched dict leaves the pair's own hold out)
+            t16, ("v3-t32", 32, None, None), ("v3-t32-p2", 32, 2, "not yet GPU-tested"),
         ]
     monkeypatch.setattr(attention_tuning, "V3_LAUNCHES_AWAITING_GPU_TESTS", {})
-    assert bench.v3_tile_variants(nvfp4, 128, False, True)[-2:] == [
-        ("v3-t32-p1", 32, 1, False, None), ("v3-t32-pair", 32, 2, True, None),
-    ]
+    assert bench.v3_tile_variants(nvfp4, 128, False, True)[-1] == ("v3-t32-p1", 32, 1, None)
     # the 32-head tile's own hold marks all of its rows
     monkeypatch.setattr(attention_tuning, "V3_LAUNCHES_AWAITING_GPU_TESTS", {attention_tuning.V3_TILE_32: "held"})
     rows = bench.v3_tile_variants(nvfp4, 128, False, True)
-    assert [r[4] for r in rows] == [None] + 3 * ["16-head tiles: held"], rows
-    # the held pair: its row only when asked for (bench --pair), so that no other step can hit an untested cluster kernel
-    monkeypatch.setattr(attention_tuning, "V3_LAUNCHES_AWAITING_GPU_TESTS", {attention_tuning.V3_TILE_32_PAIR: "untested"})
-    assert [r[0] for r in bench.v3_tile_variants(nvfp4, 128, False, True)] == ["v3-t16", "v3-t32", "v3-t32-p1"]
-    assert bench.v3_tile_variants(nvfp4, 128, False, True, pair=True)[-1] == ("v3-t32-pair", 32, 2, True, "untested")
+    assert [r[3] for r in rows] == [None] + 2 * ["16-head tiles: held"], rows
     assert bench.v3_tile_variants(plan_for(get_format("trtllm_nvfp4_dsa")), 128, True, True) == []
 
 
-def test_the_cta_pair_is_held_and_applies_to_pairs_of_32_head_tiles_with_two_producers(monkeypatch):
-    """The CTA pair (cute/cta_pair.py) was written without a device: `V3_TILE_32_PAIR` holds it, so the
-    default launches stay unpaired and say why; an explicit request is a probe that runs either way (bench
-    v3-t32-pair, the GPU tests). Where it applies is one definition (`v3_pair_blocker`): pairs of 32-head tiles along
-    grid y (h % 64 == 0) with two producer warpgroups, every format v3 runs; a request elsewhere is refused by name."""
-    assert attention_tuning.V3_TILE_32_PAIR in attention_tuning.V3_LAUNCHES_AWAITING_GPU_TESTS
-    for name in V3_RUNS:
-        plan = plan_for(get_format(name))
-        for heads in (64, 128, 192):
-            assert attention_tuning.v3_pair_blocker(plan, heads, 32, 2) is None, (name, heads)
-            pair, why = attention_tuning.v3_cta_pair(plan, heads, 32, 2)
-            assert not pair and "GPU tests" in why and "pair" in why, why
-            assert attention_tuning.v3_cta_pair(plan, heads, 32, 2, True) == (True, "CTA pair (requested)")
-            assert attention_tuning.v3_cta_pair(plan, heads, 32, 2, False) == (False, "no CTA pair (requested)")
-        for heads, tile, wgs, why in ((32, 32, 2, "h % 64 == 0"), (96, 32, 2, "not h = 96"), (128, 16, 2, "32-head tile"),
-                                     (128, 32, 1, "two producer warpgroups")):
-            assert why in attention_tuning.v3_pair_blocker(plan, heads, tile, wgs), (name, heads, tile, wgs)
-            assert attention_tuning.v3_cta_pair(plan, heads, tile, wgs)[0] is False
-            with pytest.raises(ValueError, match="cta_pair=True: "):
-                attention_tuning.v3_cta_pair(plan, heads, tile, wgs, True)
-    monkeypatch.setattr(attention_tuning, "V3_LAUNCHES_AWAITING_GPU_TESTS", {})  # what the GPU tests' fixture does
-    nvfp4 = plan_for(get_format("nvfp4"))
-    pair, why = attention_tuning.v3_cta_pair(nvfp4, 128, 32, 2)
-    assert pair and "each record decoded once per 64 heads" in why, why
-    assert attention_tuning.v3_cta_pair(nvfp4, 96, 32, 2)[0] is False
-
-
-@pytest.mark.parametrize("unit", [16, 32, 64])
-def test_the_cta_pair_splits_each_raw_unit_into_contiguous_halves_of_whole_8_row_atoms(unit):
-    """`v3_pair_keys`: rank 0 takes the first half of each raw unit's keys, rank 1 the second; together every key once,
-    and each half starts on an 8-row boundary (the kernel shifts the K base by whole swizzle atoms instead of
-    recomputing the rows)."""
-    halves = [attention_tuning.v3_pair_keys(unit, rank) for rank in range(attention_tuning.V3_PAIR_CTAS)]
-    assert sorted(k for first, n in halves for k in range(first, first + n)) == list(range(unit))
-    assert all(first % 8 == 0 and n % 8 == 0 for first, n in halves), halves
-
-
-def test_profile_dense_refuses_a_cta_pair_without_pairs_of_32_head_tiles(capsys):
-    """`profile_dense --cta-pair` (the device step `tools/device/run.sh pairncu`) needs h % 64 == 0: a one-line usage error
-    before any launch (no GPU needed)."""
-    from benchmarks import profile_dense
-
-    with pytest.raises(SystemExit) as exc:
-        profile_dense.main(["--heads", "96", "--cta-pair", "1"])
-    assert exc.value.code == 2
-    assert "--heads a multiple of 64, not 96" in capsys.readouterr().err

@@ -42,16 +42,12 @@ def kernels_under_test(monkeypatch):
     """These tests are what validates a kernel: formats still held on the reference by
     `record_plan.AWAITING_GPU_TESTS` (dispatch refuses `--backend kernel` for them), and v3 launches still held on
     v2 by `attention_tuning.V3_AWAITING_GPU_TESTS` (formats) or `V3_LAUNCHES_AWAITING_GPU_TESTS` (sparse lists,
-    the 32-head tile), run their kernels here. Except the CTA pair (`V3_TILE_32_PAIR`): a cluster-protocol deadlock
-    would hang every h % 64 == 0 test without a deadline, so its own tests ask for it explicitly and fail after a
-    deadline (tests/test_kernels_v3_gpu.py); once they pass and its hold is deleted, every test here runs it."""
+    the 32-head tile), run their kernels here."""
     from mla_eval_kernels.plan import record_plan
 
     monkeypatch.setattr(record_plan, "AWAITING_GPU_TESTS", {})
     monkeypatch.setattr(attention_tuning, "V3_AWAITING_GPU_TESTS", {})
-    held = attention_tuning.V3_LAUNCHES_AWAITING_GPU_TESTS
-    keep = {k: v for k, v in held.items() if k == attention_tuning.V3_TILE_32_PAIR}
-    monkeypatch.setattr(attention_tuning, "V3_LAUNCHES_AWAITING_GPU_TESTS", keep)
+    monkeypatch.setattr(attention_tuning, "V3_LAUNCHES_AWAITING_GPU_TESTS", {})
 
 
 def _has_kernel(spec) -> bool:

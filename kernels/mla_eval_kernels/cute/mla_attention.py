@@ -45,15 +45,10 @@ from cutlass import BFloat16, Float32, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import warp
 
 from mla_eval_kernels.cute import ptx
-from mla_eval_kernels.cute.compile_cache import arch_tag
 from mla_eval_kernels.plan import e2m1_bits
-from mla_eval_kernels.plan.launch import D_QK, D_V
+from mla_eval_kernels.plan.launch import D_QK, D_V, V2Config
 from mla_eval_kernels.plan.record_plan import ORDER_8X4, RecordPlan, record_chunk
-from mla_eval_kernels.plan.tuning import (
-    Tuning,
-    fast_e2m1_eligible,
-    is_bf16_plan,
-)
+from mla_eval_kernels.plan.tuning import fast_e2m1_eligible, is_bf16_plan
 
 LOG2_E = 1.4426950408889634
 LN_2 = 0.6931471805599453
@@ -123,10 +118,11 @@ class MlaAttention:
     of the compile key.
     """
 
-    def __init__(
-        self, plan: RecordPlan, tile: tuple[int, int, int, int], sparse: bool, has_sink: bool, has_outer: bool, split: bool,
-        tuning: Tuning = Tuning(),
-    ):
+    def __init__(self, plan: RecordPlan, config: V2Config, *, sparse: bool, has_sink: bool, has_outer: bool, split: bool):
+        # built only by `cute.launch.kernel_for` from a `KernelSpec` (the one construction path)
+        if not isinstance(config, V2Config):
+            raise TypeError(f"MlaAttention takes a V2Config, not {type(config).__name__}")
+        tile, tuning = config.tile, config.tuning
         self.plan = plan
         self.tuning = tuning
         # E2M1 latent with E4M3 block scales, no per-token scale, s_l not on the rope: the latent is
@@ -668,14 +664,3 @@ class MlaAttention:
     def quad_sum(self, x):
         x = x + cute.arch.shuffle_sync_bfly(x, offset=2)
         return x + cute.arch.shuffle_sync_bfly(x, offset=1)
-
-
-def compile_key(
-    plan: RecordPlan, tile: tuple, sparse: bool, has_sink: bool, has_outer: bool, split: bool, device, tuning: Tuning = Tuning()
-) -> tuple:
-    """Every specialisation of a compiled attention kernel. The head count enters through the
-    tile it selects; s_l, the softmax scale, lengths and the head count are run-time arguments."""
-    return (
-        "mla_attention", 2, plan, tuple(tile), bool(sparse),
-        bool(has_sink), bool(has_outer), bool(split), "q=bf16", "acc=f32", tuning, arch_tag(device),
-    )

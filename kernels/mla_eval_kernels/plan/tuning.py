@@ -59,16 +59,6 @@ V3_RAW_PREFERRED = (2, V3_BN // 2)
 # level for bf16 (docs/kernels.md#l2-prefetch). V3_L2_PREFETCH_PROBE keeps it measurable (bench row v3-pf).
 V3_L2_PREFETCH = 0
 V3_L2_PREFETCH_PROBE = 2
-# The consumer warpgroup's per-tile code. Rev 2 (tile loop unrolled by the K ring's stages, the O^T rescale skipped
-# when no running max moved, a 16-byte max / sum exchange) computes rev 1's bits in fewer instructions: its GPU tests
-# passed on an H200 (bitwise vs rev 1 and vs the reference) and the bench timed it faster or level at (b), (d) and (a)
-# except fp8_ds_mla at (a), 1.3 % slower (docs/kernels.md#consumer-rev-2; results/published/h200/kernels/
-# bench-revs.json). Rev 1 stays as the bench probe row v3-c1. In the compile key.
-V3_CONSUMER_REV = 2
-V3_CONSUMER_REVS = (1, 2)
-# The held CTA pair keeps rev 1: with rev 2 its dense 32-head nvfp4 / nvfp4_fp8_ds_mla kernels spill 16 B of stack
-# under `setmaxnreg` (tools/compile_check, sm_90a); rev 1 compiles clean. `v3_consumer_rev` reads both.
-V3_PAIR_CONSUMER_REV = 1
 V3_DECODE_PRODUCER_WGS = 2  # producer warpgroups of a v3 CTA, every format (docs/kernels.md#producer-warpgroups; bench v3-p1)
 V3_PRODUCER_WGS_CHOICES = (1, 2)  # what a launch may ask for (bench probes, tests); more would not fit the registers
 # The 32-head tile's default: two producer warpgroups with per-role registers (`v3_reg_budget`), measured faster for
@@ -79,11 +69,6 @@ V3_WIDE_PRODUCER_WGS = 2
 # thread besides S^T) spills; the producers .dec to 136, the consumer .inc to 232: 232 x 128 + 136 x 256 = 64,512 =
 # 168 x 384, the CTA's own registers moved between roles (docs/kernels.md#register-budget-of-the-32-head-tile).
 V3_REG_SPLIT = (232, 136)  # (consumer, producer) registers per thread
-# The producer's E2M1 latent decode (the fold formats): rev 2 writes rev 1's bf16 K bytes in fewer instructions
-# (`e2m1_bits`); GPU-tested on an H200 (bitwise vs rev 1 and the reference) and timed faster at (b) (nvfp4 64K 0.577 ->
-# 0.509 ms), (d) and (a) (docs/kernels.md#decode-rev-2). Rev 1 stays as the bench probe row v3-d1. In the key.
-V3_DECODE_REV = 2
-V3_DECODE_REVS = (1, 2)
 # Formats whose dense decode launches (h <= 16) run v3 by default: an H200 bench timed v3 faster than v2 at every
 # context (8K / 32K / 64K) for each (docs/kernels.md#default-formats-at-16-heads). v3 refuses the TensorRT-LLM and SGLang
 # records (`v3_blocker`).
@@ -96,22 +81,13 @@ V3_DEFAULT_FORMATS = (
 # why). The GPU tests clear this (fixture `kernels_under_test`); delete an entry once its GPU tests pass.
 V3_AWAITING_GPU_TESTS: dict[str, str] = {}
 # Launch kinds held the same way: sparse lists (`v3_blocker`), the 32-head tile (`v3_head_tile` keeps 16), two producer
-# warpgroups at the 32-head tile (`v3_producer_choice` keeps one), the CTA pair (`v3_cta_pair` keeps every launch
-# unpaired). `generation_for`'s default runs none of them until they are timed.
+# warpgroups at the 32-head tile (`v3_producer_choice` keeps one). `generation_for`'s default runs none of them until
+# they are timed. (The consumer and decode code is rev 2 only since 2026-12-05, and the CTA pair, which never ran, was
+# deleted: docs/kernels.md keeps both histories.)
 V3_SPARSE = "sparse"
 V3_TILE_32 = "head_tile_32"
 V3_TILE_32_TWO_PRODUCERS = "head_tile_32_two_producers"
 V3_LAUNCHES_AWAITING_GPU_TESTS: dict[str, str] = {}
-# The CTA pair (cute/cta_pair.py): two 32-head CTAs of a cluster of 2 along grid y decode half of each raw unit's
-# keys each and store every decoded K row into both CTAs' stage. Compiled for sm_90a, never run on a device: held
-# until its GPU tests (which ask for it explicitly, under a deadline) pass and bench (a) / (d) time it
-# (docs/kernels.md#the-cta-pair); an explicit `cta_pair=True` is a probe meanwhile.
-V3_TILE_32_PAIR = "head_tile_32_cta_pair"
-V3_LAUNCHES_AWAITING_GPU_TESTS[V3_TILE_32_PAIR] = (
-    "the 32-head tile's CTA pair (a cluster of 2 sharing each tile's decode) has not passed its GPU tests "
-    "(tests/test_kernels_v3_gpu.py -k pair, tools/device/run.sh pair)"
-)
-V3_PAIR_CTAS = 2  # CTAs of a pair's cluster, along grid y (head tiles 2c, 2c + 1)
 # Launches with more than one head tile (h > 16) that run v3 by default, by format and list kind: where an H200 bench
 # at h = 128 timed v3's 32-head tile (two producer warpgroups) faster than v2 at every size; everything else stays on
 # v2, within a few per cent either way or not timed (docs/kernels.md#default-at-more-than-16-heads). h = 32..64 follow the same
@@ -154,26 +130,6 @@ def is_bf16_plan(plan) -> bool:
         and plan.record_bytes == 2 * D_QK
         and not plan.outer_allowed
     )
-
-
-def v3_consumer_rev(cta_pair: bool, requested: int | None = None) -> int:
-    """The consumer revision a v3 kernel compiles: `requested` (a probe: bench v3-c<rev>, the GPU tests), else
-    `V3_PAIR_CONSUMER_REV` for the CTA pair and `V3_CONSUMER_REV` for every other launch (one definition for the
-    kernel and its compile key)."""
-    if requested is not None and requested not in V3_CONSUMER_REVS:
-        raise ValueError(f"consumer_rev must be one of {V3_CONSUMER_REVS}, not {requested}")
-    return requested or (V3_PAIR_CONSUMER_REV if cta_pair else V3_CONSUMER_REV)
-
-
-def v3_decode_rev(plan, requested: int | None = None) -> int:
-    """The E2M1 decode revision a v3 kernel of `plan` compiles: `requested` (a probe: bench v3-d2, the GPU tests) or
-    `V3_DECODE_REV` where the fold decode runs (`fast_e2m1_eligible`); 1 elsewhere, whose kernels rev 2 does not
-    touch (one definition for the kernel and its compile key)."""
-    if requested is not None and requested not in V3_DECODE_REVS:
-        raise ValueError(f"decode_rev must be one of {V3_DECODE_REVS}, not {requested}")
-    if not fast_e2m1_eligible(plan):
-        return 1
-    return requested or V3_DECODE_REV
 
 
 def smem_bytes(plan, m: int, bn: int, wn: int, prefetch: int = 1) -> int:
@@ -281,54 +237,6 @@ def v3_producers_held(heads: int, producer_wgs: int) -> str | None:
     if heads > V3_HEADS and producer_wgs > 1 and V3_TILE_32_TWO_PRODUCERS in V3_LAUNCHES_AWAITING_GPU_TESTS:
         return V3_LAUNCHES_AWAITING_GPU_TESTS[V3_TILE_32_TWO_PRODUCERS]
     return None
-
-
-def v3_pair_blocker(plan, heads: int, head_tile: int, producer_wgs: int) -> str | None:
-    """Why a v3 launch of `heads` heads at head tile `head_tile` with `producer_wgs` producer warpgroups cannot run as
-    CTA pairs (kernels/cta_pair.py), or None where it can: the one definition of where the pair applies (ungated;
-    `v3_cta_pair` adds the hold). A pair is the two head tiles 2c, 2c + 1 of one query (cluster [1, 2, 1]), so grid y
-    (h / 32) must be even: h % 64 == 0; the 32-head tile with two producer warpgroups (its registers and shared memory
-    per CTA are that kernel's). Every format v3 runs qualifies: the decoded ones split each raw unit's keys
-    (`v3_pair_keys`; the 16- / 32- / 64-key units halve to multiples of 8 rows, so a half is a whole number of the K
-    tile's 8-row swizzle atoms), bf16 splits each tile's copy and forwards its half from its own stage."""
-    if head_tile != V3_WIDE_HEADS:
-        return f"the CTA pair runs the {V3_WIDE_HEADS}-head tile only, not {head_tile}"
-    if producer_wgs != 2:
-        return f"the CTA pair runs two producer warpgroups per CTA, not {producer_wgs}"
-    if heads % (V3_PAIR_CTAS * V3_WIDE_HEADS):
-        pair_heads = V3_PAIR_CTAS * V3_WIDE_HEADS
-        return f"the CTA pair needs h % {pair_heads} == 0 (pairs of {V3_WIDE_HEADS}-head tiles), not h = {heads}"
-    for _, keys in v3_raw_rings(plan, head_tile):
-        if (keys // V3_PAIR_CTAS) % 8:  # (bf16's nominal ring: 64)
-            return f"{plan.name}: a raw unit of {keys} keys does not halve into whole 8-row K atoms"
-    return None
-
-
-def v3_cta_pair(plan, heads: int, head_tile: int, producer_wgs: int, requested: bool | None = None) -> tuple[bool, str]:
-    """(pair or not, why) of a v3 launch: `requested` True / False (a probe: bench v3-t32-pair, the tests) or, None, the
-    default: a pair wherever `v3_pair_blocker` allows and `V3_TILE_32_PAIR` is not held. A request the launch cannot
-    run raises ValueError naming why."""
-    why = v3_pair_blocker(plan, heads, head_tile, producer_wgs)
-    if requested:
-        if why:
-            raise ValueError(f"cta_pair=True: {why}")
-        return True, "CTA pair (requested)"
-    if requested is not None:
-        return False, "no CTA pair (requested)"
-    if why:
-        return False, f"no CTA pair: {why}"
-    if V3_TILE_32_PAIR in V3_LAUNCHES_AWAITING_GPU_TESTS:
-        return False, f"no CTA pair: {V3_LAUNCHES_AWAITING_GPU_TESTS[V3_TILE_32_PAIR]}"
-    return True, f"CTA pairs of {V3_WIDE_HEADS}-head tiles (each record decoded once per {V3_PAIR_CTAS * V3_WIDE_HEADS} heads)"
-
-
-def v3_pair_keys(unit_keys: int, rank):
-    """(first key, keys) of a raw unit of `unit_keys` keys that CTA `rank` (0 or 1; a kernel value or an int) of a pair
-    copies and decodes: the contiguous half [rank * n / 2, (rank + 1) * n / 2). Contiguous halves keep the kernel's
-    row arithmetic: a half of 8 m rows is m whole 8-row atoms of the swizzled K tile, the same bytes shifted by
-    1024 m (`mla_attention.swizzled_offset`). The one definition for the kernel and its CPU model (tests)."""
-    half = unit_keys // V3_PAIR_CTAS
-    return rank * half, half
 
 
 def v3_reg_budget(heads: int, producer_wgs: int) -> tuple[int, int] | None:
