@@ -72,7 +72,7 @@ def test_a_mixed_layer_plan_through_the_kernels_equals_the_reference(model, wiki
     kernels and through the torch reference, on the same 8,192 tokens at ctx 4096: the same KLD per row within
     `KLD_REL`. On GLM-5.2 (DSA) the windows are longer than the indexer's top-k, so the sparse kernels serve them."""
     plan = _mixed_plan(tmp_path, 4)
-    common = dict(model=model, text=wikitext_path, max_tokens=8192, ctx=4096, stride=4096, min_context=2048,
+    common = dict(model=model, text=wikitext_path, max_tokens=8192, ctx=4096, stride=2048, min_context=2048,
                   formats=f"nvfp4,plan:{plan}", layer_stats=False, prefill="absorbed", device="cuda")
     kern = _rows(api.evaluate_kld(api.KldSettings(**common, backend="kernel")))
     ref = _rows(api.evaluate_kld(api.KldSettings(**common, backend="reference")))

@@ -68,7 +68,7 @@ def run_smoke(commit: str) -> int:
     if not need(TEXT, "copy ../shared/data/wikitext-2/wiki.test.raw to .devdata/"):
         return 3
     fmts = ",".join(kernel_formats())
-    kld_common = ["--text", TEXT, "--max-tokens", "8192", "--ctx", "2048", "--stride", "2048", "--formats", fmts,
+    kld_common = ["--text", TEXT, "--max-tokens", "8192", "--ctx", "2048", "--formats", fmts,
                   "--no-layer-stats", "--prefill", "absorbed", "--force"]
     rcs = {}
     for backend in ("kernel", "reference"):
@@ -90,7 +90,7 @@ def run_smoke(commit: str) -> int:
         figures["needle_4k_mean_accuracy"] = {f: v["mean_accuracy"] for f, v in doc["formats"].items()}
 
     dsa = ["--model", "random:glm-5.2:layers=2", "--text", TEXT, "--max-tokens", "8192", "--ctx", "4096", "--stride",
-           "4096", "--min-context", "2048", "--formats", DSA_FORMATS, "--no-layer-stats", "--prefill", "absorbed", "--force"]
+           "2048", "--min-context", "2048", "--formats", DSA_FORMATS, "--no-layer-stats", "--prefill", "absorbed", "--force"]
     rcs = {b: run(f"kld-dsa-{b}", mla_eval("kld", *dsa, "--backend", b, "--out", str(d / f"kld-dsa-{b}.json")), d, 150,
                   tail=12) for b in ("kernel", "reference")}
     if rcs["kernel"] == 0 and rcs["reference"] == 0:
