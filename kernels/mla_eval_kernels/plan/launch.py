@@ -8,8 +8,7 @@ the split-KV schedule of one call.
 compile-time specialisation (part of the compile key).
 
 The cache key holds everything a plan depends on besides its arguments: the generation MLA_EVAL_ATTENTION_KERNEL
-forces and the hold registries the GPU tests' fixture edits (`tuning.hold_state`), so a plan never outlives a setting
-it was made under.
+forces, so a plan never outlives the setting it was made under.
 """
 
 from __future__ import annotations
@@ -108,12 +107,12 @@ def launch_plan(
 ) -> LaunchPlan:
     """The default launch of `heads` heads over dense (`sparse` False) or top-k lists on a device (cached).
     `generation` forces a generation (the dispatcher passes the one it recorded; the benchmark the other one)."""
-    return _launch_plan(plan, sparse, heads, facts, queries_per_seq, generation, tn.forced_generation(), tn.hold_state())
+    return _launch_plan(plan, sparse, heads, facts, queries_per_seq, generation, tn.forced_generation())
 
 
 @functools.lru_cache(maxsize=4096)
-def _launch_plan(plan, sparse, heads, facts, queries_per_seq, generation, forced, holds) -> LaunchPlan:
-    del forced, holds  # in the key only: generation_for and the v3 choices read them
+def _launch_plan(plan, sparse, heads, facts, queries_per_seq, generation, forced) -> LaunchPlan:
+    del forced  # in the key only: generation_for reads it
     if generation is None:
         generation, why = tn.generation_for(
             plan, sparse=sparse, heads=heads, queries_per_seq=queries_per_seq, smem_limit=facts.smem_per_block
@@ -192,14 +191,15 @@ class KernelSpec:
         return "v1" if self.config.tuning == tn.V1 else "v2"
 
     def compile_key(self, arch: str) -> tuple:
-        """The compile cache's key: the kernel source's revision, every specialisation (this spec, hashable and
-        concrete) and the architecture with the DSL version (`compile_cache.arch_tag`)."""
-        return ("mla_attention", KERNEL_SOURCE_REV[self.generation], self, arch)
+        """The compile cache's key: the kernel's module and source revision, every specialisation (this spec,
+        hashable and concrete) and the architecture with the DSL version (`compile_cache.arch_tag`)."""
+        name, rev = KERNEL_SOURCE[self.generation]
+        return (name, rev, self, arch)
 
 
-# Bumped when a kernel's source changes what a given spec compiles to in a way a running process must not reuse
-# (the cache lives per process: this only guards long-lived processes and tests that compare keys).
-KERNEL_SOURCE_REV = {"v1": 2, "v2": 2, "v3": 3}
+# The kernel module of each generation and its source revision, bumped when a kernel's source changes what a given
+# spec compiles to (the cache lives per process: this guards long-lived processes and tests that compare keys)
+KERNEL_SOURCE = {"v1": ("mla_attention", 2), "v2": ("mla_attention", 2), "v3": ("mla_attention_v3", 3)}
 
 
 @dataclasses.dataclass(frozen=True)
