@@ -22,7 +22,7 @@ adds, at shape (b), the v1 and v2 kernels side by side plus probes that switch o
 output) to show what the decode costs.
 At (b), every format the v3 kernel covers (`tuning.v3_blocker`) gets both a `kernel=v2` and a
 `kernel=v3` row (one of them is the default launch), whatever MLA_EVAL_ATTENTION_KERNEL says; with
-`--variants`, at 64K also v3-pf (L2 prefetch of records on, `V3_L2_PREFETCH_PROBE` tiles ahead), v3-p1 /
+`--variants`, at 64K also v3-p1 /
 v3-p2 (producer warpgroups) and, for the decoded formats, the timing probes v3-nodec / v3-nomma (wrong
 output: no decode / no wgmma), which tell which side bounds v3, and v3-r<S>x<K> for each raw ring that fits
 other than the default (`tuning.v3_raw_rings`: the fp8 records' part-tile rings).
@@ -194,7 +194,6 @@ def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "wr
     from mla_eval_kernels.plan.launch import flops
     from mla_eval_kernels.plan.record_plan import plan_for
     from mla_eval_kernels.plan.tuning import (
-        V3_L2_PREFETCH_PROBE,
         generation_for,
         is_bf16_plan,
         v3_blocker,
@@ -214,7 +213,7 @@ def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "wr
     def v3_tile_rows(shape, params, heads, sparse, nbytes, nflop, lists):
         """v3 rows of an h > 16 launch, one per head tile its CTA fits (`lists(i)`: the launch's slot lists for
         timed run i)."""
-        from mla_eval_kernels.cute.launch import mla_attention_v3
+        from benchmarks.probes import mla_attention_v3
 
         plan = plan_for(spec)
         for row, tile, wgs in v3_tile_variants(plan, heads, sparse, variants):
@@ -296,7 +295,7 @@ def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "wr
             )
         )
         if v3_blocker(plan_for(spec), sparse=False) is None:
-            from mla_eval_kernels.cute.launch import mla_attention_v3
+            from benchmarks.probes import mla_attention_v3
 
             # the generation the default launch does not run, so that v2 and v3 stay side by side
             other = "v2" if ran(False, 16) == "v3" else "v3"
@@ -316,10 +315,9 @@ def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "wr
             # v3 rows by keywords of `mla_attention_v3`: with --variants at 64K the probes
             v3_rows = []
             if variants and (ctx == 65536 or quick):
-                # what the L2 prefetch of records (off by default) and the second (or a second) producer
-                # warpgroup are worth
+                # what the second (or a second) producer warpgroup is worth
                 pwg = v3_producer_wgs(plan_for(spec))
-                probes = [("v3-pf", dict(l2_prefetch=V3_L2_PREFETCH_PROBE)), (f"v3-p{3 - pwg}", dict(producer_wgs=3 - pwg))]
+                probes = [(f"v3-p{3 - pwg}", dict(producer_wgs=3 - pwg))]
                 if not is_bf16_plan(plan_for(spec)):
                     # timing probes (wrong output): the producer's decode left out; the consumer's wgmma left out
                     probes += [("v3-nodec", dict(timing_probe="nodec")), ("v3-nomma", dict(timing_probe="nomma"))]

@@ -402,11 +402,18 @@ def test_the_environment_forces_a_generation(monkeypatch):
         _gen("nvfp4", monkeypatch, "v4")
 
 
-def test_v3_runs_without_l2_prefetch_by_default_and_the_probe_turns_it_on():
-    """The H200 run timed the L2 prefetch slower for the decoded formats (docs/kernels.md#l2-prefetch): off by default, the
-    bench's v3-pf probe keeps it measurable. The producer revision knob is gone (one producer)."""
-    assert attention_tuning.V3_L2_PREFETCH == 0 < attention_tuning.V3_L2_PREFETCH_PROBE
-    assert not hasattr(attention_tuning, "V3_PRODUCER_REV")
+def test_the_variants_that_lost_are_gone():
+    """The L2 prefetch of records (timed slower for the decoded formats, docs/kernels.md#l2-prefetch), the producer
+    revision knob and the consumer / decode rev 1 were deleted with their code; the shipped v3 plan takes no knob but
+    the head tile (the benchmark's probes: benchmarks/probes.py)."""
+    import inspect
+
+    from mla_eval_kernels.plan import launch as lp
+
+    for name in ("V3_L2_PREFETCH", "V3_L2_PREFETCH_PROBE", "V3_PRODUCER_REV", "V3_CONSUMER_REV", "V3_DECODE_REV"):
+        assert not hasattr(attention_tuning, name), name
+    assert "l2_prefetch" not in {f.name for f in __import__("dataclasses").fields(lp.V3Config)}
+    assert set(inspect.signature(lp.v3_plan).parameters) == {"plan", "heads", "sparse", "facts", "why", "head_tile"}
     assert not hasattr(attention_tuning, "kernel_version")  # one definition: forced_generation / generation_for
 
 

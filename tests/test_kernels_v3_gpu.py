@@ -37,6 +37,7 @@ from test_kernels_gpu import (  # noqa: E402
     needs_cuda,
 )
 
+from benchmarks.probes import v3_probe_plan  # noqa: E402
 from mla_eval.attention import reference  # noqa: E402
 from mla_eval.formats import get_format  # noqa: E402
 from mla_eval_kernels.cute import compile_cache  # noqa: E402
@@ -138,7 +139,7 @@ def _v3(
     **probe,
 ):
     """One v3 launch into NaN-poisoned outputs (and split partials)."""
-    from mla_eval_kernels.cute.launch import mla_attention_v3
+    from benchmarks.probes import mla_attention_v3
 
     n, h = q.shape[:2]
     out = torch.full((n, h, 512), float("nan"), device="cuda")
@@ -180,17 +181,14 @@ def test_v3_matches_reference(fmt, heads, sink):
     assert any(k[0] == "mla_attention_v3" and k[2].plan == plan_for(spec) for k in compile_cache.keys())
 
 
-PROBES = [
-    dict(l2_prefetch=attention_tuning.V3_L2_PREFETCH_PROBE), dict(producer_wgs=1), dict(producer_wgs=2),
-    dict(l2_prefetch=attention_tuning.V3_L2_PREFETCH_PROBE, producer_wgs=1),
-]
+PROBES = [dict(producer_wgs=1), dict(producer_wgs=2)]
 
 
 @needs_cuda
 @pytest.mark.parametrize("probe", PROBES)
 @pytest.mark.parametrize("fmt", ["nvfp4", "bf16", "mxfp4", "fp8_ds_mla"])
 def test_v3_benchmark_probes_match_reference(fmt, probe):
-    """The variants the benchmark times beside v3 (L2 prefetch on: v3-pf; the other producer warpgroup count)."""
+    """The variants the benchmark times beside v3 (the other producer warpgroup count)."""
     spec, q, cache, scale, sink_t, s_l, lists, ref_out, ref_lse, bound = _case(fmt, 16, LENGTHS, 4)
     for splits in (None, 1):
         out, lse = _v3(spec, q, cache, scale, outer_scale=s_l, num_splits=splits, **lists, **probe)
@@ -200,8 +198,8 @@ def test_v3_benchmark_probes_match_reference(fmt, probe):
 @needs_cuda
 @pytest.mark.parametrize("fmt", V3_FORMATS)
 def test_v3_probes_write_the_same_k_tiles(fmt):
-    """The L2 prefetch (off by default, bench v3-pf) only warms L2 and the producer warpgroup count only
-    moves work between threads: the K tiles, hence the outputs, are bit-identical to the default launch;
+    """The producer warpgroup count only moves work between threads: the K tiles, hence the outputs, are
+    bit-identical to the default launch;
     plus the reference check. A query of 0 keys, lengths off the 64-key tile, 1 and 3 splits."""
     spec, q, cache, scale, sink_t, s_l, lists, ref_out, ref_lse, bound = _case(fmt, 16, [0, *LENGTHS], 6)
     for splits in (1, 3):
@@ -262,7 +260,7 @@ def test_v3_part_tile_raw_rings(fmt):
 
 def _spec(plan, heads=16, sparse=False, sink=False, outer=False, split=False, **probe):
     """The `KernelSpec` of a v3 launch made as dispatch and the bench make it (`v3_plan` resolves every default)."""
-    cfg = launch_plan_mod.v3_plan(plan, heads, sparse, HOPPER_FACTS, **probe).config
+    cfg = v3_probe_plan(plan, heads, sparse, HOPPER_FACTS, **probe).config
     return launch_plan_mod.KernelSpec(plan, cfg, sparse=sparse, has_sink=sink, has_outer=outer, split=split)
 
 
@@ -285,7 +283,7 @@ def test_v3_raw_ring_is_in_the_compile_key():
     assert V3_PART_RING == ["fp8_ds_mla", "fp8_ds_mla_pow2", "fp8_e4m3"]
 
     def cfg(name, **kw):
-        return launch_plan_mod.v3_plan(plan_for(get_format(name)), kw.pop("heads", 16), kw.pop("sparse", False),
+        return v3_probe_plan(plan_for(get_format(name)), kw.pop("heads", 16), kw.pop("sparse", False),
                                        HOPPER_FACTS, **kw).config
 
     assert cfg("fp8_ds_mla").raw_ring == (2, 32) and cfg("fp8_e4m3").raw_ring == (2, 32) and cfg("nvfp4").raw_ring == (2, 64)

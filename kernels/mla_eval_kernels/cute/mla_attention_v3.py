@@ -36,8 +36,8 @@ serial in a CTA):
   formats decode with the per-element path v2 also runs (`record_decode.RecordDecode.decode8`). The producer copies one
   fixed 16-byte chunk per thread, loads all of a thread's E2M1 blocks before its stores, and stores K free
   of bank conflicts (bit-identical to the first producer and faster; docs/kernels.md).
-- No L2 prefetch of records by default (`V3_L2_PREFETCH`, measured slower for the decoded formats);
-  `l2_prefetch` > 0 keeps it as a probe (bench v3-pf).
+- No L2 prefetch of records: measured slower for the decoded formats and level for bf16, it was a bench probe
+  (v3-pf) until it was deleted with the other variants that lost (docs/kernels.md#l2-prefetch).
 - `setmaxnreg` only where the even share does not hold a role (`v3_reg_budget`): the 16-head tile's 384 threads
   compile to 124-150 of their 168, the one-producer 32-head tile's 256 threads may hold 255 each; only the
   two-producer 32-head tile (384 threads, consumer O^T [512, 32]) splits them.
@@ -68,7 +68,6 @@ from mla_eval_kernels.cute.smem import (
     cp_async_16,
     ld_shared_u8,
     ld_shared_u32,
-    prefetch_l2,
     st_shared_bf16,
     st_shared_v4,
     swizzled_offset,
@@ -108,7 +107,6 @@ class MlaAttentionV3(RecordDecode):
         # hands over each tile), "nomma" drops the consumer's 68 wgmma per tile (softmax on zeros)
         self.probe = config.timing_probe
         self.plan = plan
-        self.l2_prefetch = config.l2_prefetch  # key tiles of records prefetched into L2 beyond the next one (0: none)
         self.sparse = sparse  # slot ids from the launch's index list (-1 / out of range: no key), else block_table
         self.has_sink = has_sink
         self.has_outer = has_outer
@@ -296,21 +294,12 @@ class MlaAttentionV3(RecordDecode):
         m_idx = cute.make_tensor(idx_ptr + Int64(qi) * Int64(idx_stride), cute.make_layout(idx_stride))
         acq = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.k_stages)
 
-        # look-ahead, one role per thread: ptid < BN writes the slot id of key ptid of the next tile
-        # into the slot ring; ptid >= BN prefetches key (ptid - BN)'s record into L2, `l2_prefetch`
-        # tiles beyond the next (DRAM reads in flight without shared memory: the cp.async of a tile
-        # then mostly hits L2). Each slot id is loaded one iteration before its use, so the
-        # block_table read never stalls the thread that needs it.
-        pf = self.l2_prefetch
+        # look-ahead: thread ptid < BN writes the slot id of key ptid of the next tile into the slot ring. Each slot id
+        # is loaded one iteration before its use, so the block_table read never stalls the thread that needs it.
         la_key = ptid % bn
-        la_ahead = 1 if ptid < bn else 1 + pf
+        la_ahead = 1  # tiles ahead of the one being loaded
         if ptid < bn:
             sSlot[ptid, 0] = self.slot_of(m_idx, t_begin * bn + ptid, num_keys, num_slots, block_size, 0 < n_local)
-        elif cutlass.const_expr(pf > 0):
-            for t in cutlass.range_constexpr(1, pf + 1):
-                slot = self.slot_of(m_idx, (t_begin + t) * bn + la_key, num_keys, num_slots, block_size, t < n_local)
-                if slot >= 0 and ptid < 2 * bn:  # threads past 2 BN (a second producer warpgroup) only decode
-                    prefetch_l2(cache_addr + Int64(slot) * Int64(rec), rec)
         nxt = self.slot_of(m_idx, (t_begin + la_ahead) * bn + la_key, num_keys, num_slots, block_size, la_ahead < n_local)
         cute.arch.barrier(barrier_id=BAR_PRODUCER, number_of_threads=self.pt)
         if cutlass.const_expr(self.copy_k):
@@ -385,19 +374,16 @@ class MlaAttentionV3(RecordDecode):
         self, sSlot: cute.Tensor, m_idx: cute.Tensor, nxt: Int32, it: Int32, la_key: Int32, la_ahead: Int32, t_begin: Int32,
         n_local: Int32, num_keys: Int32, num_slots: Int32, block_size: Int32, cache_addr: Int64, ptid: Int32,
     ) -> Int32:
-        """Use the slot id loaded last iteration (slot ring or L2 prefetch), load the next one."""
+        """Use the slot id loaded last iteration (into the slot ring), load the next one."""
         bn = self.bn
         if ptid < bn:
             sSlot[ptid, (it + 1) % 2] = nxt
-        elif cutlass.const_expr(self.l2_prefetch > 0):
-            if nxt >= 0 and ptid < 2 * bn:
-                prefetch_l2(cache_addr + Int64(nxt) * Int64(self.plan.record_bytes), self.plan.record_bytes)
         t = it + 1 + la_ahead
         live = t < n_local
-        if cutlass.const_expr(self.fold and self.l2_prefetch == 0):
+        if cutlass.const_expr(self.fold):
             # (decode rev 2, the fold formats: their kernels were GPU-tested with it) only the BN threads that write slot
-            # ids need the next one (the others' value is unused without the L2 prefetch); warp-uniform, it saves the
-            # block_table load and the division in 6 of 8 warps
+            # ids need the next one (the others' value is unused); warp-uniform, it saves the block_table load and the
+            # division in 6 of 8 warps
             live = live & (ptid < bn)
         return self.slot_of(m_idx, (t_begin + t) * bn + la_key, num_keys, num_slots, block_size, live)
 

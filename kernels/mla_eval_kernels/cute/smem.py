@@ -69,11 +69,6 @@ def st_shared_v4(addr, a, b, c, d):
     )
 
 
-def prefetch_l2(gaddr, nbytes: int):
-    """Bulk prefetch of `nbytes` (a multiple of 16, 16-byte aligned) of global memory into L2."""
-    cute.arch.inline_ptx(f"cp.async.bulk.prefetch.L2.global [{{$r0}}], {nbytes};", read_only_args=[Int64(gaddr)])
-
-
 def ld_shared_v2(addr):
     return cute.arch.inline_ptx(
         "ld.shared.v2.b32 {{$w0}, {$w1}}, [{$r0}];", write_only_types=[Uint32, Uint32], read_only_args=[Int32(addr)]

@@ -2,8 +2,9 @@
 (format, list kind, head count, queries per sequence) on a device -- decided once per combination and cached -- and
 the split-KV schedule of one call.
 
-`launch_plan` is what the dispatcher asks (the default per launch: `tuning.generation_for`); `v2_plan` and
-`v3_plan` build a plan for an explicit variant (the benchmark's and the GPU tests' probes). The one host launcher,
+`launch_plan` is what the dispatcher asks (the default per launch: `tuning.generation_for`); `v2_plan` builds a v1/v2
+plan of an explicit tile and tuning, `v3_plan` v3's default plan of a head tile (benchmarks/probes.py builds the
+benchmark's v3 probes). The one host launcher,
 `mla_eval_kernels.cute.launch`, runs any `LaunchPlan`: its generation picks the kernel class, its config the
 compile-time specialisation (part of the compile key).
 
@@ -56,16 +57,15 @@ class V3Config:
     """A v3 launch (`cute.mla_attention_v3.MlaAttentionV3`), every value concrete: `v3_plan` resolves each default once
     (the kernel and its compile key read these values and resolve nothing; a None here is a TypeError at once, not a
     traceback at the first launch on a GPU). `timing_probe` ("nodec", "nomma") gives wrong output and serves the
-    benchmark only; `l2_prefetch` > 0, another `producer_wgs` or `raw_ring` than the default are probes too."""
+    benchmark only; another `producer_wgs` or `raw_ring` than the default are probes too."""
 
     head_tile: int
     producer_wgs: int
     raw_ring: tuple[int, int]
-    l2_prefetch: int = tn.V3_L2_PREFETCH
     timing_probe: str = ""
 
     def __post_init__(self):
-        ints = {"head_tile": self.head_tile, "producer_wgs": self.producer_wgs, "l2_prefetch": self.l2_prefetch}
+        ints = {"head_tile": self.head_tile, "producer_wgs": self.producer_wgs}
         for name, value in ints.items():
             if type(value) is not int:  # noqa: E721 - bool and None are not head counts
                 raise TypeError(f"V3Config.{name} must be an int, not {value!r}")
@@ -76,8 +76,6 @@ class V3Config:
             raise ValueError(f"head tile must be one of {tn.V3_HEAD_TILES}, not {self.head_tile}")
         if self.producer_wgs not in tn.V3_PRODUCER_WGS_CHOICES:
             raise ValueError(f"producer_wgs must be one of {tn.V3_PRODUCER_WGS_CHOICES}, not {self.producer_wgs}")
-        if self.l2_prefetch < 0:
-            raise ValueError(f"l2_prefetch must be >= 0, not {self.l2_prefetch}")
         if self.timing_probe not in V3_TIMING_PROBES:
             raise ValueError(f"timing_probe must be one of {V3_TIMING_PROBES}, not {self.timing_probe!r}")
 
@@ -141,23 +139,17 @@ def v2_plan(
 
 def v3_plan(
     plan: RecordPlan, heads: int, sparse: bool, facts: DeviceFacts, *, why: str = "asked for v3", head_tile: int | None = None,
-    producer_wgs: int | None = None, raw_ring: tuple[int, int] | None = None, l2_prefetch: int = tn.V3_L2_PREFETCH,
-    timing_probe: str = "",
 ) -> LaunchPlan:
-    """A v3 launch with every default resolved here, once: the head tile (`tuning.v3_head_tile`), the producer
-    warpgroups (`tuning.v3_producer_wgs` of that tile), the raw ring (`tuning.v3_raw_ring` of that tile and list kind;
-    a given ring must be one `tuning.v3_raw_rings` allows). A given value is a probe (bench, tests)."""
+    """A v3 launch with every default resolved here, once: the head tile (`tuning.v3_head_tile`, unless given), the
+    producer warpgroups (`tuning.v3_producer_wgs` of that tile), the raw ring (`tuning.v3_raw_ring` of that tile and
+    list kind). The only v3 plan builder kernels/ ships; the benchmark's probes (another producer count or raw ring, a
+    timing probe) are built by benchmarks/probes.py."""
     if head_tile is None:
         head_tile = tn.v3_head_tile(plan, heads, sparse, facts.smem_per_block)[0]
     if head_tile not in tn.V3_HEAD_TILES:
         raise ValueError(f"head tile must be one of {tn.V3_HEAD_TILES}, not {head_tile}")
-    wgs = int(producer_wgs) if producer_wgs is not None else tn.v3_producer_wgs(plan, head_tile)
-    rings = tn.v3_raw_rings(plan, head_tile, sparse)
-    ring = tuple(int(v) for v in raw_ring) if raw_ring is not None else tn.v3_raw_ring(plan, head_tile, sparse)
-    if ring not in rings:
-        raise ValueError(f"raw_ring {ring} is not one v3 runs for {plan.name}, {head_tile} heads (any of {rings})")
-    config = V3Config(head_tile=int(head_tile), producer_wgs=wgs, raw_ring=ring, l2_prefetch=int(l2_prefetch),
-                      timing_probe=timing_probe)
+    config = V3Config(head_tile=int(head_tile), producer_wgs=tn.v3_producer_wgs(plan, head_tile),
+                      raw_ring=tn.v3_raw_ring(plan, head_tile, sparse))
     return LaunchPlan("v3", why, config)
 
 

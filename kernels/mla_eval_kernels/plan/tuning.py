@@ -52,10 +52,6 @@ V3_RAW_PART_KEYS = (V3_BN // 2, V3_BN // 4)  # keys per stage of a part-tile rin
 # The part-tile ring of the fp8 records: 2 stages of 32 keys. Fewer, larger part copies (one barrier per 32 keys)
 # timed faster than more keys in flight; every ring gives the same bits (docs/kernels.md#raw-ring-of-the-fp8-records).
 V3_RAW_PREFERRED = (2, V3_BN // 2)
-# Key tiles of records prefetched into L2 beyond the one being copied: off, measured slower for the E2M1 records and
-# level for bf16 (docs/kernels.md#l2-prefetch). V3_L2_PREFETCH_PROBE keeps it measurable (bench row v3-pf).
-V3_L2_PREFETCH = 0
-V3_L2_PREFETCH_PROBE = 2
 V3_DECODE_PRODUCER_WGS = 2  # producer warpgroups of a v3 CTA, every format (docs/kernels.md#producer-warpgroups; bench v3-p1)
 V3_PRODUCER_WGS_CHOICES = (1, 2)  # what a launch may ask for (bench probes, tests); more would not fit the registers
 # The 32-head tile's default: two producer warpgroups with per-role registers (`v3_reg_budget`), measured faster for
