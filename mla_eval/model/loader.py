@@ -335,6 +335,7 @@ def _load_checkpoint(
                 raise UserError(f"{path} holds quantised weights: --device-map auto loads only bf16/fp32 checkpoints; drop it")
             hf = load_resident(path, config, dev, torch_dtype, attn)
         else:
+            _check_headers(path)  # as every path: a config that does not describe its shards is refused, not loaded
             hf = AutoModelForCausalLM.from_pretrained(
                 path, config=config, dtype=torch_dtype, attn_implementation=attn, local_files_only=True, **extra
             )
@@ -363,6 +364,14 @@ def _load_checkpoint(
         is_default=is_default,
         rope_from_option=yarn_factor is not None,
     )
+
+
+def _check_headers(path: Path) -> None:
+    """The shards' headers against config.json (mla_eval.model.weight_checks) before transformers reads a weight."""
+    from mla_eval.model.checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint
+
+    if (path / INDEX_NAME).is_file() or (path / SINGLE_NAME).is_file():
+        Checkpoint.open(path, require_weights=True)
 
 
 def _skeleton(path: Path, config, dtype: torch.dtype, attn: str, require_weights: bool):
