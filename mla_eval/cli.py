@@ -44,9 +44,9 @@ def _root(
 
 def build_app() -> typer.Typer:
     """The app: one command per registered evaluation (mla_eval.evaluation), then the tools."""
-    from mla_eval.commands import evaluation as evaluation_command
     from typer.core import TyperCommand
 
+    from mla_eval.commands import evaluation as evaluation_command
     from mla_eval.commands.help import HelpCommand, HelpGroup
 
     app = typer.Typer(
