@@ -282,7 +282,7 @@ def run(
                 cmd.plots(result, stage / "plots")
         shutil.copyfile(recipe, stage / "recipe.toml")
         write_result(stage / "environment.json", environment(), schema=ENVIRONMENT_SCHEMA)
-        written = sorted(str(p.relative_to(stage)) for p in stage.rglob("*") if p.is_file())
+        written = _listing(stage)
         _move_in(stage, out)
     except UserError as exc:
         raise UserError(f"recipe section [{section}]: {exc}; nothing was written to {out}") from None
@@ -294,6 +294,18 @@ def run(
     if stale:
         typer.echo(f"removed {' and '.join(stale)}: made from the documents this run replaced; `mla-eval report {out}` "
                    "makes it again")
+
+
+def _listing(stage: Path) -> list[str]:
+    """What a run wrote, as it will lie in the results directory: its files, a folder's as one entry with a count."""
+    out = []
+    for p in sorted(stage.iterdir()):
+        if p.is_dir():
+            n = sum(1 for f in p.rglob("*") if f.is_file())
+            out.append(f"{p.name}/ ({n} file{'s' if n != 1 else ''})")
+        else:
+            out.append(p.name)
+    return out
 
 
 def _remove_stale_report(out: Path) -> list[str]:
