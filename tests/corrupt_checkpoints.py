@@ -128,3 +128,67 @@ def cases() -> list[tuple[str, str]]:
     """(kind, corruption) of the sweep: every corruption on every kind it applies to, and the reverse mislabelling."""
     out = [(k, c) for c, (kinds, _) in CORRUPTIONS.items() for k in kinds]
     return out + [(k, "config over unquantised shards") for k in KINDS]
+
+
+PATHS = {"resident": ["--offload", "none"], "stream": ["--offload", "stream"], "dry-run": ["--dry-run"]}
+
+
+def sweep(root: Path) -> dict[str, int]:
+    """Every case of `cases()` on every path, in this process, tallied: 'refused' (exit 2, one `error:` line),
+    'silent' (exit 0: a figure or plan from a corrupted checkpoint), 'traceback' (an exception escaped the CLI),
+    'other' (any other exit or output). Prints one line per case that was not refused."""
+    import contextlib
+    import io
+    import traceback
+
+    from test_checkpoint import TOKENIZER, small_config
+
+    from mla_eval.cli import main
+    from mla_eval.model.checkpoint_writer import write_random_checkpoint
+
+    written = {k: write_random_checkpoint(root / "written" / k, small_config("deepseek_v3", vocab=12288, layers=2), k,
+                                          tokenizer_from=TOKENIZER).path for k in ("bf16", *KINDS)}
+    text = root / "text.txt"
+    text.write_text(" ".join(f"The river {w} flows past the old mill." for w in ["north", "south", "east", "west"] * 30))
+    tally = {"refused": 0, "silent": 0, "traceback": 0, "other": 0}
+    for kind, corruption in cases():
+        folder = root / "bad" / f"{kind}-{corruption.replace(' ', '-')}"
+        if corruption == "config over unquantised shards":
+            with_foreign_config(written["bf16"], kind, folder)
+        else:
+            corrupted(written[kind], kind, corruption, folder)
+        for path, extra in PATHS.items():
+            out = root / "out" / f"{folder.name}-{path}.json"
+            argv = ["kld", "--model", str(folder), "--text", str(text), "--formats", "nvfp4", "--scales", "none",
+                    "--ctx", "64", "--max-tokens", "128", "--no-layer-stats", "--device", "cpu", "--out", str(out), *extra]
+            err, stdout = io.StringIO(), io.StringIO()
+            try:
+                with contextlib.redirect_stderr(err), contextlib.redirect_stdout(stdout):
+                    code = main(argv)
+            except BaseException:  # noqa: BLE001 - a traceback is what the sweep counts
+                code, outcome = None, "traceback"
+                err.write(traceback.format_exc())
+            lines = err.getvalue().strip().splitlines()
+            if code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and not out.exists():
+                outcome = "refused"
+            elif code == 0:
+                outcome = "silent"
+            elif code is not None:
+                outcome = "other"
+            tally[outcome] += 1
+            if outcome != "refused":
+                print(f"{outcome}: {kind} | {corruption} | {path}: exit {code}: {err.getvalue()[-300:]!r}")
+    return tally
+
+
+if __name__ == "__main__":  # python tests/corrupt_checkpoints.py: a fresh sweep, tallied
+    import sys
+    import tempfile
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    with tempfile.TemporaryDirectory() as tmp:
+        tally = sweep(Path(tmp))
+    total = sum(tally.values())
+    print(f"{total} runs ({len(cases())} corrupted checkpoints x {len(PATHS)} paths): " +
+          ", ".join(f"{v} {k}" for k, v in tally.items()))
+    sys.exit(0 if tally["refused"] == total else 1)

@@ -572,7 +572,7 @@ def test_stdout_on_a_full_device_is_one_line(argv, tmp_path):
 
 # --------------------------------------------------------------------------------------- corrupted checkpoints (issue 44)
 
-BAD_CHECKPOINT_PATHS = {"resident": ["--offload", "none"], "stream": ["--offload", "stream"], "dry-run": ["--dry-run"]}
+from corrupt_checkpoints import PATHS as BAD_CHECKPOINT_PATHS  # noqa: E402 - the sweep's paths, with its cases
 
 
 @pytest.fixture(scope="module")
