@@ -165,6 +165,8 @@ def render_help(ctx: Any, cmd: Any, width: int | None = None) -> str:
             lines.append(f"{INDENT}{n:<{col}}{wrapped[0]}")
             lines += [INDENT + " " * col + w for w in wrapped[1:]]
         lines.append("")
+    if getattr(cmd, "epilog", None):
+        lines += _paragraphs(cmd.epilog, width)
     return "\n".join(lines).rstrip() + "\n"
 
 
