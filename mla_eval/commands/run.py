@@ -32,9 +32,12 @@ from mla_eval.attention import dispatch
 from mla_eval.commands.evaluation import command_of
 from mla_eval.commands.progress import progress_bars
 from mla_eval.errors import UserError
-from mla_eval.evals.settings import BACKEND_HELP
+from mla_eval.evals.settings import BACKEND_HELP, SCALES_MODES
+from mla_eval.evals.variants import split_format_list
 from mla_eval.evaluation import evaluations
-from mla_eval.protocol import Evaluation
+from mla_eval.layer_plan import PLAN_PREFIX
+from mla_eval.model.latent_profile import PROFILES
+from mla_eval.protocol import Evaluation, option_fields
 from mla_eval.result_schemas import ENVIRONMENT_SCHEMA, schema_files, validate
 from mla_eval.results import DEFAULT_OUTPUT_DIR, environment, write_result
 from mla_eval.user_paths import RESULT_LIMIT, TOML_LIMIT, check_output_target, read_input_text
@@ -131,11 +134,6 @@ def resolve_paths(ev: Evaluation, table: dict, base: Path) -> dict:
     """A recipe's relative file names are relative to the recipe's folder, wherever `mla-eval run` is started: every
     option declared as a path (option(path=...)), and the options that take a file or a word (--scales FILE|auto|none,
     --latent-profile FILE|NAME|none, --formats plan:FILE items)."""
-    from mla_eval.evals.settings import SCALES_MODES
-    from mla_eval.layer_plan import PLAN_PREFIX
-    from mla_eval.model.latent_profile import PROFILES
-    from mla_eval.protocol import option_fields
-
     declared = {f.name for f in option_fields(ev.settings) if f.option.path is not None}
 
     def plan_item(item):
@@ -159,8 +157,6 @@ def resolve_paths(ev: Evaluation, table: dict, base: Path) -> dict:
 
 
 def _join_plan_items(text: str, plan_item) -> str:
-    from mla_eval.evals.variants import split_format_list
-
     return ",".join(plan_item(t) for t in split_format_list(text))
 
 
