@@ -22,24 +22,15 @@ adds, at shape (b), the v1 and v2 kernels side by side plus probes that switch o
 output) to show what the decode costs.
 At (b), every format the v3 kernel covers (`tuning.v3_blocker`) gets both a `kernel=v2` and a
 `kernel=v3` row (one of them is the default launch), whatever MLA_EVAL_ATTENTION_KERNEL says; with
-`--variants`, at 64K also v3-pf (L2 prefetch of records on, `V3_L2_PREFETCH_PROBE` tiles ahead), v3-p1 /
+`--variants`, at 64K also v3-p1 /
 v3-p2 (producer warpgroups) and, for the decoded formats, the timing probes v3-nodec / v3-nomma (wrong
 output: no decode / no wgmma), which tell which side bounds v3, and v3-r<S>x<K> for each raw ring that fits
-other than the default (`tuning.v3_raw_rings`: the fp8 records' part-tile rings), and v3-c<rev>: the other
-consumer revision than `tuning.V3_CONSUMER_REV` (the default is rev 2; v3-c1 times rev 1, the same output bits;
-at h = 128 also v3-t16-c<rev> / v3-t32-c<rev> beside v3-t16 / v3-t32). Formats that v3 runs but
-`tuning.V3_AWAITING_GPU_TESTS` still holds on v2 (the fp8 records and their part-tile raw rings) get
-their v3 rows with `--variants` only, marked `v3_held` (the reason): run their GPU tests first.
+other than the default (`tuning.v3_raw_rings`: the fp8 records' part-tile rings).
 At h = 128 ((a) with `--variants`, and (d) always) v3 runs once per head tile: rows v3-t16 and v3-t32
-(`tuning.V3_HEAD_TILES`), marked `v3_held` while `V3_LAUNCHES_AWAITING_GPU_TESTS` (sparse lists, the
-32-head tile) or `V3_AWAITING_GPU_TESTS` keeps dispatch off them; the default row beside them says what dispatch runs.
-With `--variants`, also the 32-head tile with the other producer warpgroup count there: v3-t32-p1 (the default is two,
-with per-role registers, `setmaxnreg`; v3-t32-p2, marked `v3_held`, while `V3_TILE_32_TWO_PRODUCERS` is listed), and
-where h % 64 == 0 the CTA pair v3-t32-pair (two CTAs of a cluster share each tile's decode; marked `v3_held` while
-`V3_TILE_32_PAIR` is listed). The v3-t<tile> rows run the unpaired kernel (`cta_pair=False`) either way.
-For the formats of the fold decode (`tuning.v3_decode_rev`), rows v3-d1 at (b) and <tile row>-d1 at (d)
-(and (a) with `--variants`) run the E2M1 decode revision the default does not (`V3_DECODE_REV` is 2: rev 1, the same
-output bits).
+(`tuning.V3_HEAD_TILES`); the default row beside them says what dispatch runs. With `--variants`, also the 32-head
+tile with the other producer warpgroup count there: v3-t32-p1 (the default is two, with per-role registers,
+`setmaxnreg`).
+(The consumer / decode rev-1 rows and the CTA pair's row went with their code: docs/kernels.md keeps their history.)
 
 Compiling every kernel takes seconds each, so one worker process per format compiles and warms
 up in parallel; the timed part runs under an exclusive file lock, one worker at a time.
@@ -94,44 +85,22 @@ def probe_variants(plan) -> list[tuple[str, tuple | None, object]]:
     return out
 
 
-def v3_tile_variants(
-    plan, heads: int, sparse: bool, variants: bool, pair: bool = False,
-) -> list[tuple[str, int, int | None, bool, str | None]]:
-    """(row name, head tile, producer warpgroups or None for the default, CTA pair, why held or None) of the v3 rows of
-    an h > 16 launch: one per head tile its CTA fits (v3-t16, v3-t32: unpaired), each held while dispatch would not
-    run it; with `variants`, the 32-head tile also with the other producer warpgroup count (v3-t32-p2: two, with
-    per-role registers, `tuning.v3_reg_budget`), held while `v3_producers_held` lists it, and, where the
-    launch can pair (`tuning.v3_pair_blocker`: h % 64 == 0), the CTA pair (v3-t32-pair: two producer
-    warpgroups per CTA), held while `V3_TILE_32_PAIR` is listed; while held, only with `pair` (bench --pair): a
-    cluster-protocol deadlock in an untested pair would hang every other step that times (a) / (d) with --variants.
-    None where v3 refuses the format."""
-    from mla_eval_kernels.plan.tuning import (
-        V3_HEAD_TILES,
-        V3_LAUNCHES_AWAITING_GPU_TESTS,
-        V3_TILE_32_PAIR,
-        V3_WIDE_HEADS,
-        v3_blocker,
-        v3_head_tile,
-        v3_pair_blocker,
-        v3_producer_wgs,
-        v3_producers_held,
-    )
+def v3_tile_variants(plan, heads: int, sparse: bool, variants: bool) -> list[tuple[str, int, int | None]]:
+    """(row name, head tile, producer warpgroups or None for the default) of the v3 rows of an h > 16 launch: one
+    per head tile its CTA fits (v3-t16, v3-t32); with `variants`, the 32-head tile also with the other producer
+    warpgroup count (v3-t32-p1: two are the default, with per-role registers, `tuning.v3_reg_budget`). None where v3
+    refuses the format."""
+    from mla_eval_kernels.plan.tuning import V3_HEAD_TILES, V3_WIDE_HEADS, v3_blocker, v3_head_tile, v3_producer_wgs
 
-    if v3_blocker(plan, sparse=sparse, gated=False) is not None:
+    if v3_blocker(plan, sparse=sparse) is not None:
         return []
     rows = []
-    fits = v3_head_tile(plan, heads, sparse, gated=False)[0]
+    fits = v3_head_tile(plan, heads, sparse)[0]
     for tile in (t for t in V3_HEAD_TILES if t <= fits):
-        held = v3_blocker(plan, sparse=sparse)
-        if held is None and v3_head_tile(plan, heads, sparse)[0] != tile:
-            held = v3_head_tile(plan, heads, sparse)[1]  # the 32-head tile's hold
-        rows.append((f"v3-t{tile}", tile, None, False, held))
+        rows.append((f"v3-t{tile}", tile, None))
         if variants and tile == V3_WIDE_HEADS:
             other = 3 - v3_producer_wgs(plan, tile)
-            rows.append((f"v3-t{tile}-p{other}", tile, other, False, held or v3_producers_held(tile, other)))
-            pair_held = V3_LAUNCHES_AWAITING_GPU_TESTS.get(V3_TILE_32_PAIR)
-            if v3_pair_blocker(plan, heads, tile, 2) is None and (pair or not pair_held):
-                rows.append((f"v3-t{tile}-pair", tile, 2, True, held or pair_held))
+            rows.append((f"v3-t{tile}-p{other}", tile, other))
     return rows
 
 
@@ -217,9 +186,7 @@ def _dense_problem(spec, batch: int, heads: int, ctx: int, gen):
     return q, table, lens, cache
 
 
-def run_format(
-    name: str, quick: bool, variants: bool = False, shapes: str = "writer,a,b,c", heads: int = 128, pair: bool = False,
-) -> list[dict]:
+def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "writer,a,b,c", heads: int = 128) -> list[dict]:
     """All measurements of one format (called in a worker process); `shapes` picks writer / a / b / c / d; `heads`
     is the head count of shapes (a) and (d) (128: DeepSeek-V3's; 64 / 32: the same model on 2 / 4 GPUs of TP)."""
     from mla_eval.attention import dispatch
@@ -227,14 +194,9 @@ def run_format(
     from mla_eval_kernels.plan.launch import flops
     from mla_eval_kernels.plan.record_plan import plan_for
     from mla_eval_kernels.plan.tuning import (
-        V3_CONSUMER_REV,
-        V3_CONSUMER_REVS,
-        V3_DECODE_REV,
-        V3_L2_PREFETCH_PROBE,
         generation_for,
         is_bf16_plan,
         v3_blocker,
-        v3_decode_rev,
         v3_producer_wgs,
         v3_raw_rings,
     )
@@ -245,39 +207,25 @@ def run_format(
 
     spec = get_format(name)
     s_l = 0.05 if spec.outer_scale is not None else None
-    other_consumer = next(r for r in V3_CONSUMER_REVS if r != V3_CONSUMER_REV)  # bench rows v3-c<rev>
     reps = 5 if quick else 20
     rows, todo = [], []
-    # the E2M1 decode revision the default does not run (`V3_DECODE_REV`), as rows v3-d<rev> beside v3 at (b) and
-    # beside each head tile at (d) (also (a) with --variants); a rev-2 row would be marked held while the default is 1
-    other_rev = (3 - V3_DECODE_REV) if v3_decode_rev(plan_for(spec), 2) == 2 else None
-    rev_mark = dict(v3_held="decode rev 2 waits for its GPU test (V3_DECODE_REV)") if other_rev == 2 else {}
 
     def v3_tile_rows(shape, params, heads, sparse, nbytes, nflop, lists):
         """v3 rows of an h > 16 launch, one per head tile its CTA fits (`lists(i)`: the launch's slot lists for
-        timed run i), each marked `v3_held` with the reason while dispatch would not run it."""
-        from mla_eval_kernels.cute.launch import mla_attention_v3
+        timed run i)."""
+        from benchmarks.probes import mla_attention_v3
 
         plan = plan_for(spec)
-        tile_rows = []  # (row, head tile, producer warpgroups, held mark, revision and pair keywords)
-        for row, tile, wgs, paired, held in v3_tile_variants(plan, heads, sparse, variants, pair):
-            mark = dict(v3_held=held) if held else {}
-            kw = dict(cta_pair=paired)  # explicit: the v3-t<tile> rows stay the unpaired kernel whatever the default
-            tile_rows.append((row, tile, wgs, mark, kw))
-            if variants and wgs is None:  # the other consumer revision (v3-t<tile>-c<rev>), same output bit for bit
-                tile_rows.append((f"{row}-c{other_consumer}", tile, wgs, mark, dict(kw, consumer_rev=other_consumer)))
-            if other_rev:  # the other E2M1 decode revision (<row>-d<rev>), same output bit for bit
-                tile_rows.append((f"{row}-d{other_rev}", tile, wgs, mark or rev_mark, dict(kw, decode_rev=other_rev)))
-        for row, tile, wgs, mark, revs in tile_rows:
+        for row, tile, wgs in v3_tile_variants(plan, heads, sparse, variants):
 
-            def f3(i, tile=tile, wgs=wgs, revs=revs):
+            def f3(i, tile=tile, wgs=wgs):
                 return mla_attention_v3(
                     plan, lists(i)["q"], lists(i)["cache"], softmax_scale=0.0417, block_table=lists(i).get("block_table"),
                     seq_lens=lists(i).get("seq_lens"), indices=lists(i).get("indices"), sink=None, outer_scale=s_l,
-                    max_seq_len=lists(i).get("max_seq_len"), head_tile=tile, producer_wgs=wgs, **revs,
+                    max_seq_len=lists(i).get("max_seq_len"), head_tile=tile, producer_wgs=wgs,
                 )
 
-            todo.append((shape, dict(params, kernel=row, **mark), f3, nbytes, nflop, None))
+            todo.append((shape, dict(params, kernel=row), f3, nbytes, nflop, None))
     gen = torch.Generator(device="cuda").manual_seed(0)
 
     # writer
@@ -346,13 +294,8 @@ def run_format(
                 batch * ctx * spec.record_bytes, flops(batch, 16, ctx), ref,
             )
         )
-        # held: v3 runs the format, but V3_AWAITING_GPU_TESTS keeps dispatch on v2 (timed with --variants only)
-        can_v3 = v3_blocker(plan_for(spec), sparse=False, gated=False) is None
-        held = v3_blocker(plan_for(spec), sparse=False) if can_v3 else None
-        if can_v3 and (held is None or variants):
-            from mla_eval_kernels.cute.launch import mla_attention_v3
-
-            mark = dict(v3_held=held) if held else {}
+        if v3_blocker(plan_for(spec), sparse=False) is None:
+            from benchmarks.probes import mla_attention_v3
 
             # the generation the default launch does not run, so that v2 and v3 stay side by side
             other = "v2" if ran(False, 16) == "v3" else "v3"
@@ -365,29 +308,23 @@ def run_format(
 
             todo.append(
                 (
-                    "b_dense_decode", dict(batch=batch, heads=16, context=ctx, kernel=other, **mark), fb3,
+                    "b_dense_decode", dict(batch=batch, heads=16, context=ctx, kernel=other), fb3,
                     batch * ctx * spec.record_bytes, flops(batch, 16, ctx), None,
                 )
             )
-            # v3 rows by keywords of `mla_attention_v3`: the other E2M1 decode revision at every context (same output
-            # bits, tests/test_kernels_v3_gpu.py), and with --variants at 64K the probes
-            v3_rows = [(f"v3-d{other_rev}", dict(decode_rev=other_rev), mark or rev_mark)] if other_rev else []
+            # v3 rows by keywords of `mla_attention_v3`: with --variants at 64K the probes
+            v3_rows = []
             if variants and (ctx == 65536 or quick):
-                # what the L2 prefetch of records (off by default) and the second (or a second) producer
-                # warpgroup are worth
+                # what the second (or a second) producer warpgroup is worth
                 pwg = v3_producer_wgs(plan_for(spec))
-                probes = [("v3-pf", dict(l2_prefetch=V3_L2_PREFETCH_PROBE)), (f"v3-p{3 - pwg}", dict(producer_wgs=3 - pwg))]
-                # the other consumer revision (`V3_CONSUMER_REV`; the same output bit for bit)
-                probes += [(f"v3-c{other_consumer}", dict(consumer_rev=other_consumer))]
-                if other_rev:  # both other revisions together (docs/kernels.md#held-revisions: consumer and decode)
-                    probes += [(f"v3-c{other_consumer}-d{other_rev}", dict(consumer_rev=other_consumer, decode_rev=other_rev))]
+                probes = [(f"v3-p{3 - pwg}", dict(producer_wgs=3 - pwg))]
                 if not is_bf16_plan(plan_for(spec)):
                     # timing probes (wrong output): the producer's decode left out; the consumer's wgmma left out
                     probes += [("v3-nodec", dict(timing_probe="nodec")), ("v3-nomma", dict(timing_probe="nomma"))]
                 # the other raw rings that fit (fp8 records: fewer keys in flight, or larger stages), same output
                 probes += [(f"v3-r{r[0]}x{r[1]}", dict(raw_ring=r)) for r in v3_raw_rings(plan_for(spec))[1:]]
-                v3_rows += [(vname, kw, mark) for vname, kw in probes]
-            for vname, kw, vmark in v3_rows:
+                v3_rows += probes
+            for vname, kw in v3_rows:
 
                 def fb3v(i, q=q, table=table, lens=lens, bcache=bcache, ctx=ctx, kw=kw):
                     return mla_attention_v3(
@@ -397,7 +334,7 @@ def run_format(
 
                 todo.append(
                     (
-                        "b_dense_decode", dict(batch=batch, heads=16, context=ctx, kernel=vname, **vmark), fb3v,
+                        "b_dense_decode", dict(batch=batch, heads=16, context=ctx, kernel=vname), fb3v,
                         batch * ctx * spec.record_bytes, flops(batch, 16, ctx), None,
                     )
                 )
@@ -518,8 +455,6 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="writer,a,b,c", help="comma-separated subset of writer,a,b,c,d")
     ap.add_argument("--heads", type=int, default=128,
                     help="query heads of shapes (a) and (d) (default 128, DeepSeek-V3; 64 / 32 for 2 / 4 GPUs of TP)")
-    ap.add_argument("--pair", action="store_true",
-                    help="with --variants: also the v3-t32-pair row while the CTA pair is held (run its GPU tests first)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.formats is None:
@@ -536,7 +471,7 @@ def main(argv=None) -> int:
         print("error: the benchmark times CUDA kernels and sees no CUDA GPU; run it on one (e.g. the H200)", file=sys.stderr)
         return 2
     if args.worker:
-        run_format(args.worker, args.quick, args.variants, args.shapes, args.heads, args.pair)
+        run_format(args.worker, args.quick, args.variants, args.shapes, args.heads)
         return 0
 
     gpu = torch.cuda.get_device_name()
@@ -549,7 +484,6 @@ def main(argv=None) -> int:
     for name in args.formats.split(","):
         cmd = [sys.executable, "-m", "benchmarks.kernel_bench", "--worker", name] + (["--quick"] if args.quick else [])
         cmd += ["--variants"] if args.variants else []
-        cmd += ["--pair"] if args.pair else []
         cmd += ["--shapes", args.shapes, "--heads", str(args.heads)]
         procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     rows, failed = [], []

@@ -7,10 +7,8 @@
 h=16, batch 32, every query sees the whole context through a random block table (as in bench.py);
 the kernel generation is the environment's (MLA_EVAL_ATTENTION_KERNEL). One attention launch per
 format (so `--launch-count` = number of formats); `--time` adds a second launch and prints its time.
-`--consumer-rev N` launches v3 itself with that consumer revision (`tuning.V3_CONSUMER_REVS`) instead of
-what dispatch runs: the SASS of two revisions side by side in ncu. `--heads 128 --cta-pair 1` (or 0) launches v3's
-two-producer 32-head tile itself, as CTA pairs or not (docs/kernels.md#the-cta-pair; shape (d) of the benchmark
-with `--context 8192`): the pair's profile beside the unpaired kernel's.
+`--heads 128 --context 8192` profiles shape (d) of the benchmark; `--sparse` launches top-k lists of `--context`
+keys instead of the block table (shape (a): `--heads 128 --context 2048 --batch 128 --sparse`).
 """
 
 from __future__ import annotations
@@ -29,13 +27,9 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=65536)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--time", action="store_true")
-    ap.add_argument("--consumer-rev", type=int, help="launch v3 with this consumer revision (default: what dispatch runs)")
     ap.add_argument("--heads", type=int, default=16, help="query heads (16: shape (b); 128 with --context 8192: (d))")
-    ap.add_argument("--cta-pair", type=int, choices=(0, 1),
-                    help="launch v3's two-producer 32-head tile as CTA pairs (1) or not (0); needs --heads % 64 == 0")
+    ap.add_argument("--sparse", action="store_true", help="top-k index lists of --context keys per query (shape (a))")
     args = ap.parse_args(argv)
-    if args.cta_pair is not None and args.heads % 64:
-        ap.error(f"--cta-pair needs pairs of 32-head tiles: --heads a multiple of 64, not {args.heads}")
     from benchmarks.kernel_bench import _random_caches
     from mla_eval_kernels.plan.record_plan import plan_for
     from mla_eval_kernels.plan.tuning import generation_for
@@ -49,25 +43,21 @@ def main(argv=None) -> int:
         lens = torch.full((args.batch,), args.context, dtype=torch.int32, device="cuda")
         q = torch.randn(args.batch, args.heads, 576, device="cuda", dtype=torch.bfloat16)
 
-        def run():
-            if args.consumer_rev is not None or args.cta_pair is not None:
-                from mla_eval_kernels.cute.launch import mla_attention_v3
+        # sparse: each query's top-k list, distinct random slots of the whole cache
+        idx = torch.stack([torch.randperm(blocks * 64, device="cuda")[: args.context] for _ in range(args.batch)])
+        idx = idx.to(torch.int32)
 
-                tile = {} if args.cta_pair is None else dict(head_tile=32, producer_wgs=2, cta_pair=bool(args.cta_pair))
-                return mla_attention_v3(
-                    plan_for(spec), q, cache, softmax_scale=0.0417, block_table=table, seq_lens=lens, sink=None,
-                    outer_scale=s_l, max_seq_len=args.context, consumer_rev=args.consumer_rev, **tile,
+        def run():
+            if args.sparse:
+                return dispatch.mla_attention_sparse(
+                    spec, q, cache, idx, softmax_scale=0.0417, outer_scale=s_l, backend="kernel",
                 )
             return dispatch.mla_attention_dense(
                 spec, q, cache, block_table=table, seq_lens=lens, softmax_scale=0.0417, outer_scale=s_l,
                 max_seq_len=args.context, backend="kernel",
             )
 
-        version = generation_for(plan_for(spec), sparse=False, heads=args.heads)[0]  # what dispatch runs for this launch
-        if args.consumer_rev is not None:
-            version = f"v3 consumer rev {args.consumer_rev}"
-        if args.cta_pair is not None:
-            version = f"v3 32-head tile, {'CTA pairs' if args.cta_pair else 'unpaired'}"
+        version = generation_for(plan_for(spec), sparse=args.sparse, heads=args.heads)[0]  # what dispatch runs
         run()  # compiles; the profiled launch
         torch.cuda.synchronize()
         if not args.time:

@@ -1,4 +1,4 @@
-"""CPU model of v3's decode rev 2 (`e2m1_bits`, held by `attention_tuning.V3_DECODE_REV`): the same bits as rev 1
+"""CPU model of v3's decode rev 2 (`e2m1_bits`, the kernel's only E2M1 latent decode since 2026-12-05): the same bits as rev 1
 for every code byte in every position of a word, and, run the kernel's way over whole records (word loads, scale
 entries, the bf16 scale multiplier, one bf16 multiply per pair), the codec's decode exactly (times 2^9, and with the
 outer scale s_l folded back in float32) for every E2M1 byte and every finite E4M3 scale byte: zero, subnormal, max.
@@ -93,7 +93,7 @@ def _records(plan, rng: np.random.Generator) -> np.ndarray:
 def test_rev2_decode_model_equals_the_codec_and_rev1(name):
     spec = get_format(name)
     plan = plan_for(spec)
-    assert attention_tuning.v3_decode_rev(plan, 2) == 2  # a format the fold decode (and so rev 2) serves
+    assert attention_tuning.fast_e2m1_eligible(plan)  # a format the fold decode (and so rev 2) serves
     rec = _records(plan, np.random.default_rng(10))
     k2 = _kernel_decode(plan, rec, e2m1_bits.e2m1_word_to_bf16x2_bits_r2)
     k1 = _kernel_decode(plan, rec, e2m1_bits.e2m1_word_to_bf16x2_bits)
@@ -107,10 +107,9 @@ def test_rev2_decode_model_equals_the_codec_and_rev1(name):
         assert np.array_equal(mine.view(np.uint32), want.view(np.uint32)), (name, s_l)  # bitwise: signed zeros too
 
 
-def test_decode_rev_only_for_the_fold_formats():
-    assert attention_tuning.V3_DECODE_REV in attention_tuning.V3_DECODE_REVS
+def test_decode_rev2_only_for_the_fold_formats():
+    """The v3 kernel decodes through rev 2's words exactly where the fold decode runs (`fast_e2m1_eligible`); the other
+    formats keep v2's per-value path (whose kernels rev 2 never touched)."""
     for name in ("bf16", "mxfp4", "nvfp4_fp8rope_st", "fp8_ds_mla"):
-        assert attention_tuning.v3_decode_rev(plan_for(get_format(name)), 2) == 1, name
-    assert attention_tuning.v3_decode_rev(plan_for(get_format("nvfp4"))) == attention_tuning.V3_DECODE_REV
-    with pytest.raises(ValueError, match="decode_rev"):
-        attention_tuning.v3_decode_rev(plan_for(get_format("nvfp4")), 3)
+        assert not attention_tuning.fast_e2m1_eligible(plan_for(get_format(name))), name
+    assert attention_tuning.fast_e2m1_eligible(plan_for(get_format("nvfp4")))

@@ -1,6 +1,6 @@
 """--device-map auto with --max-memory (accelerate's per-GPU cap): parsing, what reaches accelerate, the
 refusal of an offload to CPU under a cap, what the result records, and that kld builds each layer's cache
-on that layer's device. A real split over several GPUs needs them: `tools/device/run.sh multigpu`."""
+on that layer's device. A real split over several GPUs needs them: tests/test_multigpu_gpu.py."""
 
 import json
 

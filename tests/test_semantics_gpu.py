@@ -106,11 +106,14 @@ def test_fp8_qp_refused_on_the_kernel_path():
 
 @pytest.mark.gpu
 @needs_cuda
-def test_kld_engine_and_fp8_math_agree_between_backends():
-    """The whole evaluation on the default model: kernel and reference paths give the same KLD for
-    engine semantics and fp8-q math (within the kernels' bf16 rounding)."""
+def test_kld_engine_and_fp8_math_agree_between_backends(wikitext_path):
+    """The whole evaluation on the default model: kernel and reference paths give the same KLD for engine semantics
+    and fp8-q math (within the kernels' bf16 rounding), on the same tokens. (This test once scored self-samples,
+    which each backend draws with its own forward: the two paths then scored different text -- nvfp4 (cache, fp8-q)
+    0.004586 vs 0.002521 on an H100 -- and an absolute slack of 2e-3, as large as the KLDs themselves, hid it for the
+    other rows.)"""
     # prefill named: the bf16 rows must run the absorbed kernel too (the fp8 rows keep auto on absorbed today)
-    common = dict(formats="nvfp4", samples=2, sample_len=256, device="cuda", layer_stats=False,
+    common = dict(formats="nvfp4", text=wikitext_path, max_tokens=8192, device="cuda", layer_stats=False,
                   semantics="cache,engine:64", math="bf16,fp8-q", prefill="absorbed")
     kern = api.evaluate_kld(api.KldSettings(**common, backend="kernel"))
     ref = api.evaluate_kld(api.KldSettings(**common, backend="reference"))
@@ -118,7 +121,8 @@ def test_kld_engine_and_fp8_math_agree_between_backends():
         for m in ("bf16", "fp8-q"):
             key = row_label("nvfp4", sem, m)
             a, b = kern.mean_kld(key), ref.mean_kld(key)
-            assert abs(a - b) <= max(2e-3, 0.05 * b), f"{key}: kernel {a} vs reference {b}"
+            print(f"{key}: kernel {a:.6f} reference {b:.6f}")
+            assert abs(a - b) <= max(1e-4, 0.03 * b), f"{key}: kernel {a} vs reference {b}"
 
 
 @pytest.mark.gpu

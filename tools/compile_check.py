@@ -3,19 +3,18 @@
     CUTE_DSL_ARCH=sm_90a python -m tools.compile_check [--formats nvfp4] [--heads 16,128]
         [--versions v1,v2,v3] [--cuobjdump PATH]   # also print registers / stack / spills of each attention kernel
 
-Nothing is launched; `cute.compile` runs the whole pipeline down to the cubin. The v3 kernels
-(`mla_attention_v3`, head count a run-time argument) are compiled per format for every (sink, outer scale,
-split) combination of the dense 16-head tile, and, for the head tiles `--heads` selects (`v3_head_tile`: 32 for
-h > 16), sparse and dense lists with and without split (the 32-head tile also with two producer warpgroups and
-per-role registers, `setmaxnreg`: the bench's v3-t32-p2 probe; and as the CTA pair, `cta_pair.py`, where
-`v3_pair_blocker` allows); their registers and stack frame are read from the
-cubin itself (`cubin_usage`, no CUDA toolkit needed), and the PTX is checked for what the design
-promises (wgmma of the tile's N, mbarriers, no CTA-wide barrier inside the loops, registers that fit the CTA,
-`setmaxnreg` exactly where `v3_reg_budget` asks for it; the CTA pair's cluster protocol, `check_pair_ptx`, and no
-cluster instruction in any other kernel). `--cuobjdump` (with nvdisasm beside it or on PATH) also
-reads the registers each role of a `setmaxnreg` kernel uses from its SASS (`sass_role_registers`; the cubin's own
-count is the launch's even share) and the consumer's SASS per key tile (`sass_consumer_tiles`: "454(+64) 416(+64)" =
-two tiles per loop trip, each with the O^T rescale block it skips when no running max moved).
+Nothing is launched; `cute.compile` runs the whole pipeline down to the cubin. Every kernel is made as a launch makes
+it: a launch plan (`v2_plan` / `v3_plan`, which resolve every default), a `KernelSpec`, `cute.launch.kernel_for`
+and `cute.launch.placeholder_args`. The v3 kernels (`v3_cases`) are compiled per format for every (sink, outer scale,
+split) combination of the dense 16-head tile, the bench's probes, and for the head tiles `--heads` selects
+(`v3_head_tile`: 32 for h > 16), sparse and dense lists with and without split (the 32-head tile also with the other
+producer warpgroup count); their registers and stack frame are read from the cubin itself (`cubin_usage`, no CUDA
+toolkit needed), and the PTX is checked for what the design promises (wgmma of the tile's N per copy of the tile
+code, mbarriers, no CTA-wide barrier inside the loops, registers that fit the CTA, `setmaxnreg` exactly where
+`v3_reg_budget` asks for it, no cluster instruction). `--cuobjdump` (with nvdisasm beside it or on PATH) also reads
+the registers each role of a `setmaxnreg` kernel uses from its SASS (`sass_role_registers`; the cubin's own count is
+the launch's even share) and the consumer's SASS per key tile (`sass_consumer_tiles`: "454(+64) 416(+64)" = two tiles
+per loop trip, each with the O^T rescale block it skips when no running max moved).
 """
 
 from __future__ import annotations
@@ -38,28 +37,31 @@ import cutlass.cute as cute  # noqa: E402
 from cutlass import Float32, Int32  # noqa: E402
 from cutlass.cute.runtime import make_ptr  # noqa: E402
 
+from benchmarks.probes import v3_probe_plan  # noqa: E402
 from mla_eval.formats import all_formats, get_format  # noqa: E402
 from mla_eval_kernels.cute.cache_writer import CacheWriter  # noqa: E402
-from mla_eval_kernels.cute.mla_attention import MlaAttention  # noqa: E402
+from mla_eval_kernels.cute.launch import kernel_for, placeholder_args  # noqa: E402
 from mla_eval_kernels.cute.mla_combine import MlaCombine  # noqa: E402
-from mla_eval_kernels.plan.device_limits import HOPPER_REGS_PER_SM, HOPPER_SMEM_PER_BLOCK  # noqa: E402
+from mla_eval_kernels.plan.device_limits import HOPPER_FACTS, HOPPER_REGS_PER_SM, HOPPER_SMEM_PER_BLOCK  # noqa: E402
+from mla_eval_kernels.plan.launch import KernelSpec, v2_plan  # noqa: E402
 from mla_eval_kernels.plan.record_plan import UnsupportedFormat, plan_for  # noqa: E402
-from mla_eval_kernels.plan.tuning import VERSIONS, default_tuning, launch_choice, tile_config, v3_blocker  # noqa: E402
+from mla_eval_kernels.plan.tuning import (  # noqa: E402
+    V3_HEADS,
+    V3_WIDE_HEADS,
+    VERSIONS,
+    default_tuning,
+    launch_choice,
+    tile_config,
+    v3_blocker,
+    v3_head_tile,
+    v3_producer_wgs,
+    v3_raw_rings,
+    v3_reg_budget,
+)
 
 
 def _p(dtype, align=16):
     return make_ptr(dtype, 1 << 20, cute.AddressSpace.gmem, assumed_align=align)
-
-
-def attention_args(heads: int = 16, stream=None) -> tuple:
-    """Placeholder launch arguments of the attention kernels (v1/v2 `MlaAttention`, v3 `MlaAttentionV3`: the same
-    entry signature) for compiling without a device: pointers (q, cache, lists, outputs), then the runtime scalars.
-    `heads` is a runtime value: it does not change the cubin."""
-    return (
-        _p(cutlass.BFloat16), _p(cutlass.Uint8), _p(Int32, 4), _p(Int32, 4), _p(Float32, 4),
-        _p(Float32), _p(Float32, 4), Int32(4), Int32(heads), Int32(64), Int32(4096), Int32(64),
-        Float32(0.1), Float32(1.0), Int32(4), Int32(2), stream if stream is not None else cuda.CUstream(0),
-    )
 
 
 def _usage(cuobjdump: str | None, dump_dir: str) -> str:
@@ -106,16 +108,13 @@ def cubin_usage(path: str) -> dict:
     return out
 
 
-def check_v3_ptx(
-    ptx: str, heads: int = 16, regs: tuple[int, int] | None = None, tile_copies: int = 1, pair: bool = False,
-) -> list[str]:
+def check_v3_ptx(ptx: str, heads: int = 16, regs: tuple[int, int] | None = None, tile_copies: int = 1) -> list[str]:
     """What the v3 design promises, read from its PTX: 36 + 32 wgmma per key tile (S^T over 576
     dims, O^T over 8 x 4 m64nNk16 steps, N = `heads`, the head tile) in each of the consumer's `tile_copies` copies
-    of its tile code (`MlaAttentionV3.tile_copies`: consumer rev 2 unrolls the tile loop), mbarrier waits (the K ring), named
-    warpgroup barriers, and exactly one CTA-wide barrier (after the mbarrier init). `regs` (consumer, producer):
-    one `setmaxnreg.inc` to the first and one `.dec` to the second, with `.minnctapersm 1` (without which ptxas
-    ignores them); None: no `setmaxnreg` at all. `pair`: the CTA pair's cluster protocol (`check_pair_ptx`) in place of
-    the CTA-wide barrier; without it, no cluster instruction at all."""
+    of its tile code (`MlaAttentionV3.tile_copies`: the tile loop is unrolled), mbarrier waits (the K ring), named
+    warpgroup barriers, exactly one CTA-wide barrier (after the mbarrier init) and no cluster instruction. `regs`
+    (consumer, producer): one `setmaxnreg.inc` to the first and one `.dec` to the second, with `.minnctapersm 1`
+    (without which ptxas ignores them); None: no `setmaxnreg` at all."""
     problems = []
     got = re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)\s*;", ptx)
     want = sorted([("inc", str(regs[0])), ("dec", str(regs[1]))]) if regs else []
@@ -128,45 +127,14 @@ def check_v3_ptx(
         problems.append(f"{n_wgmma} m64n{heads}k16 wgmma (expected {68 * tile_copies})")
     if "mbarrier.try_wait" not in ptx and "mbarrier.test_wait" not in ptx:
         problems.append("no mbarrier wait")
-    cta_wide = len(re.findall(r"bar(?:rier)?\.sync(?:\.aligned)?\s+0\s*;", ptx))
-    if pair:
-        problems += check_pair_ptx(ptx)
-        if cta_wide:
-            problems.append("a CTA-wide barrier in the CTA pair (its init syncs the cluster)")
-    else:
-        if cta_wide != 1:
-            problems.append("expected one CTA-wide barrier")
-        if re.search(r"barrier\.cluster|shared::cluster|\bmapa\b", ptx):
-            problems.append("a cluster instruction outside the CTA pair")
+    if len(re.findall(r"bar(?:rier)?\.sync(?:\.aligned)?\s+0\s*;", ptx)) != 1:
+        problems.append("expected one CTA-wide barrier")
+    if re.search(r"barrier\.cluster|shared::cluster|\bmapa\b", ptx):
+        problems.append("a cluster instruction (no v3 kernel runs as a cluster)")
     if not re.search(r"bar(?:rier)?\.sync(?:\.aligned)?\s+1,\s*128", ptx) or not re.search(
         r"bar(?:rier)?\.sync(?:\.aligned)?\s+2,\s*(?:128|256)", ptx
     ):
         problems.append("missing a named warpgroup barrier")
-    return problems
-
-
-PAIR_PTX = {  # what the CTA pair's protocol (kernels/cta_pair.py) puts in the PTX: (pattern, least, most)
-    "cluster barrier": (r"barrier\.cluster\.arrive\s*;", 2, 2),  # after the mbarrier init, before exit
-    "cluster barrier wait": (r"barrier\.cluster\.wait\s*;", 2, 2),
-    "mbarrier init fence": (r"fence\.mbarrier_init\.release\.cluster\s*;", 1, 1),
-    "mapa": (r"mapa\.shared::cluster\.u32", 2, 99),  # the peer's mbarriers, its K ring
-    "remote arrive": (r"mbarrier\.arrive\.release\.cluster\.shared::cluster\.b64\s+_,", 2, 99),  # full, empty
-    "cluster-scope wait": (r"mbarrier\.try_wait\.parity\.acquire\.cluster\.shared::cta\.b64", 2, 99),  # acquire, wait
-    "remote store": (r"st\.shared::cluster\.v4\.b32", 1, 99),
-    "proxy fence": (r"fence\.proxy\.async\.shared::cluster\s*;", 1, 99),
-}
-
-
-def check_pair_ptx(ptx: str) -> list[str]:
-    """The CTA pair's synchronisation, read from its PTX (`PAIR_PTX`), and no mbarrier wait at the default CTA scope
-    (it would not acquire the peer's releases)."""
-    problems = []
-    for what, (pattern, least, most) in PAIR_PTX.items():
-        n = len(re.findall(pattern, ptx))
-        if not least <= n <= most:
-            problems.append(f"{n} x {what} (expected {least}..{most})")
-    if any(".acquire.cluster." not in w for w in re.findall(r"mbarrier\.(?:try|test)_wait[.\w:]*", ptx)):
-        problems.append("an mbarrier wait at CTA scope in the CTA pair")
     return problems
 
 
@@ -201,8 +169,7 @@ def sass_consumer_tiles(sass: str) -> list[tuple[collections.Counter, collection
     """Static opcode counts of a v3 kernel's consumer per key tile, from its SASS (the metric of the consumer
     work): the consumer loop is the largest conditional backward branch whose body holds HGMMA (unconditional
     backward branches are ptxas' out-of-line mbarrier retries), cut into tiles after each SYNCS.ARRIVE (the stage
-    release; consumer rev 2 runs 2 tiles per trip, the loop's own overhead goes to the last; the CTA pair's second,
-    remote release, SYNCS.ARRIVE...RED, stays in its tile). Per tile: (every
+    release; the unrolled loop runs 2 tiles per trip, the loop's own overhead goes to the last). Per tile: (every
     instruction in line, predicated ones too: they issue either way; the block a VOTE.ANY branch skips, rev 2's O^T
     rescale, run only when a head's running max moved). [] without such a loop."""
     ins = _sass_lines(sass)
@@ -228,7 +195,7 @@ def sass_consumer_tiles(sass: str) -> list[tuple[collections.Counter, collection
         else:
             (lazy if skip_to is not None else cur)[op(t)] += 1
         since_vote = 0 if "VOTE.ANY" in t else since_vote + 1
-        if "SYNCS.ARRIVE.TRANS64" in t and ".RED" not in t:  # (.RED: the CTA pair's release into the peer, same tile)
+        if "SYNCS.ARRIVE.TRANS64" in t and ".RED" not in t:  # (.RED: a remote release, not a stage's)
             tiles.append((cur, lazy))
             cur, lazy = collections.Counter(), collections.Counter()
     if tiles and cur:
@@ -253,92 +220,70 @@ def _role_registers(cuobjdump: str | None, cubin: str) -> str:
     return " used " + "/".join(f"{k}={v}" for k, v in roles.items()) if roles else f" (no SASS: {out.stderr.strip()[:80]})"
 
 
-def compile_v3(plan, name: str, stream, heads_list=(16,), cuobjdump: str | None = None) -> int:
-    """Compile every v3 specialisation of one format (dense 16-head tile: every (outer, sink, split) and the
-    bench's probes; each head tile `heads_list` selects, sparse and dense: split with and without, the sink on
-    the unsplit one, the outer scale where the format has one; the 32-head tile also with two producer warpgroups,
-    the bench's v3-t32-p1 / -p2), all with the default consumer (`v3_consumer_rev`) and decode (`v3_decode_rev`), and
-    every one but the probes with the other consumer revision (`V3_CONSUMER_REVS`: the bench's v3-c<rev> rows) and,
-    for the fold formats, the other decode revision (v3-d<rev>), one revision changed at a time; returns the number
-    of failures."""
-    from mla_eval_kernels.cute.mla_attention_v3 import MlaAttentionV3  # noqa: PLC0415
-    from mla_eval_kernels.plan.tuning import (  # noqa: PLC0415
-        V3_CONSUMER_REVS,
-        V3_HEADS,
-        V3_L2_PREFETCH,
-        V3_L2_PREFETCH_PROBE,
-        V3_PAIR_CTAS,
-        V3_WIDE_HEADS,
-        v3_consumer_rev,
-        v3_decode_rev,
-        v3_head_tile,
-        v3_pair_blocker,
-        v3_producer_wgs,
-        v3_raw_ring,
-        v3_raw_rings,
-        v3_reg_budget,
-    )
+def _compile_dumped(spec, stream):
+    """Compile `spec` through `kernel_for` (as a launch builds it) with its PTX and cubin kept: (kernel, ptx, cubin)."""
+    dump = tempfile.mkdtemp()
+    kern = kernel_for(spec)
+    cute.compile(kern, *placeholder_args(16, stream), options=f"--keep-ptx --keep-cubin --dump-dir={dump}")
+    cubin = max(glob.glob(f"{dump}/*.cubin"), key=os.path.getmtime)
+    ptx = open(max(glob.glob(f"{dump}/*.ptx"), key=os.path.getmtime)).read()
+    return kern, ptx, cubin
 
-    failures = 0
+
+def v3_cases(plan, heads_list=(16,)) -> list[tuple[str, KernelSpec]]:
+    """(label, spec) of every v3 kernel to compile for one format, each made by `v3_plan` (as dispatch and the bench
+    make them): the dense 16-head tile at every (outer, sink, split); the bench's probes on one of them (the other
+    producer warpgroup count, every other raw ring); and each head tile `heads_list` selects, sparse and
+    dense, with sink unsplit and split without (the 32-head tile also with the other producer count)."""
+    cases = []
+
+    def add(label, heads, sparse, sink, outer, split, **probe):
+        launch = v3_probe_plan(plan, heads, sparse, HOPPER_FACTS, **probe)
+        cases.append((label, KernelSpec(plan, launch.config, sparse=sparse, has_sink=sink, has_outer=outer, split=split)))
+
+    outers = [False, True] if plan.outer_allowed else [False]
+    for outer in outers:
+        for sink in (False, True):
+            for split in (False, True):
+                add("default", 16, False, sink, outer, split)
+    o = plan.outer_allowed
     pwg = v3_producer_wgs(plan)
-    # every (outer, sink, split) with the defaults (what `generation_for` launches: no L2 prefetch), then the
-    # benchmark's probes (L2 prefetch on, bench v3-pf; the other producer warpgroup count) on one of them
-    cases = [
-        (outer, sink, split, V3_L2_PREFETCH, pwg)
-        for outer in ([False, True] if plan.outer_allowed else [False])
-        for sink in (False, True)
-        for split in (False, True)
-    ]
-    probe = plan.outer_allowed, False, True
-    ring = v3_raw_ring(plan)
-    cases = [(*c, ring, V3_HEADS, False, False) for c in cases]
-    probes = [(*probe, V3_L2_PREFETCH_PROBE, pwg, ring, V3_HEADS, False, False)]
-    probes += [(*probe, V3_L2_PREFETCH, 3 - pwg, ring, V3_HEADS, False, False)]
-    probes += [(*probe, V3_L2_PREFETCH, pwg, r, V3_HEADS, False, False) for r in v3_raw_rings(plan)[1:]]  # bench v3-r<S>x<K>
-    # the sparse top-k lists and the 32-head tile (held off until their GPU tests pass)
-    tiles = sorted({v3_head_tile(plan, h, sparse, gated=False)[0] for h in heads_list for sparse in (False, True)})
-    for tile in tiles:
+    add("probe wgs", 16, False, False, o, True, producer_wgs=3 - pwg)
+    for ring in v3_raw_rings(plan)[1:]:
+        add("probe ring", 16, False, False, o, True, raw_ring=ring)
+    for heads in heads_list:
         for sparse in (False, True):
+            tile = v3_head_tile(plan, heads, sparse)[0]
             if tile == V3_HEADS and not sparse:
-                continue  # the dense 16-head tile: the cases above
-            # the 32-head tile: its default producer count, and the other one (two: per-role registers, a probe)
+                continue  # the dense 16-head tile: above
             counts = [v3_producer_wgs(plan, tile)] + ([3 - v3_producer_wgs(plan, tile)] if tile == V3_WIDE_HEADS else [])
             for sink, split in ((True, False), (False, True)):
                 for wgs in counts:
-                    cases.append((plan.outer_allowed, sink, split, V3_L2_PREFETCH, wgs, v3_raw_ring(plan, tile, sparse), tile,
-                                  sparse, False))
-                # the CTA pair (held by V3_TILE_32_PAIR: the bench's v3-t32-pair) where the tile and count allow it
-                if v3_pair_blocker(plan, V3_PAIR_CTAS * tile, tile, 2) is None:
-                    cases.append((plan.outer_allowed, sink, split, V3_L2_PREFETCH, 2, v3_raw_ring(plan, tile, sparse), tile,
-                                  sparse, True))
-    # the other consumer revision (`V3_CONSUMER_REVS`) and decode revision (`v3_decode_rev`: the fold formats only) of
-    # every non-probe case, one revision changed at a time
-    d0 = v3_decode_rev(plan)
-    drevs = [r for r in ((1, 2) if v3_decode_rev(plan, 2) == 2 else ()) if r != d0]
-    # c[8]: the CTA pair, whose consumer revision is its own (`v3_consumer_rev`: rev 2 spills there, so it has no
-    # other revision to check)
-    cases = ([(*c, v3_consumer_rev(c[8]), d0) for c in cases + probes]
-             + [(*c, r, d0) for c in cases if not c[8] for r in V3_CONSUMER_REVS if r != v3_consumer_rev(False)]
-             + [(*c, v3_consumer_rev(c[8]), r) for r in drevs for c in cases])
-    for outer, sink, split, l2pf, wgs, raw_ring, tile, sparse, pair, crev, drev in cases:
+                    add(f"h={heads}", heads, sparse, sink, o, split, head_tile=tile, producer_wgs=wgs)
+    seen, out = set(), []
+    for label, spec in cases:  # h = 32 and 128 share the 32-head tile's kernels
+        if spec not in seen:
+            seen.add(spec)
+            out.append((label, spec))
+    return out
+
+
+def compile_v3(plan, name: str, stream, heads_list=(16,), cuobjdump: str | None = None) -> int:
+    """Compile every v3 kernel of one format (`v3_cases`) and check each one's PTX and cubin: the wgmma count per tile
+    copy, mbarriers and named barriers, `setmaxnreg` exactly where `v3_reg_budget` asks, no stack frame, registers
+    that fit the CTA. Returns the number of failures."""
+    failures = 0
+    for label, spec in v3_cases(plan, heads_list):
+        cfg = spec.config
         t = time.time()
-        dump = tempfile.mkdtemp()
-        a = attention_args(16, stream)
         try:
-            opts = f"--keep-ptx --keep-cubin --dump-dir={dump}"
-            kern = MlaAttentionV3(
-                plan, sink, outer, split, l2pf, wgs, raw_ring=raw_ring, heads=tile, sparse=sparse, consumer_rev=crev,
-                decode_rev=drev, cta_pair=pair,
-            )
-            cute.compile(kern, *a, options=opts)
-            cubin = max(glob.glob(f"{dump}/*.cubin"), key=os.path.getmtime)
+            kern, ptx, cubin = _compile_dumped(spec, stream)
             use = cubin_usage(cubin)
-            regs = v3_reg_budget(tile, wgs)
-            ptx = open(max(glob.glob(f"{dump}/*.ptx"), key=os.path.getmtime)).read()
-            problems = check_v3_ptx(ptx, tile, regs, kern.tile_copies, pair)
+            regs = v3_reg_budget(cfg.head_tile, cfg.producer_wgs)
+            problems = check_v3_ptx(ptx, cfg.head_tile, regs, kern.tile_copies)
             if use.get("frame", 0) or use.get("stack", 0):
                 problems.append("register spills (stack frame)")
-            threads = 128 * (1 + wgs)
+            threads = 128 * (1 + cfg.producer_wgs)
             if use.get("regs", 0) * threads > REGS_PER_SM:  # the launch would fail: too many resources requested
                 problems.append(f"{use.get('regs')} registers x {threads} threads > {REGS_PER_SM}")
             status = "ok " if not problems else "FAILED " + "; ".join(problems) + " "
@@ -350,11 +295,11 @@ def compile_v3(plan, name: str, stream, heads_list=(16,), cuobjdump: str | None 
         except Exception as exc:  # noqa: BLE001 - report every variant
             failures += 1
             status = f"FAILED {type(exc).__name__}: {str(exc)[:300]}"
-        lists = "sparse" if sparse else "dense "
+        lists = "sparse" if spec.sparse else "dense "
         print(
-            f"attention {name:18} v3           {lists} tile={tile} outer={outer!s:5} sink={sink!s:5} split={split!s:5} "
-            f"l2pf={l2pf} producer_wgs={wgs} raw={raw_ring[0]}x{raw_ring[1]} consumer={crev} decode_rev={drev} pair={pair!s:5} "
-            f"{time.time() - t:5.1f}s {status}",
+            f"attention {name:18} v3 {label:10} {lists} tile={cfg.head_tile} outer={spec.has_outer!s:5} "
+            f"sink={spec.has_sink!s:5} split={spec.split!s:5} producer_wgs={cfg.producer_wgs} "
+            f"raw={cfg.raw_ring[0]}x{cfg.raw_ring[1]} {time.time() - t:5.1f}s {status}",
             flush=True,
         )
     return failures
@@ -387,12 +332,8 @@ def main(argv=None) -> int:
                 print(f"writer    {name:18} {in_dtype.__name__:8} outer={outer!s:5} {time.time() - t:5.1f}s", flush=True)
         versions = args.versions.split(",")
         if "v3" in versions:
-            # compiled also while held off by V3_AWAITING_GPU_TESTS: the held kernels must compile before a device run
-            why = v3_blocker(plan, sparse=False, smem_limit=HOPPER_SMEM_PER_BLOCK, gated=False)
+            why = v3_blocker(plan, sparse=False, smem_limit=HOPPER_SMEM_PER_BLOCK)
             if why is None:
-                held = v3_blocker(plan, sparse=False, smem_limit=HOPPER_SMEM_PER_BLOCK)
-                if held:
-                    print(f"attention {name:18} v3           compiled; dispatch runs v2 until GPU tests pass: {held}", flush=True)
                 failures += compile_v3(plan, name, stream, [int(h) for h in args.heads.split(",")], args.cuobjdump)
             else:
                 print(f"attention {name:18} v3           runs v2: {why}", flush=True)
@@ -410,10 +351,12 @@ def main(argv=None) -> int:
             cases = [(v, sp, sl) for v in variants for sp in (False, True) for sl in (False, True)]
             for (version, tile, tuning), sparse, split in cases:
                 t = time.time()
-                a = attention_args(heads, stream)
+                a = placeholder_args(heads, stream)
                 try:
-                    kern = MlaAttention(plan, tile, sparse, sparse, plan.outer_allowed, split, tuning)
-                    cute.compile(kern, *a, options=opts)
+                    launch = v2_plan(plan, heads, HOPPER_FACTS, tile, tuning)
+                    spec = KernelSpec(plan, launch.config, sparse=sparse, has_sink=sparse, has_outer=plan.outer_allowed,
+                                      split=split)
+                    cute.compile(kernel_for(spec), *a, options=opts)
                     status = "ok " + _usage(args.cuobjdump, dump)
                 except Exception as exc:  # noqa: BLE001 - report every variant
                     failures += 1

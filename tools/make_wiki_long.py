@@ -9,7 +9,7 @@ many articles: depth is distance in tokens, not within one article.
     python -m tools.make_wiki_long --wiki ../shared/data/wikipedia --out .devdata/wiki-long.txt
 
 Prints the one-line description that the kld runs record (--text-note) and writes it next to the
-text (`<out>.note`, e.g. .devdata/wiki-long.txt.note) for `tools/device/run.sh long`.
+text (`<out>.note`, e.g. .devdata/wiki-long.txt.note) for `python -m tools.device long`.
 """
 
 from __future__ import annotations

@@ -189,7 +189,7 @@ def evaluate_calibration(st: CalibrateSettings, progress: ProgressCallback = no_
             plan = _plan(ex, source, st, measure=True)
         for line in plan.lines():
             say(progress, f"plan: {line}")
-        profile = st.apply_profile(lm, source.sequences[0], source.label)
+        profile = st.apply_profile(lm, source.sequences[0], source.label, progress)
         scales = calibrate(lm, source, st.ctx, progress, semantics, get_math(st.math), ex.runner)
         if profile is not None:  # the scales are of the reparametrised model: say which
             scales.provenance["latent_profile"] = {k: profile[k] for k in ("name", "source", "calibration")}

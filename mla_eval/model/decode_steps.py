@@ -111,10 +111,18 @@ class DecodeSteps:
         s = self.session
         lengths = list(s.lengths)
         graph = torch.cuda.CUDAGraph()
+        dev = s.devices[0]
+        # The capture registers the device's default CUDA generator; a capture that fails inside the CUDA runtime ends
+        # before torch closes the generator's capture (cudaStreamEndCapture raises first), leaving it "capturing", so
+        # every later CUDA random draw in the process raised "Offset increment outside graph capture" (issue 39: the
+        # GPU tests after test_a_failed_capture_falls_back_to_eager_steps). Its state before the capture is put back.
+        rng = torch.cuda.default_generators[dev.index if dev.index is not None else torch.cuda.current_device()]
+        rng_before = rng.clone_state()
         try:
-            with torch.cuda.device(s.devices[0]), torch.cuda.graph(graph):
+            with torch.cuda.device(dev), torch.cuda.graph(graph):
                 logits = self._forward()
         except Exception as exc:  # noqa: BLE001 - any capture failure means: run this model eagerly
+            rng.graphsafe_set_state(rng_before)
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             self.blocker = f"CUDA graph capture failed ({type(exc).__name__}: {first[:160]})"
             self.adapter.graph_failure = self.blocker  # do not retry for this model

@@ -91,6 +91,8 @@ def check_request(req: ExecutionRequest) -> None:
         raise refuse("--device-map auto spreads the layers over several GPUs", "drop one of them")
     if req.offload == "stream" and req.whole_model is not None:
         raise refuse(req.whole_model, req.whole_model_fix)
+    if req.device_map != "none" and req.random:
+        raise UserError("--device-map auto is for checkpoints too large for one GPU; a random model is built on --device")
     if req.device_map == "auto" and not req.random:
         from mla_eval.model.checkpoint import quantised_weights
         from mla_eval.model.loader import default_model_path
@@ -169,7 +171,7 @@ class ExecutionStrategy:
 
         check_request(request)
         FP8_LOG.reset()  # the run's own FP8 products are what its results count
-        if not request.random and (dry_run or request.may_stream):
+        if dry_run or (not request.random and request.may_stream):  # a random model's dry run: its meta shapes
             lm = load_skeleton(request.model, None if request.device_map != "none" else request.device,
                                rope_scaling=request.rope_scaling, require_weights=not dry_run, experts=request.experts,
                                weight_math=request.weight_math)
@@ -244,8 +246,13 @@ class ExecutionStrategy:
             builds.setdefault(_build(layer), i)
         representative = sorted(builds.values())
         on_meta = [i for i in representative if _on_meta(stack.layers[i])]
-        weights = "resident" if not on_meta else ("read from the checkpoint" if loader is not None else
-                                                 "random values of the stored shapes (shards absent)")
+        if not on_meta:
+            weights = "resident"
+        elif loader is not None:
+            weights = "read from the checkpoint" if lm.checkpoint is not None else "from the host stash"
+        else:
+            weights = ("random values of the stored shapes (shards absent)" if lm.checkpoint is not None else
+                       "random values of the model's shapes (planned without building it)")
         per_build: dict[int, float] = {}
         peak, read_bytes, read_seconds, topk = 0, 0, 0.0, None
         total = sum(w for _, w in samples) or 1.0

@@ -1,9 +1,10 @@
 """v3 of the decode MLA attention kernel (issue 14): wgmma, warp-specialised, mbarrier pipeline (sm_90a).
 
 Same problem and entry as `mla_attention.mla_attention`, dense or sparse lists (`tuning.v3_blocker`
-says which launches run here; sparse lists and the 32-head tile are held off until their GPU tests pass,
-`V3_LAUNCHES_AWAITING_GPU_TESTS`). Why this shape, measured against the v2 diagnosis in docs/kernels.md
-(255 registers + spills, one 8-warp CTA per SM, load -> decode -> S -> softmax -> PV serial in a CTA):
+says which launches can run here, `tuning.generation_for` which do). Built only by `cute.launch.kernel_for` from a
+`KernelSpec` whose `V3Config` is concrete (no default is resolved here). Why this shape, measured against the v2
+diagnosis in docs/kernels.md (255 registers + spills, one 8-warp CTA per SM, load -> decode -> S -> softmax -> PV
+serial in a CTA):
 
 - Swapped operands ("swap AB"): wgmma's M is 64 rows, and a decode step has h = 16 heads per query.
   Packing 4 queries into M would need 4 queries that read the same keys; the dense decode queries are
@@ -29,14 +30,14 @@ says which launches run here; sparse lists and the 32-head tile are held off unt
   decode); the other formats go through a raw ring (`tuning.v3_raw_ring`): 2 whole tiles (tile
   t+1 loads while tile t decodes) where they fit beside the K ring, else S stages of 16 or 32 keys for the
   fp8 records (fp8_ds_mla 5 x 16, fp8_e4m3 3 x 32: S - 1 parts load while one decodes, 64 keys in flight).
-- Decode: E2M1 x E4M3 latents through `ptx.e2m1x8_scaled_bf16x2` (a byte of two codes -> one bf16x2
+- Decode: E2M1 x E4M3 latents through `ptx.e2m1x8_scaled_bf16x2_r2` (a byte of two codes -> one bf16x2
   word, one multiply per 8 values by the block scale); 2^9 * s_l is folded into the latent part of
   each score (a second S accumulator for the rope k-steps) and into the output, as in v2. Other
-  formats decode with v2's per-element path (`MlaAttention.decode8`, inherited). The producer copies one
+  formats decode with the per-element path v2 also runs (`record_decode.RecordDecode.decode8`). The producer copies one
   fixed 16-byte chunk per thread, loads all of a thread's E2M1 blocks before its stores, and stores K free
   of bank conflicts (bit-identical to the first producer and faster; docs/kernels.md).
-- No L2 prefetch of records by default (`V3_L2_PREFETCH`, measured slower for the decoded formats);
-  `l2_prefetch` > 0 keeps it as a probe (bench v3-pf).
+- No L2 prefetch of records: measured slower for the decoded formats and level for bf16, it was a bench probe
+  (v3-pf) until it was deleted with the other variants that lost (docs/kernels.md#l2-prefetch).
 - `setmaxnreg` only where the even share does not hold a role (`v3_reg_budget`): the 16-head tile's 384 threads
   compile to 124-150 of their 168, the one-producer 32-head tile's 256 threads may hold 255 each; only the
   two-producer 32-head tile (384 threads, consumer O^T [512, 32]) splits them.
@@ -46,11 +47,8 @@ says which launches run here; sparse lists and the 32-head tile are held off unt
   whose slot id the producer hands over with the K stage) get p = 0 by a select and never enter the running
   max, whose start value is the finite -FLT_MAX, exactly as in v2 (a query with no valid key: out 0, lse -inf).
 - `split=True`: partial (out / l, lse) per split, merged by `mla_combine` (which applies the sink).
-- `cta_pair=True` (`tuning.v3_cta_pair`; held by `V3_TILE_32_PAIR` until its GPU tests pass): the
-  two-producer 32-head tile as a cluster of 2 CTAs along grid y (head tiles 2c, 2c + 1: the same keys); each CTA's
-  producers copy and decode half of every raw unit (`v3_pair_keys`; bf16: half of each tile's copy, forwarded) and
-  store every decoded row into both CTAs' K stage, so a record is decoded once per 64 heads; the K ring's barriers
-  count both CTAs' producers and consumers at cluster scope (kernels/cta_pair.py: the protocol and why).
+- Revisions: only the adopted consumer and decode code (rev 2, GPU-tested bitwise against rev 1 on an H200) is here;
+  rev 1 and the never-run CTA pair were deleted (docs/kernels.md keeps their history and measurements).
 """
 
 from __future__ import annotations
@@ -60,140 +58,85 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import BFloat16, Float32, Int32, Int64, Uint32
+from cutlass import BFloat16, Float32, Int32, Int64
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
-from mla_eval_kernels.cute import cta_pair, ptx
-from mla_eval_kernels.cute.compile_cache import arch_tag
-from mla_eval_kernels.cute.mla_attention import (
-    LN_2,
-    LOG2_E,
-    MlaAttention,
-    _cp_async_16,
-    _ld_shared_u8,
-    _ld_shared_u32,
-    _ld_shared_v4,
-    _st_shared_v4,
+from mla_eval_kernels.cute import ptx
+from mla_eval_kernels.cute.ptx import LN_2, LOG2_E
+from mla_eval_kernels.cute.record_decode import RecordDecode
+from mla_eval_kernels.cute.smem import (
+    cp_async_16,
+    ld_shared_u8,
+    ld_shared_u32,
+    st_shared_bf16,
+    st_shared_v4,
     swizzled_offset,
 )
 from mla_eval_kernels.plan import e2m1_bits
-from mla_eval_kernels.plan.launch import D_QK, D_V
+from mla_eval_kernels.plan.launch import D_QK, D_V, V3Config
 from mla_eval_kernels.plan.record_plan import ORDER_8X4, RecordPlan
 from mla_eval_kernels.plan.tuning import (
     V3_BN,
-    V3_HEAD_TILES,
-    V3_HEADS,
     V3_K_STAGES,
-    V3_L2_PREFETCH,
-    V3_PAIR_CTAS,
     fast_e2m1_eligible,
     is_bf16_plan,
-    v3_consumer_rev,
-    v3_decode_rev,
-    v3_pair_blocker,
-    v3_pair_keys,
-    v3_producer_wgs,
-    v3_raw_ring,
-    v3_raw_rings,
     v3_raw_unit,
     v3_reg_budget,
 )
 
 WG = 128  # threads per warpgroup
-TIMING_PROBES = ("", "nodec", "nomma")  # bench v3-nodec / v3-nomma: what the decode / the consumer's MMAs cost
 BAR_CONSUMER = 1  # named barrier ids (0 is __syncthreads)
 BAR_PRODUCER = 2
 
 
-def _prefetch_l2(gaddr, nbytes: int):
-    """Bulk prefetch of `nbytes` (a multiple of 16, 16-byte aligned) of global memory into L2."""
-    cute.arch.inline_ptx(f"cp.async.bulk.prefetch.L2.global [{{$r0}}], {nbytes};", read_only_args=[Int64(gaddr)])
+class MlaAttentionV3(RecordDecode):
+    """One compiled v3 kernel per `KernelSpec` (cute.launch.kernel_for builds it; nothing else does): the record plan,
+    the launch's `V3Config` (head tile, producer warpgroups, raw ring, L2 prefetch, timing probe: every value
+    concrete, resolved once by `plan.launch.v3_plan`), the list kind, sink, outer scale and split.
 
-
-def _ld_shared_v2(addr):
-    return cute.arch.inline_ptx(
-        "ld.shared.v2.b32 {{$w0}, {$w1}}, [{$r0}];", write_only_types=[Uint32, Uint32], read_only_args=[Int32(addr)]
-    )
-
-
-def _st_shared_bf16(addr, x):
-    cute.arch.inline_ptx(
-        "{ .reg .b16 h; cvt.rn.bf16.f32 h, {$r1}; st.shared.b16 [{$r0}], h; }",
-        read_only_args=[Int32(addr), Float32(x)],
-    )
-
-
-class MlaAttentionV3(MlaAttention):
-    """One compiled v3 kernel per (plan, sink, outer scale, split, L2 prefetch distance, producer
-    warpgroups, timing probe, raw ring, head tile, dense or sparse lists).
-
-    Inherits v2's record decode (`decode_tile`, `decode8`, `decode8_e2m1_folded`): with `bn` = 64 and
-    `num_threads` = 128 (the producer warpgroup) they write the same swizzled bf16 K tile that wgmma reads.
+    The record decode (`decode_tile`, `decode8`, `decode8_e2m1_folded`) is `record_decode.RecordDecode`, shared with
+    v2: with `bn` = 64 and `num_threads` = the producer threads it writes the same swizzled bf16 K tile that wgmma reads.
     """
 
-    def __init__(
-        self, plan: RecordPlan, has_sink: bool, has_outer: bool, split: bool, l2_prefetch: int = V3_L2_PREFETCH,
-        producer_wgs: int | None = None, timing_probe: str = "", raw_ring: tuple[int, int] | None = None,
-        heads: int = V3_HEADS, sparse: bool = False, consumer_rev: int | None = None, decode_rev: int | None = None,
-        cta_pair: bool = False,
-    ):
-        if timing_probe not in TIMING_PROBES:
-            raise ValueError(f"timing_probe must be one of {TIMING_PROBES}, not {timing_probe!r}")
-        if heads not in V3_HEAD_TILES:
-            raise ValueError(f"heads (the head tile) must be one of {V3_HEAD_TILES}, not {heads}")
-        self.consumer_rev = v3_consumer_rev(cta_pair, consumer_rev)  # the consumer's per-tile code
+    def __init__(self, plan: RecordPlan, config: V3Config, *, sparse: bool, has_sink: bool, has_outer: bool, split: bool):
+        # the config is concrete by construction (`V3Config.__post_init__`); the kernel reads it and resolves nothing
+        if not isinstance(config, V3Config):
+            raise TypeError(f"MlaAttentionV3 takes a V3Config, not {type(config).__name__}")
+        heads = config.head_tile
         # benchmark only, wrong output: "nodec" leaves the K tile undecoded (the producer still copies and
         # hands over each tile), "nomma" drops the consumer's 68 wgmma per tile (softmax on zeros)
-        self.probe = timing_probe
+        self.probe = config.timing_probe
         self.plan = plan
-        self.l2_prefetch = l2_prefetch  # key tiles of records prefetched into L2 beyond the next one (0: none)
         self.sparse = sparse  # slot ids from the launch's index list (-1 / out of range: no key), else block_table
         self.has_sink = has_sink
         self.has_outer = has_outer
         self.split = split
         self.fold = fast_e2m1_eligible(plan)
         self.copy_k = is_bf16_plan(plan)
-        # producer warpgroups (`v3_producer_wgs`; another count is a benchmark probe) and, where the CTA's even share
-        # of the registers does not hold the roles, their `setmaxnreg` budgets (consumer, producer; `v3_reg_budget`)
-        self.producer_wgs = producer_wgs or v3_producer_wgs(plan, heads)
+        # producer warpgroups and, where the CTA's even share of the registers does not hold the roles, their
+        # `setmaxnreg` budgets (consumer, producer; `v3_reg_budget`)
+        self.producer_wgs = config.producer_wgs
         self.regs = v3_reg_budget(heads, self.producer_wgs)
-        # rev 2 unrolls the tile loop by the K ring's stages, with every tile shape and register budget: the copies after
-        # the first of a loop trip read Q's descriptors from a base ptxas cannot merge with the first copy's
-        # (`q_descriptors`), without which the 32-head tile under `setmaxnreg` spilled them (docs/kernels.md#consumer-rev-2)
-        self.unroll = consumer_rev >= 2
-        # copies of the consumer's tile code in the kernel: unrolled, a loop body of V3_K_STAGES tiles, then up to
-        # V3_K_STAGES - 1 remainder tiles; compile_check counts wgmma by it
-        self.tile_copies = 2 * V3_K_STAGES - 1 if self.unroll else 1
+        # the consumer's tile loop is unrolled by the K ring's stages: each copy's K stage is a compile-time constant,
+        # and the copies after the first of a loop trip read Q's descriptors from a base ptxas cannot merge with the
+        # first copy's (`q_descriptors`), without which the 32-head tile under `setmaxnreg` spilled them
+        # (docs/kernels.md#consumer-rev-2). Copies of the tile code: a loop body of V3_K_STAGES tiles, then up to
+        # V3_K_STAGES - 1 remainder tiles (compile_check counts wgmma by it)
+        self.tile_copies = 2 * V3_K_STAGES - 1
         self.pt = WG * self.producer_wgs  # producer threads
         self.bn = V3_BN
         self.nh = heads  # the head tile: wgmma's N (`tuning.v3_head_tile`)
-        self.num_threads = self.pt  # the producer threads decode (the inherited decode_tile reads this)
+        self.num_threads = self.pt  # the producer threads decode (`RecordDecode.decode_tile` reads this)
         self.k_stages = V3_K_STAGES
-        # raw ring: `raw_stages` stages of `raw_keys` records (whole tiles, or parts of one for the fp8 records);
-        # another ring than the default is a benchmark probe (bench v3-r<stages>x<keys>)
-        rings = v3_raw_rings(plan, heads, sparse)
-        ring = tuple(raw_ring or v3_raw_ring(plan, heads, sparse))
-        if ring not in rings:
-            raise ValueError(f"raw_ring {ring} is not one v3 runs for {plan.name}, {heads} heads (any of {rings})")
-        self.ring = ring
-        self.raw_stages = 0 if self.copy_k else ring[0]
-        self.raw_keys = ring[1]
+        # raw ring: `raw_stages` stages of `raw_keys` records (whole tiles, or parts of one for the fp8 records)
+        self.ring = config.raw_ring
+        self.raw_stages = 0 if self.copy_k else self.ring[0]
+        self.raw_keys = self.ring[1]
         self.raw_units = self.bn // self.raw_keys  # raw stages per key tile
         # slot ids in shared memory, columns of BN: the producer's 2 look-ahead buffers (by tile parity) and, sparse,
         # one per K stage: the ids of the keys in that stage, which the consumer masks by (an index of -1 or out of
         # range has no record: p = 0 exactly, as v2 masks by its slot ids), handed over with the stage's mbarrier
         self.slot_cols = 2 + (self.k_stages if sparse else 0)
-        # the E2M1 latent decode's revision (`tuning.v3_decode_rev`; another is a probe: bench v3-d2, tests)
-        self.decode_rev = v3_decode_rev(plan, decode_rev)
-        # the CTA pair (kernels/cta_pair.py, `tuning.v3_cta_pair`): a cluster of 2 CTAs along grid y, each
-        # producing `unit_keys` (half) of every raw unit (bf16: of every tile's copy) into both CTAs' K stage
-        self.pair = bool(cta_pair)
-        if self.pair:
-            why = v3_pair_blocker(plan, V3_PAIR_CTAS * heads, heads, self.producer_wgs)
-            if why:
-                raise ValueError(f"cta_pair: {why}")
-        self.pair_unit = self.bn if self.copy_k else self.raw_keys  # what the pair halves: a raw unit (bf16: a tile)
-        self.unit_keys = v3_pair_keys(self.pair_unit, 0)[1] if self.pair else self.raw_keys
 
     @cute.jit
     def __call__(
@@ -252,12 +195,7 @@ class MlaAttentionV3(MlaAttention):
             num_queries, num_heads, idx_stride, num_slots, block_size,
             softmax_scale, s_l, tiles_per_split, num_splits,
             sQ_layout, sK_layout, sVt_outer, vt_one.inner, sP_layout, mma_s, mma_o, SharedStorage,
-        ).launch(grid=grid, block=[WG + self.pt, 1, 1], stream=stream, **self.launch_bounds(), **self.launch_cluster())
-
-    def launch_cluster(self) -> dict:
-        """The CTA pair's cluster (2 CTAs along grid y: head tiles 2c, 2c + 1; grid y is even, `v3_pair_blocker`);
-        nothing for the unpaired kernels, which launch as they were compiled (and GPU-tested)."""
-        return dict(cluster=[1, V3_PAIR_CTAS, 1]) if self.pair else {}
+        ).launch(grid=grid, block=[WG + self.pt, 1, 1], stream=stream, **self.launch_bounds())
 
     def launch_bounds(self) -> dict:
         """With per-role registers: one CTA per SM (`.minnctapersm 1`), which with `.reqntid` (the block) tells ptxas
@@ -304,20 +242,14 @@ class MlaAttentionV3(MlaAttention):
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
-        if cutlass.const_expr(self.pair):
-            # both CTAs' producers fill, both consumers release each stage (kernels/cta_pair.py: why, and the scopes);
-            # the init ends with a cluster-wide barrier, before any thread touches the peer
-            kpipe = cta_pair.PairRing(storage.mbar.data_ptr().toint(), self.k_stages, self.pt, WG)
-            kpipe.init(tidx)
-        else:
-            # the K ring's full / empty mbarriers: every producer thread arrives on full after its own
-            # copies / decode are visible to the async proxy, every consumer thread on empty after its PV
-            kpipe = pipeline.PipelineAsync.create(
-                barrier_storage=storage.mbar.data_ptr(),
-                num_stages=self.k_stages,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.pt),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, WG),
-            )
+        # the K ring's full / empty mbarriers: every producer thread arrives on full after its own
+        # copies / decode are visible to the async proxy, every consumer thread on empty after its PV
+        kpipe = pipeline.PipelineAsync.create(
+            barrier_storage=storage.mbar.data_ptr(),
+            num_stages=self.k_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.pt),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, WG),
+        )
 
         # ---- this CTA's key range (both roles compute the same): sparse, the list's width (topk), as in v2 ----
         num_keys = idx_stride
@@ -345,10 +277,6 @@ class MlaAttentionV3(MlaAttention):
                 num_splits, split_idx, qi, h0, num_keys, t_begin, n_local, tidx,
                 sQ_layout, sK_layout, sVt_outer, sw, sP_layout, mma_s, mma_o,
             )
-        if cutlass.const_expr(self.pair):
-            # no exit while the peer may still arrive on this CTA's barriers (its consumer's last releases) or store
-            # into its K ring: every thread of both CTAs past its last remote access (kernels/cta_pair.py)
-            cta_pair.cluster_sync()
 
     # ------------------------------------------------------------------ producer warpgroup
     @cute.jit
@@ -365,32 +293,13 @@ class MlaAttentionV3(MlaAttention):
         # this query's block_table row or index list (64-bit offset: N x stride may pass 2^31 entries)
         m_idx = cute.make_tensor(idx_ptr + Int64(qi) * Int64(idx_stride), cute.make_layout(idx_stride))
         acq = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.k_stages)
-        koff, kshift = None, None
-        if cutlass.const_expr(self.pair):
-            # this CTA's half of every raw unit (bf16: of every tile): keys koff .. koff + unit_keys of the unit, i.e. K
-            # rows koff .. of the unit's part, which are the rows 0 .. of the part at K byte offset kshift (koff is a
-            # multiple of 8: whole 8-row swizzle atoms, `v3_pair_keys`); every decoded row also goes to the peer's stage
-            # at the same offset (`store_k`: this thread's address + k_peer)
-            rank = cta_pair.cta_rank()
-            koff = v3_pair_keys(self.pair_unit, rank)[0]
-            kshift = 2 * swizzled_offset(koff, 0, bn)
-            self.k_peer = cta_pair.peer_addr(sK_addr) - sK_addr
 
-        # look-ahead, one role per thread: ptid < BN writes the slot id of key ptid of the next tile
-        # into the slot ring; ptid >= BN prefetches key (ptid - BN)'s record into L2, `l2_prefetch`
-        # tiles beyond the next (DRAM reads in flight without shared memory: the cp.async of a tile
-        # then mostly hits L2). Each slot id is loaded one iteration before its use, so the
-        # block_table read never stalls the thread that needs it.
-        pf = self.l2_prefetch
+        # look-ahead: thread ptid < BN writes the slot id of key ptid of the next tile into the slot ring. Each slot id
+        # is loaded one iteration before its use, so the block_table read never stalls the thread that needs it.
         la_key = ptid % bn
-        la_ahead = 1 if ptid < bn else 1 + pf
+        la_ahead = 1  # tiles ahead of the one being loaded
         if ptid < bn:
             sSlot[ptid, 0] = self.slot_of(m_idx, t_begin * bn + ptid, num_keys, num_slots, block_size, 0 < n_local)
-        elif cutlass.const_expr(pf > 0):
-            for t in cutlass.range_constexpr(1, pf + 1):
-                slot = self.slot_of(m_idx, (t_begin + t) * bn + la_key, num_keys, num_slots, block_size, t < n_local)
-                if slot >= 0 and ptid < 2 * bn:  # threads past 2 BN (a second producer warpgroup) only decode
-                    _prefetch_l2(cache_addr + Int64(slot) * Int64(rec), rec)
         nxt = self.slot_of(m_idx, (t_begin + la_ahead) * bn + la_key, num_keys, num_slots, block_size, la_ahead < n_local)
         cute.arch.barrier(barrier_id=BAR_PRODUCER, number_of_threads=self.pt)
         if cutlass.const_expr(self.copy_k):
@@ -399,7 +308,7 @@ class MlaAttentionV3(MlaAttention):
             com = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.k_stages)
             if 0 < n_local:
                 kpipe.producer_acquire(acq)
-                self.load_tile(sSlot, 0, acq.index, sK_addr, cache_addr, ptid, koff)
+                self.load_tile(sSlot, 0, acq.index, sK_addr, cache_addr, ptid)
                 self.stage_slots(sSlot, 0, acq.index, ptid)
                 acq.advance()
             cute.arch.cp_async_commit_group()
@@ -411,17 +320,12 @@ class MlaAttentionV3(MlaAttention):
                 cute.arch.barrier(barrier_id=BAR_PRODUCER, number_of_threads=self.pt)
                 if it + 1 < n_local:
                     kpipe.producer_acquire(acq)
-                    self.load_tile(sSlot, (it + 1) % 2, acq.index, sK_addr, cache_addr, ptid, koff)
+                    self.load_tile(sSlot, (it + 1) % 2, acq.index, sK_addr, cache_addr, ptid)
                     self.stage_slots(sSlot, (it + 1) % 2, acq.index, ptid)
                     acq.advance()
                 cute.arch.cp_async_commit_group()
                 cute.arch.cp_async_wait_group(1)  # this thread's copies of tile it have landed
-                if cutlass.const_expr(self.pair):
-                    # cp.async writes only this CTA's shared memory: the thread forwards its own chunks to the peer
-                    self.forward_tile(com.index, sK_addr, ptid, koff)
-                    cta_pair.fence_proxy_async_cluster()  # both CTAs' rows visible to wgmma
-                else:
-                    cute.arch.fence_view_async_shared()  # ... and are visible to wgmma (async proxy)
+                cute.arch.fence_view_async_shared()  # ... and are visible to wgmma (async proxy)
                 kpipe.producer_commit(com)
                 com.advance()
         else:
@@ -434,7 +338,7 @@ class MlaAttentionV3(MlaAttention):
             for j in cutlass.range_constexpr(stages - 1):  # units 0 .. S - 2: parts of tile 0
                 _, part, stage = v3_raw_unit(self.ring, 0, j)
                 if 0 < n_local:
-                    self.load_raw(sSlot, 0, raw_addr + stage * stage_bytes, cache_addr, ptid, part * nk, koff)
+                    self.load_raw(sSlot, 0, raw_addr + stage * stage_bytes, cache_addr, ptid, part * nk)
                 cute.arch.cp_async_commit_group()
             for it in range(n_local):
                 nxt = self.look_ahead(
@@ -449,10 +353,10 @@ class MlaAttentionV3(MlaAttention):
                     j = h + stages - 1  # the unit loaded now: part j % U of tile it + j // U (this tile or the next)
                     tile, part, stage = v3_raw_unit(self.ring, it, j)
                     if cutlass.const_expr(j < units):
-                        self.load_raw(sSlot, it % 2, raw_addr + stage * stage_bytes, cache_addr, ptid, part * nk, koff)
+                        self.load_raw(sSlot, it % 2, raw_addr + stage * stage_bytes, cache_addr, ptid, part * nk)
                     else:
                         if tile < n_local:
-                            self.load_raw(sSlot, tile % 2, raw_addr + stage * stage_bytes, cache_addr, ptid, part * nk, koff)
+                            self.load_raw(sSlot, tile % 2, raw_addr + stage * stage_bytes, cache_addr, ptid, part * nk)
                     cute.arch.cp_async_commit_group()
                     if cutlass.const_expr(h == 0):
                         kpipe.producer_acquire(acq)
@@ -460,13 +364,8 @@ class MlaAttentionV3(MlaAttention):
                     if cutlass.const_expr(self.probe != "nodec"):
                         _, part, stage = v3_raw_unit(self.ring, it, h)
                         kbase = sK_addr + 2 * bn * D_QK * acq.index
-                        if cutlass.const_expr(self.pair):
-                            kbase = kbase + kshift  # this CTA's half of the part (rows part * nk + koff ..)
-                        self.decode_tile_v3(raw_addr + stage * stage_bytes, kbase, s_l, ptid, part * nk, self.unit_keys)
-                if cutlass.const_expr(self.pair):
-                    cta_pair.fence_proxy_async_cluster()  # this thread's rows in both CTAs visible to wgmma
-                else:
-                    cute.arch.fence_view_async_shared()
+                        self.decode_tile_v3(raw_addr + stage * stage_bytes, kbase, s_l, ptid, part * nk, self.raw_keys)
+                cute.arch.fence_view_async_shared()
                 kpipe.producer_commit(acq)
                 acq.advance()
 
@@ -475,18 +374,16 @@ class MlaAttentionV3(MlaAttention):
         self, sSlot: cute.Tensor, m_idx: cute.Tensor, nxt: Int32, it: Int32, la_key: Int32, la_ahead: Int32, t_begin: Int32,
         n_local: Int32, num_keys: Int32, num_slots: Int32, block_size: Int32, cache_addr: Int64, ptid: Int32,
     ) -> Int32:
-        """Use the slot id loaded last iteration (slot ring or L2 prefetch), load the next one."""
+        """Use the slot id loaded last iteration (into the slot ring), load the next one."""
         bn = self.bn
         if ptid < bn:
             sSlot[ptid, (it + 1) % 2] = nxt
-        elif cutlass.const_expr(self.l2_prefetch > 0):
-            if nxt >= 0 and ptid < 2 * bn:
-                _prefetch_l2(cache_addr + Int64(nxt) * Int64(self.plan.record_bytes), self.plan.record_bytes)
         t = it + 1 + la_ahead
         live = t < n_local
-        if cutlass.const_expr(self.decode_rev == 2 and self.l2_prefetch == 0):
-            # decode rev 2: only the BN threads that write slot ids need the next one (the others' value is unused
-            # without the L2 prefetch); warp-uniform, it saves the block_table load and the division in 6 of 8 warps
+        if cutlass.const_expr(self.fold):
+            # (decode rev 2, the fold formats: their kernels were GPU-tested with it) only the BN threads that write slot
+            # ids need the next one (the others' value is unused); warp-uniform, it saves the block_table load and the
+            # division in 6 of 8 warps
             live = live & (ptid < bn)
         return self.slot_of(m_idx, (t_begin + t) * bn + la_key, num_keys, num_slots, block_size, live)
 
@@ -522,10 +419,7 @@ class MlaAttentionV3(MlaAttention):
             entry = (16 * blk) // lat.group
             if cutlass.const_expr(lat.scale_order == ORDER_8X4):
                 entry = 8 * (entry & 3) + (entry >> 2)
-            if cutlass.const_expr(self.decode_rev == 2):
-                self.decode_latent_r2(raw, kbase, ptid, blk, entry, key0, nkeys)
-            else:
-                self.decode_latent(raw, kbase, ptid, blk, entry, key0, nkeys)
+            self.decode_latent(raw, kbase, ptid, blk, entry, key0, nkeys)
             n_rope = nkeys * 8  # items of 8 rope values; a 16-key part with 256 threads has fewer than threads
             for u in cutlass.range_constexpr((n_rope + self.pt - 1) // self.pt):
                 i = u * self.pt + ptid
@@ -541,44 +435,13 @@ class MlaAttentionV3(MlaAttention):
     def decode_latent(
         self, raw: Int32, kbase: Int32, ptid: Int32, blk: Int32, entry: Int32, key0: cutlass.Constexpr, nkeys: cutlass.Constexpr,
     ):
-        """The E2M1 x E4M3 latent of raw keys 0 .. nkeys (a whole tile or a part) -> K rows key0 .. key0 + nkeys.
-
-        Every load of the thread's items first, then the conversions and stores: ptxas cannot tell
-        the raw ring from the K ring, so a load after a store waits for it (the first producer
-        did that per item: one shared-memory latency each; PTX checked). The two 16-byte stores of a 16-value block
-        go to chunks 2 blk, 2 blk + 1 (mod 8, swizzled by the key row); lanes 0-3 and 4-7 of a quarter
-        warp would hit the same 4 of the 8 bank groups (2 wavefronts per store), so lanes with blk & 4
-        store their upper 8 values first: each store then covers all 8 bank groups."""
-        lat = self.plan.latent
-        rec = self.plan.record_bytes
-        hi_first = (blk & 4) != 0
-        half = (blk >> 2) & 1  # 8 * half: the dims of the first store past 16 blk
-        items = []
-        for u in cutlass.range_constexpr(nkeys * 32 // self.pt):
-            key = u * (self.pt // 32) + ptid // 32
-            r = raw + key * rec
-            w0, w1 = _ld_shared_v2(r + lat.data_offset + 8 * blk)
-            code = _ld_shared_u8(r + lat.scale_offset + entry)
-            items.append((key + key0 if key0 else key, w0, w1, code))
-        for u in cutlass.range_constexpr(len(items)):
-            key, w0, w1, code = items[u]
-            f = ptx.e4m3_to_f32(code) * Float32(2.0**e2m1_bits.SCALE_BIAS_LOG2)
-            s2 = ptx.bf16x2(f, f)
-            first = w1 if hi_first else w0
-            second = w0 if hi_first else w1
-            a0, a1, a2, a3 = ptx.e2m1x8_scaled_bf16x2(first, s2)
-            b0, b1, b2, b3 = ptx.e2m1x8_scaled_bf16x2(second, s2)
-            self.store_k(kbase + 2 * swizzled_offset(key, 16 * blk + 8 * half, self.bn), a0, a1, a2, a3)
-            self.store_k(kbase + 2 * swizzled_offset(key, 16 * blk + 8 - 8 * half, self.bn), b0, b1, b2, b3)
-
-    @cute.jit
-    def decode_latent_r2(
-        self, raw: Int32, kbase: Int32, ptid: Int32, blk: Int32, entry: Int32, key0: cutlass.Constexpr, nkeys: cutlass.Constexpr,
-    ):
-        """`decode_latent` (same bytes, same loads-then-stores order, same bank-conflict-free store order) in decode
-        rev 2 (`tuning.V3_DECODE_REV`): the pairs through `ptx.e2m1x8_scaled_bf16x2_r2`; the word a lane
-        converts and stores first (its upper 8 values where blk & 4) read by its own 4-byte load instead of a select
-        per item; the store addresses worked out per thread, not per item. Item u is raw key u * kpp + w (kpp = keys
+        """The E2M1 x E4M3 latent of raw keys 0 .. nkeys (a whole tile or a part) -> K rows key0 .. key0 + nkeys
+        (decode rev 2, docs/kernels.md#decode-rev-2). Every load of the thread's items first, then the conversions and
+        stores (ptxas cannot tell the raw ring from the K ring: a load after a store would wait for it). The pairs go
+        through `ptx.e2m1x8_scaled_bf16x2_r2`; the two 16-byte stores of a 16-value block go to chunks 2 blk,
+        2 blk + 1, lanes with blk & 4 storing their upper 8 values first (each store covers all 8 bank groups); the
+        word a lane converts and stores first is read by its own 4-byte load; the store addresses are worked out per
+        thread, not per item. Item u is raw key u * kpp + w (kpp = keys
         per pass = producer threads / 32, w = ptid // 32 < kpp) and K row key0 + u * kpp + w: with key0 and u * kpp
         multiples of kpp (8 or 4), row & 7 = (K & 7) + w and row >> 3 = K >> 3 for K = key0 + u * kpp, so the swizzle
         (`swizzled_offset`) is a per-thread constant for each value of K & 7 (one with 256 producer threads, two
@@ -600,9 +463,9 @@ class MlaAttentionV3(MlaAttention):
         items = []
         for u in cutlass.range_constexpr(nkeys * 32 // self.pt):
             off = u * kpp * rec
-            w0 = _ld_shared_u32(ld_first + off)
-            w1 = _ld_shared_u32(ld_second + off)
-            code = _ld_shared_u8(ld_scale + off)
+            w0 = ld_shared_u32(ld_first + off)
+            w1 = ld_shared_u32(ld_second + off)
+            code = ld_shared_u8(ld_scale + off)
             items.append((key0 + u * kpp, w0, w1, code))
         # per thread, once per value of K & 7 (hoisted out of the tile loop by ptxas)
         bases = {
@@ -625,15 +488,13 @@ class MlaAttentionV3(MlaAttention):
     @cute.jit
     def load_raw(
         self, sSlot: cute.Tensor, slot_buf: Int32, stage_addr: Int32, cache_addr: Int64, ptid: Int32, key0: cutlass.Constexpr,
-        koff=None,
     ):
         """cp.async of the records of keys key0 .. key0 + raw_keys of the tile whose slot ids are in buffer
         `slot_buf` into the raw stage at `stage_addr` (decoded formats): thread ptid copies 16-byte chunk
         ptid % chunks of keys ptid // chunks + g u (g = keys per pass), so the chunk and the addresses are
         worked out once, not per copy; all slot ids are read before the first copy. Zero-filled past the
-        query's keys. The CTA pair: the unit's keys key0 + koff .. + `unit_keys` (this CTA's half) into records 0 ..
-        of the stage."""
-        nk = self.unit_keys
+        query's keys."""
+        nk = self.raw_keys
         rec = self.plan.record_bytes
         chunks = rec // 16
         g = self.pt // chunks  # keys per pass (nvfp4, 256 producer threads: 9 keys, 243 threads)
@@ -645,55 +506,35 @@ class MlaAttentionV3(MlaAttention):
             dst0 = stage_addr + kk * rec + 16 * ch
             slots = []
             for u in cutlass.range_constexpr(passes):
-                if cutlass.const_expr(koff is None):
-                    slots.append(sSlot[key0 + cutlass.min(kk + g * u, nk - 1), slot_buf])
-                else:
-                    slots.append(sSlot[key0 + koff + cutlass.min(kk + g * u, nk - 1), slot_buf])
+                slots.append(sSlot[key0 + cutlass.min(kk + g * u, nk - 1), slot_buf])
             for u in cutlass.range_constexpr(passes):
                 slot = slots[u]
                 src = src0 + Int64(cutlass.max(slot, 0)) * Int64(rec)
                 if cutlass.const_expr(g * (u + 1) > nk):  # the last pass: keys past the stage copy nothing
                     if kk + g * u < nk:
-                        _cp_async_16(dst0 + g * u * rec, src, 16 if slot >= 0 else 0)
+                        cp_async_16(dst0 + g * u * rec, src, 16 if slot >= 0 else 0)
                 else:
-                    _cp_async_16(dst0 + g * u * rec, src, 16 if slot >= 0 else 0)
+                    cp_async_16(dst0 + g * u * rec, src, 16 if slot >= 0 else 0)
 
     @cute.jit
-    def load_tile(
-        self, sSlot: cute.Tensor, slot_buf: Int32, stage: Int32, sK_addr: Int32, cache_addr: Int64, ptid: Int32, koff=None,
-    ):
+    def load_tile(self, sSlot: cute.Tensor, slot_buf: Int32, stage: Int32, sK_addr: Int32, cache_addr: Int64, ptid: Int32):
         """bf16: cp.async the BN records of a tile straight into K ring stage `stage` (zero-filled past the
         query's keys). Consecutive threads take consecutive 16-byte chunks of a record, so a warp reads
-        whole records. The CTA pair: this CTA's half, keys koff .. koff + `unit_keys` (`forward_tile` sends them on)."""
+        whole records."""
         rec = self.plan.record_bytes
         chunks = rec // 16
-        total = self.unit_keys * chunks
+        total = self.bn * chunks
         for i in range(ptid, total, self.pt):
             key = i // chunks
-            if cutlass.const_expr(koff is not None):
-                key = key + koff
             ch = i % chunks
             slot = sSlot[key, slot_buf]
             src = cache_addr + Int64(cutlass.max(slot, 0)) * Int64(rec) + Int64(16 * ch)
             dst = sK_addr + 2 * (stage * (self.bn * D_QK) + swizzled_offset(key, 8 * ch, self.bn))
-            _cp_async_16(dst, src, 16 if slot >= 0 else 0)
-
-    @cute.jit
-    def forward_tile(self, stage: Int32, sK_addr: Int32, ptid: Int32, koff: Int32):
-        """bf16, CTA pair: the chunks this thread copied into K stage `stage` (`load_tile`'s, after its
-        cp.async.wait_group: its own copies are visible to it) into the same place of the peer's stage."""
-        chunks = self.plan.record_bytes // 16
-        for i in range(ptid, self.unit_keys * chunks, self.pt):
-            addr = sK_addr + 2 * (stage * (self.bn * D_QK) + swizzled_offset(koff + i // chunks, 8 * (i % chunks), self.bn))
-            w0, w1, w2, w3 = _ld_shared_v4(addr)
-            cta_pair.st_cluster_v4(addr + self.k_peer, w0, w1, w2, w3)
+            cp_async_16(dst, src, 16 if slot >= 0 else 0)
 
     def store_k(self, addr, w0, w1, w2, w3):
-        """16 decoded bytes into the K tile at `addr`; the CTA pair also into the peer's, at the same offset (`k_peer`:
-        the peer's K ring in the shared::cluster window minus this CTA's, set by `producer`)."""
-        _st_shared_v4(addr, w0, w1, w2, w3)
-        if self.pair:
-            cta_pair.st_cluster_v4(addr + self.k_peer, w0, w1, w2, w3)
+        """16 decoded bytes into the K tile at `addr`."""
+        st_shared_v4(addr, w0, w1, w2, w3)
 
     # ------------------------------------------------------------------ consumer warpgroup
     def key_valid(self, sSlot: cute.Tensor, stage: Int32, key0: Int32, key: Int32, num_keys: Int32):
@@ -715,7 +556,7 @@ class MlaAttentionV3(MlaAttention):
     @cute.jit
     def q_descriptors(self, it: Int32, t: dict):
         """Q's wgmma B operands (descriptors, as `t["tSrQ"]`) for a copy of the tile code after the first of an unrolled
-        loop trip (rev 2): the same shared-memory bytes, but at sQ's address + `ptx.opaque_zero(it)` (0: `it` >= 0).
+        loop trip: the same shared-memory bytes, but at sQ's address + `ptx.opaque_zero(it)` (0: `it` >= 0).
         Built from the one address, every copy's 36 Q descriptors are the same values; ptxas then computed them once per
         trip and kept them from the first copy to the next, in vector registers where the uniform ones ran out (two
         R2UR per use), which at the 32-head tile under `setmaxnreg` (consumer 232) spilled 24-32 B even at 256. Per copy
@@ -729,12 +570,11 @@ class MlaAttentionV3(MlaAttention):
     @cute.jit
     def consume_tile(self, kpipe, state, stage, it: Int32, t: dict, fresh_q: cutlass.Constexpr = False):
         """One key tile of the consumer warpgroup: wait for K stage `stage` (`state`: its mbarrier index and phase), S^T,
-        the online softmax, P^T to shared memory, O^T += V^T P^T, release the stage. `stage` is `state.index` (rev 1)
-        or the same value as a compile-time constant (rev 2, `v3_consumer_rev`); `t` holds the consumer's tensors;
-        `fresh_q` (rev 2, copies after the first of a loop trip): Q's descriptors from `q_descriptors`."""
+        the online softmax, P^T to shared memory, O^T += V^T P^T, release the stage. `stage` is `state.index` as a
+        compile-time constant (the unrolled loop); `t` holds the consumer's tensors; `fresh_q` (copies after the first
+        of a loop trip): Q's descriptors from `q_descriptors`."""
         bn, nh = self.bn, self.nh
         hsl = nh // 4
-        rev2 = self.consumer_rev >= 2
         mma_s, mma_o, acc_lat, acc_rope, acc_O = t["mma_s"], t["mma_o"], t["acc_lat"], t["acc_rope"], t["acc_O"]
         tSrK, tSrQ, tOrVt, tOrP, tScS = t["tSrK"], t["tSrQ"], t["tOrVt"], t["tOrP"], t["tScS"]
         row_max, row_sum, alpha, sRed, sSlot = t["row_max"], t["row_sum"], t["alpha"], t["sRed"], t["sSlot"]
@@ -792,19 +632,16 @@ class MlaAttentionV3(MlaAttention):
                 p = cute.math.exp2(acc_lat[v] * scale_log2 - m_scaled, fastmath=True)
                 p = p if self.key_valid(sSlot, stage, key0, key, num_keys) else Float32(0.0)
                 psum = psum + p
-                _st_shared_bf16(sP_addr + 2 * swizzled_offset(head, key, nh), p)
+                st_shared_bf16(sP_addr + 2 * swizzled_offset(head, key, nh), p)
             row_sum[hs] = row_sum[hs] * alpha[hs] + psum
             row_max[hs] = m_new
-        if cutlass.const_expr(rev2):
-            # lazy rescale: where every alpha of the warp is exactly 1.0 (no head's running max moved; NaN or any
-            # other value rescales), O^T * 1.0f == O^T bit for bit (mul.f32, no ftz), so the 64 multiplies are
-            # skipped; one vote keeps the branch warp-uniform (all 4 warps hold the same heads: same outcome)
-            moved = alpha[0] != Float32(1.0)
-            for hs in cutlass.range_constexpr(1, hsl):
-                moved = moved | (alpha[hs] != Float32(1.0))
-            if cute.arch.vote_any_sync(moved):
-                self.rescale_o(acc_O, alpha, n_s)
-        else:
+        # lazy rescale: where every alpha of the warp is exactly 1.0 (no head's running max moved; NaN or any
+        # other value rescales), O^T * 1.0f == O^T bit for bit (mul.f32, no ftz), so the 64 multiplies are
+        # skipped; one vote keeps the branch warp-uniform (all 4 warps hold the same heads: same outcome)
+        moved = alpha[0] != Float32(1.0)
+        for hs in cutlass.range_constexpr(1, hsl):
+            moved = moved | (alpha[hs] != Float32(1.0))
+        if cute.arch.vote_any_sync(moved):
             self.rescale_o(acc_O, alpha, n_s)
         cute.arch.fence_view_async_shared()  # P^T stores -> visible to wgmma
         cute.arch.barrier(barrier_id=BAR_CONSUMER, number_of_threads=WG)
@@ -834,10 +671,9 @@ class MlaAttentionV3(MlaAttention):
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sVt = storage.sK.get_tensor(sVt_outer, swizzle=sw)
         sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
-        # the 4-warp exchange [head, warp, buffer]: rev 2 puts the 4 warps of a head side by side (16 bytes, aligned), so a
-        # thread reads a head's 4 partial maxima (and, in the epilogue, sums) with one 16-byte load instead of 4
-        red_stride = (4, 1, 4 * nh) if self.consumer_rev >= 2 else (1, nh, 4 * nh)
-        sRed = storage.red.get_tensor(cute.make_layout((nh, 4, 2), stride=red_stride))
+        # the 4-warp exchange [head, warp, buffer]: the 4 warps of a head side by side (16 bytes, aligned), so a thread
+        # reads a head's 4 partial maxima (and, in the epilogue, sums) with one 16-byte load instead of 4
+        sRed = storage.red.get_tensor(cute.make_layout((nh, 4, 2), stride=(4, 1, 4 * nh)))
         sQ_addr = storage.sQ.data_ptr().toint()
         sP_addr = storage.sP.data_ptr().toint()
 
@@ -850,7 +686,7 @@ class MlaAttentionV3(MlaAttention):
             c = (i % chunks) * 8
             h = h0 + r
             src = q_addr + (Int64(qi) * Int64(num_heads) + Int64(cutlass.min(h, num_heads - 1))) * Int64(2 * D_QK) + Int64(2 * c)
-            _cp_async_16(sQ_addr + 2 * swizzled_offset(r, c, nh), src, 16 if h < num_heads else 0)
+            cp_async_16(sQ_addr + 2 * swizzled_offset(r, c, nh), src, 16 if h < num_heads else 0)
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
         cute.arch.fence_view_async_shared()
@@ -887,37 +723,31 @@ class MlaAttentionV3(MlaAttention):
         if cutlass.const_expr(self.has_outer):
             fold = fold * s_l
 
-        # the per-tile state and constants `consume_tile` reads (one body for both consumer revisions)
+        # the per-tile state and constants `consume_tile` reads
         tile = dict(
             mma_s=mma_s, mma_o=mma_o, acc_lat=acc_lat, acc_rope=acc_rope, acc_O=acc_O, tSrK=tSrK, tSrQ=tSrQ, tOrVt=tOrVt,
             tOrP=tOrP, tScS=tScS, row_max=row_max, row_sum=row_sum, alpha=alpha, sRed=sRed, sSlot=sSlot, sP_addr=sP_addr,
             scale_log2=scale_log2, fold=fold, t_begin=t_begin, num_keys=num_keys, warp=warp, lane=lane,
             sQ_addr=sQ_addr, sQ_layout=sQ_layout, thr_s=thr_s,
         )
-        if cutlass.const_expr(not self.unroll):
-            cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.k_stages)
-            for it in range(n_local):
-                self.consume_tile(kpipe, cons, cons.index, it, tile)
-                cons.advance()
-        else:
-            # rev 2: the tile loop unrolled by the ring's stages, so each tile's K stage is a compile-time constant. With
-            # the stage a loop-carried run-time value (rev 1), ptxas formed every K / V^T wgmma descriptor in vector
-            # registers (an add, a move of the constant high word, two R2UR: ~280 of ~700 SASS per tile); with it
-            # constant, a descriptor is the stage's base plus a constant, as Q's always were (uniform 64-bit adds).
-            # Tile it sits in stage it % S with mbarrier phase (it // S) % 2 (what `PipelineState.advance` counts). The
-            # trips hold whole rounds of S tiles; the last n_local % S tiles follow (a branch inside the loop for them
-            # cost ptxas ~100 more uniform moves per tile in the second copy). Copies after the first of a trip (or of the
-            # remainder) take Q's descriptors from `q_descriptors`.
-            ks = self.k_stages
-            rounds = n_local // ks
-            for r in range(rounds):
-                for st in cutlass.range_constexpr(ks):
-                    state = pipeline.PipelineState(ks, r * ks + st, Int32(st), r % 2)
-                    self.consume_tile(kpipe, state, st, r * ks + st, tile, fresh_q=st > 0)
-            for st in cutlass.range_constexpr(ks - 1):
-                if rounds * ks + st < n_local:
-                    it = rounds * ks + st
-                    self.consume_tile(kpipe, pipeline.PipelineState(ks, it, Int32(st), rounds % 2), st, it, tile, fresh_q=st > 0)
+        # the tile loop unrolled by the ring's stages, so each tile's K stage is a compile-time constant. With the
+        # stage a loop-carried run-time value (consumer rev 1, deleted), ptxas formed every K / V^T wgmma descriptor in
+        # vector registers (an add, a move of the constant high word, two R2UR: ~280 of ~700 SASS per tile); with it
+        # constant, a descriptor is the stage's base plus a constant, as Q's always were (uniform 64-bit adds).
+        # Tile it sits in stage it % S with mbarrier phase (it // S) % 2 (what `PipelineState.advance` counts). The
+        # trips hold whole rounds of S tiles; the last n_local % S tiles follow (a branch inside the loop for them
+        # cost ptxas ~100 more uniform moves per tile in the second copy). Copies after the first of a trip (or of the
+        # remainder) take Q's descriptors from `q_descriptors`.
+        ks = self.k_stages
+        rounds = n_local // ks
+        for r in range(rounds):
+            for st in cutlass.range_constexpr(ks):
+                state = pipeline.PipelineState(ks, r * ks + st, Int32(st), r % 2)
+                self.consume_tile(kpipe, state, st, r * ks + st, tile, fresh_q=st > 0)
+        for st in cutlass.range_constexpr(ks - 1):
+            if rounds * ks + st < n_local:
+                it = rounds * ks + st
+                self.consume_tile(kpipe, pipeline.PipelineState(ks, it, Int32(st), rounds % 2), st, it, tile, fresh_q=st > 0)
 
         # ---- epilogue: row sums over the 8 lanes and 4 warps of each head, normalise, store ----
         for hs in cutlass.range_constexpr(hsl):
@@ -961,27 +791,3 @@ class MlaAttentionV3(MlaAttention):
             d, head = tOcO[i]
             if head < rows_valid:
                 gO[head, d] = acc_O[i] * inv_h[v % 2 + 2 * (v // 4)]
-
-
-def compile_key(
-    plan: RecordPlan, has_sink: bool, has_outer: bool, split: bool, device, l2_prefetch: int = V3_L2_PREFETCH,
-    producer_wgs: int | None = None, timing_probe: str = "", raw_ring: tuple[int, int] | None = None,
-    heads: int = V3_HEADS, sparse: bool = False, consumer_rev: int | None = None, decode_rev: int | None = None,
-    cta_pair: bool = False,
-) -> tuple:
-    """Every specialisation of a compiled v3 kernel: `heads` is the head tile (the head count, lengths, scales are
-    run-time), `sparse` the slot lists (index lists or block_table); the per-role register budgets follow from the
-    tile and the producer warpgroups (`v3_reg_budget`) and are named too; `consumer_rev` the consumer's per-tile code
-    (`v3_consumer_rev`), `decode_rev` the E2M1 decode's revision (`v3_decode_rev`), `cta_pair` whether
-    two CTAs of a cluster share each tile's decode (`v3_cta_pair`: a cluster launch, another kernel)."""
-    stages, keys = raw_ring or v3_raw_ring(plan, heads, sparse)
-    wgs = int(producer_wgs or v3_producer_wgs(plan, heads))
-    regs = v3_reg_budget(heads, wgs)
-    return (
-        "mla_attention_v3", 1, plan, bool(has_sink), bool(has_outer), bool(split), int(l2_prefetch),
-        wgs, f"probe={timing_probe}", f"raw={stages}x{keys}",
-        f"heads={int(heads)}", f"sparse={bool(sparse)}", f"setmaxnreg={'%d/%d' % regs if regs else 'none'}",
-        f"consumer={v3_consumer_rev(cta_pair, consumer_rev)}", f"decode_rev={v3_decode_rev(plan, decode_rev)}",
-        "q=bf16", "acc=f32",
-        f"cta_pair={bool(cta_pair)}", arch_tag(device),
-    )

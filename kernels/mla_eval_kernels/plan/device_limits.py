@@ -60,6 +60,11 @@ class DeviceFacts:
     smem_per_sm: int
 
 
+# An H100 SXM or H200 (both 132 SMs and the sm_90 limits above): what launch plans are made for where no device is at
+# hand (tools/compile_check, the CPU construction test)
+HOPPER_FACTS = DeviceFacts(sms=132, smem_per_block=HOPPER_SMEM_PER_BLOCK, smem_per_sm=HOPPER_SMEM_PER_SM)
+
+
 def device_facts(device) -> DeviceFacts:
     """The facts of a CUDA device, read once per device."""
     device = torch.device(device)

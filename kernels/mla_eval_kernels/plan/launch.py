@@ -2,14 +2,14 @@
 (format, list kind, head count, queries per sequence) on a device -- decided once per combination and cached -- and
 the split-KV schedule of one call.
 
-`launch_plan` is what the dispatcher asks (the default per launch: `tuning.generation_for`); `v2_plan` and
-`v3_plan` build a plan for an explicit variant (the benchmark's and the GPU tests' probes). The one host launcher,
+`launch_plan` is what the dispatcher asks (the default per launch: `tuning.generation_for`); `v2_plan` builds a v1/v2
+plan of an explicit tile and tuning, `v3_plan` v3's default plan of a head tile (benchmarks/probes.py builds the
+benchmark's v3 probes). The one host launcher,
 `mla_eval_kernels.cute.launch`, runs any `LaunchPlan`: its generation picks the kernel class, its config the
 compile-time specialisation (part of the compile key).
 
 The cache key holds everything a plan depends on besides its arguments: the generation MLA_EVAL_ATTENTION_KERNEL
-forces and the hold registries the GPU tests' fixture edits (`tuning.hold_state`), so a plan never outlives a setting
-it was made under.
+forces, so a plan never outlives the setting it was made under.
 """
 
 from __future__ import annotations
@@ -49,20 +49,35 @@ class V2Config:
         return max(1, facts.smem_per_sm // tn.smem_bytes(plan, m, bn, wn, self.tuning.prefetch))
 
 
+V3_TIMING_PROBES = ("", "nodec", "nomma")  # bench v3-nodec / v3-nomma: what the decode / the consumer's MMAs cost
+
+
 @dataclasses.dataclass(frozen=True)
 class V3Config:
-    """A v3 launch (`cute.mla_attention_v3.MlaAttentionV3`). Every field but the head tile is a default or a probe:
-    `producer_wgs` None is `tuning.v3_producer_wgs`'s, `raw_ring` None `tuning.v3_raw_ring`'s, `decode_rev` None
-    `tuning.v3_decode_rev`'s; `timing_probe` ("nodec", "nomma") gives wrong output and serves the benchmark only."""
+    """A v3 launch (`cute.mla_attention_v3.MlaAttentionV3`), every value concrete: `v3_plan` resolves each default once
+    (the kernel and its compile key read these values and resolve nothing; a None here is a TypeError at once, not a
+    traceback at the first launch on a GPU). `timing_probe` ("nodec", "nomma") gives wrong output and serves the
+    benchmark only; another `producer_wgs` or `raw_ring` than the default are probes too."""
 
     head_tile: int
-    producer_wgs: int | None = None
-    raw_ring: tuple[int, int] | None = None
-    cta_pair: bool = False
-    l2_prefetch: int = tn.V3_L2_PREFETCH
-    consumer_rev: int | None = None  # None: `tuning.v3_consumer_rev`'s (the pair's own, else V3_CONSUMER_REV)
-    decode_rev: int | None = None
+    producer_wgs: int
+    raw_ring: tuple[int, int]
     timing_probe: str = ""
+
+    def __post_init__(self):
+        ints = {"head_tile": self.head_tile, "producer_wgs": self.producer_wgs}
+        for name, value in ints.items():
+            if type(value) is not int:  # noqa: E721 - bool and None are not head counts
+                raise TypeError(f"V3Config.{name} must be an int, not {value!r}")
+        ring = self.raw_ring
+        if not (isinstance(ring, tuple) and len(ring) == 2 and all(type(v) is int for v in ring)):  # noqa: E721
+            raise TypeError(f"V3Config.raw_ring must be (stages, keys per stage) ints, not {ring!r}")
+        if self.head_tile not in tn.V3_HEAD_TILES:
+            raise ValueError(f"head tile must be one of {tn.V3_HEAD_TILES}, not {self.head_tile}")
+        if self.producer_wgs not in tn.V3_PRODUCER_WGS_CHOICES:
+            raise ValueError(f"producer_wgs must be one of {tn.V3_PRODUCER_WGS_CHOICES}, not {self.producer_wgs}")
+        if self.timing_probe not in V3_TIMING_PROBES:
+            raise ValueError(f"timing_probe must be one of {V3_TIMING_PROBES}, not {self.timing_probe!r}")
 
     @property
     def heads_per_cta(self) -> int:
@@ -90,12 +105,12 @@ def launch_plan(
 ) -> LaunchPlan:
     """The default launch of `heads` heads over dense (`sparse` False) or top-k lists on a device (cached).
     `generation` forces a generation (the dispatcher passes the one it recorded; the benchmark the other one)."""
-    return _launch_plan(plan, sparse, heads, facts, queries_per_seq, generation, tn.forced_generation(), tn.hold_state())
+    return _launch_plan(plan, sparse, heads, facts, queries_per_seq, generation, tn.forced_generation())
 
 
 @functools.lru_cache(maxsize=4096)
-def _launch_plan(plan, sparse, heads, facts, queries_per_seq, generation, forced, holds) -> LaunchPlan:
-    del forced, holds  # in the key only: generation_for and the v3 choices read them
+def _launch_plan(plan, sparse, heads, facts, queries_per_seq, generation, forced) -> LaunchPlan:
+    del forced  # in the key only: generation_for reads it
     if generation is None:
         generation, why = tn.generation_for(
             plan, sparse=sparse, heads=heads, queries_per_seq=queries_per_seq, smem_limit=facts.smem_per_block
@@ -124,21 +139,59 @@ def v2_plan(
 
 def v3_plan(
     plan: RecordPlan, heads: int, sparse: bool, facts: DeviceFacts, *, why: str = "asked for v3", head_tile: int | None = None,
-    producer_wgs: int | None = None, raw_ring: tuple[int, int] | None = None, cta_pair: bool | None = None,
-    l2_prefetch: int = tn.V3_L2_PREFETCH, consumer_rev: int | None = None, decode_rev: int | None = None,
-    timing_probe: str = "",
 ) -> LaunchPlan:
-    """A v3 launch: the head tile `tuning.v3_head_tile` picks unless given, the CTA pair where `tuning.v3_cta_pair`
-    pairs it (`cta_pair` None: its default; True: asked, a ValueError where the launch cannot pair), the rest as given."""
+    """A v3 launch with every default resolved here, once: the head tile (`tuning.v3_head_tile`, unless given), the
+    producer warpgroups (`tuning.v3_producer_wgs` of that tile), the raw ring (`tuning.v3_raw_ring` of that tile and
+    list kind). The only v3 plan builder kernels/ ships; the benchmark's probes (another producer count or raw ring, a
+    timing probe) are built by benchmarks/probes.py."""
     if head_tile is None:
         head_tile = tn.v3_head_tile(plan, heads, sparse, facts.smem_per_block)[0]
-    wgs = int(producer_wgs or tn.v3_producer_wgs(plan, head_tile))
-    pair = tn.v3_cta_pair(plan, heads, head_tile, wgs, cta_pair)[0]
-    config = V3Config(
-        head_tile=head_tile, producer_wgs=producer_wgs, raw_ring=None if raw_ring is None else tuple(raw_ring), cta_pair=pair,
-        l2_prefetch=l2_prefetch, consumer_rev=consumer_rev, decode_rev=decode_rev, timing_probe=timing_probe,
-    )
+    if head_tile not in tn.V3_HEAD_TILES:
+        raise ValueError(f"head tile must be one of {tn.V3_HEAD_TILES}, not {head_tile}")
+    config = V3Config(head_tile=int(head_tile), producer_wgs=tn.v3_producer_wgs(plan, head_tile),
+                      raw_ring=tn.v3_raw_ring(plan, head_tile, sparse))
     return LaunchPlan("v3", why, config)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    """Everything a compiled attention kernel is specialised on: the record plan, the launch's configuration (its
+    generation's config: `V2Config` or `V3Config`), the list kind, sink, outer scale and split. The one input of
+    `cute.launch.kernel_for` (the only constructor of a kernel object) and of the compile key (`compile_key`), so a
+    kernel is built and cached the same way by dispatch, compile_check, the benchmark and the tests."""
+
+    plan: RecordPlan
+    config: V2Config | V3Config
+    sparse: bool
+    has_sink: bool
+    has_outer: bool
+    split: bool
+
+    def __post_init__(self):
+        for name in ("sparse", "has_sink", "has_outer", "split"):
+            if type(getattr(self, name)) is not bool:  # noqa: E721 - a None or 0 here was a construction slip
+                raise TypeError(f"KernelSpec.{name} must be a bool, not {getattr(self, name)!r}")
+        if not isinstance(self.config, (V2Config, V3Config)):
+            raise TypeError(f"KernelSpec.config must be a V2Config or V3Config, not {type(self.config).__name__}")
+        if self.has_outer and not self.plan.outer_allowed:
+            raise ValueError(f"{self.plan.name} has no outer scale (s_l)")
+
+    @property
+    def generation(self) -> str:
+        if isinstance(self.config, V3Config):
+            return "v3"
+        return "v1" if self.config.tuning == tn.V1 else "v2"
+
+    def compile_key(self, arch: str) -> tuple:
+        """The compile cache's key: the kernel's module and source revision, every specialisation (this spec,
+        hashable and concrete) and the architecture with the DSL version (`compile_cache.arch_tag`)."""
+        name, rev = KERNEL_SOURCE[self.generation]
+        return (name, rev, self, arch)
+
+
+# The kernel module of each generation and its source revision, bumped when a kernel's source changes what a given
+# spec compiles to (the cache lives per process: this guards long-lived processes and tests that compare keys)
+KERNEL_SOURCE = {"v1": ("mla_attention", 2), "v2": ("mla_attention", 2), "v3": ("mla_attention_v3", 3)}
 
 
 @dataclasses.dataclass(frozen=True)
