@@ -3,7 +3,7 @@ is the same within noise whether the experts run eager or grouped, and whether F
 or computed in FP8 -- every row of a run shares the weights, so the comparison a user reads is unchanged.
 
 One dense (DeepSeek-V3) and one DSA (GLM-5) FP8-block checkpoint written at a small width (hidden 1024, 16 experts of
-512, 4 layers), random tokens. Run by `python -m tools.device fp8` (after the merge of main's device steps)."""
+512, 4 layers), random tokens. Run by `python -m tools.device fp8` (DeepGEMM required) and by the `tests` step."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 reference of the same arithmetic (mla_eval.model.fp8_math), dense and grouped, and the FP8 modules using them.
 
 Without deep_gemm installed the kernel tests skip, unless MLA_EVAL_FP8_GEMM=deepgemm asks for it (then they fail,
-saying why it could not load): the device run sets it (tools/device/run.sh fp8)."""
+saying why it could not load): the device step sets it (`python -m tools.device fp8`)."""
 
 from __future__ import annotations
 
