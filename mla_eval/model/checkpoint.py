@@ -626,6 +626,7 @@ class Checkpoint:
             raise UserError(f"{self.path}: {name} is stored as {list(codes.shape)} with scales {list(scale.shape)}, the "
                             f"model's {what} wants {list(dst.shape)} with {list(scale_dst.shape)}: the checkpoint does "
                             "not match its config.json (or its blocks are not 128x128)")
+        check_scale_values(self, q, raw.tensors)  # as every read path: a scale no quantiser writes is refused
         dst.view(torch.uint8).copy_(codes.view(torch.uint8).to(dst.device, non_blocking=True))
         scale_dst.copy_(scale.to(scale_dst.device, non_blocking=True))
 
