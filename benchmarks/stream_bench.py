@@ -108,7 +108,7 @@ def step_kld(a, out: Path, offload: str) -> dict:
         if read.get("read_seconds"):
             doc["read_gb_per_s"] = read["bytes"] / read["read_seconds"] / 1e9
             disk = out / "disk.json"
-            disk_gbps = json.loads(disk.read_text()).get("gb_per_s") if disk.is_file() else None
+            disk_gbps = json.loads(disk.read_text()).get("gb_per_s") if disk.is_file() else a.read_gbps
             doc["summary"] = {
                 "gpu_busy": read.get("device_busy"),  # the layers' forwards / the passes' wall time
                 "read_gb_per_s": doc["read_gb_per_s"],
@@ -223,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=16384)
     p.add_argument("--formats", default="fp8_ds_mla,nvfp4")
     p.add_argument("--batches", default="1,8")
-    p.add_argument("--read-gbps", type=float, default=None, help="project: the disk read rate when no disk step ran")
+    p.add_argument("--read-gbps", type=float, default=None,
+                   help="project, stream: the disk's O_DIRECT read rate (GB/s) when no disk step ran in this --out")
     p.add_argument("--steps", default=",".join(STEPS))
     p.add_argument("--timeout", type=float, default=540)
     p.add_argument("--force", action="store_true", help="rerun steps whose file exists")
