@@ -131,6 +131,28 @@ class WeightsInfo:
 
 
 @dataclasses.dataclass(frozen=True)
+class MoeGeometry:
+    """A preset's MoE layers (what benchmarks.moe_bench times): routed experts, how many per token, their width, the
+    shared experts, and how many leading layers are dense; `source` says where the numbers were read."""
+
+    hidden: int
+    experts: int
+    top_k: int
+    intermediate: int  # moe_intermediate_size: each routed expert's gate/up rows, its down columns
+    shared: int
+    first_dense: int
+    source: str
+
+
+# DeepSeek-V3's MoE, shared by V3.2 (n_routed_experts 256, num_experts_per_tok 8, moe_intermediate_size 2048,
+# n_shared_experts 1, first_k_dense_replace 3; transformers 5.25 DeepseekV3Config / DeepseekV32Config defaults agree)
+_DSV3_MOE = dict(hidden=7168, experts=256, top_k=8, intermediate=2048, shared=1, first_dense=3)
+_GLM5_MOE = dict(hidden=6144, experts=256, top_k=8, intermediate=2048, shared=1, first_dense=3)
+_GLM5_MOE_SRC = ("transformers 5.25 GlmMoeDsaConfig defaults (checkpoint zai-org/GLM-5): n_routed_experts 256, "
+                 "num_experts_per_tok 8, moe_intermediate_size 2048, n_shared_experts 1, first_k_dense_replace 3")
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelPreset:
     """A well-known public MLA model: the config fields capacity needs, each with its source."""
 
@@ -141,6 +163,7 @@ class ModelPreset:
     param_count: int
     weights_dtype: str
     sources: tuple[tuple[str, str], ...]  # (what, where it was read); "UNVERIFIED" marks guesses
+    moe: MoeGeometry | None = None
 
     def geometry(self) -> MlaCacheGeometry:
         return geometry_from_config(self.config, name=self.name, source=f"preset {self.name} ({self.hf_repo})")
@@ -385,6 +408,7 @@ MODEL_PRESETS: tuple[ModelPreset, ...] = (
         },
         param_count=685_000_000_000,
         weights_dtype="fp8",
+        moe=MoeGeometry(**_DSV3_MOE, source=_DSV3_CONFIG_SRC),
         sources=(
             ("num_hidden_layers=61, num_nextn_predict_layers=1, kv_lora_rank=512, qk_rope_head_dim=64, "
              "max_position_embeddings=163840, FP8 e4m3 128x128 block weights", _DSV3_CONFIG_SRC),
@@ -414,6 +438,7 @@ MODEL_PRESETS: tuple[ModelPreset, ...] = (
         },
         param_count=685_000_000_000,
         weights_dtype="fp8",
+        moe=MoeGeometry(**_DSV3_MOE, source=_DSV32_CONFIG_SRC),
         sources=(
             ("num_hidden_layers=61, num_nextn_predict_layers=1, kv_lora_rank=512, qk_rope_head_dim=64, "
              "max_position_embeddings=163840, index_topk=2048, index_head_dim=128, index_n_heads=64, "
@@ -447,6 +472,10 @@ MODEL_PRESETS: tuple[ModelPreset, ...] = (
         },
         param_count=1_000_000_000_000,
         weights_dtype="fp8",
+        moe=MoeGeometry(hidden=7168, experts=384, top_k=8, intermediate=2048, shared=1, first_dense=1, source=(
+            "secondary: the kimi_k2 text_config of public Kimi-K2.5 config copies (find_string ids 55329353243, "
+            "4289690615): n_routed_experts 384, num_experts_per_tok 8, moe_intermediate_size 2048, n_shared_experts 1, "
+            "first_k_dense_replace 1")),
         sources=(
             ("num_hidden_layers=61, kv_lora_rank=512, qk_rope_head_dim=64",
              "secondary copies of the Kimi-K2 config: lumenrl test 'Real Kimi-K2-Base values' and "
@@ -484,6 +513,7 @@ MODEL_PRESETS: tuple[ModelPreset, ...] = (
         },
         param_count=744_000_000_000,
         weights_dtype="fp8",
+        moe=MoeGeometry(**_GLM5_MOE, source=_GLM5_MOE_SRC),
         sources=(
             ("num_hidden_layers=78, kv_lora_rank=512, max_position_embeddings=202752",
              "docs.nvidia.com NeMo AutoModel 'GLM-5 / GLM-5.1 (MoE + DSA)' page; transformers GlmMoeDsaConfig "
@@ -524,6 +554,7 @@ MODEL_PRESETS: tuple[ModelPreset, ...] = (
         },
         param_count=753_000_000_000,
         weights_dtype="fp8",
+        moe=MoeGeometry(**_GLM5_MOE, source="UNVERIFIED for GLM-5.2's own config.json: GLM-5's, " + _GLM5_MOE_SRC),
         sources=(
             ("num_hidden_layers=78, num_nextn_predict_layers=1, kv_lora_rank=512, qk_rope_head_dim=64, "
              "max_position_embeddings=1048576, index_head_dim=128, index_topk_freq=4, index_skip_topk_offset=3",

@@ -616,3 +616,23 @@ def test_a_corrupted_checkpoint_is_never_scored(kind, corruption, path, written_
         assert TARGET in lines[0] and ".safetensors" in lines[0], lines[0]
     else:
         assert "quantization_config" in lines[0] or "config" in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("weight_math", ["fp8", "dequant"])
+@pytest.mark.parametrize("path", ["resident", "stream"])
+def test_a_bad_scale_is_refused_in_either_weight_math(weight_math, path, written_checkpoints, world, capsys, monkeypatch,
+                                                     tmp_path_factory):
+    """An FP8 block checkpoint read with its codes kept as stored (--weight-math fp8, the default for it) goes through
+    the same scale checks as one dequantised: a NaN scale is refused either way, naming the shard and tensor."""
+    from corrupt_checkpoints import TARGET
+
+    folder = _bad_checkpoint(written_checkpoints, "fp8-block", "scale NaN", tmp_path_factory.getbasetemp() / "corrupted")
+    out = world.root / "out" / f"bad-fp8-{weight_math}-{path}.json"
+    monkeypatch.chdir(world.root)
+    capsys.readouterr()
+    code = main(_kld(world, "--model", str(folder), "--max-tokens", "128", "--no-layer-stats", "--out", str(out),
+                     "--weight-math", weight_math, *BAD_CHECKPOINT_PATHS[path]))
+    _, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), f"exit {code}: {err[-800:]}"
+    assert TARGET in lines[0] and ".safetensors" in lines[0] and not out.exists(), lines[0]

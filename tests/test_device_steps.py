@@ -21,6 +21,8 @@ EXAMPLES = {
     "prod": ["prod"],
     "memory": ["memory", "--", "--presets", "glm-5"],
     "stream": ["stream", "--", "--steps", "project"],
+    "moe": ["moe", "--", "--presets", "glm-5.2", "--tokens", "16384"],
+    "fp8": ["fp8", "-k", "weight_maths"],
     "ncu": ["ncu", "--formats", "nvfp4", "--heads", "128", "--context", "2048", "--sparse"],
     "eval": ["eval", "--recipe", "recipes/h200-full.toml"],
     "formats": ["formats"],
@@ -57,6 +59,11 @@ def test_gpu_test_files_include_every_file_with_a_gpu_test():
               "tests/test_random_models_gpu.py", "tests/test_semantics_gpu.py", "tests/test_long_gpu.py"):
         assert f in files, f
     assert "tests/test_device_steps.py" not in files and "tests/test_codec.py" not in files
+
+
+def test_the_fp8_step_runs_existing_gpu_test_files():
+    for f in steps.FP8_TESTS:
+        assert f in steps.gpu_test_files(), f  # the tests step runs them too (DeepGEMM used where it loads)
 
 
 def test_bootstrap_and_prepare_are_valid_shell():

@@ -27,8 +27,10 @@ def test_a_700b_model_streams_in_passes_of_as_many_window_batches_as_fit():
     plan = plan_run(DSV32, WIKI, H200)
     assert plan.mode == "stream" and "does not fit" in plan.reason
     per_batch = WIKI.batch_stream_bytes
-    fixed = DSV32.other_bytes + max(DSV32.layer_bytes)  # one layer on the device; the next one's read waits in host memory
-    # beside one layer the H200 holds more window batches' streams than 70 % of a 128 GiB host
+    # two layers on the device (the next one materialises while this one computes); their reads wait in host memory
+    fixed = DSV32.other_bytes + 2 * max(DSV32.layer_bytes)
+    assert plan.layers_on_device == 2
+    # beside them the H200 holds more window batches' streams than 70 % of a 128 GiB host
     assert plan.streams_on == "device"
     assert plan.batches_per_pass == (H200.device_bytes - fixed) // per_batch
     assert plan.passes == -(-WIKI.batches // plan.batches_per_pass) > 1
@@ -79,3 +81,31 @@ def test_projection_is_bounded_below_by_the_read_of_each_layer():
     doc = slow_disk.as_dict()
     assert doc["memory"]["passes"] == slow_disk.passes and doc["time"]["projected_seconds"] == slow_disk.projected_seconds()
     assert any(line.startswith("streams: in device memory") for line in slow_disk.lines())
+
+
+def test_the_next_layer_materialises_beside_this_one_only_where_two_fit():
+    """On a GPU the plan holds two layers' weights (executor.CheckpointLoader overlaps the next layer's copy with this
+    layer's compute) where they fit beside one window batch's streams; else one, and the loader does not overlap."""
+    one = max(DSV32.layer_bytes)
+    tight = Budget(DSV32.other_bytes + one + WIKI.batch_stream_bytes + one // 2, 100 * GIB, "cuda:0", "test")
+    plan = plan_run(DSV32, WIKI, tight)
+    assert plan.mode == "stream" and plan.layers_on_device == 1
+    assert plan.peak_device_bytes <= tight.device_bytes
+    cpu = plan_run(DSV32, WIKI, Budget(100 * GIB, 100 * GIB, "cpu", "test"), "stream")
+    assert cpu.layers_on_device == 1  # a CPU run materialises each layer when it runs
+
+
+
+def test_the_projection_splits_into_forwards_reads_and_loss():
+    cost = LayerCost(seconds=0.001, peak_bytes=2 * GIB, source="test", head_seconds=0.01)
+    slow = plan_run(DSV32, WIKI, H200, cost=cost, read_bytes_per_second=1e9, read_source="test")
+    fast = plan_run(DSV32, WIKI, H200, cost=cost, read_bytes_per_second=1e12, read_source="test")
+    for plan in (slow, fast):
+        split = plan.projected_split()
+        assert split["forwards"] + split["reads"] + split["loss"] == pytest.approx(plan.projected_seconds(), rel=1e-12)
+        assert split["loss"] == WIKI.batches * WIKI.forwards_per_batch * cost.head_seconds
+    assert slow.projected_split()["reads"] > 0 and fast.projected_split()["reads"] == 0
+    assert slow.projected_split()["forwards"] == fast.projected_split()["forwards"]
+    line = next(x for x in slow.lines() if x.startswith("time: "))
+    assert "forwards " in line and "reads beyond compute " in line and "loss " in line
+    assert slow.as_dict()["time"]["projected_split"] == slow.projected_split()

@@ -58,7 +58,7 @@ def test_streamed_equals_resident_bit_for_bit(model, formats, semantics, per_pas
     loader = HostStashLoader(streamed.stack, torch.device("cpu"))
     assert all(p.device.type == "meta" for p in streamed.stack.layers[0].parameters())  # nothing resident
     seen = []
-    got = run_kld(streamed, source, st, streaming=Streaming(loader, per_pass), progress=lambda *a: seen.append(a))
+    got = run_kld(streamed, source, st, runner=Streaming(loader, per_pass), progress=lambda *a: seen.append(a))
     _same_run(want, got)
     layer_reports = [a for a in seen if a[0] == "layers"]
     windows = want.windows
@@ -88,7 +88,7 @@ def test_a_streamed_layer_is_released_before_the_next_one_loads():
             events.append(("released", i))
 
     source = _source(lm, 2, 160, seed=3)
-    run_kld(lm, source, _protocol("nvfp4", ctx=128), streaming=Streaming(Watch(), 4))
+    run_kld(lm, source, _protocol("nvfp4", ctx=128), runner=Streaming(Watch(), 4))
     n = lm.num_layers
     assert [e for e in events if e[0] == "loaded"] == [("loaded", i) for i in range(n)]  # each layer read once per pass
     assert events.index(("prefetch", 1)) < events.index(("released", 0))  # the next read starts during this layer
@@ -130,7 +130,7 @@ def test_a_checkpoint_streamed_layer_by_layer_equals_the_resident_load_bit_for_b
     st = _protocol("fp8_ds_mla,nvfp4", ctx=128)
     want = run_kld(resident, source, st)
     try:
-        got = run_kld(streamed, source, st, streaming=Streaming(loader, 2))
+        got = run_kld(streamed, source, st, runner=Streaming(loader, 2))
     finally:
         loader.close()
     _same_run(want, got)

@@ -9,7 +9,13 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from mla_eval.commands.evaluation import EvaluationCommand, check_inputs_and_outputs, force_option
+from mla_eval.commands.evaluation import (
+    EvaluationCommand,
+    check_inputs_and_outputs,
+    dry_run,
+    dry_run_option,
+    force_option,
+)
 from mla_eval.commands.progress import progress_bars
 from mla_eval.evals.calibrate import CalibrateSettings, CalibrationResult
 from mla_eval.protocol import REQUIRED, Evaluation, option
@@ -20,12 +26,20 @@ console = Console(stderr=True)
 
 @dataclasses.dataclass(frozen=True)
 class CalibrateOptions:
-    out: Path = option(REQUIRED, "--out", "-o", path="write", help="Where to write the nvfp4_ds_mla_outer_scale_v1 JSON.")
+    out: Path = option(REQUIRED, "--out", "-o", path="write",
+                       help="Where to write the nvfp4_ds_mla_outer_scale_v1 JSON (--dry-run writes nothing there).")
     force: bool = force_option()
+    dry_run: bool = dry_run_option("calibration")
 
 
 def run_calibrate(ev: Evaluation, settings: CalibrateSettings, opts: CalibrateOptions) -> None:
     from mla_eval.atomic_io import write_json_atomic
+
+    if opts.dry_run:
+        from mla_eval.evals.calibrate import plan_calibration
+
+        dry_run(plan_calibration, settings)
+        return
 
     check_output_path(opts.out, opts.force)
     check_inputs_and_outputs(settings, [("--out", opts.out)])  # e.g. --text t.json --out t.json

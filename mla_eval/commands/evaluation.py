@@ -61,6 +61,34 @@ def force_option() -> Any:
     return option(False, "--force", help="Replace an existing --out file.")
 
 
+def dry_run_option(what: str = "run") -> Any:
+    """--dry-run of a command whose evaluation plans its execution (mla_eval.model.strategy)."""
+    return option(
+        False, "--dry-run",
+        help=f"Print the {what}'s plan and stop: weight bytes by stored dtype and weight math, resident or streamed "
+        "(--offload), memory, and (with the shards present, else random values of their shapes) one layer of each "
+        "build timed on the device for a projection split into forwards, reads and loss. Needs only config.json, the "
+        "safetensors index and the tokenizer of a --model folder. Writes nothing.",
+    )
+
+
+def print_plan(planned: Any) -> None:
+    """A plan's lines on stdout (what --dry-run prints); "time: not measured" where nothing was timed."""
+    out = Console()
+    for line in planned.lines():
+        out.print(line, soft_wrap=True)
+    plan = getattr(planned, "plan", planned)
+    if plan.cost is None:
+        out.print("time: not measured", soft_wrap=True)
+
+
+def dry_run(planner: Callable[[Any, Any], Any], settings: Any) -> None:
+    """Run `planner(settings, progress)` under progress bars and print its plan."""
+    with progress_bars(console) as progress:
+        planned = planner(settings, progress)
+    print_plan(planned)
+
+
 def model_name(result: Any) -> str | None:
     """The model a result is about (its default file name says so), if it names one."""
     model = getattr(result, "model", None)

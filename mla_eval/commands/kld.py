@@ -9,8 +9,15 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from mla_eval.commands.evaluation import EvaluationCommand, force_option, out_option, write_document
-from mla_eval.commands.progress import duration, progress_bars
+from mla_eval.commands.evaluation import (
+    EvaluationCommand,
+    dry_run,
+    dry_run_option,
+    force_option,
+    out_option,
+    write_document,
+)
+from mla_eval.commands.progress import duration
 from mla_eval.evals.kld_evaluation import KldSettings
 from mla_eval.formats.spec import CONTROL_PREFIX
 from mla_eval.protocol import option
@@ -28,12 +35,7 @@ class KldOptions:
     plot: Path | None = option(
         None, "--plot", path="write", help="Folder for PNG plots: KLD CDF, KLD by depth, per-layer error."
     )
-    dry_run: bool = option(
-        False, "--dry-run",
-        help="Print the run plan and stop: weight bytes by stored dtype, resident or streamed (--offload), memory, and "
-        "with the shards present (or random values of their shapes) one layer of each build timed on the device for "
-        "a projection. Needs only config.json, the safetensors index and the tokenizer of a --model folder.",
-    )
+    dry_run: bool = dry_run_option("KLD run")
 
 
 def kld_body(ev, settings: KldSettings, opts: KldOptions) -> None:
@@ -43,13 +45,7 @@ def kld_body(ev, settings: KldSettings, opts: KldOptions) -> None:
         return
     from mla_eval.evals.kld_evaluation import plan_kld_run
 
-    with progress_bars(console) as progress:
-        planned = plan_kld_run(settings, progress)
-    out = Console()
-    for line in planned.lines():
-        out.print(line, soft_wrap=True)
-    if planned.plan.cost is None:
-        out.print("time: not measured", soft_wrap=True)
+    dry_run(plan_kld_run, settings)
 
 
 def say_reference_written(settings: KldSettings, result) -> None:

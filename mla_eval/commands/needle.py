@@ -9,7 +9,14 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from mla_eval.commands.evaluation import EvaluationCommand, force_option, out_option, write_document
+from mla_eval.commands.evaluation import (
+    EvaluationCommand,
+    dry_run,
+    dry_run_option,
+    force_option,
+    out_option,
+    write_document,
+)
 from mla_eval.formats.spec import CONTROL_PREFIX
 from mla_eval.protocol import option
 
@@ -25,6 +32,17 @@ class NeedleOptions:
     plot: Path | None = option(
         None, "--plot", path="write", help="Folder for heatmap PNGs (one per format + difference vs bf16)."
     )
+    dry_run: bool = dry_run_option("needle grid")
+
+
+def needle_body(ev, settings, opts: NeedleOptions) -> None:
+    """--dry-run: the plan alone; otherwise the document."""
+    if not opts.dry_run:
+        write_document(ev, settings, opts)
+        return
+    from mla_eval.evals.needle_evaluation import plan_needle
+
+    dry_run(plan_needle, settings)
 
 
 def write_needle_plots(result, folder: Path) -> list[Path]:
@@ -135,7 +153,7 @@ def show_needle(result) -> None:
 
 COMMAND = EvaluationCommand(
     options=NeedleOptions,
-    body=write_document,
+    body=needle_body,
     details="A cell of length L holds L tokens: the prompt and the decoded answer. Prefill and greedy\n"
     "decoding both read the format's quantised cache (see --prefill). Reports a length x depth\n"
     "accuracy table per format, a 95 % Wilson interval per (task, length) cell, format-induced\n"

@@ -10,7 +10,14 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from mla_eval.commands.evaluation import EvaluationCommand, force_option, out_option, write_document
+from mla_eval.commands.evaluation import (
+    EvaluationCommand,
+    dry_run,
+    dry_run_option,
+    force_option,
+    out_option,
+    write_document,
+)
 from mla_eval.evals.plan_evaluation import PlanResult
 
 
@@ -18,6 +25,17 @@ from mla_eval.evals.plan_evaluation import PlanResult
 class PlanOptions:
     out: Path | None = out_option("plan")
     force: bool = force_option()
+    dry_run: bool = dry_run_option("sensitivity sweep")
+
+
+def plan_body(ev, settings, opts: PlanOptions) -> None:
+    """--dry-run: the sweep's plan alone; otherwise the plan file."""
+    if not opts.dry_run:
+        write_document(ev, settings, opts)
+        return
+    from mla_eval.evals.plan_evaluation import plan_plan
+
+    dry_run(plan_plan, settings)
 
 
 def _num(x: float | None, fmt: str = ".5f") -> str:
@@ -55,7 +73,7 @@ def show_plan(result: PlanResult) -> None:
 
 COMMAND = EvaluationCommand(
     options=PlanOptions,
-    body=write_document,
+    body=plan_body,
     show=show_plan,
     details="Writes the plan file; measure it with `mla-eval kld --formats plan:FILE`, size it with "
     "`mla-eval capacity --plan FILE`.",

@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Callable
 
 import numpy as np
 import torch
@@ -32,8 +31,9 @@ from mla_eval.evals.settings import check_ctx
 from mla_eval.evals.text_sources import TokenSource
 from mla_eval.evals.variants import Variant, session_formats
 from mla_eval.formats import OuterScales, get_format
-from mla_eval.model.executor import LayerLoader, WindowForward
+from mla_eval.model.executor import WindowForward
 from mla_eval.model.session import PREFILL_MODES, CacheSession
+from mla_eval.model.strategy import Resident, Streamed, passes
 from mla_eval.protocol import ProgressCallback, no_progress
 
 # How a window's forward reads the quantised cache (mla_eval.model.session.PREFILL_MODES), or
@@ -212,15 +212,9 @@ class KldRun:
         return out
 
 
-@dataclasses.dataclass(frozen=True)
-class Streaming:
-    """A layer-major run (`mla_eval.model.executor.DecoderStack.run_streamed`): where the decoder layers come from,
-    how many window batches one pass holds (each pass reads every layer once), and where residual streams wait
-    between layers (`home`: pinned host memory, or unchanged on the compute device)."""
-
-    loader: LayerLoader
-    batches_per_pass: int
-    home: Callable[[torch.Tensor], torch.Tensor] = staticmethod(lambda x: x)
+# A layer-major run's runner (mla_eval.model.strategy.Streamed: loader, window batches per pass, where streams wait);
+# kept under its old name for callers that build one by hand (tests)
+Streaming = Streamed
 
 
 @dataclasses.dataclass
@@ -244,30 +238,30 @@ def run_kld(
     ref_file: RefStore | None = None,
     rank: int = 0,
     world: int = 1,
-    streaming: Streaming | None = None,
+    runner=None,
 ) -> KldRun:
     """Evaluate every variant; returns per-variant token arrays and layer stats.
 
     `save_ref` collects the reference log-probs; with `ref_file` the reference forward is skipped
-    and the stored reference is used instead. `streaming`: run the forwards layer-major, a pass of
-    `streaming.batches_per_pass` window batches at a time (the same numbers as resident, bit for bit).
+    and the stored reference is used instead. `runner` (mla_eval.model.strategy: `Resident`, the default, or
+    `Streamed`) runs the forwards, a pass of `runner.batches_per_pass` window batches at a time (streamed: layer-major,
+    the same numbers as resident, bit for bit).
     """
+    runner = Resident() if runner is None else runner
     windows = plan_windows(lm, source, st)
     mine = list(enumerate(windows))[rank::world]
     rows = st.rows(Variant(get_format("bf16")))
     keys = [(sem, v, m, row_label(v.name, sem, m)) for sem in st.semantics for v, m in rows]
-    rows_by_key = {key: (v, m) for _, v, m, key in keys}
     stats = {k: TokenStats() for *_, k in keys}
     layers = {k: LayerStats(lm.num_layers) for *_, k in keys} if st.layer_stats else {}
     total_scored = sum(w.length - 1 - w.score_from for _, w in mine)
     loss_rows = loss_chunk_rows(lm.model.config.vocab_size, st.loss_chunk)
     groups = [g for i in range(0, len(mine), st.batch) for g in _same_shape_groups(mine[i : i + st.batch])]
-    per_pass = 1 if streaming is None else max(1, streaming.batches_per_pass)
-    passes = -(-len(groups) // per_pass)
+    cut = passes(groups, runner)
     done, t0 = 0, time.perf_counter()
     progress("score", 0, total_scored)
-    for p in range(0, len(groups), per_pass):
-        batches = [_batch(lm, source, group, st) for group in groups[p : p + per_pass]]
+    for p, pass_groups in enumerate(cut):
+        batches = [_batch(lm, source, group, st) for group in pass_groups]
         # every forward of the pass, in the order a resident run takes them: per batch and semantics, the
         # reference (unless stored), then each row; `make(lazy)` builds its cache session only when it runs
         todo = []
@@ -276,26 +270,27 @@ def run_kld(
         for bi, b in enumerate(batches):
             for sem in st.semantics:
                 ref_key = (bi, sem.label, None)
+                ref_at = None
                 if ref_file is None:
                     ref_obs = (topk.observer(ref_key),) if topk is not None else None
+                    ref_at = len(todo)
                     todo.append((ref_key, functools.partial(
-                        _window_forward, lm, st.ref, b.ids, b.score_from, st, ref_obs, sem, keep_exact=False)))
+                        _window_forward, lm, st.ref, b.ids, b.score_from, st, ref_obs, sem, keep_exact=False,
+                        lazy=runner.lazy, record=st.fork_rows)))
                 ref_topk = functools.partial(topk.lookup, ref_key) if topk is not None else None
                 for s2, v, am, key in keys:
                     if s2 == sem:
                         obs = layers[key].observers(v.spec, ref_topk) if layers else ()
+                        # a plan row whose first layers are the reference's starts at its own layer from the
+                        # reference's state there (the same bits, fewer layers run): the per-layer sensitivity sweep
+                        layer = fork_layer(v, am, st.ref) if st.fork_rows and ref_at is not None else 0
                         todo.append(((bi, sem.label, key), functools.partial(
-                            _window_forward, lm, v, b.ids, b.score_from, st, obs, sem, am)))
-        if streaming is None:
-            hidden = _run_resident(lm, todo, st, rows_by_key) if st.fork_rows else {
-                k: lm.stack.run_resident(make()) for k, make in todo}
-        else:
-            n, first = lm.num_layers, p // per_pass * lm.num_layers
-            out = lm.stack.run_streamed(
-                [make(lazy=True) for _, make in todo], streaming.loader, streaming.home,
-                progress=lambda d, _t: progress("layers", first + d, passes * n),
-            )
-            hidden = {k: h for (k, _), h in zip(todo, out)}
+                            _window_forward, lm, v, b.ids, b.score_from, st, obs, sem, am, lazy=runner.lazy,
+                            fork=(ref_at, layer) if layer > 0 else None)))
+        n, first = lm.num_layers, p * lm.num_layers
+        out = runner.forwards(lm, [make for _, make in todo],
+                              progress=lambda d, _t: progress("layers", first + d, len(cut) * n))
+        hidden = {k: h for (k, _), h in zip(todo, out)}
         for bi, b in enumerate(batches):
             chunks = [slice(c, min(c + loss_rows, b.targets.numel())) for c in range(0, b.targets.numel(), loss_rows)]
             for sem in st.semantics:
@@ -341,25 +336,6 @@ def fork_layer(variant, math: AttentionMath, ref: Variant) -> int:
         if v.spec.name != "bf16" or v.outer or scale is not None:
             return i
     return 0
-
-
-def _run_resident(lm, todo, st: KldProtocol, rows_by_key: dict) -> dict:
-    """The forwards of one pass, resident, each plan row starting at its `fork_layer` from the reference forward of
-    its batch and semantics (recorded as it runs); a forward of several chunks runs whole."""
-    hidden, recorded = {}, {}
-    for key, make in todo:
-        fwd = make()
-        one_chunk = len(fwd.chunks()) == 1
-        if key[2] is None:  # the reference of (batch, semantics)
-            rec = [] if one_chunk else None
-            hidden[key] = lm.stack.run_resident(fwd, record=rec)
-            recorded[key[:2]] = rec
-            continue
-        v, m = rows_by_key[key[2]]
-        layer, rec = fork_layer(v, m, st.ref), recorded.get(key[:2])
-        start = (layer, *rec[layer]) if layer > 0 and one_chunk and rec else None
-        hidden[key] = lm.stack.run_resident(fwd, start=start)
-    return hidden
 
 
 def workload(lm, source: TokenSource, st: KldProtocol, ref_file: RefStore | None = None, rank: int = 0, world: int = 1):
@@ -424,12 +400,13 @@ def _forward_hidden(
 def _window_forward(
     lm, variant: Variant, ids: torch.Tensor, score_from: int, st: KldProtocol, observers,
     semantics: Semantics = CACHE, attn_math: AttentionMath = BF16, chunk_keys: str = "fresh", lazy: bool = False,
-    keep_exact: bool | None = None,
+    keep_exact: bool | None = None, fork: tuple[int, int] | None = None, record: bool = False,
 ) -> WindowForward:
     """The forward of one window batch through the variant's cache (`mla_eval.model.executor`): its session, chunk
     schedule and the positions whose final hidden states the loss reads. `lazy`: caches allocated per layer as it
     runs (the layer-major executor). `keep_exact` (default: with observers) keeps the unquantised latents that the
-    layer statistics compare with; the reference's top-k recorder needs none."""
+    layer statistics compare with; the reference's top-k recorder needs none. `fork` / `record`: see
+    mla_eval.model.executor.WindowForward."""
     b, t = ids.shape
     chunk = semantics.forward_chunk(t, lm.adapter.is_dsa)
     if lm.adapter.is_dsa:
@@ -451,7 +428,7 @@ def _window_forward(
         prefill=st.prefill,
         lazy=lazy,
     )
-    return WindowForward(ids, session, chunk, slice(score_from, t - 1))
+    return WindowForward(ids, session, chunk, slice(score_from, t - 1), fork=fork, record=record)
 
 
 @torch.no_grad()

@@ -23,7 +23,7 @@ from mla_eval.attention.semantics import (
 from mla_eval.errors import UserError
 from mla_eval.evals import distributed as dist_ranks
 from mla_eval.evals import kld_plan, text_sources
-from mla_eval.evals.calibrate import calibrate
+from mla_eval.evals.calibrate import calibrate, calibration_workload
 from mla_eval.evals.kld import (
     DEFAULT_KLD_PREFILL,
     KldProtocol,
@@ -34,7 +34,6 @@ from mla_eval.evals.kld import (
     resolve_prefill,
     run_kld,
 )
-from mla_eval.evals.kld_plan import OFFLOAD_HELP
 from mla_eval.evals.ref_store import REF_STORE_MODES, RefStore
 from mla_eval.evals.settings import (
     DEFAULT_CTX,
@@ -48,7 +47,7 @@ from mla_eval.evals.settings import (
 )
 from mla_eval.evals.variants import PlanVariant, Variant, check_plan_model, parse_variants
 from mla_eval.formats import OuterScales
-from mla_eval.model.run_plan import OFFLOAD_MODES
+from mla_eval.model.fp8_linear import fp8_calls
 from mla_eval.protocol import ProgressCallback, no_progress, option, say
 from mla_eval.result_schemas import KLD_SCHEMA
 from mla_eval.results import environment
@@ -128,13 +127,9 @@ class KldSettings(ModelSettings, text_sources.TextSettings):
         "(settings.prefill); give 'absorbed' to compare with figures computed that way.",
     )
 
-    offload: str = option("auto", "--offload", help=OFFLOAD_HELP)
-
     def __post_init__(self) -> None:
         ModelSettings.__post_init__(self)
         text_sources.TextSettings.__post_init__(self)
-        if self.offload not in OFFLOAD_MODES:
-            raise UserError(f"--offload {self.offload!r}: choose one of {', '.join(OFFLOAD_MODES)}")
         check_ctx(self.ctx)
         if self.stride is not None and self.stride < 1:
             raise UserError(f"--stride must be positive, got {self.stride}")
@@ -393,26 +388,20 @@ def plan_kld_run(st: KldSettings, progress: ProgressCallback = no_progress, meas
     needs only config.json, its safetensors index and its tokenizer (no shard); with the shards present and
     `measure`, one layer of each build is read and timed on the device (with shards absent: random values of the
     same shapes) and the run's time projected."""
-    with dispatch.use_backend(st.backend):
-        lm = kld_plan.open_model(st, dry_run=True)
-        source = kld_plan.planning_source(st, lm)
-        needs_outer = any(v.outer for v in [*st.variants(), st.ref_variant(), *filter(None, [st.explain_variant()])])
-        if st.scales == "auto" and needs_outer and not st.self_samples:
-            _calib, source = _split_calibration(source, st.calib_tokens)  # the run evaluates the rest
-        protocol, _ = _protocol(st, lm, source)
-        protocol = dataclasses.replace(protocol, outer_scales=None)
-        loader = None
-        if lm.checkpoint is not None and lm.checkpoint.headers_complete:
-            from mla_eval.model.executor import CheckpointLoader
+    from mla_eval.model.strategy import ExecutionStrategy
 
-            loader = CheckpointLoader(lm.checkpoint, lm.stack.layers, lm.device, lm.model.dtype)
+    with dispatch.use_backend(st.backend), ExecutionStrategy.open(kld_plan.request(st), dry_run=True) as ex:
         try:
-            return kld_plan.plan_kld(lm, source, protocol, st.offload, measure, ref_file=st.ref_file, loader=loader,
-                                     read_bps=read_bps, read_source=read_source)
+            source = kld_plan.planning_source(st, ex.lm)
+            needs_outer = any(v.outer for v in [*st.variants(), st.ref_variant(), *filter(None, [st.explain_variant()])])
+            if st.scales == "auto" and needs_outer and not st.self_samples:
+                _calib, source = _split_calibration(source, st.calib_tokens)  # the run evaluates the rest
+            protocol, _ = _protocol(st, ex.lm, source)
+            protocol = dataclasses.replace(protocol, outer_scales=None)
+            return kld_plan.plan_kld(ex, source, protocol, measure, ref_file=st.ref_file, read_bps=read_bps,
+                                     read_source=read_source)
         finally:
-            if loader is not None:
-                loader.close()
-            del lm  # the skeleton and its stack refer to each other: collected now, its device memory with it
+            ex.lm = None  # the skeleton and its stack refer to each other: collected now, its device memory with it
             import gc
 
             gc.collect()
@@ -425,7 +414,8 @@ def evaluate_kld(st: KldSettings, progress: ProgressCallback = no_progress) -> K
     ("score", tokens); the run plan is said first (`protocol.say`). Under torchrun every rank calls
     this; rank 0's result holds the document.
     """
-    from mla_eval.model.loader import resolve_device, stream
+    from mla_eval.model.loader import resolve_device
+    from mla_eval.model.strategy import ExecutionStrategy
 
     with dispatch.use_backend(st.backend) as log:
         ranks = distributed(st.device)
@@ -446,39 +436,29 @@ def evaluate_kld(st: KldSettings, progress: ProgressCallback = no_progress) -> K
             given = OuterScales.load(st.scales)  # a bad file fails before the model loads
         phases = kld_plan.PhasePeaks(resolve_device(st.device) if st.device_map == "none" else None)
         phases.start("load")
-        lm = kld_plan.open_model(st)
-        if given is not None:
-            given.check_layers(lm.num_layers, source=st.scales)
-        check_plan_model(variants, lm, st.latent_profile)
-        source, calib = evaluation_sources(lm, st, needs_outer, progress)
-        protocol, why_absorbed = _protocol(st, lm, source)
-        ctx, stride, min_context, semantics, maths = (protocol.ctx, protocol.stride, protocol.min_context,
-                                                      list(protocol.semantics), list(protocol.maths))
-        phases.start("plan")
-        kp = kld_plan.plan_kld(lm, source, protocol, st.offload, measure=False, ref_file=st.ref_file, rank=rank,
-                               world=world)
-        loader = streaming = None
-        notes = []
-        if kp.plan.mode == "stream":
-            from mla_eval.model.executor import stream_loader
-
-            phases.start("load")
-            if lm.checkpoint is not None:
-                lm = stream(lm)
-            loader = stream_loader(lm)
-            phases.start("plan")
-            kp = kld_plan.plan_kld(lm, source, protocol, st.offload, measure=True, ref_file=st.ref_file, rank=rank,
-                                   world=world, loader=loader)
-            streaming = kld_plan.streaming_for(lm, kp.plan, loader)
-            if calib is not None:
-                notes.append("--scales auto on a streamed run: the calibration text ran as one more pass over the "
-                             "layers (every layer read once more); give --scales FILE to skip it")
-        elif lm.checkpoint is not None:  # a skeleton planned resident: now the weights
-            phases.start("load")
-            lm = st.load()
-        profile = st.apply_profile(lm, (calib or source).sequences[0], (calib or source).label, progress)
-        outer = given
+        ex = ExecutionStrategy.open(kld_plan.request(st))
         try:
+            lm = ex.lm
+            if given is not None:
+                given.check_layers(lm.num_layers, source=st.scales)
+            check_plan_model(variants, lm, st.latent_profile)
+            source, calib = evaluation_sources(lm, st, needs_outer, progress)
+            protocol, why_absorbed = _protocol(st, lm, source)
+            ctx, stride, min_context, semantics, maths = (protocol.ctx, protocol.stride, protocol.min_context,
+                                                          list(protocol.semantics), list(protocol.maths))
+            phases.start("plan")
+            kp = kld_plan.plan_kld(ex, source, protocol, measure=False, ref_file=st.ref_file, rank=rank, world=world)
+            phases.start("load")
+            lm = ex.realise()
+            notes = []
+            if ex.mode == "stream":
+                phases.start("plan")
+                kp = kld_plan.plan_kld(ex, source, protocol, measure=True, ref_file=st.ref_file, rank=rank, world=world)
+                if calib is not None:
+                    notes.append("--scales auto on a streamed run: the calibration text ran as one more pass over the "
+                                 "layers (every layer read once more); give --scales FILE to skip it")
+            profile = st.apply_profile(lm, (calib or source).sequences[0], (calib or source).label, progress)
+            outer = given
             loaded = None
             if st.ref_file is not None and not ref.outer:  # a mismatched stored reference: refused before the plan
                 # is said (the scales of a +s_l reference come from calibration, later)
@@ -487,7 +467,7 @@ def evaluate_kld(st: KldSettings, progress: ProgressCallback = no_progress) -> K
                 say(progress, f"plan: {line}")
             if calib is not None:
                 phases.start("calibrate")
-                outer = calibrate(lm, calib, ctx, progress=progress, streaming=streaming)
+                outer = calibrate(lm, calib, ctx, progress=progress, runner=ex.runner_for(calibration_workload(lm, calib, ctx)))
             protocol = dataclasses.replace(protocol, outer_scales=outer if needs_outer else given)
             ref_meta = _ref_meta(lm, source, protocol, outer)
             saver = RefStore(mode=st.ref_store, meta=ref_meta) if st.save_ref is not None else None
@@ -495,23 +475,22 @@ def evaluate_kld(st: KldSettings, progress: ProgressCallback = no_progress) -> K
                 loaded = RefStore.load(st.ref_file, ref_meta)
             phases.start("score")
             run = run_kld(lm, source, protocol, progress=progress, save_ref=saver, ref_file=loaded, rank=rank, world=world,
-                          streaming=streaming)
+                          runner=ex.runner)
         finally:
-            if loader is not None and hasattr(loader, "close"):
-                loader.close()
+            ex.close()
         phases.stop()
         if saver is not None:
             saver.save(st.save_ref)
         with dist_ranks.collective(ranks, "gathering the per-token statistics"):
             run.stats = gather_arrays(run.stats, group=ranks.cpu_group)
         env = phases.merge_peaks(environment(attention=log))
-    execution = {"plan": kp.as_dict(), "phases": phases.as_dict(),
-                 "read": loader.stats.as_dict() if hasattr(loader, "stats") else None}
+    execution = {"strategy": ex.mode, "plan": kp.as_dict(), "phases": phases.as_dict(), "read": ex.record()["read"],
+                 "fp8_gemm_calls": fp8_calls()}
     weights = lm.weights()
     return KldResult(
         model={"name": lm.name, "path": str(lm.path), "default": lm.is_default, "layers": lm.num_layers,
                "random": lm.is_random, "label": lm.label, "max_positions": lm.max_positions,
-               "rope_scaling": lm.rope_scaling, **({"weights": weights} if weights is not None else {}),
+               "rope_scaling": lm.rope_scaling, **({"weights": weights} if weights is not None else {}), **lm.compute(),
                **({"latent_profile": profile} if profile is not None else {})},
         text={"kind": source.kind, "label": source.label, "digest": source.digest, "tokens": source.num_tokens,
               **({"note": st.text_note} if st.text_note else {})},

@@ -234,15 +234,64 @@ class NeedleResult:
         }
 
 
+# Needle decodes each answer token by token: every step runs every layer, so the whole model stays in memory. Scoring
+# forced answers (teacher-forced, issue 40) needs only forwards: such a run passes no reason here and hands its
+# forwards to `ExecutionStrategy.runner.forwards` (mla_eval.model.strategy), which streams them where the plan says.
+GENERATES = ("needle decodes each answer token by token through every layer",
+             "use --offload none or auto (the model must fit the device)")
+
+
+def request(st: NeedleSettings):
+    return st.execution_request(st.whole_model() or GENERATES)
+
+
+def needle_workload(lm, st: NeedleSettings):
+    """The prompt forwards of the grid (each prompt prefilled through every format's cache), for the run plan; the
+    decode steps after each prefill are not in it (each is one token through every layer)."""
+    from mla_eval.model.run_plan import Workload
+
+    variants, lens = st.variants(), st.length_list()
+    prompts = st.cells // len(lens)  # per length
+    return Workload(batches=len(lens) * -(-prompts // st.batch), forwards_per_batch=len(variants),
+                    tokens=st.batch * max(lens), hidden=int(lm.model.config.hidden_size),
+                    dtype_bytes=torch.finfo(lm.model.dtype).bits // 8,
+                    record_bytes=max(v.spec.record_bytes for v in variants), kept=st.batch, exact=False)
+
+
+def plan_needle(st: NeedleSettings, progress: ProgressCallback = no_progress, measure: bool = True):
+    """`mla-eval needle --dry-run`: where the grid would run (resident: it generates) and its memory; the prompts'
+    prefill forwards timed on one layer of each build where `measure` (decode steps are not projected)."""
+    from mla_eval.model.strategy import ExecutionStrategy
+
+    with dispatch.use_backend(st.backend), ExecutionStrategy.open(request(st), dry_run=True) as ex:
+        work = needle_workload(ex.lm, st)
+        plan = ex.decide(work)
+        if not measure:
+            return plan
+        from mla_eval.model.executor import WindowForward
+        from mla_eval.model.session import CacheSession
+
+        t = max(st.length_list())
+        ids = torch.zeros(st.batch, t, dtype=torch.long, device=ex.lm.device)
+        fwd = WindowForward(ids, CacheSession(st.variants()[0].spec, ex.lm.num_layers, st.batch, t, ex.lm.layer_devices,
+                                              prefill=st.prefill, lazy=True), t, slice(t - 1, t))
+        cost, bps, src = ex.measure([(fwd, 1.0)], 0.0, ex.planning_input(st.batch, t),
+                                    describe=f"one prompt batch of {st.batch} x {t} tokens (prefill; decode not projected)")
+        return ex.decide(work, cost, bps, src)
+
+
 def evaluate_needle(st: NeedleSettings, progress: ProgressCallback = no_progress) -> NeedleResult:
     """Needle-in-a-haystack retrieval per format on identical prompts; `progress("prompts", done, total)`."""
+    from mla_eval.model.strategy import ExecutionStrategy
+
     variants, lens, deps, tasks = st.variants(), st.length_list(), st.depth_list(), st.task_list()
     needs_outer = any(v.outer for v in variants)
     if needs_outer and st.scales == "none":
         raise UserError("--scales none, but +s_l formats were asked for; drop them or give --scales FILE")
     given = OuterScales.load(st.scales) if needs_outer and st.scales not in SCALES_MODES else None  # before the load
-    with dispatch.use_backend(st.backend) as log:
-        lm = st.load()
+    with dispatch.use_backend(st.backend) as log, ExecutionStrategy.open(request(st)) as ex:
+        ex.decide(needle_workload(ex.lm, st))  # resident: a model that cannot fit is refused here
+        lm = ex.realise()
         check_plan_model(variants, lm, st.latent_profile)  # a plan for another model fails before any prompt runs
         if lm.max_positions and max(lens) > lm.max_positions:
             raise UserError(
@@ -262,7 +311,7 @@ def evaluate_needle(st: NeedleSettings, progress: ProgressCallback = no_progress
             if st.scales == "auto":
                 calib = builder.build(first.name, first.kind, min(lens), 50.0, 0, st.seed + 99_991, first.count)
                 source = TokenSource("needle", "a separate needle prompt", [torch.tensor(calib.ids)], "calib")
-                outer = calibrate(lm, source, min(lens), progress)
+                outer = calibrate(lm, source, min(lens), progress, runner=ex.runner)
             else:
                 outer = given
                 outer.check_layers(lm.num_layers, source=st.scales)
@@ -298,7 +347,7 @@ def evaluate_needle(st: NeedleSettings, progress: ProgressCallback = no_progress
     controls = [v.name for v in variants if v.spec.control]
     return NeedleResult(
         model={"name": lm.name, "path": str(lm.path), "default": lm.is_default, "max_positions": lm.max_positions,
-               "random": lm.is_random, "label": lm.label, "rope_scaling": lm.rope_scaling,
+               "random": lm.is_random, "label": lm.label, "rope_scaling": lm.rope_scaling, **lm.compute(),
                **({"latent_profile": profile} if profile is not None else {})},
         settings={"task": ",".join(labels), "values": st.values, "haystack": hay_label, "lengths": lens, "depths": deps,
                   "trials": st.trials, "seed": st.seed, "threshold": st.threshold, "prefill": st.prefill,
@@ -307,7 +356,8 @@ def evaluate_needle(st: NeedleSettings, progress: ProgressCallback = no_progress
                   "math": st.math, "tasks": labels, "controls": controls,
                   "plans": {v.name: v.source for v in variants if isinstance(v, PlanVariant)},
                   "needles": {t.label: t.count for t in tasks}, "answer_budgets": run.budgets,
-                  "samples_per_cell": len(deps) * st.trials, **st.placement(lm)},
+                  "samples_per_cell": len(deps) * st.trials, "offload": st.offload, "execution": ex.mode,
+                  **st.placement(lm)},
         outer_scales=outer,
         environment=env,
         formats=summary,

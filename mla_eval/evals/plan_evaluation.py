@@ -15,16 +15,22 @@ from typing import Any
 from mla_eval.attention import dispatch
 from mla_eval.errors import UserError
 from mla_eval.evals import knapsack, text_sources
-from mla_eval.evals.calibrate import calibrate
+from mla_eval.evals.calibrate import calibrate, calibration_workload
 from mla_eval.evals.kld import KldProtocol, plan_windows, resolve_prefill
-from mla_eval.evals.kld_evaluation import evaluation_sources
-from mla_eval.evals.sensitivity import Sensitivity, layer_scales, measure_sensitivity, sensitivity_from_dict
+from mla_eval.evals.kld_evaluation import _split_calibration, evaluation_sources
+from mla_eval.evals.sensitivity import (
+    Sensitivity,
+    layer_scales,
+    measure_sensitivity,
+    sensitivity_from_dict,
+    sweep_protocol,
+)
 from mla_eval.evals.settings import DEFAULT_CTX, ModelSettings, check_ctx, default_min_context, default_stride
 from mla_eval.evals.variants import Variant, parse_variants
 from mla_eval.formats import OuterScales, get_format
 from mla_eval.layer_plan import LayerPlan
 from mla_eval.model_presets import architecture_digest
-from mla_eval.protocol import ProgressCallback, no_progress, option
+from mla_eval.protocol import ProgressCallback, no_progress, option, say
 from mla_eval.results import environment
 
 DEFAULT_CANDIDATES = "fp8_ds_mla,nvfp4+s_l,nvfp4_fp8rope+s_l,nvfp4_fp8_ds_mla"  # formats an engine serves today
@@ -194,67 +200,95 @@ def replan(st: PlanSettings) -> PlanResult:
     return PlanResult(plan, sens, outer, old.extra.get("environment", {}))
 
 
-def check_resident_fit(st: PlanSettings) -> None:
-    """The sweep runs the model resident: a checkpoint whose weights exceed the device's memory is refused in one
-    line before anything is read (kld streams such a model layer by layer; plan does not yet)."""
-    from mla_eval.evals.kld_plan import inventory
-    from mla_eval.model.loader import load_skeleton
-    from mla_eval.model.random_models import is_random_spec
-    from mla_eval.model.run_plan import Budget
+def _sweep(st: PlanSettings, lm, source):
+    """The resolved window protocol of the sweep (every default decided once) and its single-layer plan rows' run,
+    as kld runs it (`sensitivity.sweep_protocol`), for the plan and the sweep alike."""
+    ctx = st.ctx if st.ctx is not None else (st.sample_len if st.self_samples else DEFAULT_CTX)
+    min_context = st.min_context if st.min_context is not None else default_min_context(ctx)
+    stride = st.stride if st.stride is not None else default_stride(ctx, min_context)
+    batch = st.batch if st.batch is not None else (len(source.sequences) if st.self_samples else 1)
+    candidates = st.candidate_variants()
+    protocol = KldProtocol(tuple(candidates), Variant(get_format("bf16")), ctx, stride, min_context, batch,
+                           layer_stats=False)
+    plan_windows(lm, source, protocol)  # bad window settings fail before any work
+    prefill, _ = resolve_prefill("auto", protocol, lm.adapter.is_dsa)
+    return dataclasses.replace(protocol, prefill=prefill)
 
-    if st.model is None or is_random_spec(str(st.model)) or st.device_map != "none":
-        return  # the embedded model, a random spec (built at its size) or several devices: nothing to stream
-    skeleton = load_skeleton(st.model, st.device, rope_scaling=st.rope_scaling, require_weights=False)
-    need, budget = inventory(skeleton).run_bytes, Budget.measure(skeleton.device)
-    if need > budget.device_bytes:
-        raise UserError(f"mla-eval plan runs the model resident: its weights need {need / 2**30:.1f} GiB as run, the "
-                        f"{budget.device} budget is {budget.device_bytes / 2**30:.1f} GiB; plan a model that fits "
-                        "(several GPUs: --device-map auto) -- layer streaming is built for kld (--offload stream), not plan")
+
+def _plan(ex, source, st: PlanSettings, measure: bool, read_bps: float | None = None, read_source: str = ""):
+    """The sweep's run plan on execution `ex` (the single-layer rows' forwards: the pass that dominates), measured
+    with kld's sample forwards where asked."""
+    from mla_eval.evals import kld_plan
+
+    protocol = _sweep(st, ex.lm, source)
+    sweep = sweep_protocol(protocol, st.candidate_variants(), None, ex.lm.num_layers)
+    return kld_plan.plan_kld(ex, source, sweep, measure, read_bps=read_bps, read_source=read_source)
+
+
+def plan_plan(st: PlanSettings, progress: ProgressCallback = no_progress, measure: bool = True):
+    """`mla-eval plan --dry-run`: the plan of the sensitivity sweep these settings ask for, without running it."""
+    from mla_eval.model.strategy import ExecutionStrategy
+
+    if st.sensitivity is not None:
+        raise UserError("--dry-run plans a sensitivity sweep; --sensitivity re-solves a stored one without a model: "
+                        "drop one of them")
+    with dispatch.use_backend(st.backend), ExecutionStrategy.open(st.execution_request(), dry_run=True) as ex:
+        from mla_eval.evals.kld_plan import planning_source
+
+        source = planning_source(st, ex.lm)  # self-samples: sequences of their shape, not generated
+        if st.scales == "auto" and any(v.outer for v in st.candidate_variants()) and not st.self_samples:
+            _calib, source = _split_calibration(source, st.calib_tokens)  # as evaluation_sources holds it out
+        return _plan(ex, source, st, measure)
 
 
 def evaluate_plan(st: PlanSettings, progress: ProgressCallback = no_progress) -> PlanResult:
-    """Sensitivity of every candidate at every layer, then the exact knapsack under the budget."""
+    """Sensitivity of every candidate at every layer, then the exact knapsack under the budget; resident or streamed
+    as the execution strategy decides (mla_eval.model.strategy)."""
     if st.sensitivity is not None:
         return replan(st)
+    from mla_eval.model.fp8_linear import fp8_calls
+    from mla_eval.model.strategy import ExecutionStrategy
+
     candidates = st.candidate_variants()
     needs_outer = any(v.outer for v in candidates)
     given = None if st.scales in ("auto", "none") else OuterScales.load(st.scales)
-    with dispatch.use_backend(st.backend) as log:
-        check_resident_fit(st)
-        lm = st.load()
+    with dispatch.use_backend(st.backend) as log, ExecutionStrategy.open(st.execution_request()) as ex:
         if given is not None:
-            given.check_layers(lm.num_layers, source=st.scales)
-        check_reachable(st.budget(lm.num_layers), candidates, lm.num_layers)
+            given.check_layers(ex.lm.num_layers, source=st.scales)
+        check_reachable(st.budget(ex.lm.num_layers), candidates, ex.lm.num_layers)
         # as kld: self-samples (no --text / --dataset) with one more sample to calibrate on, else a held-out slice
-        source, calib = evaluation_sources(lm, st, needs_outer, progress)
+        source, calib = evaluation_sources(ex.lm, st, needs_outer, progress)
+        kp = _plan(ex, source, st, measure=False)
+        lm = ex.realise()
+        if ex.mode == "stream":
+            kp = _plan(ex, source, st, measure=True)
+        for line in kp.lines():
+            say(progress, f"plan: {line}")
         profile = st.apply_profile(lm, (calib or source).sequences[0], (calib or source).label, progress)
-        ctx = st.ctx if st.ctx is not None else (st.sample_len if st.self_samples else DEFAULT_CTX)
-        min_context = st.min_context if st.min_context is not None else default_min_context(ctx)
-        stride = st.stride if st.stride is not None else default_stride(ctx, min_context)
-        batch = st.batch if st.batch is not None else (len(source.sequences) if st.self_samples else 1)
-        protocol = KldProtocol(tuple(candidates), Variant(get_format("bf16")), ctx, stride, min_context, batch,
-                               layer_stats=False)
-        plan_windows(lm, source, protocol)  # bad window settings fail before any work
-        prefill, _ = resolve_prefill("auto", protocol, lm.adapter.is_dsa)
-        protocol = dataclasses.replace(protocol, prefill=prefill)
+        protocol = _sweep(st, lm, source)
+        ctx, stride, min_context, prefill = protocol.ctx, protocol.stride, protocol.min_context, protocol.prefill
         outer = given
         if calib is not None:
-            outer = calibrate(lm, calib, ctx, progress=progress)
-        sens = measure_sensitivity(lm, source, protocol, candidates, outer if needs_outer else None, st.proxy, progress)
+            outer = calibrate(lm, calib, ctx, progress=progress, runner=ex.runner_for(calibration_workload(lm, calib, ctx)))
+        sens = measure_sensitivity(lm, source, protocol, candidates, outer if needs_outer else None, st.proxy, progress,
+                                   execution=ex)
         env = environment(attention=log)
+        execution = {**ex.record(), "fp8_gemm_calls": fp8_calls()}
     budget = st.budget(lm.num_layers)
     choice = solve(sens, budget)
     model = {"name": lm.name, "path": str(lm.path), "layers": lm.num_layers, "default": lm.is_default,
-             "geometry": architecture_digest(lm.model.config), "latent_profile": profile}
+             "geometry": architecture_digest(lm.model.config), "latent_profile": profile, **lm.compute()}
     text = {"kind": source.kind, "label": source.label, "digest": source.digest, "tokens": source.num_tokens}
     extra = {
         "text": text,
         "candidates": [c.name for c in candidates],
-        "settings": {"ctx": ctx, "stride": stride, "min_context": min_context, "batch": batch, "prefill": prefill,
-                     "backend": log.backend, "scales": st.scales, "calib_tokens": st.calib_tokens if calib else None},
+        "settings": {"ctx": ctx, "stride": stride, "min_context": min_context, "batch": protocol.batch,
+                     "prefill": prefill, "backend": log.backend, "scales": st.scales,
+                     "calib_tokens": st.calib_tokens if calib else None, "offload": st.offload},
         "outer_scales": None if outer is None else outer.to_json(),
         "sensitivity": sens.as_dict(),
         "environment": env,
+        "execution": execution,
     }
     plan = make_plan(sens, choice, outer if needs_outer else None, model=model, budget=budget, extra=extra)
     return PlanResult(plan, sens, outer, env)

@@ -140,6 +140,14 @@ def sensitivity_from_dict(doc: dict, candidates: Sequence[Variant], num_layers: 
     )
 
 
+def sweep_protocol(protocol: KldProtocol, candidates: Sequence[Variant], outer: OuterScales | None,
+                   num_layers: int) -> KldProtocol:
+    """The single-layer pass: one plan row per (candidate, layer), each starting at its own layer from the reference's
+    state there (`fork_rows`: its layers before are the reference's)."""
+    rows = [PlanVariant(single_layer_plan(c, i, num_layers, outer)) for c in candidates for i in range(num_layers)]
+    return dataclasses.replace(protocol, variants=tuple(rows), layer_stats=False, outer_scales=outer, fork_rows=True)
+
+
 def measure_sensitivity(
     lm,
     source: TokenSource,
@@ -148,17 +156,23 @@ def measure_sensitivity(
     outer: OuterScales | None,
     proxy: bool = True,
     progress: ProgressCallback = no_progress,
+    execution=None,
 ) -> Sensitivity:
     """The single-layer KLD of every candidate at every layer (one pass, one reference forward per window batch) and,
     with `proxy`, the uniform candidates' per-layer attention error (a second pass with layer statistics).
 
-    `protocol` gives the windows, semantics and prefill of the single-layer pass; its variants are replaced."""
+    `protocol` gives the windows, semantics and prefill of the single-layer pass; its variants are replaced.
+    `execution` (mla_eval.model.strategy.ExecutionStrategy; None: resident) runs each pass, its passes sized for it."""
+    from mla_eval.evals.kld import workload
+
+    def runner(p: KldProtocol):
+        return None if execution is None else execution.runner_for(workload(lm, source, p))
+
     n = lm.num_layers
-    rows = {(c.name, i): PlanVariant(single_layer_plan(c, i, n, outer)) for c in candidates for i in range(n)}
-    # fork_rows: a row for layer i starts there from the reference's state (its layers before i are the reference's)
-    sweep = dataclasses.replace(protocol, variants=tuple(rows.values()), layer_stats=False, outer_scales=outer,
-                                fork_rows=True)
-    run = run_kld(lm, source, sweep, progress=lambda s, d, t: progress("sensitivity" if s == "score" else s, d, t))
+    sweep = sweep_protocol(protocol, candidates, outer, n)
+    rows = {(c.name, i): v for (c, i), v in zip([(c, i) for c in candidates for i in range(n)], sweep.variants)}
+    run = run_kld(lm, source, sweep, progress=lambda s, d, t: progress("sensitivity" if s == "score" else s, d, t),
+                  runner=runner(sweep))
     summary = {row["format"]: row for row in run.summary().values()}
     kld = {c.name: [summary[rows[(c.name, i)].name]["kld_mean"] for i in range(n)] for c in candidates}
     se = {c.name: [summary[rows[(c.name, i)].name]["kld_se"] for i in range(n)] for c in candidates}
@@ -168,7 +182,8 @@ def measure_sensitivity(
     if proxy:
         stats = dataclasses.replace(protocol, variants=tuple(candidates), layer_stats=True, prefill="absorbed",
                                     outer_scales=outer)
-        prun = run_kld(lm, source, stats, progress=lambda s, d, t: progress("proxy" if s == "score" else s, d, t))
+        prun = run_kld(lm, source, stats, progress=lambda s, d, t: progress("proxy" if s == "score" else s, d, t),
+                       runner=runner(stats))
         psum = {row["format"]: row for row in prun.summary().values()}
         attn = {c.name: [layer["attn_rel_l2"] for layer in psum[c.name]["layers"]] for c in candidates}
         uniform = {c.name: psum[c.name]["kld_mean"] for c in candidates}

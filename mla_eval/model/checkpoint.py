@@ -71,6 +71,11 @@ _ST_TO_TORCH = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16
                 "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
                 "BOOL": torch.bool}
 _COALESCE_GAP = 1 << 20  # read through gaps up to 1 MiB between a layer's tensors
+_DIRECT_ALIGN = 4096  # O_DIRECT offsets, lengths and buffers in whole blocks of the largest common logical block size
+
+
+class _DirectRefused(Exception):
+    """O_DIRECT cannot read here (platform, file system or buffer alignment): the read falls back to buffered."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +99,7 @@ class RawTensors:
 
     layer: int | None  # None: the non-layer weights
     tensors: dict[str, torch.Tensor]
+    direct: bool = False  # read with O_DIRECT (Checkpoint.read_layer)
 
     @property
     def nbytes(self) -> int:
@@ -361,9 +367,18 @@ class Checkpoint:
 
     # ------------------------------------------------------------------------------------------ reading
 
-    def read_layer(self, layer: int, pin_memory: bool = False) -> RawTensors:
-        """Decoder layer `layer`'s tensors as stored (CPU). Thread-safe (see the module docstring)."""
-        return RawTensors(layer, self._read(self.layer_names(layer), pin_memory))
+    def read_layer(self, layer: int, pin_memory: bool = False, direct: bool = False) -> RawTensors:
+        """Decoder layer `layer`'s tensors as stored (CPU). Thread-safe (see the module docstring). `direct`: read
+        with O_DIRECT (the page cache bypassed: a checkpoint larger than host memory gains nothing from caching it,
+        and the copy into the cache costs memory bandwidth); a file system that refuses O_DIRECT is read buffered,
+        and the result's `direct` says which ran."""
+        names = self.layer_names(layer)
+        if direct:
+            try:
+                return RawTensors(layer, self._read_direct(names, pin_memory), direct=True)
+            except _DirectRefused:
+                pass
+        return RawTensors(layer, self._read(names, pin_memory))
 
     def read_rest(self, pin_memory: bool = False) -> RawTensors:
         """The non-layer tensors the model uses (embeddings, final norm, lm_head, ...), as stored."""
@@ -375,19 +390,9 @@ class Checkpoint:
         background thread reads while the main thread computes; each call has its own file handles."""
         if self.missing_shards:
             self.check_shards()
-        by_shard: dict[str, list[TensorInfo]] = {}
-        for n in names:
-            by_shard.setdefault(self.tensors[n].shard, []).append(self.tensors[n])
         out: dict[str, torch.Tensor] = {}
-        for shard, infos in by_shard.items():
+        for shard, ranges in self._ranges(names).items():
             file = self.path / shard
-            infos.sort(key=lambda t: t.offset)
-            ranges: list[list[TensorInfo]] = []
-            for t in infos:  # coalesce tensors whose gap is small (one read instead of many)
-                if ranges and t.offset - (ranges[-1][-1].offset + ranges[-1][-1].nbytes) <= _COALESCE_GAP:
-                    ranges[-1].append(t)
-                else:
-                    ranges.append([t])
             try:
                 with file.open("rb", buffering=0) as f:
                     for group in ranges:
@@ -405,6 +410,74 @@ class Checkpoint:
             except OSError as exc:
                 raise UserError(f"reading {file} failed ({exc.strerror or exc}): the shard is missing, damaged or "
                                 "was changed during the run; restore it and run again") from None
+        return out
+
+    def _read_direct(self, names: list[str], pin_memory: bool) -> dict[str, torch.Tensor]:
+        """`_read` with O_DIRECT: each coalesced range widened to whole 4 KiB blocks (offsets and lengths as O_DIRECT
+        wants them) and read into a page-aligned buffer (pinned memory is page-aligned; an anonymous mapping on a CPU
+        run). _DirectRefused where the file system or platform cannot."""
+        import mmap
+        import os
+
+        flag = getattr(os, "O_DIRECT", 0)
+        if not flag:
+            raise _DirectRefused("no O_DIRECT on this platform")
+        if self.missing_shards:
+            self.check_shards()
+        out: dict[str, torch.Tensor] = {}
+        for shard, ranges in self._ranges(names).items():
+            file = self.path / shard
+            try:
+                fd = os.open(file, os.O_RDONLY | flag)
+            except OSError as exc:
+                raise _DirectRefused(str(exc)) from None
+            try:
+                for group in ranges:
+                    start, end = group[0].offset, group[-1].offset + group[-1].nbytes
+                    lo, hi = start // _DIRECT_ALIGN * _DIRECT_ALIGN, -(-end // _DIRECT_ALIGN) * _DIRECT_ALIGN
+                    if pin_memory:
+                        buf = torch.empty(hi - lo, dtype=torch.uint8, pin_memory=True)
+                        if buf.data_ptr() % _DIRECT_ALIGN:
+                            raise _DirectRefused("pinned buffer not page-aligned")
+                        view = memoryview(buf.numpy())
+                    else:
+                        region = mmap.mmap(-1, hi - lo)
+                        view = memoryview(region)
+                        buf = torch.frombuffer(region, dtype=torch.uint8)
+                    got = 0
+                    while got < end - lo:
+                        try:
+                            n = os.preadv(fd, [view[got:]], lo + got)
+                        except OSError as exc:
+                            if got == 0 and exc.errno == 22:  # EINVAL: the file system takes no O_DIRECT
+                                raise _DirectRefused(str(exc)) from None
+                            raise UserError(f"reading {file} failed ({exc.strerror or exc}): the shard is missing, "
+                                            "damaged or was changed during the run; restore it and run again") from None
+                        if not n:
+                            raise UserError(f"reading {file} failed (file ended {end - lo - got} bytes early): the shard "
+                                            "is missing, damaged or was changed during the run; restore it and run again")
+                        got += n
+                    for t in group:
+                        out[t.name] = _tensor_view(buf, t.offset - lo, t)
+            finally:
+                os.close(fd)
+        return out
+
+    def _ranges(self, names: list[str]) -> dict[str, list[list[TensorInfo]]]:
+        """Per shard, the tensors of `names` in coalesced byte ranges (gaps up to _COALESCE_GAP read through)."""
+        by_shard: dict[str, list[TensorInfo]] = {}
+        for n in names:
+            by_shard.setdefault(self.tensors[n].shard, []).append(self.tensors[n])
+        out = {}
+        for shard, infos in by_shard.items():
+            infos.sort(key=lambda t: t.offset)
+            ranges: list[list[TensorInfo]] = []
+            for t in infos:
+                if ranges and t.offset - (ranges[-1][-1].offset + ranges[-1][-1].nbytes) <= _COALESCE_GAP:
+                    ranges[-1].append(t)
+                else:
+                    ranges.append([t])
+            out[shard] = ranges
         return out
 
     # ------------------------------------------------------------------------------------------ materialising
@@ -447,16 +520,29 @@ class Checkpoint:
                 target = expected[rel]
                 out_dtype = _target_dtype(prefix + rel, target, dtype, fp32)
                 dst = torch.empty(tuple(target.shape), dtype=out_dtype, device=device)
-                self._fill(dst, name, quantised, raw, what)
+                scale_rel = _scale_name(rel) if _kept_fp8(out_dtype) else None
+                scale = None
+                if scale_rel is not None:  # an FP8 weight kept as stored (--weight-math fp8): its scales beside it
+                    if scale_rel not in expected:
+                        raise UserError(f"{self.path}: {name} is kept in FP8 but the model's {what} has no {scale_rel}")
+                    scale = torch.empty(tuple(expected[scale_rel].shape), dtype=torch.float32, device=device)
+                self._fill(dst, name, quantised, raw, what, scale)
                 _set_tensor(root, rel, dst)
                 done.add(rel)
+                if scale_rel is not None:
+                    _set_tensor(root, scale_rel, scale)
+                    done.add(scale_rel)
         for base, dst in fused.items():
+            if base not in fused_filled:  # an FP8 experts' block scales: set with their codes below
+                continue
             want = dst.shape[0] * (1 if base.endswith("down_proj") else 2)
             if len(fused_filled[base]) != want:
                 raise UserError(f"{self.path}: the checkpoint holds {len(fused_filled[base])} of the {want} expert weights "
                                 f"of {prefix}{base} ({what}): it does not match its config.json")
-            _set_tensor(root, base, dst)
-            done.add(base)
+            for name in (base, _scale_name(base)):
+                if name in fused:
+                    _set_tensor(root, name, fused[name])
+                    done.add(name)
         if skip_layers and "lm_head.weight" in expected and "lm_head.weight" not in done:
             if getattr(root.config, "tie_word_embeddings", False) and hasattr(root, "tie_weights"):
                 root.tie_weights()
@@ -466,8 +552,14 @@ class Checkpoint:
             raise UserError(f"{self.path}: the checkpoint has no {missing[0]} for the model's {what}"
                             f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}: it does not match its config.json")
 
-    def _fill(self, dst: torch.Tensor, name: str, quantised: Mapping[str, QuantisedWeight], raw: RawTensors, what: str) -> None:
+    def _fill(self, dst: torch.Tensor, name: str, quantised: Mapping[str, QuantisedWeight], raw: RawTensors, what: str,
+              scale_dst: torch.Tensor | None = None) -> None:
+        """dst <- the stored tensor `name`: copied, or dequantised; an FP8 destination (`--weight-math fp8`) takes the
+        codes as stored and `scale_dst` the block scales."""
         q = quantised.get(name)
+        if _kept_fp8(dst.dtype):
+            self._fill_fp8(dst, scale_dst, name, q, raw, what)
+            return
         if q is None:
             src = raw.tensors[name]
             if tuple(src.shape) != tuple(dst.shape):
@@ -500,17 +592,43 @@ class Checkpoint:
             fused[base] = torch.empty(tuple(target.shape), dtype=_target_dtype(prefix + base, target, dtype, fp32),
                                       device=device)
             fused_filled[base] = set()
+            scale_base = _scale_name(base)
+            if _kept_fp8(fused[base].dtype):  # FP8 experts: their block scales fused the same way
+                if scale_base not in expected:
+                    raise UserError(f"{self.path}: {name} is kept in FP8 but the model's {what} has no {scale_base}")
+                fused[scale_base] = torch.empty(tuple(expected[scale_base].shape), dtype=torch.float32, device=device)
         dst = fused[base]
         if e >= dst.shape[0]:
             raise UserError(f"{self.path}: {name}: expert {e} of a model with {dst.shape[0]} experts")
+        scale = fused.get(_scale_name(base))
         if proj == "down_proj":
-            view = dst[e]
+            view, scale_view = dst[e], None if scale is None else scale[e]
         else:
             half = dst.shape[1] // 2
             view = dst[e, :half] if proj == "gate_proj" else dst[e, half:]
-        self._fill(view, name, quantised, raw, what)
+            if scale is not None:  # gate's block rows, then up's (fp8_linear.Fp8Experts)
+                sh = scale.shape[1] // 2
+                scale_view = scale[e, :sh] if proj == "gate_proj" else scale[e, sh:]
+            else:
+                scale_view = None
+        self._fill(view, name, quantised, raw, what, scale_view)
         fused_filled[base].add((e, proj))
         return True
+
+    def _fill_fp8(self, dst: torch.Tensor, scale_dst: torch.Tensor | None, name: str, q: QuantisedWeight | None,
+                  raw: RawTensors, what: str) -> None:
+        """An FP8 128x128 block weight copied as stored: codes into `dst`, block scales into `scale_dst`."""
+        if q is None or q.scheme != "fp8-block" or scale_dst is None:
+            raise UserError(f"{self.path}: {name} is not an FP8 block weight, but the model's {what} keeps it in FP8: "
+                            "use --weight-math dequant")
+        codes, scale = raw.tensors[q.parts["codes"]], raw.tensors[q.parts["scale"]]
+        if tuple(codes.shape) != tuple(dst.shape) or tuple(scale.shape) != tuple(scale_dst.shape):
+            raise UserError(f"{self.path}: {name} is stored as {list(codes.shape)} with scales {list(scale.shape)}, the "
+                            f"model's {what} wants {list(dst.shape)} with {list(scale_dst.shape)}: the checkpoint does "
+                            "not match its config.json (or its blocks are not 128x128)")
+        check_scale_values(self, q, raw.tensors)  # as every read path: a scale no quantiser writes is refused
+        dst.view(torch.uint8).copy_(codes.view(torch.uint8).to(dst.device, non_blocking=True))
+        scale_dst.copy_(scale.to(scale_dst.device, non_blocking=True))
 
     def _model_class(self):
         return _causal_lm_class(self.raw_config)
@@ -561,6 +679,17 @@ def _format_bytes(fmt: WeightFormat, scheme: str, role: str, shape: tuple[int, .
     if scheme == "ct-fp8":
         return out * model_bytes  # per channel
     return out * (inn // (fmt.group_size or 16))  # NVFP4 E4M3 group scales
+
+
+def _kept_fp8(dtype: torch.dtype) -> bool:
+    """A destination that keeps FP8 codes as stored (mla_eval.model.fp8_linear) rather than dequantised values."""
+    return dtype == torch.float8_e4m3fn
+
+
+def _scale_name(weight: str) -> str:
+    """The block-scale tensor beside an FP8 weight kept as stored: `X.weight` -> `X.weight_scale_inv` (the
+    checkpoint's own name), `...experts.gate_up_proj` -> `...experts.gate_up_proj_scale_inv`."""
+    return weight + "_scale_inv"
 
 
 def _persistent_buffers(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -689,14 +818,30 @@ def quantised_weights(path: str | Path) -> bool:
     return isinstance(raw, dict) and read_weight_format(path, raw).method != "none"
 
 
+def apply_weight_math(model: torch.nn.Module, ckpt: Checkpoint, weight_math: str = "auto") -> dict:
+    """Decide the weight math of a model built on the meta device from `ckpt` (mla_eval.model.fp8_linear) and, for
+    fp8, swap its FP8 modules in before any weight is read; the record (math, reason, what was converted) is kept on
+    the model (`mla_eval_weight_math`) for results."""
+    from mla_eval.model.fp8_linear import convert, resolve_weight_math
+
+    math, reason = resolve_weight_math(weight_math, ckpt.format)
+    record = {"math": math, "reason": reason}
+    if math == "fp8":
+        record.update(convert(model, ckpt.quantised, ckpt.num_layers))
+    model.mla_eval_weight_math = record
+    return record
+
+
 def load_resident(path: str | Path, config, device: torch.device, dtype: torch.dtype,
-                  attn_implementation: str | None = None) -> torch.nn.Module:
-    """The whole model on `device`, every layer read and materialised through the reader (resident)."""
+                  attn_implementation: str | None = None, weight_math: str = "dequant") -> torch.nn.Module:
+    """The whole model on `device`, every layer read and materialised through the reader (resident); `weight_math`
+    as `apply_weight_math` takes it."""
     ckpt = Checkpoint.open(path, require_weights=True)
     model = empty_model(config, dtype, attn_implementation)
     layers = model.model.layers
     if len(layers) != ckpt.num_layers:
         raise UserError(f"{ckpt.path}: config.json builds {len(layers)} layers, the checkpoint has {ckpt.num_layers}")
+    apply_weight_math(model, ckpt, weight_math)
     for i, layer in enumerate(layers):
         ckpt.materialise(layer, ckpt.read_layer(i), device, dtype)
     ckpt.materialise_rest(model, ckpt.read_rest(), device, dtype)

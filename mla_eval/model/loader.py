@@ -17,9 +17,12 @@ from mla_eval.errors import UserError
 from mla_eval.formats import check_model_dims
 from mla_eval.model.adapter import DSA_TYPES, SUPPORTED, MlaAdapter, check_supported, stock_attention
 from mla_eval.model.checkpoint import load_resident, quantised_weights
+from mla_eval.model.experts import DEFAULT_EXPERTS, check_experts, select_experts
+from mla_eval.model.fp8_linear import check_weight_math
 from mla_eval.model.indexer import INDEXER_FIELDS
 from mla_eval.model.random_models import build_random_model, is_random_spec, parse_random_spec
 from mla_eval.model.rope_scaling import apply_yarn, describe, parse_rope_scaling
+from mla_eval.model.strategy import ExecutionRequest, check_request
 from mla_eval.model_presets import preset_names
 
 # The one help text of every command's --model option.
@@ -72,6 +75,14 @@ class LoadedModel:
         """What the weights were as stored (`Checkpoint.describe()`: method, quantised tensors), for results; None
         for a model that never went through the checkpoint reader."""
         return getattr(self.model, "mla_eval_weights", None)
+
+    def compute(self) -> dict:
+        """How the weights compute, for results: the weight math (mla_eval.model.fp8_linear) and what runs the routed
+        experts (mla_eval.model.experts; None without experts)."""
+        from mla_eval.model.experts import describe
+
+        math = getattr(self.model, "mla_eval_weight_math", None) or {"math": "dequant", "reason": "weights built in memory"}
+        return {"weight_math": math, "experts": describe(self.model)}
 
     @property
     def max_positions(self) -> int:
@@ -227,6 +238,8 @@ def load_model(
     rope_scaling: str | None = None,
     max_memory: str | None = None,
     streamed: bool = False,
+    experts: str = DEFAULT_EXPERTS,
+    weight_math: str = "auto",
 ) -> LoadedModel:
     """Load weights + tokenizer, patch the attention modules, put the model in eval mode.
 
@@ -244,18 +257,28 @@ def load_model(
     rope_scaling 'yarn:FACTOR' extends the checkpoint's context (mla_eval.model.rope_scaling).
     streamed: a checkpoint's decoder layers are not loaded (they stay on the meta device): the embeddings, final
     norm and head are, and `LoadedModel.checkpoint` reads each layer when the layer-major executor runs it.
+    experts: the routed experts' implementation (mla_eval.model.experts); weight_math: how quantised weights compute
+    (mla_eval.model.fp8_linear: auto, dequant, fp8).
     Environment variables and transformers' logging state are changed only during the load.
     """
     if device_map not in DEVICE_MAPS:
         raise UserError(f"--device-map {device_map!r}: one of {', '.join(DEVICE_MAPS)}")
     factor = parse_rope_scaling(rope_scaling)
     cap = check_max_memory(max_memory, device_map)
+    check_experts(experts)
+    check_weight_math(weight_math)
+    # the execution refusals (a device map never streams nor holds quantised weights): mla_eval.model.strategy
+    check_request(ExecutionRequest(model, device_map=device_map, offload="stream" if streamed else "auto"))
     with _quiet_offline():
         if model is not None and is_random_spec(str(model)):
             if factor is not None:
                 raise UserError("--rope-scaling applies to checkpoints; a random:<preset> model keeps its preset's rope/yarn")
-            return _load_random(str(model), device, dtype, device_map)
-        return _load_checkpoint(model, device, dtype, device_map, factor, cap, streamed)
+            _refuse_fp8_of_random(weight_math)
+            lm = _load_random(str(model), device, dtype, device_map)
+        else:
+            lm = _load_checkpoint(model, device, dtype, device_map, factor, cap, streamed, weight_math)
+    select_experts(lm.model, experts)
+    return lm
 
 
 def _load_random(text: str, device: str | None, dtype: str, device_map: str) -> LoadedModel:
@@ -277,6 +300,12 @@ def _load_random(text: str, device: str | None, dtype: str, device_map: str) -> 
     )
 
 
+def _refuse_fp8_of_random(weight_math: str) -> None:
+    if weight_math == "fp8":
+        raise UserError("--weight-math fp8 computes a checkpoint's FP8 weights as stored; a random:<preset> model "
+                        "has bf16 weights: drop it")
+
+
 def _random_skeleton(text: str, device: str | None, dtype: str) -> LoadedModel:
     """A random model planned from its shapes alone: every parameter on the meta device, nothing drawn (a 61-layer
     DeepSeek-V3 would need ~48 GiB built)."""
@@ -296,7 +325,7 @@ def _random_skeleton(text: str, device: str | None, dtype: str) -> LoadedModel:
 
 def _load_checkpoint(
     model: str | Path | None, device: str | None, dtype: str, device_map: str, yarn_factor: float | None = None,
-    cap: int | None = None, streamed: bool = False,
+    cap: int | None = None, streamed: bool = False, weight_math: str = "auto",
 ) -> LoadedModel:
     from transformers import AutoModelForCausalLM
 
@@ -316,9 +345,7 @@ def _load_checkpoint(
     tokenizer = _tokenizer(path)
     attn = stock_attention(config.model_type)
     if streamed:
-        if device_map == "auto":
-            raise UserError("--offload stream runs one layer at a time on one device; drop --device-map auto")
-        hf, ckpt = _streamed_skeleton(path, config, dev, torch_dtype, attn)
+        hf, ckpt = _streamed_skeleton(path, config, dev, torch_dtype, attn, weight_math)
         return LoadedModel(
             model=hf, tokenizer=tokenizer, adapter=MlaAdapter(hf), path=path,
             name="mla-eval default model" if is_default else path.name, device=dev, is_default=is_default,
@@ -330,15 +357,15 @@ def _load_checkpoint(
             if not torch.cuda.is_available():
                 raise UserError("--max-memory caps each GPU, but no CUDA GPU is visible; drop it on a CPU machine")
             extra["max_memory"] = gpu_max_memory(cap, torch.cuda.device_count())
-        if quantised_weights(path):  # FP8 / NVFP4 weights: our reader dequantises them (mla_eval.model.checkpoint)
-            if device_map == "auto":
-                raise UserError(f"{path} holds quantised weights: --device-map auto loads only bf16/fp32 checkpoints; drop it")
-            hf = load_resident(path, config, dev, torch_dtype, attn)
+        if quantised_weights(path):  # FP8 / NVFP4 weights: our reader materialises them (mla_eval.model.checkpoint)
+            hf = load_resident(path, config, dev, torch_dtype, attn, weight_math)
         else:
+            resolve_math(weight_math, None)  # fp8 asked of a bf16 checkpoint: refused here
             _check_headers(path)  # as every path: a config that does not describe its shards is refused, not loaded
             hf = AutoModelForCausalLM.from_pretrained(
                 path, config=config, dtype=torch_dtype, attn_implementation=attn, local_files_only=True, **extra
             )
+            hf.mla_eval_weight_math = {"math": "dequant", "reason": resolve_math(weight_math, None)[1]}
     except (OSError, ValueError) as exc:
         raise UserError(f"cannot load weights from {path} ({str(exc).splitlines()[0]})") from None
     if device_map == "auto":
@@ -366,6 +393,12 @@ def _load_checkpoint(
     )
 
 
+def resolve_math(weight_math: str, fmt) -> tuple[str, str]:
+    from mla_eval.model.fp8_linear import resolve_weight_math
+
+    return resolve_weight_math(weight_math, fmt)
+
+
 def _check_headers(path: Path) -> None:
     """The shards' headers against config.json (mla_eval.model.weight_checks) before transformers reads a weight."""
     from mla_eval.model.checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint
@@ -374,14 +407,16 @@ def _check_headers(path: Path) -> None:
         Checkpoint.open(path, require_weights=True)
 
 
-def _skeleton(path: Path, config, dtype: torch.dtype, attn: str, require_weights: bool):
-    """The model built from config.json with every parameter on the meta device, and its checkpoint (headers only)."""
-    from mla_eval.model.checkpoint import Checkpoint, empty_model
+def _skeleton(path: Path, config, dtype: torch.dtype, attn: str, require_weights: bool, weight_math: str = "auto"):
+    """The model built from config.json with every parameter on the meta device (FP8 modules where the weight math
+    keeps FP8 weights as stored), and its checkpoint (headers only)."""
+    from mla_eval.model.checkpoint import Checkpoint, apply_weight_math, empty_model
 
     ckpt = Checkpoint.open(path, require_weights=require_weights)
     hf = empty_model(config, dtype, attn)
     if len(hf.model.layers) != ckpt.num_layers:
         raise UserError(f"{path}: config.json builds {len(hf.model.layers)} layers, the checkpoint has {ckpt.num_layers}")
+    apply_weight_math(hf, ckpt, weight_math)
     hf.mla_eval_weights = ckpt.describe()
     return hf, ckpt
 
@@ -402,26 +437,31 @@ def buffers_to(model: torch.nn.Module, dev: torch.device) -> None:
                 module._buffers[name] = buf.to(dev)
 
 
-def _streamed_skeleton(path: Path, config, dev: torch.device, dtype: torch.dtype, attn: str):
+def _streamed_skeleton(path: Path, config, dev: torch.device, dtype: torch.dtype, attn: str, weight_math: str = "auto"):
     """The model with only its embeddings, final norm and head loaded (decoder layers on the meta device), and the
     checkpoint its layers will be read from."""
-    hf, ckpt = _skeleton(path, config, dtype, attn, require_weights=True)
+    hf, ckpt = _skeleton(path, config, dtype, attn, require_weights=True, weight_math=weight_math)
     _materialise_rest(hf, ckpt, dev, dtype)
     return hf.eval(), ckpt
 
 
 def load_skeleton(model: str | Path | None, device: str | None = None, dtype: str = "auto",
-                  rope_scaling: str | None = None, require_weights: bool = True) -> LoadedModel:
+                  rope_scaling: str | None = None, require_weights: bool = True, experts: str = DEFAULT_EXPERTS,
+                  weight_math: str = "auto") -> LoadedModel:
     """A checkpoint's model with no weight read (every parameter on the meta device), its tokenizer, and its
     checkpoint's plan (`LoadedModel.checkpoint`): what a run plan needs before deciding how to load.
     `require_weights=False` accepts a folder holding only config.json, the safetensors index and the tokenizer
     (planning a download). `stream(lm)` turns it into a streamed model; nothing else may run it. A `random:<preset>`
     spec gives its model on the meta device (a dry run plans from its shapes; it has no checkpoint)."""
     factor = parse_rope_scaling(rope_scaling)
+    check_weight_math(weight_math)
     if model is not None and is_random_spec(str(model)):
         if factor is not None:
             raise UserError("--rope-scaling applies to checkpoints; a random:<preset> model keeps its preset's rope/yarn")
-        return _random_skeleton(str(model), device, dtype)
+        _refuse_fp8_of_random(weight_math)
+        lm = _random_skeleton(str(model), device, dtype)
+        select_experts(lm.model, check_experts(experts))
+        return lm
     with _quiet_offline():
         is_default = model is None
         path = default_model_path() if is_default else Path(model).expanduser()
@@ -430,7 +470,9 @@ def load_skeleton(model: str | Path | None, device: str | None = None, dtype: st
             apply_yarn(config, factor)
         dev = resolve_device(device)
         tokenizer = _tokenizer(path)
-        hf, ckpt = _skeleton(path, config, _torch_dtype(dtype, dev), stock_attention(config.model_type), require_weights)
+        hf, ckpt = _skeleton(path, config, _torch_dtype(dtype, dev), stock_attention(config.model_type), require_weights,
+                             weight_math)
+    select_experts(hf, check_experts(experts))
     return LoadedModel(
         model=hf.eval(), tokenizer=tokenizer, adapter=MlaAdapter(hf), path=path,
         name="mla-eval default model" if is_default else path.name, device=dev, is_default=is_default,

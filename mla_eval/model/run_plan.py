@@ -198,28 +198,48 @@ class RunPlan:
     cost: LayerCost | None = None
     read_bytes_per_second: float | None = None
     read_source: str = ""
+    layers_on_device: int = 0  # stream mode: 2 where the next layer materialises while this one computes, else 1
 
-    def projected_seconds(self) -> float | None:
-        """Forwards x layers x the measured layer cost, and for a streamed run each pass's layer time bounded below
-        by the read of that layer (the next layer's read overlaps this layer's compute)."""
+    def projected_split(self) -> dict[str, float] | None:
+        """Where the projected time goes, seconds: `forwards` (forwards x layers x the measured layer cost), `reads`
+        (for a streamed run, what the reads add where a layer's read outlasts the compute it overlaps: the next
+        layer's read overlaps this layer's compute), `loss` (the output head and loss of every forward, after the
+        layers). None without a measured cost."""
         if self.cost is None:
             return None
         forwards = self.workload.batches * self.workload.forwards_per_batch
         n = len(self.weights.layer_bytes)
         head = forwards * self.cost.head_seconds  # after the layers, never overlapped with a read
         if self.mode != "stream":
-            return forwards * sum(self.cost.of(i) for i in range(n)) + head
+            return {"forwards": forwards * sum(self.cost.of(i) for i in range(n)), "reads": 0.0, "loss": head}
+        compute, bounded = self._streamed_layers()
+        return {"forwards": compute, "reads": max(0.0, bounded - compute), "loss": head}
+
+    def _streamed_layers(self) -> tuple[float, float]:
+        """A streamed run's layer time: (compute alone, each pass's layer time bounded below by that layer's read)."""
+        forwards = self.workload.batches * self.workload.forwards_per_batch
         per_pass_forwards = self.batches_per_pass * self.workload.forwards_per_batch
-        total = 0.0
+        compute_total, total = 0.0, 0.0
         left = forwards
         for _ in range(self.passes):
             now = min(left, per_pass_forwards)
             left -= now
-            for layer in range(n):
+            for layer in range(len(self.weights.layer_bytes)):
                 compute = now * self.cost.of(layer)
                 read = self.weights.stored_layer_bytes[layer] / self.read_bytes_per_second if self.read_bytes_per_second else 0.0
+                compute_total += compute
                 total += max(compute, read)
-        return total + head
+        return compute_total, total
+
+    def projected_seconds(self) -> float | None:
+        """Forwards x layers x the measured layer cost, and for a streamed run each pass's layer time bounded below
+        by the read of that layer (the next layer's read overlaps this layer's compute); `projected_split` parts it."""
+        split = self.projected_split()
+        if split is None:
+            return None
+        if self.mode != "stream":
+            return split["forwards"] + split["loss"]
+        return self._streamed_layers()[1] + split["loss"]
 
     def as_dict(self) -> dict[str, Any]:
         w = self.weights
@@ -237,6 +257,7 @@ class RunPlan:
                 "stream_bytes_per_forward": self.workload.stream_bytes, "forwards_per_batch": self.workload.forwards_per_batch,
                 "window_batches": self.workload.batches, "streams_on": self.streams_on,
                 "batches_per_pass": self.batches_per_pass, "passes": self.passes,
+                "layers_on_device": self.layers_on_device,
                 "peak_device_bytes": self.peak_device_bytes, "peak_host_bytes": self.peak_host_bytes,
             },
             "time": {
@@ -246,7 +267,7 @@ class RunPlan:
                 "layer_peak_bytes": None if self.cost is None else self.cost.peak_bytes,
                 "cost_source": None if self.cost is None else self.cost.source,
                 "read_bytes_per_second": self.read_bytes_per_second, "read_source": self.read_source,
-                "projected_seconds": self.projected_seconds(),
+                "projected_seconds": self.projected_seconds(), "projected_split": self.projected_split(),
             },
         }
 
@@ -262,9 +283,11 @@ class RunPlan:
                    f"({self.budget.source}); {m.batches} window batches x {m.forwards_per_batch} forwards, "
                    f"{_gib(m.stream_bytes)} per forward's stream")
         if self.mode == "stream":
+            overlap = ("the next layer materialised while one computes" if self.layers_on_device == 2 else
+                       "one layer on the device at a time")
             out.append(f"streams: in {self.streams_on} memory, {self.batches_per_pass} window batches per pass, "
-                       f"{self.passes} pass(es) over the layers; peak {self.budget.device} {_gib(self.peak_device_bytes)}, "
-                       f"host {_gib(self.peak_host_bytes)}")
+                       f"{self.passes} pass(es) over the layers, {overlap}; peak {self.budget.device} "
+                       f"{_gib(self.peak_device_bytes)}, host {_gib(self.peak_host_bytes)}")
         else:
             out.append(f"peak {self.budget.device} memory: about {_gib(self.peak_device_bytes)}")
         seconds = self.projected_seconds()
@@ -273,8 +296,11 @@ class RunPlan:
                     if self.read_bytes_per_second else "")
             head = (f", {self.cost.head_seconds * 1e3:.3g} ms of output head and loss per forward"
                     if self.cost.head_seconds else "")
+            split = self.projected_split()
             out.append(f"time: {self.cost.seconds * 1e3:.3g} ms per layer-forward{head} ({self.cost.source}){read}; "
-                       f"projected {_duration(seconds)} of forwards and loss (calibration not included)")
+                       f"projected {_duration(seconds)} of forwards and loss (calibration not included): "
+                       f"forwards {_duration(split['forwards'])}, reads beyond compute {_duration(split['reads'])}, "
+                       f"loss {_duration(split['loss'])}")
         return out
 
 
@@ -307,6 +333,12 @@ def plan_run(
         return RunPlan("resident", why, peak_device_bytes=resident_peak, **common)
     # one decoder layer on the device; the next one's read waits in (pinned) host memory until this layer is released
     fixed = weights.other_bytes + max(weights.layer_bytes) + activations
+    # on a GPU the next layer is materialised while this one computes (executor.CheckpointLoader): a second layer's
+    # weights on the device, where the room beside one window batch's streams allows it
+    overlap = budget.device.startswith("cuda") and (
+        fixed + max(weights.layer_bytes) + workload.batch_stream_bytes <= budget.device_bytes)
+    if overlap:
+        fixed += max(weights.layer_bytes)
     if fixed > budget.device_bytes:
         raise UserError(
             f"even streamed, the device needs {_gib(fixed)} (embeddings and head {_gib(weights.other_bytes)}, one decoder "
@@ -333,4 +365,4 @@ def plan_run(
     peak_device = fixed + (per_pass * per_batch if where == "device" else per_batch)
     peak_host = per_pass * per_batch if where == "host" else 0
     return RunPlan("stream", why, streams_on=where, batches_per_pass=per_pass, passes=passes,
-                   peak_device_bytes=peak_device, peak_host_bytes=peak_host, **common)
+                   peak_device_bytes=peak_device, peak_host_bytes=peak_host, layers_on_device=2 if overlap else 1, **common)

@@ -26,6 +26,11 @@ if ! python3 -c 'import cutlass, jsonschema' 2>/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .devwheels/c2/*.whl || exit 4
     cat /tmp/devwheels/cu13.part0 .devwheels/c2/cu13.part1 | xz -dc | tar xf - -C /tmp/site || exit 4
 fi
+# DeepGEMM (the sgl-deep-gemm wheel, ~5 MB, prepare.sh puts it in .devwheels/fp8): FP8 weight math's kernels
+# (mla_eval.model.deepgemm). Any call may carry it; installed once per machine.
+if ls .devwheels/fp8/sgl_deep_gemm-*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/deep_gemm ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .devwheels/fp8/*.whl || exit 4
+fi
 model=mla_eval/default_model/model.safetensors
 if [ ! -f "$model" ] && [ -f .devwheels/c2/model.safetensors.xz ]; then
     xz -dc .devwheels/c2/model.safetensors.xz > "$model"
@@ -35,6 +40,7 @@ python3 -m pip install -q -e . --no-deps --no-build-isolation 2>&1 | grep -v "WA
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 python3 -c "import torch, cutlass; print('torch', torch.__version__, 'cutlass-dsl', getattr(cutlass, '__version__', '?'),
 torch.cuda.get_device_name(), torch.cuda.get_device_capability())" || exit 4
+[ -d /tmp/site/deep_gemm ] && python3 -c "import torch, deep_gemm; print('deep_gemm', deep_gemm.__file__)" 2>&1 | tail -1
 [ $# -gt 0 ] || exit 0
 rc=0 args=()
 for a in "$@" ::; do  # STEP [options] :: STEP [options] ...

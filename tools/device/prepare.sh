@@ -2,7 +2,8 @@
 # Here (the CPU machine), from the repository root: the payload of the two device calls that install CuTe DSL and the
 # jsonschema wheels on a fresh GPU machine and bring the embedded model's weights, inside the 64 MiB a call carries.
 #
-#   bash tools/device/prepare.sh            # -> .devwheels/c1 (~55 MB), .devwheels/c2 (~47 MB); .devdata/ (wikitext-2)
+#   bash tools/device/prepare.sh            # -> .devwheels/c1 (~55 MB), .devwheels/c2 (~47 MB), .devwheels/fp8 (~5 MB);
+#                                           #    .devdata/ (wikitext-2)
 #
 # The CUDA-13 library wheel of nvidia-cutlass-dsl is ~92 MB zipped; unpacked and xz-compressed it is ~64 MB, split
 # across the two calls. The tracked weights (45 MB) travel xz-compressed (32 MB) in call 2, with the tracked file
@@ -19,6 +20,11 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
 # jsonschema (mla-eval validates every result document) and what it needs beyond the GPU image
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $plat -d .devwheels/js \
   "jsonschema==4.26.0" jsonschema-specifications referencing rpds-py
+# DeepGEMM's FP8 GEMMs (sgl-deep-gemm: a prebuilt CUDA-13 wheel, ~5 MB, no dependencies): its own carry folder,
+# .devwheels/fp8, carried by any call that computes FP8 weight math (steps fp8, moe; tests)
+mkdir -p .devwheels/fp8
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $plat -d .devwheels/fp8 \
+  "sgl-deep-gemm==0.2.5"
 rm -rf .devwheels/c1 .devwheels/c2 && mkdir -p .devwheels/c1 .devwheels/c2
 big=$(ls .devwheels/dl/nvidia_cutlass_dsl_libs_cu13-*.whl)
 if [ ! -f .devwheels/cu13.tar.xz ] || [ "$big" -nt .devwheels/cu13.tar.xz ]; then
@@ -37,5 +43,5 @@ if [ ! -f .devwheels/model.safetensors.xz ] || [ "$(cat .devwheels/model.sha256 
 fi
 cp .devwheels/model.safetensors.xz .devwheels/model.sha256 .devwheels/c2/
 mkdir -p .devdata && cp ../shared/data/wikitext-2/wiki.test.raw .devdata/
-du -sh .devwheels/c1 .devwheels/c2 .devdata
+du -sh .devwheels/c1 .devwheels/c2 .devwheels/fp8 .devdata
 echo "ready: tools/device/README.md gives the two calls"

@@ -137,6 +137,28 @@ _module_step("prod", "benchmarks.production_bench", "every preset geometry: cost
 _module_step("memory", "benchmarks.memory_bench", "peak GPU memory per phase at production geometry", 400)
 _module_step("stream", "benchmarks.stream_bench", "layer streaming at full width, read rate, projections", 580,
              needs_text=True)
+_module_step("moe", "benchmarks.moe_bench", "one MoE block per preset geometry at 2K/16K/64K tokens: eager, grouped_mm "
+             "and fp8 (DeepGEMM: carry .devwheels/fp8) beside the bf16 matmul ceiling of the same run", 560)
+
+
+# ---------------------------------------------------------------------------------------------------- fp8
+FP8_TESTS = ("tests/test_fp8_gpu.py", "tests/test_compute_paths_gpu.py")
+
+
+@step("fp8", "FP8 weight math: DeepGEMM dense and grouped against the torch reference, and each format's KLD across "
+      "expert paths and weight maths (MLA_EVAL_FP8_GEMM=deepgemm: a DeepGEMM that cannot load fails; carry "
+      ".devwheels/fp8)")
+def _fp8(p):
+    p.add_argument("-k", dest="expr", help="pytest -k expression")
+    p.add_argument("--limit-s", type=int, default=560, help="time limit of the whole run")
+
+    def go(a):
+        # -s: the KLD tests print each run's rows, the figures the pass / fail is about
+        argv = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-rfE", *FP8_TESTS]
+        argv += ["-k", a.expr] if a.expr else []
+        return run("pytest", argv, out_dir("fp8"), a.limit_s, env={"MLA_EVAL_FP8_GEMM": "deepgemm"}, tail=60)
+
+    return go
 
 
 @step("ncu", "ncu --set full of one attention launch (benchmarks.profile_dense): details and SASS source pages")
