@@ -32,6 +32,7 @@ from mla_eval.evals.settings import check_ctx
 from mla_eval.evals.text_sources import TokenSource
 from mla_eval.evals.variants import Variant, session_formats
 from mla_eval.formats import OuterScales, get_format
+from mla_eval.model import deepseek_v4
 from mla_eval.model.executor import LayerLoader, WindowForward
 from mla_eval.model.session import PREFILL_MODES, CacheSession
 from mla_eval.protocol import ProgressCallback, no_progress
@@ -430,6 +431,8 @@ def _window_forward(
     schedule and the positions whose final hidden states the loss reads. `lazy`: caches allocated per layer as it
     runs (the layer-major executor). `keep_exact` (default: with observers) keeps the unquantised latents that the
     layer statistics compare with; the reference's top-k recorder needs none."""
+    if getattr(lm.adapter, "is_v4", False):  # DeepSeek-V4: the session is the attention's own cache argument
+        return deepseek_v4.window_forward(lm, variant, ids, score_from)
     b, t = ids.shape
     chunk = semantics.forward_chunk(t, lm.adapter.is_dsa)
     if lm.adapter.is_dsa:

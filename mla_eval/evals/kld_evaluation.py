@@ -48,6 +48,8 @@ from mla_eval.evals.settings import (
 )
 from mla_eval.evals.variants import PlanVariant, Variant, check_plan_layers, parse_variants
 from mla_eval.formats import OuterScales
+from mla_eval.formats.v4 import V4_CONFIGS
+from mla_eval.model.deepseek_v4 import check_variant
 from mla_eval.model.run_plan import OFFLOAD_MODES
 from mla_eval.protocol import ProgressCallback, no_progress, option, say
 from mla_eval.result_schemas import KLD_SCHEMA
@@ -344,6 +346,25 @@ def _sources(lm, st: KldSettings, needs_outer: bool, progress: ProgressCallback)
     return source, None
 
 
+def v4_settings(st: KldSettings, lm) -> tuple[KldSettings, list[str]]:
+    """The settings a DeepSeek-V4 model runs (`model.deepseek_v4`): the default --formats become its cache
+    configurations; per-layer statistics are off (no latent to compare); and the notes that say so."""
+    if not getattr(lm.adapter, "is_v4", False):
+        return st, []
+    notes = ["DeepSeek-V4: each row is a cache configuration (sliding-window and compressed heads through their "
+             "records, indexer keys exact); the attention is the model's own (transformers' eager, sinks and top-k "
+             "included) over the heads as the records read them, one whole window per forward"]
+    changes: dict = {}
+    if st.formats == DEFAULT_FORMATS:
+        changes["formats"] = ",".join(c.name for c in V4_CONFIGS if c.name != "bf16")
+    if st.layer_stats:
+        changes["layer_stats"] = False
+        notes.append("per-layer statistics are not measured on DeepSeek-V4 (--no-layer-stats implied)")
+    for v in (*parse_variants(changes.get("formats", st.formats), plans=True), *parse_variants(st.ref, option="--ref")):
+        check_variant(v)
+    return (dataclasses.replace(st, **changes) if changes else st), notes
+
+
 def _protocol(st: KldSettings, lm, source: text_sources.TokenSource) -> tuple[KldProtocol, str | None]:
     """The resolved protocol of a run (every default decided once) and why auto prefill chose absorbed, if it did."""
     ctx = st.resolved_ctx(source.kind == "self-samples")
@@ -436,6 +457,9 @@ def evaluate_kld(st: KldSettings, progress: ProgressCallback = no_progress) -> K
         phases = kld_plan.PhasePeaks(resolve_device(st.device) if st.device_map == "none" else None)
         phases.start("load")
         lm = kld_plan.open_model(st)
+        st, v4_notes = v4_settings(st, lm)
+        variants, ref = st.variants(), st.ref_variant()
+        needs_outer = any(v.outer for v in [*variants, ref, *filter(None, [st.explain_variant()])])
         if given is not None:
             given.check_layers(lm.num_layers, source=st.scales)
         check_plan_layers(variants, lm.num_layers)
@@ -447,7 +471,7 @@ def evaluate_kld(st: KldSettings, progress: ProgressCallback = no_progress) -> K
         kp = kld_plan.plan_kld(lm, source, protocol, st.offload, measure=False, ref_file=st.ref_file, rank=rank,
                                world=world)
         loader = streaming = None
-        notes = []
+        notes = list(v4_notes)
         if kp.plan.mode == "stream":
             from mla_eval.model.executor import stream_loader
 
