@@ -100,3 +100,26 @@ def test_v4_capacity_command_prints_the_breakdown(capsys, monkeypatch):
     assert main(["capacity", "--preset", "deepseek-v4-pro", "--json", "--kv-memory-gib", "10"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["model"]["deepseek_v4"]["layers"]["heavily_compressed_attention"] == 31
+
+
+def test_v4_per_token_bytes_agree_with_the_technical_reports_ratios():
+    """The DeepSeek-V4 report (Figure 1, as huggingface/blog PR 3363 quotes it): at 1M tokens V4-Pro needs 10 % and
+    V4-Flash 7 % of DeepSeek-V3.2's KV cache. With the 584 B record, the lightning indexer's keys in MXFP4 (68 B, vLLM
+    PR 48993; the report runs the indexer in FP4) and V3.2 at fp8_ds_mla + its FP8 indexer, our bytes give 10.5 % and
+    7.3 %: the published ratios to their rounding. With FP8 indexer keys (132 B) they would be 11.5 % and 8.0 %."""
+    import dataclasses
+
+    from mla_eval.capacity import bytes_per_token, v4_entry_bytes
+    from mla_eval.formats import get_format
+    from mla_eval.formats.v4 import v4_config
+
+    v32 = bytes_per_token(get_format("fp8_ds_mla"), get_preset("deepseek-v3.2").geometry())
+    length = 1 << 20
+
+    def ratio(preset: str, indexer_bytes: int) -> float:
+        config = dataclasses.replace(v4_config("dsv4_fp8_ds_mla"), indexer_bytes=indexer_bytes)
+        e = v4_entry_bytes(config, get_preset(preset).geometry(), 256)
+        return (sum(e["bytes_per_block"].values()) * length / 256 + e["sliding_bytes_per_request"]) / (v32 * length)
+
+    assert round(100 * ratio("deepseek-v4-pro", 68)) == 10 and round(100 * ratio("deepseek-v4", 68)) == 7
+    assert round(100 * ratio("deepseek-v4-pro", 132)) == 11 and round(100 * ratio("deepseek-v4", 132)) == 8

@@ -144,3 +144,25 @@ def test_v4_heads_are_served_by_the_reference_and_said_so():
                          "the decoded heads (the kernels serve the 512 + 64 MLA attention))"}
     with dispatch.use_backend("kernel"), pytest.raises(UserError, match="--backend kernel, but the CuTe kernels cannot"):
         session.update(heads, heads, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_the_bf16_record_is_the_stock_forward_and_kld_runs_the_published_geometry(tmp_path, capsys):
+    lm = _tiny()
+    lm.model.cuda()
+    lm.device = torch.device("cuda")
+    ids = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(1)).cuda()
+    ours, _ = _hidden(lm, "bf16", ids)
+    with torch.no_grad():
+        stock = lm.model.model(input_ids=ids).last_hidden_state
+    assert torch.equal(ours.view_as(stock), stock)
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 200, encoding="utf-8")
+    out = tmp_path / "kld.json"
+    assert main(["kld", "--model", "random:deepseek-v4:layers=4", "--text", str(text), "--ctx", "512",
+                 "--max-tokens", "1100", "--device", "cuda", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert set(doc["formats"]) == {"dsv4_fp8_ds_mla", "dsv41_mxfp8", "dsv41_nvfp4", "nvfp4"}
+    paths = doc["environment"]["attention"]["paths"]
+    assert paths and all(p.startswith("reference (DeepSeek-V4") for p in paths.values())

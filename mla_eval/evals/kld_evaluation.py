@@ -351,6 +351,11 @@ def v4_settings(st: KldSettings, lm) -> tuple[KldSettings, list[str]]:
     configurations; per-layer statistics are off (no latent to compare); and the notes that say so."""
     if not getattr(lm.adapter, "is_v4", False):
         return st, []
+    if st.latent_profile != "none":
+        raise UserError("--latent-profile reparametrises an MLA latent; no DeepSeek-V4 profile is published: drop it")
+    if any(sem.is_engine for sem in st.semantics_list()) or any(m.name != "bf16" for m in st.math_list()) or st.explain:
+        raise UserError("DeepSeek-V4 runs cache semantics in its own attention's math: drop --semantics engine:*, "
+                        "--math fp8-* and --explain")
     notes = ["DeepSeek-V4: each row is a cache configuration (sliding-window and compressed heads through their "
              "records, indexer keys exact); the attention is the model's own (transformers' eager, sinks and top-k "
              "included) over the heads as the records read them, one whole window per forward"]
