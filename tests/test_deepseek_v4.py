@@ -166,3 +166,12 @@ def test_on_a_gpu_the_bf16_record_is_the_stock_forward_and_kld_runs_the_publishe
     assert set(doc["formats"]) == {"dsv4_fp8_ds_mla", "dsv41_mxfp8", "dsv41_nvfp4", "nvfp4"}
     paths = doc["environment"]["attention"]["paths"]
     assert paths and all(p.startswith("reference (DeepSeek-V4") for p in paths.values())
+
+
+def test_needle_on_a_v4_model_is_one_line(capsys, tmp_path):
+    haystack = tmp_path / "h.txt"
+    haystack.write_text("Some prose to hide a needle in. " * 50, encoding="utf-8")
+    assert main(["needle", "--model", "random:deepseek-v4:layers=1:hidden=64", "--device", "cpu", "--haystack",
+                 str(haystack), "--out", str(tmp_path / "n.json")]) == 2
+    err = capsys.readouterr().err
+    assert "mla-eval needle does not run on DeepSeek-V4 yet" in err and err.count("\n") == 1

@@ -18,6 +18,7 @@ from mla_eval.evals import text_sources
 from mla_eval.evals.settings import DEFAULT_CTX, ModelSettings, check_ctx, check_math_backend
 from mla_eval.evals.text_sources import TokenSource
 from mla_eval.formats import OuterScales, get_format
+from mla_eval.model.deepseek_v4 import refuse_v4
 from mla_eval.model.session import CacheSession
 from mla_eval.protocol import ProgressCallback, library_only, no_progress, option
 from mla_eval.results import environment
@@ -122,6 +123,7 @@ class CalibrationResult:
 def evaluate_calibration(st: CalibrateSettings, progress: ProgressCallback = no_progress) -> CalibrationResult:
     with dispatch.use_backend(st.backend) as log:
         lm = st.load()
+        refuse_v4(lm, "mla-eval calibrate")
         semantics = parse_semantics(st.semantics)
         semantics.check_positions(lm.max_positions)
         source = text_sources.load_source(lm, st, progress)

@@ -23,6 +23,7 @@ from mla_eval.evals.settings import DEFAULT_CTX, ModelSettings, check_ctx, defau
 from mla_eval.evals.variants import Variant, parse_variants
 from mla_eval.formats import OuterScales, get_format
 from mla_eval.layer_plan import LayerPlan
+from mla_eval.model.deepseek_v4 import refuse_v4
 from mla_eval.protocol import ProgressCallback, no_progress, option
 from mla_eval.results import environment
 
@@ -213,6 +214,7 @@ def evaluate_plan(st: PlanSettings, progress: ProgressCallback = no_progress) ->
     with dispatch.use_backend(st.backend) as log:
         check_resident_fit(st)
         lm = st.load()
+        refuse_v4(lm, "mla-eval plan")
         if given is not None:
             given.check_layers(lm.num_layers, source=st.scales)
         check_reachable(st.budget(lm.num_layers), candidates, lm.num_layers)

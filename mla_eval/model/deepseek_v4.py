@@ -193,6 +193,13 @@ class V4Stack:
         return out[:, fwd.keep].reshape(-1, out.shape[-1])
 
 
+def refuse_v4(lm, what: str) -> None:
+    """A one-line UserError where an evaluation does not run DeepSeek-V4 yet (`what` says which and why)."""
+    if getattr(lm.adapter, "is_v4", False):
+        raise UserError(f"{what} does not run on DeepSeek-V4 yet: it needs incremental decode through V4's compressed "
+                        "caches (the compressors' running state kept across forwards); kld and capacity do")
+
+
 def check_variant(variant) -> V4CacheConfig:
     """The V4 configuration a --formats row (`evals.variants.Variant`) selects; a plan or +s_l is a one-line UserError."""
     if getattr(variant, "plan", None) is not None:
