@@ -705,6 +705,9 @@ def evaluate_capacity(settings: CapacitySettings, progress: ProgressCallback = n
     plan = None if s.plan is None else LayerPlan.load(s.plan)
     default = None if plan is None else list(dict.fromkeys([REFERENCE_FORMAT, *(sp.name for sp in plan.specs)]))
     specs = parse_format_list(s.formats, default)
+    for spec in specs:
+        if spec.geometry.name != "mla":
+            raise UserError(f"--formats {spec.name!r} is a DeepSeek-V4 record; {geometry.name} caches 512 + 64 MLA records")
     plan_bytes = None if plan is None else plan_layer_bytes([sp.record_bytes for sp in plan.specs], geometry, s.mtp)
     gpu_label, budget = _resolve_budget(s, weights, parallel, geometry)
     rows = capacity_table(

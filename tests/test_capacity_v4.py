@@ -123,3 +123,8 @@ def test_v4_per_token_bytes_agree_with_the_technical_reports_ratios():
 
     assert round(100 * ratio("deepseek-v4-pro", 68)) == 10 and round(100 * ratio("deepseek-v4", 68)) == 7
     assert round(100 * ratio("deepseek-v4-pro", 132)) == 11 and round(100 * ratio("deepseek-v4", 132)) == 8
+
+
+def test_a_v4_record_for_an_mla_model_is_refused():
+    with pytest.raises(UserError, match="'dsv4_fp8_ds_mla' is a DeepSeek-V4 record; deepseek-v3 caches 512 \\+ 64"):
+        evaluate_capacity(CapacitySettings(preset="deepseek-v3", kv_memory_gib=10.0, formats="dsv4_fp8_ds_mla"))

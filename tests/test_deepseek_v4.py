@@ -175,3 +175,15 @@ def test_needle_on_a_v4_model_is_one_line(capsys, tmp_path):
                  str(haystack), "--out", str(tmp_path / "n.json")]) == 2
     err = capsys.readouterr().err
     assert "mla-eval needle does not run on DeepSeek-V4 yet" in err and err.count("\n") == 1
+
+
+def test_an_mla_model_refuses_v4_records():
+    from mla_eval.model.deepseek_v4 import check_mla_rows
+
+    class _Mla:
+        class adapter:  # noqa: N801 - a stand-in with MlaAdapter's flag
+            is_v4 = False
+
+    check_mla_rows(_Mla, [Variant(get_format("nvfp4"))])
+    with pytest.raises(UserError, match="'dsv41_nvfp4' is a DeepSeek-V4 record \\(448 \\+ 64\\)"):
+        check_mla_rows(_Mla, [Variant(get_format("dsv41_nvfp4"))])

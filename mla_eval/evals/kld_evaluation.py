@@ -49,7 +49,7 @@ from mla_eval.evals.settings import (
 from mla_eval.evals.variants import PlanVariant, Variant, check_plan_layers, parse_variants
 from mla_eval.formats import OuterScales
 from mla_eval.formats.v4 import V4_CONFIGS
-from mla_eval.model.deepseek_v4 import check_variant
+from mla_eval.model.deepseek_v4 import check_mla_rows, check_variant
 from mla_eval.model.run_plan import OFFLOAD_MODES
 from mla_eval.protocol import ProgressCallback, no_progress, option, say
 from mla_eval.result_schemas import KLD_SCHEMA
@@ -350,6 +350,7 @@ def v4_settings(st: KldSettings, lm) -> tuple[KldSettings, list[str]]:
     """The settings a DeepSeek-V4 model runs (`model.deepseek_v4`): the default --formats become its cache
     configurations; per-layer statistics are off (no latent to compare); and the notes that say so."""
     if not getattr(lm.adapter, "is_v4", False):
+        check_mla_rows(lm, [*st.variants(), st.ref_variant(), *filter(None, [st.explain_variant()])])
         return st, []
     if st.latent_profile != "none":
         raise UserError("--latent-profile reparametrises an MLA latent; no DeepSeek-V4 profile is published: drop it")

@@ -22,7 +22,7 @@ from mla_eval.evals.settings import SCALES_MODES, ModelSettings, check_math_back
 from mla_eval.evals.text_sources import TokenSource
 from mla_eval.evals.variants import PlanVariant, Variant, check_plan_layers, parse_variants
 from mla_eval.formats import OuterScales
-from mla_eval.model.deepseek_v4 import refuse_v4
+from mla_eval.model.deepseek_v4 import check_mla_rows, refuse_v4
 from mla_eval.model.session import PREFILL_MODES
 from mla_eval.protocol import ProgressCallback, no_progress, option
 from mla_eval.result_schemas import NEEDLE_SCHEMA
@@ -238,6 +238,7 @@ def evaluate_needle(st: NeedleSettings, progress: ProgressCallback = no_progress
     with dispatch.use_backend(st.backend) as log:
         lm = st.load()
         refuse_v4(lm, "mla-eval needle")
+        check_mla_rows(lm, variants)
         check_plan_layers(variants, lm.num_layers)  # a plan for another model fails before any prompt runs
         if lm.max_positions and max(lens) > lm.max_positions:
             raise UserError(

@@ -200,6 +200,17 @@ def refuse_v4(lm, what: str) -> None:
                         "caches (the compressors' running state kept across forwards); kld and capacity do")
 
 
+def check_mla_rows(lm, variants) -> None:
+    """An MLA model's --formats rows must be MLA records: a DeepSeek-V4 record is a one-line UserError."""
+    if getattr(lm.adapter, "is_v4", False):
+        return
+    for v in variants:
+        spec = getattr(v, "spec", None)
+        if spec is not None and spec.geometry.name != "mla":
+            raise UserError(f"format {v.name!r} is a DeepSeek-V4 record ({spec.latent.dim} + {spec.rope.dim}); this model "
+                            "caches 512 + 64 MLA records: choose among them (mla-eval formats)")
+
+
 def check_variant(variant) -> V4CacheConfig:
     """The V4 configuration a --formats row (`evals.variants.Variant`) selects; a plan or +s_l is a one-line UserError."""
     if getattr(variant, "plan", None) is not None:
