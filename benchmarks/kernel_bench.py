@@ -22,17 +22,14 @@ adds, at shape (b), the v1 and v2 kernels side by side plus probes that switch o
 output) to show what the decode costs.
 At (b), every format the v3 kernel covers (`tuning.v3_blocker`) gets both a `kernel=v2` and a
 `kernel=v3` row (one of them is the default launch), whatever MLA_EVAL_ATTENTION_KERNEL says; with
-`--variants`, at 64K also v3-pf (L2 prefetch of records on, `V3_L2_PREFETCH_PROBE` tiles ahead), v3-p1 /
+`--variants`, at 64K also v3-p1 /
 v3-p2 (producer warpgroups) and, for the decoded formats, the timing probes v3-nodec / v3-nomma (wrong
 output: no decode / no wgmma), which tell which side bounds v3, and v3-r<S>x<K> for each raw ring that fits
-other than the default (`tuning.v3_raw_rings`: the fp8 records' part-tile rings). Formats that v3 runs but
-`tuning.V3_AWAITING_GPU_TESTS` still holds on v2 (the fp8 records and their part-tile raw rings) get
-their v3 rows with `--variants` only, marked `v3_held` (the reason): run their GPU tests first.
+other than the default (`tuning.v3_raw_rings`: the fp8 records' part-tile rings).
 At h = 128 ((a) with `--variants`, and (d) always) v3 runs once per head tile: rows v3-t16 and v3-t32
-(`tuning.V3_HEAD_TILES`), marked `v3_held` while `V3_LAUNCHES_AWAITING_GPU_TESTS` (sparse lists, the
-32-head tile) or `V3_AWAITING_GPU_TESTS` keeps dispatch off them; the default row beside them says what dispatch runs.
-With `--variants`, also the 32-head tile with the other producer warpgroup count there: v3-t32-p1 (the default is two,
-with per-role registers, `setmaxnreg`; v3-t32-p2, marked `v3_held`, while `V3_TILE_32_TWO_PRODUCERS` is listed).
+(`tuning.V3_HEAD_TILES`); the default row beside them says what dispatch runs. With `--variants`, also the 32-head
+tile with the other producer warpgroup count there: v3-t32-p1 (the default is two, with per-role registers,
+`setmaxnreg`).
 (The consumer / decode rev-1 rows and the CTA pair's row went with their code: docs/kernels.md keeps their history.)
 
 Compiling every kernel takes seconds each, so one worker process per format compiles and warms
@@ -88,33 +85,22 @@ def probe_variants(plan) -> list[tuple[str, tuple | None, object]]:
     return out
 
 
-def v3_tile_variants(plan, heads: int, sparse: bool, variants: bool) -> list[tuple[str, int, int | None, str | None]]:
-    """(row name, head tile, producer warpgroups or None for the default, why held or None) of the v3 rows of
-    an h > 16 launch: one per head tile its CTA fits (v3-t16, v3-t32), each held while dispatch would not
-    run it; with `variants`, the 32-head tile also with the other producer warpgroup count (v3-t32-p2: two, with
-    per-role registers, `tuning.v3_reg_budget`), held while `v3_producers_held` lists it. None where v3 refuses the
-    format."""
-    from mla_eval_kernels.plan.tuning import (
-        V3_HEAD_TILES,
-        V3_WIDE_HEADS,
-        v3_blocker,
-        v3_head_tile,
-        v3_producer_wgs,
-        v3_producers_held,
-    )
+def v3_tile_variants(plan, heads: int, sparse: bool, variants: bool) -> list[tuple[str, int, int | None]]:
+    """(row name, head tile, producer warpgroups or None for the default) of the v3 rows of an h > 16 launch: one
+    per head tile its CTA fits (v3-t16, v3-t32); with `variants`, the 32-head tile also with the other producer
+    warpgroup count (v3-t32-p1: two are the default, with per-role registers, `tuning.v3_reg_budget`). None where v3
+    refuses the format."""
+    from mla_eval_kernels.plan.tuning import V3_HEAD_TILES, V3_WIDE_HEADS, v3_blocker, v3_head_tile, v3_producer_wgs
 
-    if v3_blocker(plan, sparse=sparse, gated=False) is not None:
+    if v3_blocker(plan, sparse=sparse) is not None:
         return []
     rows = []
-    fits = v3_head_tile(plan, heads, sparse, gated=False)[0]
+    fits = v3_head_tile(plan, heads, sparse)[0]
     for tile in (t for t in V3_HEAD_TILES if t <= fits):
-        held = v3_blocker(plan, sparse=sparse)
-        if held is None and v3_head_tile(plan, heads, sparse)[0] != tile:
-            held = v3_head_tile(plan, heads, sparse)[1]  # the 32-head tile's hold
-        rows.append((f"v3-t{tile}", tile, None, held))
+        rows.append((f"v3-t{tile}", tile, None))
         if variants and tile == V3_WIDE_HEADS:
             other = 3 - v3_producer_wgs(plan, tile)
-            rows.append((f"v3-t{tile}-p{other}", tile, other, held or v3_producers_held(tile, other)))
+            rows.append((f"v3-t{tile}-p{other}", tile, other))
     return rows
 
 
@@ -208,7 +194,6 @@ def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "wr
     from mla_eval_kernels.plan.launch import flops
     from mla_eval_kernels.plan.record_plan import plan_for
     from mla_eval_kernels.plan.tuning import (
-        V3_L2_PREFETCH_PROBE,
         generation_for,
         is_bf16_plan,
         v3_blocker,
@@ -227,12 +212,11 @@ def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "wr
 
     def v3_tile_rows(shape, params, heads, sparse, nbytes, nflop, lists):
         """v3 rows of an h > 16 launch, one per head tile its CTA fits (`lists(i)`: the launch's slot lists for
-        timed run i), each marked `v3_held` with the reason while dispatch would not run it."""
-        from mla_eval_kernels.cute.launch import mla_attention_v3
+        timed run i)."""
+        from benchmarks.probes import mla_attention_v3
 
         plan = plan_for(spec)
-        for row, tile, wgs, held in v3_tile_variants(plan, heads, sparse, variants):
-            mark = dict(v3_held=held) if held else {}
+        for row, tile, wgs in v3_tile_variants(plan, heads, sparse, variants):
 
             def f3(i, tile=tile, wgs=wgs):
                 return mla_attention_v3(
@@ -241,7 +225,7 @@ def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "wr
                     max_seq_len=lists(i).get("max_seq_len"), head_tile=tile, producer_wgs=wgs,
                 )
 
-            todo.append((shape, dict(params, kernel=row, **mark), f3, nbytes, nflop, None))
+            todo.append((shape, dict(params, kernel=row), f3, nbytes, nflop, None))
     gen = torch.Generator(device="cuda").manual_seed(0)
 
     # writer
@@ -310,13 +294,8 @@ def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "wr
                 batch * ctx * spec.record_bytes, flops(batch, 16, ctx), ref,
             )
         )
-        # held: v3 runs the format, but V3_AWAITING_GPU_TESTS keeps dispatch on v2 (timed with --variants only)
-        can_v3 = v3_blocker(plan_for(spec), sparse=False, gated=False) is None
-        held = v3_blocker(plan_for(spec), sparse=False) if can_v3 else None
-        if can_v3 and (held is None or variants):
-            from mla_eval_kernels.cute.launch import mla_attention_v3
-
-            mark = dict(v3_held=held) if held else {}
+        if v3_blocker(plan_for(spec), sparse=False) is None:
+            from benchmarks.probes import mla_attention_v3
 
             # the generation the default launch does not run, so that v2 and v3 stay side by side
             other = "v2" if ran(False, 16) == "v3" else "v3"
@@ -329,24 +308,23 @@ def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "wr
 
             todo.append(
                 (
-                    "b_dense_decode", dict(batch=batch, heads=16, context=ctx, kernel=other, **mark), fb3,
+                    "b_dense_decode", dict(batch=batch, heads=16, context=ctx, kernel=other), fb3,
                     batch * ctx * spec.record_bytes, flops(batch, 16, ctx), None,
                 )
             )
             # v3 rows by keywords of `mla_attention_v3`: with --variants at 64K the probes
             v3_rows = []
             if variants and (ctx == 65536 or quick):
-                # what the L2 prefetch of records (off by default) and the second (or a second) producer
-                # warpgroup are worth
+                # what the second (or a second) producer warpgroup is worth
                 pwg = v3_producer_wgs(plan_for(spec))
-                probes = [("v3-pf", dict(l2_prefetch=V3_L2_PREFETCH_PROBE)), (f"v3-p{3 - pwg}", dict(producer_wgs=3 - pwg))]
+                probes = [(f"v3-p{3 - pwg}", dict(producer_wgs=3 - pwg))]
                 if not is_bf16_plan(plan_for(spec)):
                     # timing probes (wrong output): the producer's decode left out; the consumer's wgmma left out
                     probes += [("v3-nodec", dict(timing_probe="nodec")), ("v3-nomma", dict(timing_probe="nomma"))]
                 # the other raw rings that fit (fp8 records: fewer keys in flight, or larger stages), same output
                 probes += [(f"v3-r{r[0]}x{r[1]}", dict(raw_ring=r)) for r in v3_raw_rings(plan_for(spec))[1:]]
-                v3_rows += [(vname, kw, mark) for vname, kw in probes]
-            for vname, kw, vmark in v3_rows:
+                v3_rows += probes
+            for vname, kw in v3_rows:
 
                 def fb3v(i, q=q, table=table, lens=lens, bcache=bcache, ctx=ctx, kw=kw):
                     return mla_attention_v3(
@@ -356,7 +334,7 @@ def run_format(name: str, quick: bool, variants: bool = False, shapes: str = "wr
 
                 todo.append(
                     (
-                        "b_dense_decode", dict(batch=batch, heads=16, context=ctx, kernel=vname, **vmark), fb3v,
+                        "b_dense_decode", dict(batch=batch, heads=16, context=ctx, kernel=vname), fb3v,
                         batch * ctx * spec.record_bytes, flops(batch, 16, ctx), None,
                     )
                 )

@@ -44,7 +44,10 @@ def _root(
 
 def build_app() -> typer.Typer:
     """The app: one command per registered evaluation (mla_eval.evaluation), then the tools."""
+    from typer.core import TyperCommand
+
     from mla_eval.commands import evaluation as evaluation_command
+    from mla_eval.commands.help import HelpCommand, HelpGroup
 
     app = typer.Typer(
         name="mla-eval",
@@ -52,12 +55,16 @@ def build_app() -> typer.Typer:
         no_args_is_help=True,
         add_completion=False,
         pretty_exceptions_enable=False,
+        cls=HelpGroup,  # --help pages that read at 80 columns (mla_eval.commands.help)
     )
     app.callback()(_root)
     for ev in evaluations():
         evaluation_command.register(app, ev)
     for name in TOOL_COMMANDS:
         importlib.import_module(f"mla_eval.commands.{name}").register(app)
+    for info in app.registered_commands:  # typer fills in its own TyperCommand where a command named none
+        if info.cls is None or info.cls is TyperCommand:
+            info.cls = HelpCommand
     return app
 
 

@@ -10,7 +10,10 @@ carries the sensitivity table it was solved from; readers ignore keys they do no
 
 Bad plans are one-line UserErrors naming the file and the layer: an unknown format, a control format (controls are
 measurement instruments, never cache formats to deploy), +s_l on a format that takes no outer scale, +s_l without
-its s_l, a scale without +s_l, or a layer count that is not the model's (`check_layers`).
+its s_l, a scale without +s_l, an s_l standing for a latent no model has, record bytes that are not the format's, a
+negative or non-finite predicted KLD, a budget no plan is solved under, a layer count that is not the model's
+(`check_layers`), or a plan made for another model: another name, architecture digest or latent profile
+(`check_model`).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from mla_eval.atomic_io import write_json_atomic
 from mla_eval.errors import UserError
 from mla_eval.formats import FormatSpec, get_format
 from mla_eval.formats.builtin import ENGINE_NAMES
-from mla_eval.formats.outer_scale import MAX_SCALE, MIN_SCALE
+from mla_eval.formats.outer_scale import check_latent_max_abs
 from mla_eval.formats.variant import Variant
 from mla_eval.result_schemas import PLAN_SCHEMA, validate
 from mla_eval.user_paths import read_small_json
@@ -89,6 +92,28 @@ class LayerPlan:
                 "make a plan for this model with `mla-eval plan`"
             )
 
+    def check_model(self, name: str, geometry: str, latent_profile: str | None, source: str | None = None) -> str | None:
+        """The plan was made for this model: its name, its architecture digest (`model_presets.architecture_digest`)
+        and the latent profile it ran under (its s_l were calibrated on that model) -- a one-line UserError naming
+        both sides otherwise. A plan that does not say (written by hand, or before plans carried an identity) is
+        applied as it is: the line returned says so, for a warning."""
+        where = source or self.label
+        made = self.model
+        fix = "make a plan for this model with `mla-eval plan`"
+        if "name" in made and made["name"] != name:
+            raise UserError(f"{where} was made for model {made['name']!r}, this run's model is {name!r}; {fix}")
+        if "geometry" in made and made["geometry"] != geometry:
+            raise UserError(f"{where} was made for a model of architecture {made['geometry']}, this run's model "
+                            f"({name}) is {geometry}; {fix}")
+        planned = (made.get("latent_profile") or {}).get("name") if "latent_profile" in made else latent_profile
+        if planned != latent_profile:
+            said = lambda p: f"--latent-profile {p}" if p else "no --latent-profile"  # noqa: E731
+            raise UserError(f"{where} was made under {said(planned)}, this run has {said(latent_profile)}: its layer costs "
+                            f"and s_l belong to that model; run with {said(planned)} or {fix}")
+        if "name" not in made or "geometry" not in made:
+            return f"{where} does not say which model it was made for (model.name and model.geometry): applied as it is"
+        return None
+
     def summary(self) -> str:
         """'fp8_ds_mla x2, nvfp4+s_l x4' in layer order, runs collapsed."""
         runs: list[list] = []
@@ -150,6 +175,7 @@ class LayerPlan:
             v, s = _entry_variant(e, i, source)
             variants.append(v)
             scales.append(s)
+        _check_fields(doc, source)
         if doc["bytes_per_token"] != sum(v.spec.record_bytes for v in variants):
             raise UserError(f"{source}: 'bytes_per_token' is {doc['bytes_per_token']} but its layers' records sum to "
                             f"{sum(v.spec.record_bytes for v in variants)}; the file was edited: make it again")
@@ -171,8 +197,30 @@ def check_layer(v: Variant, s: float | None, i: int, source: str) -> None:
     if not v.outer and s is not None:
         raise UserError(f"{source}: layer {i} gives an s_l but its format {v.name} does not apply one; write {v.name}+s_l "
                         "or drop the scale")
-    if s is not None and not (math.isfinite(s) and MIN_SCALE <= s <= MAX_SCALE):
-        raise UserError(f"{source}: layer {i}: s_l {s!r} is outside {MIN_SCALE:.3g}..{MAX_SCALE:.3g}")
+    if s is not None:  # s_l = max |c_kv| / the format's denominator: the max it stands for must be a latent's
+        if not (isinstance(s, (int, float)) and math.isfinite(s) and s > 0):
+            raise UserError(f"{source}: layer {i}: s_l {s!r} is not a positive finite number")
+        den = v.spec.outer_scale.denominator
+        check_latent_max_abs(s * den, f"{source}: layer {i}: s_l {s!r} stands for a max |c_kv| of {s * den:.3g}, which")
+
+
+def _check_fields(doc: dict, source: str) -> None:
+    """The plan's own figures: a predicted KLD is a KL divergence (finite, >= 0), a budget one the plan command
+    solves under, the model's layer count the plan's. (Each layer's format, record bytes and s_l: `_entry_variant`.)"""
+    kld = doc.get("predicted_kld")
+    if kld is not None and not (isinstance(kld, (int, float)) and math.isfinite(kld) and kld >= 0):
+        raise UserError(f"{source}: 'predicted_kld' is {kld!r}; a KL divergence is finite and >= 0 (null: not predicted)")
+    budget = doc.get("budget")
+    if budget is not None:
+        kind, value = budget["kind"], budget["value"]
+        number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        good = {"bytes_per_token": number and value == int(value) and value >= 1, "max_kld": number and value >= 0,
+                "pool_gain": number and value > 0, "uniform": True}[kind]
+        if not good:
+            raise UserError(f"{source}: budget {kind} = {value!r} is not a budget `mla-eval plan` solves under")
+    layers = doc["model"].get("layers")
+    if layers is not None and layers != doc["num_layers"]:
+        raise UserError(f"{source}: 'model.layers' is {layers} but the plan has {doc['num_layers']} layers")
 
 
 def _entry_variant(e: dict, i: int, source: str) -> tuple[Variant, float | None]:
@@ -184,6 +232,9 @@ def _entry_variant(e: dict, i: int, source: str) -> tuple[Variant, float | None]
     if variant not in (spec.name, f"{spec.name}+s_l"):
         raise UserError(f"{source}: layer {i}: variant {variant!r} is neither {spec.name} nor {spec.name}+s_l")
     v = Variant(spec, outer=variant.endswith("+s_l"))
+    if e["record_bytes"] != spec.record_bytes:
+        raise UserError(f"{source}: layer {i}: 'record_bytes' is {e['record_bytes']} but a {spec.name} record is "
+                        f"{spec.record_bytes} bytes; the file was edited: make it again")
     outer = e.get("outer_scale")
     s = None
     if outer is not None:

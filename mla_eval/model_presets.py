@@ -45,6 +45,28 @@ INDEXER_SCALE_BYTES = 4  # fp32
 WEIGHT_DTYPE_BYTES: dict[str, float] = {"bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "nvfp4": 0.5625, "fp4-mixed": 0.5625}
 
 
+# The config fields that make two models' layers compute differently: a plan, a scales file or a stored reference made
+# on one model means nothing on another that differs in any of them (`architecture_digest`)
+ARCHITECTURE_FIELDS = (
+    "model_type", "num_hidden_layers", "hidden_size", "intermediate_size", "moe_intermediate_size", "vocab_size",
+    "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+    "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "first_k_dense_replace", "index_topk",
+    "index_n_heads", "index_head_dim", "indexer_types",
+)
+
+
+def architecture_digest(config: Any) -> str:
+    """'sha256:<16 hex>' of a model's ARCHITECTURE_FIELDS (a transformers config or its dict; a multimodal wrapper's
+    text_config): the geometry part of a model's identity, the same for a checkpoint wherever its folder lies."""
+    import hashlib
+
+    raw = config if isinstance(config, dict) else config.to_dict()
+    if "kv_lora_rank" not in raw and isinstance(raw.get("text_config"), dict):
+        raw = raw["text_config"]
+    fields = {k: raw.get(k) for k in ARCHITECTURE_FIELDS}
+    return "sha256:" + hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
 @dataclasses.dataclass(frozen=True)
 class IndexerLayout:
     """The DSA indexer key cache: its width and which backbone layers own one."""

@@ -207,3 +207,29 @@ def test_progress_reports_an_eta_and_the_first_batch_estimate():
     with progress_bars(quiet) as report:
         pass  # no work reported: nothing drawn, so an early error stays one clean line
     assert quiet.export_text() == ""
+
+
+def test_the_kld_table_is_ranked_by_kld_and_shows_the_reverse_direction():
+    """The README says to rank by KLD: the table does (lowest first, whatever --formats' order); the reverse
+    direction KL(format || ref) is a column where the terminal is wide enough (issue 44)."""
+    summary = _summary()
+    for kld, name in zip((0.03, 0.001, 0.01), summary):
+        summary[name] = {**summary[name], "kld_mean": kld, "kld_reverse_mean": kld * 1.1}
+    con = Console(width=250, record=True, color_system=None)
+    print_table(summary, "bf16", "self-samples", con)
+    text = con.export_text()
+    rows = [line.split()[1] for line in text.splitlines() if line.startswith("│")]
+    assert rows == ["nvfp4_fp8rope_st", "nvfp4+s_l", "fp8_ds_mla"]
+    assert "revKL" in text and "0.0330" in text and "rows ranked by KLD" in " ".join(text.split())
+
+
+def test_the_same_seed_samples_the_same_text_whatever_the_formats():
+    """Self-samples depended on --formats (an extra calibration sample only for +s_l rows changed every sample):
+    the same seed now scores the same text, so the figures of a format shared by two runs are equal (issue 44)."""
+    from mla_eval.api import evaluate_kld
+
+    runs = [evaluate_kld(KldSettings(formats=f, samples=1, sample_len=24, device="cpu", layer_stats=False))
+            for f in ("fp8_ds_mla", "fp8_ds_mla,nvfp4+s_l")]
+    assert runs[0].text["digest"] == runs[1].text["digest"]
+    assert runs[0].formats["fp8_ds_mla"]["ppl_ref"] == runs[1].formats["fp8_ds_mla"]["ppl_ref"]
+    assert runs[0].formats["fp8_ds_mla"]["kld_mean"] == runs[1].formats["fp8_ds_mla"]["kld_mean"]

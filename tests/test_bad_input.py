@@ -172,7 +172,9 @@ CASES = {
     "kld: DSA config without indexer fields": (lambda w: _kld(w, "--model", str(w.dsa_no_indexer)), {}, "index_topk"),
     "kld: --model a file": (lambda w: _kld(w, "--model", str(w.user_file)), {}, "is a file, not a checkpoint folder"),
     "kld: unknown control format": (lambda w: _kld(w, "--formats", "control:int1"), {}, "the controls are"),
-    "needle: --power-drop 2": (lambda w: _needle(w, "--power-drop", "2"), {}, "--power-drop is an accuracy drop"),
+    "needle: --power-drop 2": (lambda w: _needle(w, "--power-drop", "2", "--power"), {}, "--power-drop is an accuracy drop"),
+    "needle: --power-drop without --power": (lambda w: _needle(w, "--power-drop", "0.2"), {},
+                                             "--power-drop sets the drop --power reports, and --power was not given"),
     "kld: unknown random preset": (lambda w: _kld(w, "--model", "random:glm-9"), {}, "glm-9"),
     "kld: random preset with bad layers": (lambda w: _kld(w, "--model", "random:glm-5:layers=0"), {}, "layers"),
     "kld: --semantics engine:0": (lambda w: _kld(w, "--semantics", "engine:0"), {}, "at least 1 token"),
@@ -476,22 +478,13 @@ def test_kernels_package_missing_is_a_stated_fallback(monkeypatch):
         dispatch._kernels_package_reason.cache_clear()
 
 
-def test_unvalidated_kernel_generation_is_said_and_recorded(monkeypatch):
-    """A generation listed as unvalidated (compiled, GPU tests not yet passed; v3 was until its H200 run): a
-    warning before CUDA work, none for a CPU run; results record the generation whenever a kernel served a path."""
-    import warnings
-
+def test_the_kernel_generation_is_recorded_whenever_a_kernel_served_a_path(monkeypatch):
+    """Results record the generation MLA_EVAL_ATTENTION_KERNEL forces whenever a kernel served a path ("default" when
+    it is unset: `attention_tuning.generation_for` picks per launch), and nothing for a CPU run."""
     from mla_eval.attention import dispatch
-    from mla_eval_kernels.plan import tuning as attention_tuning
 
-    monkeypatch.setitem(attention_tuning.UNVALIDATED, "v3", "compiles but has not yet run its GPU tests")
     monkeypatch.setenv("MLA_EVAL_ATTENTION_KERNEL", "v3")
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        dispatch.preflight("reference", ["cuda:0"])
-        dispatch.preflight("reference", ["cpu"])
-    msgs = [str(w.message) for w in seen if issubclass(w.category, dispatch.UnvalidatedKernelWarning)]
-    assert len(msgs) == 1 and "v3" in msgs[0] and "unchecked" in msgs[0]
+    dispatch.preflight("reference", ["cuda:0"])  # a valid generation: no error
     log = dispatch.PathLog("auto")
     log.record("attend", "nvfp4", torch_device("cuda:0"), "kernel")
     assert log.as_dict()["kernel_version"] == "v3"
@@ -499,12 +492,7 @@ def test_unvalidated_kernel_generation_is_said_and_recorded(monkeypatch):
     cpu_log.record("attend", "nvfp4", torch_device("cpu"), "reference (cpu tensors)")
     assert "kernel_version" not in cpu_log.as_dict()
     monkeypatch.delenv("MLA_EVAL_ATTENTION_KERNEL")
-    assert log.as_dict()["kernel_version"] == "default"  # unset: the per-launch default (attention_tuning.generation_for)
-    with warnings.catch_warnings(record=True) as seen:  # the default runs v3 for some launches: said too
-        warnings.simplefilter("always")
-        dispatch.preflight("reference", ["cuda:0"])
-    msgs = [str(w.message) for w in seen if issubclass(w.category, dispatch.UnvalidatedKernelWarning)]
-    assert len(msgs) == 1 and "default kernel generation (some launches v3)" in msgs[0]
+    assert log.as_dict()["kernel_version"] == "default"
 
 
 def test_the_log_records_which_generation_each_attention_path_ran():
@@ -566,3 +554,65 @@ def test_stdout_on_a_full_device_is_one_line(argv, tmp_path):
         "error: cannot write the output (standard output): No space left on device; free space there or send the output "
         "elsewhere"
     ]
+
+
+# --------------------------------------------------------------------------------------- corrupted checkpoints (issue 44)
+
+from corrupt_checkpoints import PATHS as BAD_CHECKPOINT_PATHS  # noqa: E402 - the sweep's paths, with its cases
+
+
+@pytest.fixture(scope="module")
+def written_checkpoints(tmp_path_factory):
+    """kind -> a 2-layer checkpoint the project's writer wrote (bf16 too, for the reverse mislabelling)."""
+    from corrupt_checkpoints import KINDS
+    from test_checkpoint import TOKENIZER, small_config
+
+    from mla_eval.model.checkpoint_writer import write_random_checkpoint
+
+    root = tmp_path_factory.mktemp("written")
+    return {kind: write_random_checkpoint(root / kind, small_config("deepseek_v3", vocab=12288, layers=2), kind,
+                                          tokenizer_from=TOKENIZER).path for kind in ("bf16", *KINDS)}
+
+
+def _bad_checkpoint(written, kind: str, corruption: str, root: Path) -> Path:
+    from corrupt_checkpoints import corrupted, with_foreign_config
+
+    folder = root / f"{kind}-{corruption.replace(' ', '-')}"
+    if not folder.exists():
+        if corruption == "config over unquantised shards":
+            with_foreign_config(written["bf16"], kind, folder)
+        else:
+            corrupted(written[kind], kind, corruption, folder)
+    return folder
+
+
+def _sweep_cases():
+    from corrupt_checkpoints import cases
+
+    return [(k, c, p) for k, c in cases() for p in BAD_CHECKPOINT_PATHS]
+
+
+@pytest.mark.parametrize("kind,corruption,path", _sweep_cases())
+def test_a_corrupted_checkpoint_is_never_scored(kind, corruption, path, written_checkpoints, world, capsys, monkeypatch,
+                                               tmp_path_factory):
+    """Every kind of checkpoint the reader accepts, written by the project's writer and then corrupted (a scale
+    missing, of the wrong shape or dtype, NaN, infinite, negative or zero; a config that does not describe its
+    shards): resident, streamed and dry run alike exit 2 with one line naming the shard, the tensor and what is
+    wrong; never a figure, never a traceback."""
+    from corrupt_checkpoints import NAMES_SHARD, TARGET
+
+    folder = _bad_checkpoint(written_checkpoints, kind, corruption, tmp_path_factory.getbasetemp() / "corrupted")
+    out = world.root / "out" / f"bad-{kind}-{path}.json"
+    monkeypatch.chdir(world.root)
+    capsys.readouterr()
+    code = main(_kld(world, "--model", str(folder), "--max-tokens", "128", "--no-layer-stats", "--out", str(out),
+                     *BAD_CHECKPOINT_PATHS[path]))
+    stdout, err = capsys.readouterr()
+    assert "Traceback" not in stdout + err
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), f"exit {code}: {err[-800:]}"
+    assert not out.exists()
+    if corruption in NAMES_SHARD:
+        assert TARGET in lines[0] and ".safetensors" in lines[0], lines[0]
+    else:
+        assert "quantization_config" in lines[0] or "config" in lines[0], lines[0]

@@ -12,6 +12,7 @@ References, each independent of the reader:
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import threading
 from pathlib import Path
@@ -579,3 +580,35 @@ def test_full_width_tool_bytes_per_layer_from_the_geometry(capsys):
     assert tool(["unused", "--layers", "4", "--first-dense", "3", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert f"layer   3 (MoE  ): {moe / 1e9:8.3f} GB" in out and f"total {(3 * dense + moe + rest) / 1e9:.2f} GB" in out
+
+
+@pytest.mark.parametrize("kind", ["modelopt-nvfp4", "ct-nvfp4"])
+def test_a_zero_group_scale_is_accepted_only_over_zero_codes(kind, written, tmp_path):
+    """An NVFP4 group whose 16 values are all zero gets a zero E4M3 scale from a quantiser (amax / 6 = 0): such a
+    checkpoint loads; a zero scale over codes that are not all zero is what no quantiser writes, and is refused
+    naming the shard and the tensor (mla_eval.model.weight_checks, issue 44)."""
+    from corrupt_checkpoints import TARGET, _edit
+
+    codes = f"{TARGET}.weight" if kind == "modelopt-nvfp4" else f"{TARGET}.weight_packed"
+    scale = f"{TARGET}.weight_scale"
+
+    def zero_group(t):
+        t = t.clone()
+        t.view(torch.uint8)[0, 0] = 0
+        return t
+
+    ok = tmp_path / "ok"
+    shutil.copytree(written[kind], ok)
+    _edit(ok, scale, zero_group)
+    _edit(ok, codes, lambda t: torch.cat([torch.zeros_like(t[:, :8]), t[:, 8:]], dim=1))  # group 0 of row 0.. all zero
+    ckpt = Checkpoint.open(ok)
+    ckpt.materialise(empty_model(small_config(), torch.bfloat16).model.layers[1], ckpt.read_layer(1), "cpu", torch.bfloat16)
+    bad = tmp_path / "bad"
+    shutil.copytree(written[kind], bad)
+    _edit(bad, scale, zero_group)
+    _edit(bad, codes, lambda t: torch.cat([torch.full_like(t[:, :8], 0x11), t[:, 8:]], dim=1))
+    ckpt = Checkpoint.open(bad)
+    with pytest.raises(UserError, match=rf"model-0000\d-of-00004.safetensors: {re.escape(scale)} holds 1 of .* scale values "
+                                        r"that no quantiser writes \(first weight_scale\[0, 0\] = 0; scales are > 0 wherever"):
+        ckpt.materialise(empty_model(small_config(), torch.bfloat16).model.layers[1], ckpt.read_layer(1), "cpu",
+                         torch.bfloat16)

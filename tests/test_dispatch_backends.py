@@ -217,10 +217,7 @@ def test_device_shared_memory_keeps_hopper_tiles():
 def test_sglang_fp4_e2m1_goes_to_the_kernels_without_a_fallback_warning(gpu, monkeypatch, no_env):
     """SGLang's KVFP4 record (ties-away E2M1, E8M0 ceiling scales) is in the kernels' scope: auto takes them for
     both the writer and the attention on sm_90, and no fallback is said or recorded."""
-    from mla_eval_kernels.plan import record_plan
-
     monkeypatch.setattr(dispatch, "_cutlass_importable", lambda: None)
-    monkeypatch.delitem(record_plan.AWAITING_GPU_TESTS, "sglang_fp4_e2m1", raising=False)  # as once validated
     spec = get_format("sglang_fp4_e2m1")
     assert dispatch.kernel_status(spec, CUDA0) == (True, "kernel")
     with warnings.catch_warnings():
@@ -231,20 +228,3 @@ def test_sglang_fp4_e2m1_goes_to_the_kernels_without_a_fallback_warning(gpu, mon
     assert log.fallbacks == []
     assert log.paths == {"write sglang_fp4_e2m1 on cuda:0": "kernel", "attend sglang_fp4_e2m1 on cuda:0": "kernel"}
 
-
-def test_kernels_awaiting_their_gpu_tests_stay_on_the_reference_and_say_so(gpu, monkeypatch, no_env):
-    """A format listed in AWAITING_GPU_TESTS compiles but is unchecked on a GPU: auto keeps it on the torch
-    reference with a stated, recorded reason; forcing the kernels is a one-line error naming the reason."""
-    from mla_eval_kernels.plan import record_plan
-
-    monkeypatch.setattr(dispatch, "_cutlass_importable", lambda: None)
-    monkeypatch.setitem(record_plan.AWAITING_GPU_TESTS, "mxfp4", "its kernels have not passed their GPU tests")
-    spec = get_format("mxfp4")
-    ok, why = dispatch.kernel_status(spec, CUDA0)
-    assert not ok and why == "format mxfp4: its kernels have not passed their GPU tests"
-    with pytest.warns(dispatch.KernelFallbackWarning, match="have not passed their GPU tests"):
-        with dispatch.use_backend("auto") as log:
-            assert dispatch._use_kernel(spec, CUDA0, "auto") is False
-    assert "have not passed their GPU tests" in log.paths["attend mxfp4 on cuda:0"]
-    with pytest.raises(UserError, match="have not passed their GPU tests"):
-        dispatch._use_kernel(spec, CUDA0, "kernel")

@@ -242,3 +242,48 @@ def test_ci_smoke_gate_still_passes_and_the_rule_is_in_the_help(capsys):
     help_text = " ".join(capsys.readouterr().out.split())
     assert "Nothing passes by omission" in help_text
     assert "[gate] table" in help_text  # the brackets survive rich markup
+
+
+# --- the headline counts what was compared (issue 44) ----------------------------------------------------
+
+
+def test_the_headline_counts_absent_documents_apart(tmp_path, capsys):
+    """`optional = ["*"]` and results holding only capacity.json passed as "PASS -- 36/36 metrics": the headline
+    counts only the metrics compared and names the documents that were absent and allowed."""
+    res = tmp_path / "r"
+    res.mkdir()
+    shutil.copy(BASELINE / "capacity.json", res / "capacity.json")
+    tol = tmp_path / "tol.toml"
+    tol.write_text('[gate]\noptional = ["*"]\n')
+    assert main(["gate", str(res), "--baseline", str(BASELINE), "--tolerances", str(tol)]) == 0
+    head = capsys.readouterr().out.splitlines()[0]
+    compared = len(json.loads((BASELINE / "capacity.json").read_text())["formats"]) * 2  # pool_tokens, bytes_per_token
+    assert head.startswith(f"**mla-eval gate: PASS** — {compared}/{compared} metrics within tolerance"), head
+    assert "absent on one side, allowed as optional: 2 documents (kld.json, needle.json)" in head, head
+
+
+def test_an_optional_entry_matching_nothing_warns(tmp_path, capsys):
+    tol = tmp_path / "tol.toml"
+    tol.write_text('[gate]\noptional = ["neddle.json", "mxfp4"]\n')
+    assert main(["gate", str(BASELINE), "--baseline", str(BASELINE), "--tolerances", str(tol)]) == 0
+    err = capsys.readouterr().err
+    assert "warning: the tolerances' optional entry 'neddle.json' matches no document, row or metric" in err
+    assert "'mxfp4'" not in err  # a row of both sides: a pattern that could allow something
+
+
+def test_a_failing_gate_names_the_optional_list(tmp_path, capsys):
+    res, base = _dir_copy(tmp_path, "r"), _dir_copy(tmp_path, "b")
+    (res / "kld.json").unlink()
+    assert main(["gate", str(res), "--baseline", str(base)]) == 1
+    assert "[gate] optional = [" in capsys.readouterr().out  # how to allow an expected absence
+    tol = tmp_path / "tol.toml"
+    tol.write_text('[gate]\noptional = ["needle.json"]\n')
+    assert main(["gate", str(res), "--baseline", str(base), "--tolerances", str(tol)]) == 1
+    assert "The tolerances' optional list (needle.json) allows none of the failures" in capsys.readouterr().out
+
+
+def test_counts_are_printed_whole(capsys):
+    assert main(["gate", str(BASELINE / "capacity.json"), "--baseline", str(BASELINE / "capacity.json")]) == 0
+    out = capsys.readouterr().out
+    tokens = json.loads((BASELINE / "capacity.json").read_text())["formats"][0]["pool_tokens"]
+    assert f"| {tokens} | {tokens} |" in out and "e+0" not in out

@@ -170,3 +170,14 @@ def test_every_distinct_kernel_compiles_as_a_launch_compiles_it(prepared):
                             f"outer={spec.has_outer} split={spec.split}: {type(exc).__name__}: {str(exc)[:200]}")
     print(f"{len(specs)} kernels compiled in {time.time() - t0:.0f} s")
     assert not failures, "\n".join(failures)
+
+
+def test_ptx_digest_ignores_comments_debug_lines_and_kernel_names_only():
+    """tools/ptx_digest: two PTX texts that differ only in comments, `.loc` / `.file` lines and the kernel symbol's
+    class-derived name digest equal; any instruction change does not."""
+    from tools.ptx_digest import ptx_digest
+
+    a = "// generated\n.file 1 \"x.py\"\n.entry kernel_MlaAttentionV3_abc(\n\tadd.s32 %r1, %r2, 1;\n\t.loc 1 10 2\n"
+    b = "// other\n.file 1 \"y.py\"\n.entry kernel_MlaAttention_xyz(\n\tadd.s32 %r1, %r2, 1;\n\t.loc 1 99 0\n"
+    assert ptx_digest(a) == ptx_digest(b)
+    assert ptx_digest(a) != ptx_digest(a.replace("add.s32 %r1, %r2, 1", "add.s32 %r1, %r2, 2"))

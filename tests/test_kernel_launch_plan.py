@@ -198,7 +198,7 @@ def test_v3_covers_dense_launches_of_the_formats_whose_stages_fit():
     for name in ("bf16", "nvfp4", "nvfp4_fp8rope", "nvfp4_fp8rope_st", "nvfp4_fp8_ds_mla", "mxfp4"):
         plan = plan_for(get_format(name))
         assert attention_tuning.v3_blocker(plan, sparse=False, smem_limit=limit) is None, name
-        assert attention_tuning.v3_blocker(plan, sparse=True, smem_limit=limit, gated=False) is None, name
+        assert attention_tuning.v3_blocker(plan, sparse=True, smem_limit=limit) is None, name
         # two producer warpgroups: decoded records share the decode, bf16's copy was timed faster with two too
         assert attention_tuning.v3_producer_wgs(plan) == 2, name
         assert attention_tuning.v3_raw_ring(plan) == (2, 64) == attention_tuning.V3_RAW_WHOLE, name
@@ -221,9 +221,9 @@ def test_v3_covers_dense_launches_of_the_formats_whose_stages_fit():
         rest = [((s - 1) * k, k) for s, k in rings[1:]]
         assert rest == sorted(rest, reverse=True) and rest[0][0] == 64, rings
         assert attention_tuning.v3_producer_wgs(plan) == 2
-        assert attention_tuning.v3_blocker(plan, sparse=False, smem_limit=limit, gated=False) is None, name
+        assert attention_tuning.v3_blocker(plan, sparse=False, smem_limit=limit) is None, name
         # a CTA limit below the ring: refused by shared memory, naming the ring
-        why = attention_tuning.v3_blocker(plan, sparse=False, smem_limit=200 * 1024, gated=False)
+        why = attention_tuning.v3_blocker(plan, sparse=False, smem_limit=200 * 1024)
         assert why is not None and "shared memory" in why and f"{ring[0]} record stages of {ring[1]} keys" in why, why
 
 
@@ -231,34 +231,11 @@ V3_RUNS = ("bf16", "nvfp4", "nvfp4_fp8rope", "nvfp4_fp8rope_st", "nvfp4_fp8_ds_m
            "fp8_ds_mla_pow2", "fp8_e4m3")
 
 
-def test_v3_sparse_lists_and_the_32_head_tile_are_held_off_until_their_gpu_tests_pass(monkeypatch):
-    """v3 was written for sparse top-k lists and a 32-head tile without a GPU and held both off until their GPU
-    tests passed (the same session): while V3_LAUNCHES_AWAITING_GPU_TESTS lists them, a sparse launch forced to v3
-    runs v2 with the reason, and h > 16 keeps the 16-head tile with the reason; cleared (as the GPU tests' fixture
-    does, and as shipped since), forced v3 runs sparse lists, and h > 16 the 32-head tile. The default (v2 for
-    both: timed level with v2) is the same either way."""
-    # both passed on the H200; what may still wait is the two-producer 32-head probe (another test)
-    assert set(attention_tuning.V3_LAUNCHES_AWAITING_GPU_TESTS) <= {attention_tuning.V3_TILE_32_TWO_PRODUCERS}
-    monkeypatch.setattr(attention_tuning, "V3_LAUNCHES_AWAITING_GPU_TESTS", {
-        attention_tuning.V3_SPARSE: "v3's sparse top-k lists have not yet passed their GPU tests",
-        attention_tuning.V3_TILE_32: "v3's 32-head tile has not yet passed its GPU tests",
-    })
-    monkeypatch.setattr(attention_tuning, "V3_AWAITING_GPU_TESTS", {})  # the fp8 records' own hold: another test
+def test_forced_v3_runs_sparse_lists_and_the_32_head_tile(monkeypatch):
+    """MLA_EVAL_ATTENTION_KERNEL=v3 runs sparse top-k lists and, at h > 16, the 32-head tile (both GPU-tested on an
+    H200); the default stays v2 for sparse lists (timed level with v2); a device whose CTAs cannot hold the 32-head
+    tile keeps the 16-head one and says why; one 16-head tile has nothing to choose."""
     env = attention_tuning.ENV
-    for name in V3_RUNS:
-        plan = plan_for(get_format(name))
-        why = attention_tuning.v3_blocker(plan, sparse=True)
-        assert why is not None and "sparse top-k" in why and "GPU tests" in why, (name, why)
-        assert _gen(name, monkeypatch, "v3", sparse=True) == ("v2", why)
-        assert _gen(name, monkeypatch, sparse=True)[0] == "v2"
-        assert attention_tuning.v3_blocker(plan, sparse=True, gated=False) is None
-        for heads in (17, 32, 64, 128):
-            tile, tile_why = attention_tuning.v3_head_tile(plan, heads)
-            assert tile == 16 and "GPU tests" in tile_why, (name, heads)
-            assert attention_tuning.v3_head_tile(plan, heads, gated=False)[0] == 32, (name, heads)
-        for heads in (1, 8, 16):  # one 16-head tile: nothing to choose, held or not
-            assert attention_tuning.v3_head_tile(plan, heads) == (16, f"h = {heads}: one 16-head tile")
-    monkeypatch.setattr(attention_tuning, "V3_LAUNCHES_AWAITING_GPU_TESTS", {})
     for name in V3_RUNS:
         plan = plan_for(get_format(name))
         assert attention_tuning.v3_blocker(plan, sparse=True) is None
@@ -267,14 +244,11 @@ def test_v3_sparse_lists_and_the_32_head_tile_are_held_off_until_their_gpu_tests
         gen, why = _gen(name, monkeypatch, "v3", heads=128, sparse=True)
         assert gen == "v3" and "32-head tiles" in why, why
         assert attention_tuning.v3_head_tile(plan, 128, sparse=True)[0] == 32
-        # a device whose CTAs cannot hold the 32-head tile keeps the 16-head one and says why
         small = attention_tuning.smem_bytes_v3(plan, heads=32) - 1
         tile, tile_why = attention_tuning.v3_head_tile(plan, 128, smem_limit=small)
         assert tile == 16 and "shared memory" in tile_why and str(small) in tile_why, tile_why
-    # one hold without the other
-    monkeypatch.setattr(attention_tuning, "V3_LAUNCHES_AWAITING_GPU_TESTS", {attention_tuning.V3_TILE_32: "probe"})
-    assert attention_tuning.v3_blocker(plan_for(get_format("nvfp4")), sparse=True) is None
-    assert attention_tuning.v3_head_tile(plan_for(get_format("nvfp4")), 64) == (16, "16-head tiles: probe")
+        for heads in (1, 8, 16):
+            assert attention_tuning.v3_head_tile(plan, heads) == (16, f"h = {heads}: one 16-head tile")
 
 
 def test_two_producer_warpgroups_at_the_32_head_tile_get_per_role_registers():
@@ -305,24 +279,15 @@ def test_register_budgets_that_the_hardware_refuses_are_refused(split, why, monk
         attention_tuning.v3_reg_budget(32, 2)
 
 
-def test_two_producer_warpgroups_are_the_32_head_tiles_default_and_a_hold_keeps_one(monkeypatch):
-    """The 32-head tile runs two producer warpgroups by default (GPU tests passed, timed faster than
-    one); the 16-head tile has two as well. Were `V3_TILE_32_TWO_PRODUCERS` listed again (a rewritten kernel awaiting
-    its GPU tests), the 32-head tile would run one and say why, and the 16-head tile would be untouched."""
+def test_two_producer_warpgroups_are_the_32_head_tiles_default(monkeypatch):
+    """The 32-head tile runs two producer warpgroups by default (GPU tests passed, timed faster than one); the
+    16-head tile has two as well; `V3_WIDE_PRODUCER_WGS` is the one value that says so."""
     assert attention_tuning.V3_WIDE_PRODUCER_WGS == 2
-    assert attention_tuning.V3_TILE_32_TWO_PRODUCERS not in attention_tuning.V3_LAUNCHES_AWAITING_GPU_TESTS
     for name in V3_RUNS:
         plan = plan_for(get_format(name))
         assert attention_tuning.v3_producer_choice(plan, 32) == (2, "32-head tile: 2 producer warpgroups"), name
         assert attention_tuning.v3_producer_wgs(plan, 16) == 2
-    hold = attention_tuning.V3_TILE_32_TWO_PRODUCERS
-    monkeypatch.setattr(attention_tuning, "V3_LAUNCHES_AWAITING_GPU_TESTS", {hold: "not yet GPU-tested"})
     nvfp4 = plan_for(get_format("nvfp4"))
-    assert attention_tuning.v3_producer_choice(nvfp4, 32) == (1, "one producer warpgroup: not yet GPU-tested")
-    assert attention_tuning.v3_producer_choice(nvfp4, 32, gated=False) == (2, "32-head tile: 2 producer warpgroups")
-    assert attention_tuning.v3_producer_wgs(nvfp4, 16) == 2
-    assert attention_tuning.v3_producers_held(32, 2) == "not yet GPU-tested"
-    assert attention_tuning.v3_producers_held(32, 1) is None and attention_tuning.v3_producers_held(16, 2) is None
     monkeypatch.setattr(attention_tuning, "V3_WIDE_PRODUCER_WGS", 1)
     assert attention_tuning.v3_producer_choice(nvfp4, 32) == (1, "32-head tile: 1 producer warpgroup")
 
@@ -367,35 +332,6 @@ def test_v3_shared_memory_of_the_32_head_tile_and_sparse_lists():
         assert attention_tuning.v3_producer_wgs(plan) == attention_tuning.v3_producer_wgs(plan, 16)
 
 
-def test_v3_held_off_formats_run_v2_until_their_gpu_tests_pass(monkeypatch):
-    """A format listed in V3_AWAITING_GPU_TESTS (as the fp8 records were until their GPU run) compiles for
-    v3 but waits for its GPU tests: v3_blocker names the reason, forced v3 runs v2 and says why, and the default
-    runs v2 even for a format of V3_DEFAULT_FORMATS; cleared (as the GPU tests do), forced v3 runs v3 and the
-    default is v3 again. The gate never widens v3."""
-    held = ("fp8_ds_mla", "fp8_ds_mla_pow2", "fp8_e4m3")
-    assert set(held) <= set(attention_tuning.V3_DEFAULT_FORMATS)
-    monkeypatch.setattr(attention_tuning, "V3_AWAITING_GPU_TESTS", {n: "its v3 kernel awaits its GPU tests" for n in held})
-    for name in held:
-        plan = plan_for(get_format(name))
-        why = attention_tuning.v3_blocker(plan, sparse=False)
-        assert why is not None and name in why and "GPU tests" in why, why
-        assert _gen(name, monkeypatch, "v3") == ("v2", why)
-        assert _gen(name, monkeypatch)[0] == "v2"
-        assert name in attention_tuning.v3_blocker(plan, sparse=True)  # the format's hold before the sparse one
-    monkeypatch.setattr(attention_tuning, "V3_AWAITING_GPU_TESTS", {})
-    for name in held:
-        assert attention_tuning.v3_blocker(plan_for(get_format(name)), sparse=False) is None
-        assert _gen(name, monkeypatch, "v3") == ("v3", f"{attention_tuning.ENV}=v3")
-        gen, why = _gen(name, monkeypatch)
-        assert gen == "v3" and why.startswith("default: v3 measured faster"), why
-    # any listed format is held; gated=False (compile check, GPU test parametrisation) ignores the list; a
-    # structural reason (here: no E4M3 read-back) still comes first
-    monkeypatch.setattr(attention_tuning, "V3_AWAITING_GPU_TESTS", {"nvfp4": "probe"})
-    assert "probe" in attention_tuning.v3_blocker(plan_for(get_format("nvfp4")), sparse=False)
-    assert attention_tuning.v3_blocker(plan_for(get_format("nvfp4")), sparse=False, gated=False) is None
-    assert "E4M3 read-back" in attention_tuning.v3_blocker(plan_for(get_format("trtllm_nvfp4_dsa")), sparse=False)
-
-
 # ---------------------------------------------------------------------------------- which generation runs
 def _gen(name, monkeypatch, forced=None, **launch):
     if forced is None:
@@ -411,7 +347,6 @@ def test_default_generation_is_v3_only_where_it_was_measured_faster(monkeypatch)
     faster under v3 run v3 (every format v3 covers, bf16 included); at h > 16 (32-head tiles) only
     the formats and list kinds the h = 128 bench timed faster (fp8_ds_mla dense and sparse, nvfp4 and nvfp4_fp8_ds_mla
     dense); formats v3 refuses, other sparse lists, and many queries per sequence (prefill-as-decode) run v2."""
-    monkeypatch.setattr(attention_tuning, "V3_DEFAULT_PENDING", None)  # the policy as it runs once validated
     measured = set(attention_tuning.V3_DEFAULT_FORMATS)
     assert measured == {"nvfp4", "nvfp4_fp8rope", "nvfp4_fp8rope_st", "nvfp4_fp8_ds_mla", "mxfp4", "fp8_ds_mla",
                         "fp8_ds_mla_pow2", "fp8_e4m3", "bf16"}
@@ -446,14 +381,6 @@ def test_default_generation_is_v3_only_where_it_was_measured_faster(monkeypatch)
     assert gen == "v2" and "shared memory" in why
 
 
-def test_an_unvalidated_default_runs_v2_and_says_why(monkeypatch):
-    """While V3_DEFAULT_PENDING names a reason, no launch goes to v3 unless the environment forces it."""
-    monkeypatch.setattr(attention_tuning, "V3_DEFAULT_PENDING", "its GPU tests have not run")
-    gen, why = _gen("nvfp4", monkeypatch)
-    assert gen == "v2" and "measured faster for nvfp4" in why and why.endswith("its GPU tests have not run")
-    assert _gen("nvfp4", monkeypatch, "v3") == ("v3", f"{attention_tuning.ENV}=v3")
-
-
 def test_the_environment_forces_a_generation(monkeypatch):
     for forced in ("v1", "v2"):
         for name in ("bf16", "nvfp4", "fp8_ds_mla"):
@@ -470,17 +397,23 @@ def test_the_environment_forces_a_generation(monkeypatch):
         gen, why = _gen(name, monkeypatch, "v3")
         assert (gen, why) == ("v2", attention_tuning.v3_blocker(plan_for(get_format(name)), False)), name
     assert _gen("nvfp4", monkeypatch, " V3 ")[0] == "v3"  # as the variable is read: trimmed, any case
-    monkeypatch.setattr(attention_tuning, "V3_DEFAULT_PENDING", None)
     assert _gen("nvfp4", monkeypatch, "")[0] == "v3"  # empty is unset: the default
     with pytest.raises(ValueError, match="expected one of v1, v2, v3"):
         _gen("nvfp4", monkeypatch, "v4")
 
 
-def test_v3_runs_without_l2_prefetch_by_default_and_the_probe_turns_it_on():
-    """The H200 run timed the L2 prefetch slower for the decoded formats (docs/kernels.md#l2-prefetch): off by default, the
-    bench's v3-pf probe keeps it measurable. The producer revision knob is gone (one producer)."""
-    assert attention_tuning.V3_L2_PREFETCH == 0 < attention_tuning.V3_L2_PREFETCH_PROBE
-    assert not hasattr(attention_tuning, "V3_PRODUCER_REV")
+def test_the_variants_that_lost_are_gone():
+    """The L2 prefetch of records (timed slower for the decoded formats, docs/kernels.md#l2-prefetch), the producer
+    revision knob and the consumer / decode rev 1 were deleted with their code; the shipped v3 plan takes no knob but
+    the head tile (the benchmark's probes: benchmarks/probes.py)."""
+    import inspect
+
+    from mla_eval_kernels.plan import launch as lp
+
+    for name in ("V3_L2_PREFETCH", "V3_L2_PREFETCH_PROBE", "V3_PRODUCER_REV", "V3_CONSUMER_REV", "V3_DECODE_REV"):
+        assert not hasattr(attention_tuning, name), name
+    assert "l2_prefetch" not in {f.name for f in __import__("dataclasses").fields(lp.V3Config)}
+    assert set(inspect.signature(lp.v3_plan).parameters) == {"plan", "heads", "sparse", "facts", "why", "head_tile"}
     assert not hasattr(attention_tuning, "kernel_version")  # one definition: forced_generation / generation_for
 
 
@@ -581,30 +514,17 @@ def test_bench_heads_of_the_multi_tile_shapes_are_checked_before_any_gpu_work(he
     assert f"--heads {heads}" in err and "multiple of 16 in 32..128" in err and "\n" == err[-1] and err.count("\n") == 1
 
 
-def test_bench_h128_rows_add_the_two_producer_32_head_tile_with_variants(monkeypatch):
+def test_bench_h128_rows_add_the_two_producer_32_head_tile_with_variants():
     """Shapes (a) / (d) at h = 128: v3-t16 and v3-t32, and with --variants the 32-head tile with the other producer
-    warpgroup count: v3-t32-p1 since two are the default; while `V3_TILE_32_TWO_PRODUCERS` is listed the
-    default is one and the probe v3-t32-p2, marked held; the row of the tile dispatch would not pick carries the
-    reason; formats v3 refuses get no v3 row."""
+    warpgroup count (v3-t32-p1: two are the default); formats v3 refuses get no v3 row."""
     from benchmarks import kernel_bench as bench
 
-    hold = attention_tuning.V3_TILE_32_TWO_PRODUCERS
-    monkeypatch.setattr(attention_tuning, "V3_LAUNCHES_AWAITING_GPU_TESTS", {hold: "not yet GPU-tested"})
-    monkeypatch.setattr(attention_tuning, "V3_AWAITING_GPU_TESTS", {})
     nvfp4 = plan_for(get_format("nvfp4"))
     for sparse in (False, True):
-        t16 = ("v3-t16", 16, None, attention_tuning.v3_head_tile(nvfp4, 128, sparse)[1])
-        assert "32-head tiles" in t16[3]
-        assert bench.v3_tile_variants(nvfp4, 128, sparse, False) == [t16, ("v3-t32", 32, None, None)]
+        assert bench.v3_tile_variants(nvfp4, 128, sparse, False) == [("v3-t16", 16, None), ("v3-t32", 32, None)]
         assert bench.v3_tile_variants(nvfp4, 128, sparse, True) == [
-            t16, ("v3-t32", 32, None, None), ("v3-t32-p2", 32, 2, "not yet GPU-tested"),
+            ("v3-t16", 16, None), ("v3-t32", 32, None), ("v3-t32-p1", 32, 1),
         ]
-    monkeypatch.setattr(attention_tuning, "V3_LAUNCHES_AWAITING_GPU_TESTS", {})
-    assert bench.v3_tile_variants(nvfp4, 128, False, True)[-1] == ("v3-t32-p1", 32, 1, None)
-    # the 32-head tile's own hold marks all of its rows
-    monkeypatch.setattr(attention_tuning, "V3_LAUNCHES_AWAITING_GPU_TESTS", {attention_tuning.V3_TILE_32: "held"})
-    rows = bench.v3_tile_variants(nvfp4, 128, False, True)
-    assert [r[3] for r in rows] == [None] + 2 * ["16-head tiles: held"], rows
     assert bench.v3_tile_variants(plan_for(get_format("trtllm_nvfp4_dsa")), 128, True, True) == []
 
 

@@ -37,19 +37,6 @@ def needs_cuda(fn):
     return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(fn))
 
 
-@pytest.fixture(autouse=True)
-def kernels_under_test(monkeypatch):
-    """These tests are what validates a kernel: formats still held on the reference by
-    `record_plan.AWAITING_GPU_TESTS` (dispatch refuses `--backend kernel` for them), and v3 launches still held on
-    v2 by `attention_tuning.V3_AWAITING_GPU_TESTS` (formats) or `V3_LAUNCHES_AWAITING_GPU_TESTS` (sparse lists,
-    the 32-head tile), run their kernels here."""
-    from mla_eval_kernels.plan import record_plan
-
-    monkeypatch.setattr(record_plan, "AWAITING_GPU_TESTS", {})
-    monkeypatch.setattr(attention_tuning, "V3_AWAITING_GPU_TESTS", {})
-    monkeypatch.setattr(attention_tuning, "V3_LAUNCHES_AWAITING_GPU_TESTS", {})
-
-
 def _has_kernel(spec) -> bool:
     try:
         plan_for(spec)
@@ -68,13 +55,13 @@ def test_swizzled_offset_matches_the_cute_layout():
     """The kernels address K/Q tiles by hand; the address must be the layout's (no GPU needed)."""
     import cutlass.cute as cute
 
-    from mla_eval_kernels.cute.mla_attention import _swizzle_atom, swizzled_offset
+    from mla_eval_kernels.cute.smem import swizzle_atom, swizzled_offset
 
     got = {}
 
     @cute.jit
     def probe():
-        layout = cute.tile_to_shape(_swizzle_atom(64), (32, 576, 2), (0, 1, 2))
+        layout = cute.tile_to_shape(swizzle_atom(64), (32, 576, 2), (0, 1, 2))
         for r, c, s in [(0, 0, 0), (1, 8, 0), (9, 70, 0), (31, 575, 0), (5, 130, 1), (17, 300, 1), (23, 511, 1)]:
             got[(r, c, s)] = cute.crd2idx((r, c, s), layout)
 

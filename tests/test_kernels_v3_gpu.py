@@ -5,10 +5,10 @@ element the kernel owns must be written), error bounds of tests/test_kernels_gpu
 1 key, one short of / exactly / one past the 64-key tile, lengths that are not a multiple of the tile,
 and 64K keys; for the fp8 records, whose raw ring holds parts of tiles, lengths around the 16- and 32-key parts
 and every ring that fits (bit-identical outputs). Also:
-The sparse and 32-head launches (held off by `V3_LAUNCHES_AWAITING_GPU_TESTS` until these tests passed on the H200):
+The sparse and 32-head launches (held off until these tests passed on an H200):
 sparse top-k lists at h = 16, 64, 128 (topk 2048 and 777, -1 padding, an all-invalid row, out-of-range ids, a
 sink) and the 32-head tile for dense h = 32, 64, 128, each with and without splits. The 32-head tile with two producer
-warpgroups and per-role registers (`setmaxnreg`; held by `V3_TILE_32_TWO_PRODUCERS` until its case passed on the H200
+warpgroups and per-role registers (`setmaxnreg`; held until its case passed on an H200
 the 32-head tile's default), against the reference and bit-identical to the one-producer kernel.
 MLA_EVAL_ATTENTION_KERNEL=v3 routes dense and sparse launches to v3 and everything v3 does not cover (formats it
 refuses, launches still held outside these tests) to v2; unset, the per-format default
@@ -34,10 +34,10 @@ from test_kernels_gpu import (  # noqa: E402
     _random_cache,
     _run,
     _sparse_lists,
-    kernels_under_test,  # noqa: E402, F401 (the autouse fixture, in force here too)
     needs_cuda,
 )
 
+from benchmarks.probes import v3_probe_plan  # noqa: E402
 from mla_eval.attention import reference  # noqa: E402
 from mla_eval.formats import get_format  # noqa: E402
 from mla_eval_kernels.cute import compile_cache  # noqa: E402
@@ -46,10 +46,9 @@ from mla_eval_kernels.plan import tuning as attention_tuning  # noqa: E402
 from mla_eval_kernels.plan.device_limits import HOPPER_FACTS, HOPPER_SMEM_PER_BLOCK  # noqa: E402
 from mla_eval_kernels.plan.record_plan import plan_for  # noqa: E402
 
-# what v3 can run, including formats held on v2 by V3_AWAITING_GPU_TESTS (these tests are what clears them:
-# fixture `kernels_under_test`)
+# what v3 can run
 V3_FORMATS = [
-    f for f in FORMATS if attention_tuning.v3_blocker(plan_for(get_format(f)), False, HOPPER_SMEM_PER_BLOCK, gated=False) is None
+    f for f in FORMATS if attention_tuning.v3_blocker(plan_for(get_format(f)), False, HOPPER_SMEM_PER_BLOCK) is None
 ]
 V3_BLOCKED = [f for f in FORMATS if f not in V3_FORMATS]
 V3_DECODED = [f for f in V3_FORMATS if not attention_tuning.is_bf16_plan(plan_for(get_format(f)))]
@@ -72,7 +71,7 @@ def test_v3_shared_layouts_are_the_hand_written_offsets():
     from cutlass import BFloat16
     from cutlass.cute.nvgpu import warpgroup
 
-    from mla_eval_kernels.cute.mla_attention import swizzled_offset
+    from mla_eval_kernels.cute.smem import swizzled_offset
 
     got = {}
     coords = [(0, 0, 0), (1, 8, 0), (9, 70, 0), (63, 575, 0), (5, 130, 1), (17, 300, 1), (23, 511, 1), (40, 200, 1), (62, 63, 1)]
@@ -140,7 +139,7 @@ def _v3(
     **probe,
 ):
     """One v3 launch into NaN-poisoned outputs (and split partials)."""
-    from mla_eval_kernels.cute.launch import mla_attention_v3
+    from benchmarks.probes import mla_attention_v3
 
     n, h = q.shape[:2]
     out = torch.full((n, h, 512), float("nan"), device="cuda")
@@ -179,20 +178,17 @@ def test_v3_matches_reference(fmt, heads, sink):
     for splits in (None, 1, 3):  # the heuristic, one CTA per query (no combine), forced partials + combine
         out, lse = _v3(spec, q, cache, scale, sink=sink_t, outer_scale=s_l, num_splits=splits, **lists)
         _check(out, lse, ref_out, ref_lse, bound, f"v3 {fmt} h={heads} sink={sink} splits={splits}")
-    assert any(k[0] == "mla_attention_v3" and k[2] == plan_for(spec) for k in compile_cache.keys())
+    assert any(k[0] == "mla_attention_v3" and k[2].plan == plan_for(spec) for k in compile_cache.keys())
 
 
-PROBES = [
-    dict(l2_prefetch=attention_tuning.V3_L2_PREFETCH_PROBE), dict(producer_wgs=1), dict(producer_wgs=2),
-    dict(l2_prefetch=attention_tuning.V3_L2_PREFETCH_PROBE, producer_wgs=1),
-]
+PROBES = [dict(producer_wgs=1), dict(producer_wgs=2)]
 
 
 @needs_cuda
 @pytest.mark.parametrize("probe", PROBES)
 @pytest.mark.parametrize("fmt", ["nvfp4", "bf16", "mxfp4", "fp8_ds_mla"])
 def test_v3_benchmark_probes_match_reference(fmt, probe):
-    """The variants the benchmark times beside v3 (L2 prefetch on: v3-pf; the other producer warpgroup count)."""
+    """The variants the benchmark times beside v3 (the other producer warpgroup count)."""
     spec, q, cache, scale, sink_t, s_l, lists, ref_out, ref_lse, bound = _case(fmt, 16, LENGTHS, 4)
     for splits in (None, 1):
         out, lse = _v3(spec, q, cache, scale, outer_scale=s_l, num_splits=splits, **lists, **probe)
@@ -202,8 +198,8 @@ def test_v3_benchmark_probes_match_reference(fmt, probe):
 @needs_cuda
 @pytest.mark.parametrize("fmt", V3_FORMATS)
 def test_v3_probes_write_the_same_k_tiles(fmt):
-    """The L2 prefetch (off by default, bench v3-pf) only warms L2 and the producer warpgroup count only
-    moves work between threads: the K tiles, hence the outputs, are bit-identical to the default launch;
+    """The producer warpgroup count only moves work between threads: the K tiles, hence the outputs, are
+    bit-identical to the default launch;
     plus the reference check. A query of 0 keys, lengths off the 64-key tile, 1 and 3 splits."""
     spec, q, cache, scale, sink_t, s_l, lists, ref_out, ref_lse, bound = _case(fmt, 16, [0, *LENGTHS], 6)
     for splits in (1, 3):
@@ -264,7 +260,7 @@ def test_v3_part_tile_raw_rings(fmt):
 
 def _spec(plan, heads=16, sparse=False, sink=False, outer=False, split=False, **probe):
     """The `KernelSpec` of a v3 launch made as dispatch and the bench make it (`v3_plan` resolves every default)."""
-    cfg = launch_plan_mod.v3_plan(plan, heads, sparse, HOPPER_FACTS, **probe).config
+    cfg = v3_probe_plan(plan, heads, sparse, HOPPER_FACTS, **probe).config
     return launch_plan_mod.KernelSpec(plan, cfg, sparse=sparse, has_sink=sink, has_outer=outer, split=split)
 
 
@@ -287,7 +283,7 @@ def test_v3_raw_ring_is_in_the_compile_key():
     assert V3_PART_RING == ["fp8_ds_mla", "fp8_ds_mla_pow2", "fp8_e4m3"]
 
     def cfg(name, **kw):
-        return launch_plan_mod.v3_plan(plan_for(get_format(name)), kw.pop("heads", 16), kw.pop("sparse", False),
+        return v3_probe_plan(plan_for(get_format(name)), kw.pop("heads", 16), kw.pop("sparse", False),
                                        HOPPER_FACTS, **kw).config
 
     assert cfg("fp8_ds_mla").raw_ring == (2, 32) and cfg("fp8_e4m3").raw_ring == (2, 32) and cfg("nvfp4").raw_ring == (2, 64)
@@ -307,18 +303,6 @@ def test_v3_raw_ring_is_in_the_compile_key():
     # tile have none
     assert attention_tuning.v3_reg_budget(32, 2) == (232, 136)
     assert attention_tuning.v3_reg_budget(32, 1) is None and attention_tuning.v3_reg_budget(16, 2) is None
-
-
-@needs_cuda
-def test_a_held_v3_format_runs_v2_when_v3_is_forced(monkeypatch):
-    """While V3_AWAITING_GPU_TESTS lists a format (the state outside these tests), forcing v3 runs v2 for it."""
-    monkeypatch.setitem(attention_tuning.V3_AWAITING_GPU_TESTS, "fp8_ds_mla", "held for this test")
-    monkeypatch.setenv(attention_tuning.ENV, "v3")
-    spec, q, cache, scale, sink_t, s_l, lists, ref_out, ref_lse, bound = _case("fp8_ds_mla", 16, [BLOCK + 1, 300], 10)
-    compile_cache.clear()
-    out, lse = _run(spec, q, cache, scale, outer_scale=s_l, num_splits=1, **lists)
-    _check(out, lse, ref_out, ref_lse, bound, "held fp8_ds_mla forced v3 -> v2")
-    assert {k[0] for k in compile_cache.keys()} == {"mla_attention"}
 
 
 @needs_cuda
@@ -361,7 +345,7 @@ def _sparse_case(fmt, heads, topk, seed, blocks=40):
 
 
 def _tiles_compiled():
-    return {k[10] for k in compile_cache.keys() if k[0] == "mla_attention_v3"}
+    return {f"heads={k[2].config.head_tile}" for k in compile_cache.keys() if k[0] == "mla_attention_v3"}
 
 
 @needs_cuda
@@ -379,7 +363,7 @@ def test_v3_sparse_matches_reference(fmt, heads):
             out, lse = _v3(spec, q, cache, scale, sink=sink_t, outer_scale=s_l, num_splits=splits, indices=idx)
             _check(out, lse, ref_out, ref_lse, bound, f"v3 sparse {fmt} h={heads} topk={topk} splits={splits}")
     assert _tiles_compiled() == {f"heads={16 if heads <= 16 else 32}"}
-    assert {k[11] for k in compile_cache.keys() if k[0] == "mla_attention_v3"} == {"sparse=True"}
+    assert {k[2].sparse for k in compile_cache.keys() if k[0] == "mla_attention_v3"} == {True}
 
 
 @needs_cuda
@@ -425,8 +409,9 @@ def test_v3_32_head_tile_two_producers_match_reference_and_one_producer(fmt, lau
         one, lse1 = _v3(spec, q, cache, scale, sink=sink_t, outer_scale=s_l, num_splits=splits, head_tile=32,
                         producer_wgs=1, **lists)
         assert torch.equal(out, one) and torch.equal(lse, lse1), (fmt, launch, splits)
-    got = {(k[7], k[10], k[12]) for k in compile_cache.keys() if k[0] == "mla_attention_v3"}
-    assert got == {(2, "heads=32", "setmaxnreg=232/136"), (1, "heads=32", "setmaxnreg=none")}, got
+    got = {(k[2].config.producer_wgs, k[2].config.head_tile, attention_tuning.v3_reg_budget(32, k[2].config.producer_wgs))
+           for k in compile_cache.keys() if k[0] == "mla_attention_v3"}
+    assert got == {(2, 32, (232, 136)), (1, 32, None)}, got
 
 
 @needs_cuda
@@ -446,26 +431,6 @@ def test_v3_16_head_tile_at_h128_matches_reference(sparse):
 
 
 @needs_cuda
-def test_held_v3_launches_run_v2_or_the_16_head_tile_when_v3_is_forced(monkeypatch):
-    """While `V3_LAUNCHES_AWAITING_GPU_TESTS` holds sparse lists and the 32-head tile (as it did until their
-    GPU run), forced v3 runs a sparse launch on v2 and an h = 64 dense launch on v3's 16-head tile."""
-    monkeypatch.setattr(attention_tuning, "V3_LAUNCHES_AWAITING_GPU_TESTS", {
-        attention_tuning.V3_SPARSE: "held for this test", attention_tuning.V3_TILE_32: "held for this test",
-    })
-    monkeypatch.setenv(attention_tuning.ENV, "v3")
-    spec, q, cache, scale, sink_t, s_l, idx, ref_out, ref_lse, bound = _sparse_case("nvfp4", 16, 300, 3)
-    compile_cache.clear()
-    out, lse = _run(spec, q, cache, scale, sink=sink_t, outer_scale=s_l, num_splits=1, indices=idx)
-    _check(out, lse, ref_out, ref_lse, bound, "held sparse forced v3 -> v2")
-    assert {k[0] for k in compile_cache.keys()} == {"mla_attention"}
-    spec, q, cache, scale, sink_t, s_l, lists, ref_out, ref_lse, bound = _case("nvfp4", 64, [BLOCK + 1, 300], 13)
-    compile_cache.clear()
-    out, lse = _run(spec, q, cache, scale, outer_scale=s_l, num_splits=1, **lists)
-    _check(out, lse, ref_out, ref_lse, bound, "held 32-head tile forced v3 h=64 -> 16-head tiles")
-    assert {k[0] for k in compile_cache.keys()} == {"mla_attention_v3"} and _tiles_compiled() == {"heads=16"}
-
-
-@needs_cuda
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8_ds_mla"] + V3_BLOCKED[:1])
 def test_environment_routes_dense_to_v3_and_the_rest_to_v2(fmt, monkeypatch):
     monkeypatch.setenv(attention_tuning.ENV, "v3")
@@ -475,18 +440,15 @@ def test_environment_routes_dense_to_v3_and_the_rest_to_v2(fmt, monkeypatch):
     _check(out, lse, ref_out, ref_lse, bound, f"dispatch v3 {fmt}")
     names = {k[0] for k in compile_cache.keys()}
     assert names == {"mla_attention_v3" if fmt in V3_FORMATS else "mla_attention"}, names
-    # sparse lists: v3 where it covers the format (the hold cleared, as here), v2 while held (outside these tests)
+    # sparse lists: v3 where it covers the format
     idx = torch.randint(0, 24 * BLOCK, (2, 100), dtype=torch.int32)
     ref_out, ref_lse = reference.mla_attention(spec, q, cache, softmax_scale=scale, outer_scale=s_l, indices=idx.cuda())
     bound = _bound(spec, q.cpu(), cache.cpu(), idx, scale, s_l)
-    for held in (False, True):
-        if held:
-            monkeypatch.setitem(attention_tuning.V3_LAUNCHES_AWAITING_GPU_TESTS, attention_tuning.V3_SPARSE, "held here")
-        compile_cache.clear()
-        out, lse = _run(spec, q, cache, scale, outer_scale=s_l, num_splits=1, indices=idx.cuda())
-        ran = "mla_attention_v3" if fmt in V3_FORMATS and not held else "mla_attention"
-        assert {k[0] for k in compile_cache.keys()} == {ran}, (fmt, held)
-        _check(out, lse, ref_out, ref_lse, bound, f"dispatch v3 {fmt} sparse held={held} -> {ran}")
+    compile_cache.clear()
+    out, lse = _run(spec, q, cache, scale, outer_scale=s_l, num_splits=1, indices=idx.cuda())
+    ran = "mla_attention_v3" if fmt in V3_FORMATS else "mla_attention"
+    assert {k[0] for k in compile_cache.keys()} == {ran}, fmt
+    _check(out, lse, ref_out, ref_lse, bound, f"dispatch v3 {fmt} sparse -> {ran}")
 
 
 @needs_cuda
@@ -498,7 +460,6 @@ def test_default_policy_picks_the_generation_per_launch_and_dispatch_records_it(
     from mla_eval.attention import dispatch
 
     monkeypatch.delenv(attention_tuning.ENV, raising=False)
-    monkeypatch.setattr(attention_tuning, "V3_DEFAULT_PENDING", None)  # this test is what validates the policy
     spec, q, cache, scale, sink_t, s_l, lists, ref_out, ref_lse, bound = _case(fmt, 16, [BLOCK + 1, 300, 5], 8)
     plan = plan_for(spec)
     want, _ = attention_tuning.generation_for(plan, sparse=False, heads=16, smem_limit=HOPPER_SMEM_PER_BLOCK)
@@ -542,7 +503,7 @@ def test_v3_copies_cover_each_chunk_once_and_stores_are_conflict_free(fmt, pt):
     (key, chunk) of the 64-key tile once, nothing past a stage. Latent stores: per quarter warp (8 lanes x
     16 bytes, one key row) the 8 chunks land in 8 distinct 16-byte bank groups (without the half swap:
     4, 2 wavefronts)."""
-    from mla_eval_kernels.cute.mla_attention import swizzled_offset
+    from mla_eval_kernels.cute.smem import swizzled_offset
 
     plan = plan_for(get_format(fmt))
     rec = plan.record_bytes
@@ -821,7 +782,7 @@ def test_v3_decode_rev2_store_addresses_are_the_swizzled_offsets(pt):
     per 8 rows are `swizzled_offset` of the key row and the lane's two 16-byte chunks (upper 8 values first where blk & 4), for
     every part key0 the rings give, item u, warp w = ptid // 32 and block; and its 4-byte loads are the words rev 1
     selected from its 8-byte load (the layout the GPU tests checked bitwise against rev 1 before it was deleted)."""
-    from mla_eval_kernels.cute.mla_attention import swizzled_offset
+    from mla_eval_kernels.cute.smem import swizzled_offset
 
     bn, kpp = 64, pt // 32
     for nkeys in (64, 32, 16):

@@ -193,3 +193,40 @@ def test_torchrun_ranks_stream_the_same_layers_and_reduce_exactly(folders, tmp_p
     a, b = (json.loads((tmp_path / f).read_text()) for f in ("one.json", "two.json"))
     assert b["settings"]["world_size"] == 2 and b["execution"]["plan"]["mode"] == "stream"
     assert a["formats"] == b["formats"]
+
+
+# ------------------------------------------------------------------------------------------------ random models (issue 44)
+
+RANDOM = "random:deepseek-v3:layers=2:hidden=128"
+
+
+def test_a_random_model_streams_as_it_runs_resident(folders, tmp_path, capsys):
+    """`--offload stream` on a random model crashed (the host stash has no read statistics): it runs, streamed from
+    the host stash, and its figures equal the resident run's."""
+    docs = {}
+    for offload in ("none", "stream"):
+        out = tmp_path / f"{offload}.json"
+        code, _, err = run(["kld", "--model", RANDOM, "--text", str(folders["text"]), "--ctx", "64", "--stride", "32",
+                            "--formats", "nvfp4", "--scales", "none", "--device", "cpu", "--offload", offload,
+                            "--max-tokens", "128", "--no-layer-stats", "--out", str(out)], capsys)
+        assert code == 0 and "Traceback" not in err, err[-2000:]
+        docs[offload] = json.loads(out.read_text())
+    assert docs["stream"]["execution"]["plan"]["mode"] == "stream"
+    assert docs["stream"]["formats"] == docs["none"]["formats"]
+    assert "from the host stash" in docs["stream"]["execution"]["plan"]["time"]["cost_source"]
+
+
+def test_a_random_dry_run_plans_from_shapes_without_building_the_model(folders, capsys, monkeypatch):
+    """A dry run on random:<preset> never draws a weight (a 61-layer DeepSeek-V3 needs ~48 GiB built): the model is
+    made on the meta device and the timed layer gets random values of its shapes."""
+    from mla_eval.model import random_models
+
+    def never(*args, **kwargs):
+        raise AssertionError("a dry run built the random model")
+
+    monkeypatch.setattr(random_models, "build_random_model", never)
+    code, out, err = run(["kld", "--model", "random:glm-5:layers=2:hidden=128", "--text", str(folders["text"]),
+                          "--ctx", "64", "--formats", "nvfp4", "--scales", "none", "--device", "cpu", "--dry-run"], capsys)
+    assert code == 0 and "Traceback" not in err, err[-2000:]
+    assert "execution: resident" in out and "random values of the model's shapes (planned without building it)" in out
+    assert "2 decoder layers" in out and "projected" in out

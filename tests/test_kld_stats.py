@@ -26,11 +26,13 @@ def test_token_metrics_hand_computed():
     assert m["p_fmt"][0].item() == pytest.approx(0.25, rel=1e-6)
 
 
-def _arrays(kld, nll_ref, nll_fmt, p_ref, p_fmt, top1, depth):
+def _arrays(kld, nll_ref, nll_fmt, p_ref, p_fmt, top1, depth, kld_rev=None):
     n = len(kld)
     arrays = dict(
         kld=kld, nll_ref=nll_ref, nll_fmt=nll_fmt, p_ref=p_ref, p_fmt=p_fmt, same_top1=top1, depth=depth, order=range(n)
     )
+    if kld_rev is not None:
+        arrays["kld_rev"] = kld_rev
     return {k: np.asarray(v, dtype=np.float64) for k, v in arrays.items()}
 
 
@@ -79,9 +81,10 @@ def test_shards_concatenate_to_identical_statistics():
     n = 1000
     a = _arrays(
         rng.exponential(0.1, n), rng.random(n) * 5, rng.random(n) * 5, rng.random(n), rng.random(n), rng.integers(0, 2, n),
-        rng.integers(0, 4096, n),
+        rng.integers(0, 4096, n), rng.exponential(0.1, n),
     )
     whole = TokenStats.from_arrays(a).summary()
+    assert "kld_reverse_mean" in whole
     perm = rng.permutation(n)
     halves = [{k: v[perm[: n // 2]] for k, v in a.items()}, {k: v[perm[n // 2 :]] for k, v in a.items()}]
     merged = TokenStats.from_arrays({k: np.concatenate([h[k] for h in halves]) for k in a}).summary()
@@ -102,3 +105,42 @@ def test_windows_score_each_position_once():
 
 def test_windows_skip_sequences_too_short():
     assert make_windows([4], ctx=8, stride=2, min_context=4) == []
+
+
+def test_both_kl_directions_against_a_float64_sum():
+    """KL(ref || fmt) stays the headline; KL(fmt || ref) is reported beside it (issue 44): each checked against
+    sum p log(p / q) worked out in float64 numpy, and the two differ (KL is not symmetric)."""
+    g = torch.Generator().manual_seed(0)
+    ref = torch.log_softmax(torch.randn(5, 50, generator=g), -1)
+    fmt = torch.log_softmax(ref + 0.5 * torch.randn(5, 50, generator=g), -1)
+    m = token_metrics(ref, fmt, torch.zeros(5, dtype=torch.long))
+    p, q = ref.double().exp().numpy(), fmt.double().exp().numpy()
+    forward = (p * np.log(p / q)).sum(-1)
+    reverse = (q * np.log(q / p)).sum(-1)
+    assert m["kld"].numpy() == pytest.approx(forward, rel=1e-4)
+    assert m["kld_rev"].numpy() == pytest.approx(reverse, rel=1e-4)
+    assert not np.allclose(forward, reverse, rtol=1e-2)
+    stats = TokenStats()
+    stats.add(m, torch.arange(5), torch.arange(5))
+    summary = stats.summary()
+    assert summary["kld_reverse_mean"] == pytest.approx(reverse.mean(), rel=1e-4)
+    assert summary["kld_mean"] == pytest.approx(forward.mean(), rel=1e-4)
+
+
+def test_a_stored_reference_gives_the_reverse_direction_too():
+    """--ref-file: fp16 rows give both directions as the live reference does; top-k rows (k + one tail bin) give
+    lower bounds of both (merging outcomes never raises a KL)."""
+    from mla_eval.evals.ref_store import metrics_from_store
+
+    g = torch.Generator().manual_seed(1)
+    ref = torch.log_softmax(torch.randn(4, 300, generator=g), -1)
+    fmt = torch.log_softmax(ref + 0.3 * torch.randn(4, 300, generator=g), -1)
+    targets = torch.zeros(4, dtype=torch.long)
+    live = token_metrics(ref, fmt, targets)
+    common = {"target_logp": ref.gather(1, targets.view(-1, 1)).squeeze(1), "top1": ref.argmax(-1).int()}
+    full = metrics_from_store({**common, "logp_fp16": ref}, fmt, targets)
+    assert full["kld_rev"].numpy() == pytest.approx(live["kld_rev"].numpy(), rel=1e-5)
+    top, idx = ref.topk(64, -1)
+    topk = metrics_from_store({**common, "topk_logp": top, "topk_idx": idx}, fmt, targets)
+    assert (topk["kld_rev"] <= live["kld_rev"] + 1e-6).all() and (topk["kld"] <= live["kld"] + 1e-6).all()
+    assert (topk["kld_rev"] > 0).all()

@@ -86,8 +86,11 @@ def test_profile_files(tmp_path):
     [
         (b"\xff\xfe not utf-8", "not a readable UTF-8 JSON"),
         (b"{not json", "not a readable UTF-8 JSON"),
-        (json.dumps({"max_abs": [1.0, -2.0]}).encode(), "positive finite"),
-        (json.dumps({"max_abs": [1.0, math.inf]}).encode().replace(b"Infinity", b"1e999"), "positive finite"),
+        (json.dumps({"max_abs": [1.0, -2.0]}).encode(), r"layer 1's max \|c_kv\| is -2.0: a latent's max"),
+        (json.dumps({"max_abs": [1.0, math.inf]}).encode().replace(b"Infinity", b"1e999"), "is inf: a latent's max"),
+        # issue 44: magnitudes no bf16 model's latent has were applied (KLD 7.09, 0 % same top-1)
+        (json.dumps({"max_abs": [1.0, 1e30]}).encode(), r"layer 1's max \|c_kv\| is 1e\+30: .*fp16's normal range"),
+        (json.dumps({"max_abs": [1e-30, 1.0]}).encode(), r"layer 0's max \|c_kv\| is 1e-30: .*fp16's normal range"),
         (json.dumps({"scales": [1.0]}).encode(), "no per-layer max_abs"),
         (json.dumps([1, 2]).encode(), "no per-layer max_abs"),
     ],
@@ -121,9 +124,14 @@ def test_commands_apply_and_record_the_profile(tmp_path, capsys):
     assert all(abs(m / t - 1) < 0.02 for m, t in zip(doc["max_abs_c_kv"], target))
     assert doc["latent_profile"]["name"] == "glm-5.2"
     out = tmp_path / "k.json"
+    capsys.readouterr()
     code = main(["kld", "--text", str(text), "--latent-profile", "glm-5.2", "--formats", "nvfp4", "--scales", "none",
                  "--no-layer-stats", "--ctx", "128", "--device", "cpu", "--out", str(out)])
-    assert code == 0, capsys.readouterr().err[-2000:]
+    screen = capsys.readouterr()
+    assert code == 0, screen.err[-2000:]
+    # said on screen like every setting that changes the figures (issue 44): when applied, and in the table's title
+    assert "latent profile: glm-5.2 (78 layers, max |c_kv| 0.0217..5.19) applied" in screen.err
+    assert "latent profile glm-5.2" in " ".join(screen.out.split())
     kld = json.loads(out.read_text())
     assert kld["model"]["latent_profile"]["max_abs_target"] == pytest.approx(target)
     assert kld["execution"]["plan"]["mode"] == "resident"

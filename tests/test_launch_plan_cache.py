@@ -43,7 +43,7 @@ def test_the_plan_is_the_generation_the_policy_picks(monkeypatch):
                 assert chosen.config == lp.V2Config(tuple(tile), tun)
 
 
-def test_a_forced_generation_or_a_changed_hold_is_a_new_plan(monkeypatch):
+def test_a_forced_generation_is_a_new_plan(monkeypatch):
     monkeypatch.delenv(tuning.ENV, raising=False)
     nvfp4 = plan_for(get_format("nvfp4"))
     assert lp.launch_plan(nvfp4, sparse=False, heads=16, facts=H200).generation == "v3"
@@ -51,9 +51,7 @@ def test_a_forced_generation_or_a_changed_hold_is_a_new_plan(monkeypatch):
     forced = lp.launch_plan(nvfp4, sparse=False, heads=16, facts=H200)
     assert forced.generation == "v1" and forced.config.tuning == tuning.V1
     monkeypatch.delenv(tuning.ENV)
-    monkeypatch.setitem(tuning.V3_AWAITING_GPU_TESTS, "nvfp4", "a test's hold")
-    held = lp.launch_plan(nvfp4, sparse=False, heads=16, facts=H200)
-    assert held.generation == "v2" and "a test's hold" in held.why
+    assert lp.launch_plan(nvfp4, sparse=False, heads=16, facts=H200).generation == "v3"  # unset again: the default
 
 
 @pytest.mark.parametrize("max_keys", [0, 1, 64, 2048, 65536])
@@ -84,10 +82,14 @@ def test_explicit_variants():
     assert v1.generation == "v1" and v1.config.tile == tuning.tile_config(plan, 16, H200.smem_per_block)
     narrow = lp.v2_plan(plan, 16, H200, tile=tuning.NARROW_TILE)
     assert narrow.generation == "v2" and narrow.config.tile == tuning.NARROW_TILE
-    probe = lp.v3_plan(plan, 128, False, H200, producer_wgs=1)
+    from benchmarks.probes import v3_probe_plan
+
+    probe = v3_probe_plan(plan, 128, False, H200, producer_wgs=1)
     assert probe.config.producer_wgs == 1 and probe.config.head_tile == 32
     default = lp.v3_plan(plan, 128, False, H200)  # every default resolved here, never None
     assert default.config.producer_wgs == tuning.v3_producer_wgs(plan, 32)
     assert default.config.raw_ring == tuning.v3_raw_ring(plan, 32, False)
     with pytest.raises(ValueError, match="raw_ring"):  # a ring the tile cannot hold
-        lp.v3_plan(plan, 16, False, H200, raw_ring=(9, 64))
+        v3_probe_plan(plan, 16, False, H200, raw_ring=(9, 64))
+    with pytest.raises(ValueError, match="producer_wgs"):
+        v3_probe_plan(plan, 16, False, H200, producer_wgs=3)

@@ -8,6 +8,7 @@ import dataclasses
 import itertools
 import json
 import random
+import re
 
 import pytest
 import torch
@@ -130,6 +131,14 @@ BAD_PLANS = [
     (lambda d: d.update(num_layers=5), "'num_layers' is 5"),
     (lambda d: d.update(bytes_per_token=1), "bytes_per_token"),
     (lambda d: d.update(schema="mla-eval/kld/v1"), "not a plan"),
+    # issue 44: every field validated
+    (lambda d: d["layers"][2].update(record_bytes=999), "'record_bytes' is 999 but a nvfp4 record is 432 bytes"),
+    (lambda d: d.update(predicted_kld=-0.5), "'predicted_kld' is -0.5; a KL divergence is finite and >= 0"),
+    (lambda d: d["layers"][1].update(outer_scale={"s_l": 1e30, "denominator": 2688}),
+     "layer 1: s_l 1e+30 stands for a max |c_kv| of 2.69e+33"),
+    (lambda d: d["layers"][1].update(outer_scale={"s_l": 1e-30, "denominator": 2688}), "fp16's normal range"),
+    (lambda d: d.update(budget={"kind": "bytes_per_token", "value": -3}), "budget bytes_per_token = -3"),
+    (lambda d: d["model"].update(layers=61), "'model.layers' is 61 but the plan has 6 layers"),
 ]
 
 
@@ -160,6 +169,45 @@ def test_plan_of_the_wrong_layer_count(tmp_path, capsys):
     assert "7 layers" in err and "\n" not in err
     with pytest.raises(UserError, match="has 7 layers but the model has 6"):
         LayerPlan.load(path).check_layers(6)
+
+
+def test_a_plan_for_another_model_is_refused(embedded, tmp_path, capsys):
+    """A plan names the model it was made for (name, architecture digest, latent profile: issue 44); one made for
+    another model of the same layer count is refused in one line, one that does not say is a warning."""
+    import warnings
+
+    from mla_eval.evals.variants import check_plan_model, load_plan_variant
+    from mla_eval.model_presets import architecture_digest
+
+    digest = architecture_digest(embedded.model.config)
+    assert digest.startswith("sha256:") and len(digest) == 23
+
+    def row(**model):
+        plan = dataclasses.replace(_mixed(), model={"layers": 6, **model})
+        path = tmp_path / f"p{len(list(tmp_path.iterdir()))}.json"
+        plan.save(path)
+        return load_plan_variant(f"plan:{path}")
+
+    mine = {"name": embedded.name, "geometry": digest, "latent_profile": None}
+    check_plan_model([row(**mine)], embedded, None)  # its own model: accepted
+    for model, profile, words in [
+        ({**mine, "name": "GLM-5.2-FP8"}, None, "was made for model 'GLM-5.2-FP8', this run's model is"),
+        ({**mine, "geometry": "sha256:0123456789abcdef"}, None, "a model of architecture sha256:0123456789abcdef"),
+        ({**mine, "latent_profile": {"name": "glm-5.2"}}, None, "made under --latent-profile glm-5.2, this run has no"),
+        (mine, "glm-5.2", "made under no --latent-profile, this run has --latent-profile glm-5.2"),
+    ]:
+        with pytest.raises(UserError, match=re.escape(words)):
+            check_plan_model([row(**model)], embedded, profile)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        check_plan_model([row()], embedded, None)
+    assert any("does not say which model it was made for" in str(w.message) for w in seen)
+    other = tmp_path / "other.json"
+    dataclasses.replace(_mixed(), model={**mine, "name": "another model"}).save(other)
+    assert main(["kld", "--formats", f"plan:{other}", "--samples", "1", "--sample-len", "16", "--device", "cpu",
+                 "--out", str(tmp_path / "k.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "was made for model 'another model'" in err and not (tmp_path / "k.json").exists()
 
 
 # --- capacity ------------------------------------------------------------------------------------------
@@ -363,3 +411,32 @@ def test_forked_rows_equal_whole_forwards_bit_for_bit(model, embedded, tmp_path)
     for key, stats in whole.stats.items():
         a, b = stats.arrays(), forked.stats[key].arrays()
         assert all(torch.equal(torch.as_tensor(a[k]), torch.as_tensor(b[k])) for k in a), key
+
+
+def test_a_plan_path_holding_a_comma_is_one_item(tmp_path):
+    """`--formats plan:a,b.json` was split at the comma (issue 44): the longest run of items naming a file is one."""
+    path = tmp_path / "a,b.json"
+    _mixed().save(path)
+    rows = parse_variants(f"nvfp4,plan:{path},fp8_ds_mla", plans=True)
+    assert [r.name for r in rows] == ["nvfp4", "plan:a,b", "fp8_ds_mla"] and rows[1].source == str(path)
+    with pytest.raises(UserError, match="missing"):  # no such file: the item ends at the first comma, and is named
+        parse_variants(f"plan:{tmp_path / 'missing'},nvfp4", plans=True)
+
+
+def test_plan_with_defaults_runs_on_the_embedded_model_as_kld_does(tmp_path, capsys):
+    """`mla-eval plan --budget-bytes-per-token 3000` failed on the embedded model ("text too short to hold out 2048
+    calibration tokens" with no text given): like kld it scores self-samples, windows of --sample-len, and calibrates
+    the +s_l candidates on one more sample; a recipe's [plan] section the same (issue 44). Fewer, shorter samples than
+    the defaults keep it quick; the path is the defaults'."""
+    out = tmp_path / "plan.json"
+    code = main(["plan", "--budget-bytes-per-token", "3000", "--samples", "1", "--sample-len", "40", "--no-proxy",
+                 "--device", "cpu", "--out", str(out)])
+    assert code == 0, capsys.readouterr().err[-1500:]
+    doc = json.loads(out.read_text())
+    assert doc["text"]["kind"] == "self-samples" and doc["settings"]["ctx"] == 40 and doc["outer_scales"] is not None
+    assert doc["bytes_per_token"] <= 3000 and doc["model"]["geometry"].startswith("sha256:")
+    recipe = tmp_path / "plan.toml"
+    recipe.write_text('device = "cpu"\n[plan]\nbudget_bytes_per_token = 3000\nsamples = 1\nsample_len = 40\n'
+                      "proxy = false\n")
+    assert main(["run", str(recipe), "--out", str(tmp_path / "r")]) == 0, capsys.readouterr().err[-1500:]
+    assert json.loads((tmp_path / "r" / "plan.json").read_text())["layers"] == doc["layers"]  # the same seed, text

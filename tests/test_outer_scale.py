@@ -61,3 +61,17 @@ def test_layer_count_check():
     sc.check_layers(3)
     with pytest.raises(UserError, match="3 layer scales but the model has 61 layers"):
         sc.check_layers(61)
+
+
+def test_calibration_refuses_a_latent_no_model_has():
+    """A latent profile of 1e30 per layer made `calibrate` write scales of 3.7e26 (issue 44): a calibrated max |c_kv|
+    outside fp16's normal range is a one-line error naming the layer, never a scale; a file holding such a scale is
+    refused on reading."""
+    assert OuterScales.from_amax([0.02, 5.2, 0.0]).scales[2] == 1.0  # an all-zero latent: no scaling, as before
+    for amax, words in ((1e30, "layer 1 is 1e+30"), (1e-30, "layer 1 is 1e-30")):
+        with pytest.raises(UserError, match=f"calibrated max \\|c_kv\\| of {words}: a latent's max"):
+            OuterScales.from_amax([1.0, amax])
+    doc = OuterScales.from_amax([1.0, 2.0]).to_json()
+    doc["scales"][1] = 1e30 / 2688
+    with pytest.raises(UserError, match="scale of layer 1 is .* outside"):
+        OuterScales.from_json(doc)

@@ -152,3 +152,58 @@ def test_recipe_settings_are_checked_before_anything_runs(tmp_path, capsys):
     recipe.write_text(CAPACITY_ONLY)
     assert main(["run", str(recipe), "--out", str(tmp_path / "ok"), "--backend", "bogus"]) == 2
     assert "--backend 'bogus'" in _err(capsys)
+
+
+def test_a_recipes_file_names_are_relative_to_the_recipe(tmp_path, capsys, monkeypatch):
+    """Relative paths in a recipe resolved against the current folder (issue 44): they are the recipe's, wherever
+    `mla-eval run` starts; absolute ones, words (auto, none, a built-in profile) and random specs stay as written."""
+    import shutil
+    from pathlib import Path
+
+    from mla_eval.commands.run import resolve_paths
+    from mla_eval.evaluation import evaluations
+
+    ev = {e.name: e for e in evaluations()}
+    base = tmp_path / "recipes"
+    table = {"text": "t.txt", "scales": "s.json", "latent-profile": "profiles/p.json", "formats": "nvfp4,plan:p.json",
+             "save_ref": "/abs/ref.pt", "ctx": 64}
+    assert resolve_paths(ev["kld"], table, base) == {
+        "text": str(base / "t.txt"), "scales": str(base / "s.json"), "latent-profile": str(base / "profiles/p.json"),
+        "formats": f"nvfp4,plan:{base / 'p.json'}", "save_ref": "/abs/ref.pt", "ctx": 64}
+    words = {"scales": "auto", "latent_profile": "glm-5.2", "formats": "nvfp4,nvfp4+s_l"}
+    assert resolve_paths(ev["kld"], words, base) == words
+    # end to end: a capacity --config beside the recipe, run from another folder
+    (base / "model").mkdir(parents=True)
+    shutil.copy(Path(__file__).resolve().parents[1] / "mla_eval" / "default_model" / "config.json", base / "model")
+    recipe = base / "cap.toml"
+    recipe.write_text('[capacity]\nconfig = "model/config.json"\ngpu = "h200"\nkv_memory_gib = 10\n')
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert main(["run", str(recipe), "--out", str(tmp_path / "r")]) == 0, capsys.readouterr().err[-800:]
+    assert str(base / "model" / "config.json") in (tmp_path / "r" / "capacity.json").read_text()
+
+
+def test_run_says_where_files_are_and_force_removes_a_stale_report(tmp_path, capsys):
+    """`run` printed paths inside its staging folder, gone after the run; `run --force` kept a report.html /
+    report.md made from the documents it replaced (issue 44)."""
+    recipe = tmp_path / "k.toml"
+    recipe.write_text('device = "cpu"\n[kld]\nformats = "nvfp4"\nscales = "none"\nsamples = 1\nsample_len = 24\n'
+                      "layer_stats = false\n")
+    out = tmp_path / "r"
+    assert main(["run", str(recipe), "--out", str(out)]) == 0
+    screen = capsys.readouterr()
+    assert ".mla-eval-staging" not in screen.out + screen.err
+    assert f"wrote {out}/: environment.json, kld.json, plots/" in screen.out
+    for line in screen.out.splitlines() + screen.err.splitlines():  # every path said exists
+        for word in line.split():
+            if word.startswith(str(tmp_path)):
+                assert (tmp_path / word[len(str(tmp_path)) + 1:].rstrip(":,")).exists(), word
+    assert main(["report", str(out)]) == 0 and (out / "report.html").exists()
+    (out / "report-notes.md").write_text("my notes")  # not ours: kept
+    capsys.readouterr()
+    assert main(["run", str(recipe), "--out", str(out), "--force"]) == 0
+    said = capsys.readouterr().out
+    assert not (out / "report.html").exists() and not (out / "report.md").exists()
+    assert "removed report.html and report.md: made from the documents this run replaced" in said
+    assert (out / "report-notes.md").read_text() == "my notes"

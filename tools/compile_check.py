@@ -37,16 +37,16 @@ import cutlass.cute as cute  # noqa: E402
 from cutlass import Float32, Int32  # noqa: E402
 from cutlass.cute.runtime import make_ptr  # noqa: E402
 
+from benchmarks.probes import v3_probe_plan  # noqa: E402
 from mla_eval.formats import all_formats, get_format  # noqa: E402
 from mla_eval_kernels.cute.cache_writer import CacheWriter  # noqa: E402
 from mla_eval_kernels.cute.launch import kernel_for, placeholder_args  # noqa: E402
 from mla_eval_kernels.cute.mla_combine import MlaCombine  # noqa: E402
 from mla_eval_kernels.plan.device_limits import HOPPER_FACTS, HOPPER_REGS_PER_SM, HOPPER_SMEM_PER_BLOCK  # noqa: E402
-from mla_eval_kernels.plan.launch import KernelSpec, v2_plan, v3_plan  # noqa: E402
+from mla_eval_kernels.plan.launch import KernelSpec, v2_plan  # noqa: E402
 from mla_eval_kernels.plan.record_plan import UnsupportedFormat, plan_for  # noqa: E402
 from mla_eval_kernels.plan.tuning import (  # noqa: E402
     V3_HEADS,
-    V3_L2_PREFETCH_PROBE,
     V3_WIDE_HEADS,
     VERSIONS,
     default_tuning,
@@ -232,13 +232,13 @@ def _compile_dumped(spec, stream):
 
 def v3_cases(plan, heads_list=(16,)) -> list[tuple[str, KernelSpec]]:
     """(label, spec) of every v3 kernel to compile for one format, each made by `v3_plan` (as dispatch and the bench
-    make them): the dense 16-head tile at every (outer, sink, split); the bench's probes on one of them (L2 prefetch,
-    the other producer warpgroup count, every other raw ring); and each head tile `heads_list` selects, sparse and
+    make them): the dense 16-head tile at every (outer, sink, split); the bench's probes on one of them (the other
+    producer warpgroup count, every other raw ring); and each head tile `heads_list` selects, sparse and
     dense, with sink unsplit and split without (the 32-head tile also with the other producer count)."""
     cases = []
 
     def add(label, heads, sparse, sink, outer, split, **probe):
-        launch = v3_plan(plan, heads, sparse, HOPPER_FACTS, **probe)
+        launch = v3_probe_plan(plan, heads, sparse, HOPPER_FACTS, **probe)
         cases.append((label, KernelSpec(plan, launch.config, sparse=sparse, has_sink=sink, has_outer=outer, split=split)))
 
     outers = [False, True] if plan.outer_allowed else [False]
@@ -248,13 +248,12 @@ def v3_cases(plan, heads_list=(16,)) -> list[tuple[str, KernelSpec]]:
                 add("default", 16, False, sink, outer, split)
     o = plan.outer_allowed
     pwg = v3_producer_wgs(plan)
-    add("probe l2pf", 16, False, False, o, True, l2_prefetch=V3_L2_PREFETCH_PROBE)
     add("probe wgs", 16, False, False, o, True, producer_wgs=3 - pwg)
     for ring in v3_raw_rings(plan)[1:]:
         add("probe ring", 16, False, False, o, True, raw_ring=ring)
     for heads in heads_list:
         for sparse in (False, True):
-            tile = v3_head_tile(plan, heads, sparse, gated=False)[0]
+            tile = v3_head_tile(plan, heads, sparse)[0]
             if tile == V3_HEADS and not sparse:
                 continue  # the dense 16-head tile: above
             counts = [v3_producer_wgs(plan, tile)] + ([3 - v3_producer_wgs(plan, tile)] if tile == V3_WIDE_HEADS else [])
@@ -299,7 +298,7 @@ def compile_v3(plan, name: str, stream, heads_list=(16,), cuobjdump: str | None 
         lists = "sparse" if spec.sparse else "dense "
         print(
             f"attention {name:18} v3 {label:10} {lists} tile={cfg.head_tile} outer={spec.has_outer!s:5} "
-            f"sink={spec.has_sink!s:5} split={spec.split!s:5} l2pf={cfg.l2_prefetch} producer_wgs={cfg.producer_wgs} "
+            f"sink={spec.has_sink!s:5} split={spec.split!s:5} producer_wgs={cfg.producer_wgs} "
             f"raw={cfg.raw_ring[0]}x{cfg.raw_ring[1]} {time.time() - t:5.1f}s {status}",
             flush=True,
         )
@@ -333,12 +332,8 @@ def main(argv=None) -> int:
                 print(f"writer    {name:18} {in_dtype.__name__:8} outer={outer!s:5} {time.time() - t:5.1f}s", flush=True)
         versions = args.versions.split(",")
         if "v3" in versions:
-            # compiled also while held off by V3_AWAITING_GPU_TESTS: the held kernels must compile before a device run
-            why = v3_blocker(plan, sparse=False, smem_limit=HOPPER_SMEM_PER_BLOCK, gated=False)
+            why = v3_blocker(plan, sparse=False, smem_limit=HOPPER_SMEM_PER_BLOCK)
             if why is None:
-                held = v3_blocker(plan, sparse=False, smem_limit=HOPPER_SMEM_PER_BLOCK)
-                if held:
-                    print(f"attention {name:18} v3           compiled; dispatch runs v2 until GPU tests pass: {held}", flush=True)
                 failures += compile_v3(plan, name, stream, [int(h) for h in args.heads.split(",")], args.cuobjdump)
             else:
                 print(f"attention {name:18} v3           runs v2: {why}", flush=True)

@@ -57,10 +57,6 @@ class KernelFallbackWarning(UserWarning):
     """CUDA attention under "auto" ran on the torch reference instead of the CuTe kernels."""
 
 
-class UnvalidatedKernelWarning(UserWarning):
-    """MLA_EVAL_ATTENTION_KERNEL selects a kernel generation whose GPU tests have not passed yet."""
-
-
 @dataclasses.dataclass
 class PathLog:
     """Which attention path served each (operation, format, device) inside one `use_backend` scope.
@@ -184,7 +180,7 @@ def kernel_status(spec, device: torch.device | str) -> tuple[bool, str]:
     device = torch.device(device)
     if device.type != "cuda" or _kernels_package_reason() is not None:
         return False, _device_reason(device)
-    from mla_eval_kernels.plan.record_plan import AWAITING_GPU_TESTS, UnsupportedFormat, plan_for  # noqa: PLC0415
+    from mla_eval_kernels.plan.record_plan import UnsupportedFormat, plan_for  # noqa: PLC0415
 
     spec = get_format(spec)
     name = spec.name
@@ -192,8 +188,6 @@ def kernel_status(spec, device: torch.device | str) -> tuple[bool, str]:
         plan_for(spec)
     except UnsupportedFormat as exc:
         return False, f"format {name} is outside the kernels' scope: {exc}"
-    if name in AWAITING_GPU_TESTS:
-        return False, f"format {name}: {AWAITING_GPU_TESTS[name]}"
     why = _device_reason(device)
     return (False, why) if why is not None else (True, "kernel")
 
@@ -222,17 +216,9 @@ def preflight(backend: str | None, devices: Iterable[torch.device | str]) -> str
     """Before any work: the backend a run will use (None: `default_backend()`), validated; with
     "kernel", a one-line UserError when a device cannot run the kernels (a CPU, an untested GPU
     architecture, no CuTe DSL). Formats are checked per call (`kernel_status`). A kernel generation
-    chosen by MLA_EVAL_ATTENTION_KERNEL is validated here, and one whose GPU tests have not passed is
-    said in a warning line (results record the generation: environment.attention.kernel_version)."""
-    generation = kernel_generation()
-    if generation is not None:
-        from mla_eval_kernels.plan.tuning import ENV, UNVALIDATED  # noqa: PLC0415 - pure Python
-
-        # unset, the default may pick v2 or v3 per launch: either one unvalidated is worth the warning
-        for gen in ("v2", "v3") if generation == "default" else (generation,):
-            if gen in UNVALIDATED and any(torch.device(d).type == "cuda" for d in devices):
-                said = f"{ENV}={gen}" if gen == generation else f"the default kernel generation (some launches {gen})"
-                warnings.warn(f"{said}: {UNVALIDATED[gen]}; its numbers are unchecked", UnvalidatedKernelWarning, stacklevel=2)
+    chosen by MLA_EVAL_ATTENTION_KERNEL is validated here (results record the generation:
+    environment.attention.kernel_version)."""
+    kernel_generation()
     backend, source = _resolve(backend)
     if backend == "kernel":
         for device in devices:

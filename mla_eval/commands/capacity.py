@@ -32,9 +32,10 @@ class CapacityOptions:
     as_json: bool = option(
         False, "--json", help="Print one JSON document (inputs + a row per format) instead of the table."
     )
-    plot: Path | None = option(
+    plot: str | None = option(  # str, not Path: a trailing slash ("plots/": a folder, made if missing) must survive
         None, "--plot", path="write",
-        help="Also write a PNG bar chart of pool tokens and concurrency: a .png file, or a folder (gets capacity.png).",
+        help="Also write a PNG bar chart of pool tokens and concurrency: a .png file, or a folder (an existing one, or "
+        "one written with a trailing slash: gets capacity.png).",
     )
     list_presets: bool = option(
         False, "--list-presets", help="List the model and GPU presets with their sources and exit."

@@ -45,7 +45,8 @@ class EvaluationCommand:
     details: str = ""  # the command's help after the evaluation's summary line
     show: Callable[[Any], None] = _show_nothing  # print a result (the command and `mla-eval run`)
     after_run: Callable[[Any, Any], None] | None = None  # after_run(settings, result): e.g. say what else was written
-    plots: Callable[[Any, Path], list[Path]] | None = None  # a result's PNGs into a folder (--plot; run's plots/)
+    # a result's PNGs into a folder (--plot; run's plots/), returned, not printed: a recipe run stages them elsewhere
+    plots: Callable[[Any, Path], list[Path]] | None = None
     plot_files: tuple[str, ...] = ()  # names `plots` always writes: checked in --plot's folder before the work
     on_first: Callable[[str, int, int, float], None] | None = None  # progress_bars' first-report hook (an estimate)
     order: tuple[str, ...] = ()  # --help order of the options named here; the others follow in field order
@@ -94,7 +95,8 @@ def write_document(ev: Evaluation, settings: Any, opts: Any) -> None:
     path = write_result(opts.out or default_result_path(ev.name, model_name(result)), result.to_document(), force=opts.force)
     console.print(f"wrote {path}", soft_wrap=True)  # a path is never wrapped: users copy it
     if plot is not None and cmd.plots is not None:
-        cmd.plots(result, plot)
+        for p in cmd.plots(result, plot):
+            console.print(f"wrote {p}", soft_wrap=True)
 
 
 def input_paths(settings: Any) -> list[tuple[str, Path]]:
@@ -137,9 +139,22 @@ def command_of(ev: Evaluation) -> EvaluationCommand:
     return command
 
 
-def _typer_option(f: OptionField) -> Any:
+def _typer_option(f: OptionField, panel: str | None = None) -> Any:
     return typer.Option(... if f.option.required else f.default, *f.option.flags, help=f.option.help,
-                        show_default=f.option.show_default)
+                        show_default=f.option.show_default, rich_help_panel=panel)
+
+
+def _panel(settings: type, name: str, ev: Evaluation) -> str:
+    """The --help panel of a settings field: the settings class that declares it (the model and device, the text,
+    or the evaluation's own)."""
+    for cls in reversed(settings.__mro__):  # the most basic class declaring the field names the panel
+        if name in getattr(cls, "__annotations__", {}):
+            return _PANELS.get(cls.__name__, f"{ev.name} options")
+    return f"{ev.name} options"
+
+
+_PANELS = {"ModelSettings": "Model, device and attention path", "TextSettings": "Text (default: self-samples)"}
+OUTPUT_PANEL = "Output"
 
 
 def _ordered(fields: list[OptionField], order: tuple[str, ...], where: str) -> list[OptionField]:
@@ -168,8 +183,10 @@ def typer_command(ev: Evaluation) -> Callable[..., None]:
         opts = cmd.options(**{k: v for k, v in values.items() if k not in setting_names})
         cmd.body(ev, settings, opts)
 
+    panels = {**{f.name: _panel(ev.settings, f.name, ev) for f in own}, **{f.name: OUTPUT_PANEL for f in extra}}
     params = [
-        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=_typer_option(f), annotation=f.type)
+        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=_typer_option(f, panels[f.name]),
+                          annotation=f.type)
         for f in _ordered(own + extra, cmd.order, f"{ev.name} command")
     ]
     command.__name__ = ev.name.replace("-", "_")

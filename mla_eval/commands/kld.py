@@ -61,7 +61,9 @@ def show_kld(result) -> None:
     """The table of every format's figures, the notes and the --explain breakdown."""
     if result.model.get("random"):  # never let a random-weights figure pass for a quality number
         console.print(f"[bold yellow]model: {result.model['label']}[/]")
-    print_table(result.formats, result.settings["ref"], result.text["label"], Console(), attention_title(result.settings))
+    profile = result.model.get("latent_profile")  # a setting that changes every figure: in the title with the others
+    title = attention_title(result.settings) + (f"; latent profile {profile['name']}" if profile else "")
+    print_table(result.formats, result.settings["ref"], result.text["label"], Console(), title)
     for note in result.notes:
         console.print(f"[bold]note:[/] {note}")
     if result.explain is not None:
@@ -71,10 +73,7 @@ def show_kld(result) -> None:
 def write_kld_plots(result, folder: Path) -> list[Path]:
     from mla_eval.report.plots import kld_plots
 
-    paths = kld_plots({"stats": result.run.stats}, result.formats, folder)
-    for p in paths:
-        console.print(f"wrote {p}", soft_wrap=True)  # a path is never wrapped: users copy it
-    return paths
+    return kld_plots({"stats": result.run.stats}, result.formats, folder)  # the caller says where they went
 
 
 def print_estimate(stage: str, done: int, total: int, seconds: float) -> None:
@@ -95,6 +94,7 @@ COLUMNS = (
     ("RMSΔp%", lambda s: f"{s['delta_p_rms_pct']:.2f}", 6),
     ("attn", lambda s: f"{max(r['attn_rel_l2'] for r in s['layers']):.3f}", 7),
     ("topk%", lambda s: f"{100 * min(r['topk_overlap'] for r in s['layers'] if 'topk_overlap' in r):.1f}", 3.5),
+    ("revKL", lambda s: f"{s['kld_reverse_mean']:.4f}", 8),
 )
 GLOSSARY = {
     "KLD": "mean KL(ref || format) in nats over the full vocabulary", "±se": "its standard error",
@@ -102,6 +102,7 @@ GLOSSARY = {
     "med": "median per-token KLD", "RMSΔp%": "RMS change of the target token's probability",
     "attn": "worst layer's attention-output relative L2 vs exact float32",
     "topk%": "DSA: the worst layer's share of the reference run's top-k positions that this format's run also chose",
+    "revKL": "mean KL(format || ref), the other direction",
 }
 
 
@@ -109,7 +110,9 @@ def available_columns(summary: dict) -> list[tuple]:
     """The columns these rows have figures for: attn with layer stats, topk% on a DSA model's layer stats."""
     with_layers = all("layers" in s for s in summary.values())
     with_topk = with_layers and all(any("topk_overlap" in r for r in s["layers"]) for s in summary.values())
-    return [c for c in COLUMNS if (c[0] != "attn" or with_layers) and (c[0] != "topk%" or with_topk)]
+    with_reverse = all("kld_reverse_mean" in s for s in summary.values())
+    return [c for c in COLUMNS if (c[0] != "attn" or with_layers) and (c[0] != "topk%" or with_topk)
+            and (c[0] != "revKL" or with_reverse)]
 
 
 def table_columns(summary: dict, width: int) -> list[tuple]:
@@ -149,20 +152,20 @@ def print_explain(explain: dict, con: Console) -> None:
 
 
 def print_table(summary: dict, ref: str, label: str, con: Console, attention: str = "") -> None:
-    """Formats as rows (they are what the reader compares); columns that do not fit the terminal
-    are named below the table, and every figure is in the result JSON."""
+    """Formats as rows (they are what the reader compares), ranked by KLD (the ranking figure: lowest first);
+    columns that do not fit the terminal are named below the table, and every figure is in the result JSON."""
     cols = table_columns(summary, con.width)
     table = Table(title=f"Teacher-forced KLD vs {ref} cache — {label}{attention}")
     table.add_column("format", style="bold", no_wrap=True)
     for title, _, _ in cols:
         table.add_column(title, justify="right", no_wrap=True)
-    for name, s in summary.items():
+    for name, s in sorted(summary.items(), key=lambda kv: kv[1]["kld_mean"]):  # stable: ties keep --formats order
         table.add_row(name, *(fn(s) for _, fn, _ in cols))
     con.print(table)
     first = next(iter(summary.values()))
     shown = [c[0] for c in cols]
     hidden = [c[0] for c in available_columns(summary) if c[0] not in shown]
-    con.print(f"{first['tokens']} scored tokens; PPL({ref}) = {first['ppl_ref']:.3f}. "
+    con.print(f"{first['tokens']} scored tokens; PPL({ref}) = {first['ppl_ref']:.3f}; rows ranked by KLD. "
               + "; ".join(f"{c} = {GLOSSARY[c]}" for c in shown) + ".")
     if hidden:
         con.print(

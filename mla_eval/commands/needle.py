@@ -31,10 +31,7 @@ def write_needle_plots(result, folder: Path) -> list[Path]:
     from mla_eval.report.plots import needle_document_plots
 
     doc = {"settings": result.settings, "formats": result.formats, "tasks": result.tasks}
-    paths = needle_document_plots(doc, folder)
-    for p in paths:
-        console.print(f"wrote {p}", soft_wrap=True)  # a path is never wrapped: users copy it
-    return paths
+    return needle_document_plots(doc, folder)  # the caller says where they went
 
 
 def print_needle(result, con: Console) -> None:
@@ -69,7 +66,11 @@ def _print_power(power: dict, con: Console) -> None:
                   f"{len(flagged)}/{len(c['controls'])} " + ", ".join(flagged) if c["controls"] else "-",
                   _pct(c["smallest_detected_drop"]))
     con.print(t)
-    con.print("Control formats are deliberately damaging yardsticks, not real formats (mla-eval formats).")
+    if any(c["controls"] for c in power["cells"]):
+        con.print("Control formats are deliberately damaging yardsticks, not real formats (mla-eval formats).")
+    else:  # the detectable drops are analytic; which real damage the grid flags needs the control rows
+        con.print("No control format ran: the detectable drops above are computed from the prompts; add "
+                  "--formats ...,control:* to see which deliberate damage this grid flags.")
 
 
 def _print_cells(result, con: Console) -> None:

@@ -4,7 +4,8 @@ A recipe (recipes/*.toml) has one optional table per evaluation that writes a re
 document (mla_eval.evaluation: kld, needle, capacity, ...), whose keys are that command's long
 options (without the leading dashes, `_` or `-` alike); top-level `model` (path; omitted = the
 embedded model), `device` and `backend`, for every evaluation that has such a setting; and a [gate]
-table of tolerances used by `mla-eval gate --tolerances RECIPE`. An evaluation with setups (capacity:
+table of tolerances used by `mla-eval gate --tolerances RECIPE`. File names in a recipe are relative to the
+recipe's own folder (not the current directory). An evaluation with setups (capacity:
 several GPU setups) may be an array of tables ([[capacity]], each optionally `name`d). The results
 directory gets <name>.json per evaluation (capacity-<setup>.json per setup), plots/, the recipe and
 the environment.
@@ -31,9 +32,12 @@ from mla_eval.attention import dispatch
 from mla_eval.commands.evaluation import command_of
 from mla_eval.commands.progress import progress_bars
 from mla_eval.errors import UserError
-from mla_eval.evals.settings import BACKEND_HELP
+from mla_eval.evals.settings import BACKEND_HELP, SCALES_MODES
+from mla_eval.evals.variants import split_format_list
 from mla_eval.evaluation import evaluations
-from mla_eval.protocol import Evaluation
+from mla_eval.layer_plan import PLAN_PREFIX
+from mla_eval.model.latent_profile import PROFILES
+from mla_eval.protocol import Evaluation, option_fields
 from mla_eval.result_schemas import ENVIRONMENT_SCHEMA, schema_files, validate
 from mla_eval.results import DEFAULT_OUTPUT_DIR, environment, write_result
 from mla_eval.user_paths import RESULT_LIMIT, TOML_LIMIT, check_output_target, read_input_text
@@ -120,13 +124,51 @@ class Planned:
     settings: Any
 
 
+def _beside(value: str, base: Path) -> str:
+    """A file name as the recipe wrote it, made the recipe's: relative names resolve against its folder."""
+    path = Path(value).expanduser()
+    return str(path if path.is_absolute() else base / path)
+
+
+def resolve_paths(ev: Evaluation, table: dict, base: Path) -> dict:
+    """A recipe's relative file names are relative to the recipe's folder, wherever `mla-eval run` is started: every
+    option declared as a path (option(path=...)), and the options that take a file or a word (--scales FILE|auto|none,
+    --latent-profile FILE|NAME|none, --formats plan:FILE items)."""
+    declared = {f.name for f in option_fields(ev.settings) if f.option.path is not None}
+
+    def plan_item(item):
+        item = str(item)
+        stripped = item.strip()
+        return PLAN_PREFIX + _beside(stripped[len(PLAN_PREFIX):].strip(), base) if stripped.startswith(PLAN_PREFIX) else item
+
+    out = {}
+    for key, value in table.items():
+        name = key.replace("-", "_")
+        if isinstance(value, str) and value:
+            if name in declared or (name == "scales" and value not in SCALES_MODES) or (
+                    name == "latent_profile" and value != "none" and value not in PROFILES):
+                value = _beside(value, base)
+            elif name in ("formats", "candidates"):
+                value = value if PLAN_PREFIX not in value else _join_plan_items(value, plan_item)
+        elif isinstance(value, list) and name in ("formats", "candidates"):
+            value = [plan_item(v) for v in value]
+        out[key] = value
+    return out
+
+
+def _join_plan_items(text: str, plan_item) -> str:
+    return ",".join(plan_item(t) for t in split_format_list(text))
+
+
 def plan(doc: dict, recipe: Path, fixed: dict) -> list[Planned]:
     """Every document of the recipe with its settings, each validated (before any work); the instant
-    evaluations first, so a bad setup there costs no model run."""
+    evaluations first, so a bad setup there costs no model run. Relative file names are the recipe's
+    (`resolve_paths`)."""
     planned = []
     for ev in sections():
         for stem, opts in setups(ev, doc[ev.name], recipe) if ev.name in doc else []:
             where = f"recipe {recipe} [{ev.name}]" + (f" ({stem})" if ev.setups else "")
+            opts = resolve_paths(ev, opts, recipe.parent)
             planned.append(Planned(ev, stem, ev.settings_from_table(opts, where, fixed)))
     return sorted(planned, key=lambda p: not p.ev.instant)  # stable: registry order otherwise
 
@@ -205,8 +247,11 @@ def run(
     """Run every evaluation of a recipe and write one results directory."""
     doc = load_recipe(recipe)
     out = out or DEFAULT_OUTPUT_DIR / recipe.stem
-    fixed = {
-        "model": Path(doc["model"]) if doc.get("model") else None,
+    from mla_eval.model.random_models import is_random_spec
+
+    model = doc.get("model")
+    fixed = {  # a checkpoint folder named relative to the recipe is the recipe's (a random:<preset> spec is no path)
+        "model": None if not model else Path(model) if is_random_spec(model) else Path(_beside(model, recipe.parent)),
         "device": str(doc.get("device") or "auto"),
         "backend": backend if backend is not None else doc.get("backend"),
     }
@@ -233,12 +278,44 @@ def run(
                 cmd.plots(result, stage / "plots")
         shutil.copyfile(recipe, stage / "recipe.toml")
         write_result(stage / "environment.json", environment(), schema=ENVIRONMENT_SCHEMA)
+        written = _listing(stage)
         _move_in(stage, out)
     except UserError as exc:
         raise UserError(f"recipe section [{section}]: {exc}; nothing was written to {out}") from None
     finally:
         shutil.rmtree(stage, ignore_errors=True)  # the staging folder holds only what this run wrote
-    typer.echo(f"wrote {out}/")
+    stale = _remove_stale_report(out)
+    # where the files are now (the staging folder they were written in is gone)
+    typer.echo(f"wrote {out}/: {', '.join(written)}")
+    if stale:
+        typer.echo(f"removed {' and '.join(stale)}: made from the documents this run replaced; `mla-eval report {out}` "
+                   "makes it again")
+
+
+def _listing(stage: Path) -> list[str]:
+    """What a run wrote, as it will lie in the results directory: its files, a folder's as one entry with a count."""
+    out = []
+    for p in sorted(stage.iterdir()):
+        if p.is_dir():
+            n = sum(1 for f in p.rglob("*") if f.is_file())
+            out.append(f"{p.name}/ ({n} file{'s' if n != 1 else ''})")
+        else:
+            out.append(p.name)
+    return out
+
+
+def _remove_stale_report(out: Path) -> list[str]:
+    """A report page in the results directory describes the documents it was made from, which this run replaced or
+    joined: it is removed where mla-eval wrote it (a file of another origin is left alone)."""
+    from mla_eval.report.page import is_our_report
+
+    stale = []
+    for name in ("report.html", "report.md"):
+        path = out / name
+        if path.is_file() and is_our_report(path):
+            path.unlink()
+            stale.append(name)
+    return stale
 
 
 def _move_in(stage: Path, out: Path) -> None:

@@ -127,7 +127,7 @@ def evaluate_calibration(st: CalibrateSettings, progress: ProgressCallback = no_
         semantics = parse_semantics(st.semantics)
         semantics.check_positions(lm.max_positions)
         source = text_sources.load_source(lm, st, progress)
-        profile = st.apply_profile(lm, source.sequences[0], source.label)
+        profile = st.apply_profile(lm, source.sequences[0], source.label, progress)
         scales = calibrate(lm, source, st.ctx, progress, semantics, get_math(st.math))
         if profile is not None:  # the scales are of the reparametrised model: say which
             scales.provenance["latent_profile"] = {k: profile[k] for k in ("name", "source", "calibration")}

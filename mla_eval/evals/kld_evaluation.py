@@ -46,7 +46,7 @@ from mla_eval.evals.settings import (
     default_min_context,
     default_stride,
 )
-from mla_eval.evals.variants import PlanVariant, Variant, check_plan_layers, parse_variants
+from mla_eval.evals.variants import PlanVariant, Variant, check_plan_model, parse_variants
 from mla_eval.formats import OuterScales
 from mla_eval.formats.v4 import V4_CONFIGS
 from mla_eval.model.deepseek_v4 import check_mla_rows, check_variant
@@ -87,7 +87,11 @@ class KldSettings(ModelSettings, text_sources.TextSettings):
         help="Outer scales for +s_l: a JSON file (nvfp4_ds_mla_outer_scale_v1), 'auto' (calibrate on a held-out slice), "
         "or 'none'.",
     )
-    calib_tokens: int = option(2048, "--calib-tokens", help="--scales auto: tokens held out for calibration.")
+    calib_tokens: int = option(
+        2048, "--calib-tokens",
+        help="--scales auto on a text: its first tokens held out to calibrate s_l, not scored (the text then needs "
+        "more than twice as many; self-samples calibrate on one more sample instead).",
+    )
     layer_stats: bool = option(
         True, "--layer-stats/--no-layer-stats", help="Per-layer attention-output error and latent SNR."
     )
@@ -320,24 +324,31 @@ def _split_calibration(source: text_sources.TokenSource, calib_tokens: int):
     first = source.sequences[0]
     if first.numel() <= calib_tokens * 2:
         raise UserError(
-            f"text too short to hold out {calib_tokens} calibration tokens; pass --scales FILE or fewer --calib-tokens"
+            f"text too short to hold out {calib_tokens} calibration tokens ({first.numel()} tokens; --scales auto needs "
+            f"more than 2 x --calib-tokens = {2 * calib_tokens}): give a longer text (or a larger --max-tokens), "
+            "--scales FILE, or fewer --calib-tokens"
         )
     calib = text_sources.TokenSource(
         source.kind, f"first {calib_tokens} tokens of {source.label}", [first[:calib_tokens]], "calib"
     )
-    rest = text_sources.TokenSource(
-        source.kind, source.label + f" (after the {calib_tokens} calibration tokens)",
+    rest = text_sources.TokenSource(  # the title says which tokens were scored (the count above is the whole text's)
+        source.kind, source.label + f"; its first {calib_tokens} tokens calibrate s_l (--scales auto), not scored",
         [first[calib_tokens:], *source.sequences[1:]], source.digest,
     )
     return calib, rest
 
 
-def _sources(lm, st: KldSettings, needs_outer: bool, progress: ProgressCallback):
-    """(evaluation tokens, calibration tokens or None)."""
-    if st.self_samples and st.scales == "auto" and needs_outer:
-        # one extra sample in the same decoding batch (nearly free) serves as the calibration text
+def evaluation_sources(lm, st, needs_outer: bool, progress: ProgressCallback):
+    """(evaluation tokens, calibration tokens or None) of a kld or plan run (`st`: its TextSettings, scales and
+    calib_tokens). Self-samples are always drawn as --samples + 1 sequences in one decoding batch, the last kept
+    apart to calibrate on where --scales auto needs it: the text a seed gives must not depend on which formats
+    were asked (sampling one more sequence in the batch changes every sequence, so drawing it only for +s_l runs
+    scored different text under the same title and seed)."""
+    if st.self_samples:
         both = text_sources.self_samples(lm, st.samples + 1, st.sample_len, st.seed, progress)
-        calib = text_sources.TokenSource("self-samples", "a separate self-sample", both.sequences[-1:], "calib")
+        calib = None
+        if st.scales == "auto" and needs_outer:
+            calib = text_sources.TokenSource("self-samples", "a separate self-sample", both.sequences[-1:], "calib")
         return text_sources.self_samples_subset(both, st.samples), calib
     source = text_sources.load_source(lm, st, progress)
     if st.scales == "auto" and needs_outer:
@@ -468,8 +479,8 @@ def evaluate_kld(st: KldSettings, progress: ProgressCallback = no_progress) -> K
         needs_outer = any(v.outer for v in [*variants, ref, *filter(None, [st.explain_variant()])])
         if given is not None:
             given.check_layers(lm.num_layers, source=st.scales)
-        check_plan_layers(variants, lm.num_layers)
-        source, calib = _sources(lm, st, needs_outer, progress)
+        check_plan_model(variants, lm, st.latent_profile)
+        source, calib = evaluation_sources(lm, st, needs_outer, progress)
         protocol, why_absorbed = _protocol(st, lm, source)
         ctx, stride, min_context, semantics, maths = (protocol.ctx, protocol.stride, protocol.min_context,
                                                       list(protocol.semantics), list(protocol.maths))
@@ -495,7 +506,7 @@ def evaluate_kld(st: KldSettings, progress: ProgressCallback = no_progress) -> K
         elif lm.checkpoint is not None:  # a skeleton planned resident: now the weights
             phases.start("load")
             lm = st.load()
-        profile = st.apply_profile(lm, (calib or source).sequences[0], (calib or source).label)
+        profile = st.apply_profile(lm, (calib or source).sequences[0], (calib or source).label, progress)
         outer = given
         try:
             loaded = None

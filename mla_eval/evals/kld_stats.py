@@ -20,18 +20,21 @@ def token_metrics(ref_logp: torch.Tensor, fmt_logp: torch.Tensor, targets: torch
     """Metrics for each scored position from full-vocabulary log-probs.
 
     ref_logp, fmt_logp: [n, vocab] float32 log-softmax; targets: [n] observed next tokens.
-    Returns float64 tensors: kld = KL(ref || fmt), nll of the observed token under each,
+    Returns float64 tensors: kld = KL(ref || fmt) (the headline), kld_rev = KL(fmt || ref) (the other direction:
+    what the format's distribution puts where the reference's does not), nll of the observed token under each,
     probability of the observed token under each, and whether the argmaxes agree.
     """
     ref_logp = ref_logp.float()
     fmt_logp = fmt_logp.float()
     p_ref = ref_logp.exp()
     kld = (p_ref * (ref_logp - fmt_logp)).sum(-1).clamp_min(0.0)  # tiny negatives are rounding
+    kld_rev = (fmt_logp.exp() * (fmt_logp - ref_logp)).sum(-1).clamp_min(0.0)
     idx = targets.view(-1, 1).long()
     lr = ref_logp.gather(1, idx).squeeze(1)
     lf = fmt_logp.gather(1, idx).squeeze(1)
     return {
         "kld": kld.double(),
+        "kld_rev": kld_rev.double(),
         "nll_ref": (-lr).double(),
         "nll_fmt": (-lf).double(),
         "p_ref": lr.exp().double(),
@@ -45,6 +48,7 @@ class TokenStats:
     """Accumulates per-token metrics for one format; `depth` = tokens of context before it."""
 
     kld: list[np.ndarray] = dataclasses.field(default_factory=list)
+    kld_rev: list[np.ndarray] = dataclasses.field(default_factory=list)
     nll_ref: list[np.ndarray] = dataclasses.field(default_factory=list)
     nll_fmt: list[np.ndarray] = dataclasses.field(default_factory=list)
     p_ref: list[np.ndarray] = dataclasses.field(default_factory=list)
@@ -53,7 +57,8 @@ class TokenStats:
     depth: list[np.ndarray] = dataclasses.field(default_factory=list)
     order: list[np.ndarray] = dataclasses.field(default_factory=list)
 
-    FIELDS = ("kld", "nll_ref", "nll_fmt", "p_ref", "p_fmt", "same_top1", "depth", "order")
+    FIELDS = ("kld", "kld_rev", "nll_ref", "nll_fmt", "p_ref", "p_fmt", "same_top1", "depth", "order")
+    OPTIONAL = ("kld_rev",)
 
     def add(self, metrics: dict[str, torch.Tensor], depth: torch.Tensor, order: torch.Tensor) -> None:
         """`order`: a global index per token, so shards concatenate into one canonical order."""
@@ -66,13 +71,15 @@ class TokenStats:
         """Concatenated per-token arrays, sorted by `order` (so sums do not depend on sharding)."""
         a = {k: (np.concatenate(getattr(self, k)) if getattr(self, k) else np.zeros(0)) for k in self.FIELDS}
         idx = np.argsort(a["order"], kind="stable")
-        return {k: v[idx] for k, v in a.items()}
+        # kld_rev: absent from arrays kept before it existed (from_arrays); every other field is there
+        return {k: v[idx] for k, v in a.items() if k not in self.OPTIONAL or v.size == idx.size}
 
     @classmethod
     def from_arrays(cls, arrays: dict[str, np.ndarray]) -> "TokenStats":
         out = cls()
         for k in cls.FIELDS:
-            getattr(out, k).append(np.asarray(arrays[k]))
+            if k in arrays or k not in cls.OPTIONAL:
+                getattr(out, k).append(np.asarray(arrays[k]))
         return out
 
     def summary(self) -> dict:
@@ -124,6 +131,8 @@ def summarize(a: dict[str, np.ndarray]) -> dict:
         "ppl_ratio": math.exp(lnr),
         "kld_by_depth": depth_buckets(kld, a["depth"]),
     }
+    if a.get("kld_rev") is not None and a["kld_rev"].size == n:  # arrays kept before the reverse direction lack it
+        out["kld_reverse_mean"], out["kld_reverse_se"] = _mean_se(a["kld_rev"])
     return out
 
 

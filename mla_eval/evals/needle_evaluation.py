@@ -20,7 +20,7 @@ from mla_eval.evals.calibrate import calibrate
 from mla_eval.evals.needle_tasks import TASKS, VALUE_KINDS, PromptBuilder, TaskSpec, haystack_text, load_haystack, parse_tasks
 from mla_eval.evals.settings import SCALES_MODES, ModelSettings, check_math_backend
 from mla_eval.evals.text_sources import TokenSource
-from mla_eval.evals.variants import PlanVariant, Variant, check_plan_layers, parse_variants
+from mla_eval.evals.variants import PlanVariant, Variant, check_plan_model, parse_variants
 from mla_eval.formats import OuterScales
 from mla_eval.model.deepseek_v4 import check_mla_rows, refuse_v4
 from mla_eval.model.session import PREFILL_MODES
@@ -62,6 +62,9 @@ def parse_depths(text: str | list | None, steps: int) -> list[float]:
     if bad or not vals:
         raise UserError(f"--depths must lie in 0..100 (percent of the haystack), got {bad or text}")
     return sorted(set(vals))
+
+
+DEFAULT_POWER_DROP = 0.1  # --power: the accuracy drop whose prompts-needed is reported
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,8 +130,9 @@ class NeedleSettings(ModelSettings):
         "with 80 % probability given the prompts, the prompts needed to flag a drop of --power-drop, and which "
         "control formats (--formats control:*) it flagged.",
     )
-    power_drop: float = option(
-        0.1, "--power-drop", help="The accuracy drop (0..1) whose prompts-needed --power reports."
+    power_drop: float | None = option(  # None: DEFAULT_POWER_DROP with --power; given without --power: refused
+        None, "--power-drop", show_default=False,
+        help=f"With --power: the accuracy drop (0..1) whose prompts-needed it reports (default {DEFAULT_POWER_DROP}).",
     )
     semantics: str = option(  # mla_eval.attention.semantics (one value): how the prompt's prefill reads the cache
         "cache", "--semantics",
@@ -152,8 +156,11 @@ class NeedleSettings(ModelSettings):
             raise UserError(f"--prefill {self.prefill!r}: choose one of {', '.join(PREFILL_MODES)}")
         if self.trials < 1 or self.batch < 1:
             raise UserError("--trials and --batch must be at least 1")
-        if not 0 < self.power_drop < 1:
+        if self.power_drop is not None and not 0 < self.power_drop < 1:
             raise UserError(f"--power-drop is an accuracy drop in (0, 1), e.g. 0.1, got {self.power_drop}")
+        if self.power_drop is not None and not self.power:
+            raise UserError("--power-drop sets the drop --power reports, and --power was not given: add --power, or "
+                            "drop --power-drop")
         if not 0 <= self.threshold <= 1:
             raise UserError(f"--threshold is an accuracy in 0..1, got {self.threshold}")
         if min(self.length_list()) <= self.max_new_tokens() + 16:
@@ -239,14 +246,14 @@ def evaluate_needle(st: NeedleSettings, progress: ProgressCallback = no_progress
         lm = st.load()
         refuse_v4(lm, "mla-eval needle")
         check_mla_rows(lm, variants)
-        check_plan_layers(variants, lm.num_layers)  # a plan for another model fails before any prompt runs
+        check_plan_model(variants, lm, st.latent_profile)  # a plan for another model fails before any prompt runs
         if lm.max_positions and max(lens) > lm.max_positions:
             raise UserError(
                 f"--lengths {max(lens)} exceeds the model's {lm.max_positions} positions; "
                 "use shorter lengths or extend the context with --rope-scaling yarn:FACTOR"
             )
         hay_ids, noise, hay_label = load_haystack(lm.tokenizer, st.haystack)
-        profile = st.apply_profile(lm, torch.as_tensor(hay_ids), hay_label)
+        profile = st.apply_profile(lm, torch.as_tensor(hay_ids), hay_label, progress)
         builder = PromptBuilder(lm.tokenizer, hay_ids, noise)
         for t in tasks:  # fail early: a haystack too short for the longest prompt, needles too many for the shortest
             budget = nd.new_tokens_for(t.kind, t.name, t.count)
@@ -313,5 +320,5 @@ def evaluate_needle(st: NeedleSettings, progress: ProgressCallback = no_progress
         tasks=per_task,
         paired_tests=paired,
         statistics=dict(needle_stats.METHOD),
-        power=needle_power.power_report(paired, controls, st.power_drop) if st.power else None,
+        power=needle_power.power_report(paired, controls, st.power_drop or DEFAULT_POWER_DROP) if st.power else None,
     )

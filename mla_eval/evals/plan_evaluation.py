@@ -17,13 +17,14 @@ from mla_eval.errors import UserError
 from mla_eval.evals import knapsack, text_sources
 from mla_eval.evals.calibrate import calibrate
 from mla_eval.evals.kld import KldProtocol, plan_windows, resolve_prefill
-from mla_eval.evals.kld_evaluation import _split_calibration
+from mla_eval.evals.kld_evaluation import evaluation_sources
 from mla_eval.evals.sensitivity import Sensitivity, layer_scales, measure_sensitivity, sensitivity_from_dict
 from mla_eval.evals.settings import DEFAULT_CTX, ModelSettings, check_ctx, default_min_context, default_stride
 from mla_eval.evals.variants import Variant, parse_variants
 from mla_eval.formats import OuterScales, get_format
 from mla_eval.layer_plan import LayerPlan
 from mla_eval.model.deepseek_v4 import refuse_v4
+from mla_eval.model_presets import architecture_digest
 from mla_eval.protocol import ProgressCallback, no_progress, option
 from mla_eval.results import environment
 
@@ -48,16 +49,24 @@ class PlanSettings(ModelSettings, text_sources.TextSettings):
         None, "--pool-gain",
         help=f"Least predicted KLD whose pool holds at least this many times {POOL_REFERENCE}'s tokens (1.25: 25 % more).",
     )
-    ctx: int | None = option(None, "--ctx", help=f"Window length in tokens (default {DEFAULT_CTX}).")
+    ctx: int | None = option(
+        None, "--ctx", help=f"Window length in tokens (default {DEFAULT_CTX}; self-samples: --sample-len)."
+    )
     stride: int | None = option(None, "--stride", help="Window stride in tokens (default: as kld).")
     min_context: int | None = option(None, "--min-context", help="Score only tokens with this much context (default ctx/2).")
-    batch: int = option(1, "--batch", help="Windows per forward.")
+    batch: int | None = option(  # None: 1 window, or every self-sample at once (as kld)
+        None, "--batch", help="Windows per forward (default: 1; self-samples: all samples at once)."
+    )
     scales: str = option(
         "auto", "--scales",
         help="Outer scales for +s_l candidates: a JSON file (nvfp4_ds_mla_outer_scale_v1) or 'auto' (calibrate on a "
         "held-out slice, as kld does).",
     )
-    calib_tokens: int = option(2048, "--calib-tokens", help="--scales auto: tokens held out for calibration.")
+    calib_tokens: int = option(
+        2048, "--calib-tokens",
+        help="--scales auto on a text: its first tokens held out to calibrate s_l, not scored (the text then needs "
+        "more than twice as many; self-samples calibrate on one more sample instead).",
+    )
     sensitivity: Path | None = option(
         None, "--sensitivity", path="read",
         help="Re-solve under this budget from the sensitivity table of an earlier plan file (its model, text and "
@@ -84,7 +93,7 @@ class PlanSettings(ModelSettings, text_sources.TextSettings):
             raise UserError(f"--max-kld must be >= 0, got {self.max_kld}")
         if self.pool_gain is not None and not self.pool_gain > 0:
             raise UserError(f"--pool-gain must be positive, got {self.pool_gain}")
-        if self.batch < 1:
+        if self.batch is not None and self.batch < 1:
             raise UserError(f"--batch must be at least 1, got {self.batch}")
         if self.calib_tokens < 1:
             raise UserError(f"--calib-tokens must be at least 1, got {self.calib_tokens}")
@@ -218,15 +227,14 @@ def evaluate_plan(st: PlanSettings, progress: ProgressCallback = no_progress) ->
         if given is not None:
             given.check_layers(lm.num_layers, source=st.scales)
         check_reachable(st.budget(lm.num_layers), candidates, lm.num_layers)
-        source = text_sources.load_source(lm, st, progress)
-        calib = None
-        if st.scales == "auto" and needs_outer:
-            calib, source = _split_calibration(source, st.calib_tokens)
-        profile = st.apply_profile(lm, (calib or source).sequences[0], (calib or source).label)
-        ctx = st.ctx if st.ctx is not None else DEFAULT_CTX
+        # as kld: self-samples (no --text / --dataset) with one more sample to calibrate on, else a held-out slice
+        source, calib = evaluation_sources(lm, st, needs_outer, progress)
+        profile = st.apply_profile(lm, (calib or source).sequences[0], (calib or source).label, progress)
+        ctx = st.ctx if st.ctx is not None else (st.sample_len if st.self_samples else DEFAULT_CTX)
         min_context = st.min_context if st.min_context is not None else default_min_context(ctx)
         stride = st.stride if st.stride is not None else default_stride(ctx, min_context)
-        protocol = KldProtocol(tuple(candidates), Variant(get_format("bf16")), ctx, stride, min_context, st.batch,
+        batch = st.batch if st.batch is not None else (len(source.sequences) if st.self_samples else 1)
+        protocol = KldProtocol(tuple(candidates), Variant(get_format("bf16")), ctx, stride, min_context, batch,
                                layer_stats=False)
         plan_windows(lm, source, protocol)  # bad window settings fail before any work
         prefill, _ = resolve_prefill("auto", protocol, lm.adapter.is_dsa)
@@ -239,12 +247,12 @@ def evaluate_plan(st: PlanSettings, progress: ProgressCallback = no_progress) ->
     budget = st.budget(lm.num_layers)
     choice = solve(sens, budget)
     model = {"name": lm.name, "path": str(lm.path), "layers": lm.num_layers, "default": lm.is_default,
-             "latent_profile": profile}
+             "geometry": architecture_digest(lm.model.config), "latent_profile": profile}
     text = {"kind": source.kind, "label": source.label, "digest": source.digest, "tokens": source.num_tokens}
     extra = {
         "text": text,
         "candidates": [c.name for c in candidates],
-        "settings": {"ctx": ctx, "stride": stride, "min_context": min_context, "batch": st.batch, "prefill": prefill,
+        "settings": {"ctx": ctx, "stride": stride, "min_context": min_context, "batch": batch, "prefill": prefill,
                      "backend": log.backend, "scales": st.scales, "calib_tokens": st.calib_tokens if calib else None},
         "outer_scales": None if outer is None else outer.to_json(),
         "sensitivity": sens.as_dict(),

@@ -117,16 +117,19 @@ def metrics_from_store(ref: dict[str, torch.Tensor], fmt_logp: torch.Tensor, tar
     if "logp_fp16" in ref:
         ref_logp = ref["logp_fp16"].to(fmt_logp.device).float()
         kld = (ref_logp.exp() * (ref_logp - fmt_logp)).sum(-1)
-    else:
+        kld_rev = (fmt_logp.exp() * (fmt_logp - ref_logp)).sum(-1)
+    else:  # both directions over the top k and one tail bin: lower bounds (merging outcomes never raises a KL)
         lp = ref["topk_logp"].to(fmt_logp.device)
         lq = fmt_logp.gather(1, ref["topk_idx"].to(fmt_logp.device).long())
-        p = lp.exp()
+        p, q = lp.exp(), lq.exp()
         tiny = torch.finfo(torch.float32).tiny
         p_tail = (1 - p.sum(-1)).clamp_min(tiny)
-        q_tail = (1 - lq.exp().sum(-1)).clamp_min(tiny)
+        q_tail = (1 - q.sum(-1)).clamp_min(tiny)
         kld = (p * (lp - lq)).sum(-1) + p_tail * (p_tail.log() - q_tail.log())
+        kld_rev = (q * (lq - lp)).sum(-1) + q_tail * (q_tail.log() - p_tail.log())
     return {
         "kld": kld.clamp_min(0.0).double(),
+        "kld_rev": kld_rev.clamp_min(0.0).double(),
         "nll_ref": (-lr).double(),
         "nll_fmt": (-lf).double(),
         "p_ref": lr.exp().double(),

@@ -16,7 +16,13 @@ KLD_COLUMNS = (
     ("same top-1 %", "same_top1_pct", "{:.2f}"),
     ("RMS Δp %", "delta_p_rms_pct", "{:.3f}"),
     ("PPL ratio", "ppl_ratio", "{:.4f}"),
+    ("KL(format ‖ ref)", "kld_reverse_mean", "{:.5f}"),  # the other direction ("–" in documents before it)
 )
+
+
+def _rank(kld) -> float:
+    """A row's place: its KLD mean (a document's "inf" string or null last)."""
+    return kld if isinstance(kld, (int, float)) else float("inf")
 
 
 def fmt(v, spec: str) -> str:
@@ -48,9 +54,12 @@ def _explain_section(ex: dict) -> tuple[str, list[str], list[list[str]]]:
 
 
 def kld_tables(d: dict) -> list[Table]:
-    """A kld document: its formats' figures, its notes, and the --explain breakdown."""
-    rows = [[name] + [fmt(s.get(k), f) for _, k, f in KLD_COLUMNS] for name, s in d["formats"].items()]
-    title = f"Teacher-forced KLD vs {d['settings']['ref']} — {d['text']['label']}{_attention(d['settings'])}"
+    """A kld document: its formats' figures (ranked by KLD mean, lowest first), its notes, and the --explain
+    breakdown."""
+    ranked = sorted(d["formats"].items(), key=lambda kv: _rank(kv[1].get("kld_mean")))
+    rows = [[name] + [fmt(s.get(k), f) for _, k, f in KLD_COLUMNS] for name, s in ranked]
+    title = (f"Teacher-forced KLD vs {d['settings']['ref']} — {d['text']['label']}{_attention(d['settings'])}; "
+             "ranked by KLD")
     out = [(title, ["format"] + [c for c, _, _ in KLD_COLUMNS], rows)]
     for note in d.get("notes", []):
         out.append((f"Note: {note}", [], []))

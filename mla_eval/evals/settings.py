@@ -13,7 +13,7 @@ from mla_eval.errors import UserError
 from mla_eval.model.latent_profile import PROFILE_HELP
 from mla_eval.model.loader import DEVICE_MAP_HELP, MAX_MEMORY_HELP, MODEL_HELP
 from mla_eval.model.rope_scaling import ROPE_SCALING_HELP
-from mla_eval.protocol import option
+from mla_eval.protocol import ProgressCallback, no_progress, option, say
 
 PROFILE_CALIBRATION_TOKENS = 2048  # tokens a latent profile measures the model's own magnitudes on
 SCALES_MODES = ("auto", "none")  # --scales: one of these, or a path to an outer-scale JSON
@@ -94,10 +94,11 @@ class ModelSettings:
                           "plain CPU run, or make the GPUs visible)", stacklevel=2)
         return lm
 
-    def apply_profile(self, lm, ids, label: str) -> dict | None:
+    def apply_profile(self, lm, ids, label: str, progress: ProgressCallback = no_progress) -> dict | None:
         """--latent-profile: reparametrise the loaded model so each layer's max |c_kv| over the first window of the
         run's own text (`ids`, 1-D, at most PROFILE_CALIBRATION_TOKENS used) follows the profile; what was done, for
-        the result's model.latent_profile (None without a profile)."""
+        the result's model.latent_profile (None without a profile). The screen is told (`say`), as of every setting
+        that changes the numbers."""
         from mla_eval.model.latent_profile import apply_latent_profile, parse_profile
 
         profile = parse_profile(self.latent_profile)
@@ -106,7 +107,10 @@ class ModelSettings:
         if getattr(lm, "checkpoint", None) is not None:
             raise UserError("--latent-profile reparametrises the whole model in memory: run it with --offload none")
         window = ids[:PROFILE_CALIBRATION_TOKENS].view(1, -1)
-        return apply_latent_profile(lm, profile, window, f"{window.shape[1]} tokens from the start of {label}").as_dict()
+        applied = apply_latent_profile(lm, profile, window, f"{window.shape[1]} tokens from the start of {label}")
+        say(progress, f"latent profile: {profile.summary()} applied; each layer's latent scaled by "
+                      f"{min(applied.factors):.3g}..{max(applied.factors):.3g} (kv_a_layernorm x c_l, kv_b_proj / c_l)")
+        return applied.as_dict()
 
     def placement(self, lm) -> dict:
         """Where the model ran, for the result document: the device map, the per-GPU cap (bytes) and,

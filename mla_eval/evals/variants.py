@@ -10,6 +10,7 @@ spec's fact (`FormatSpec.outer_scale`), never repeated here.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Sequence, Union
 
 from mla_eval.errors import UserError
@@ -57,7 +58,7 @@ Row = Union[Variant, PlanVariant]  # one row of a kld run
 
 def load_plan_variant(token: str) -> PlanVariant:
     """'plan:PATH' -> the plan read from PATH (one-line UserErrors for a missing or bad file)."""
-    path = token[len(PLAN_PREFIX):].strip()
+    path = str(Path(token[len(PLAN_PREFIX):].strip()).expanduser()) if token[len(PLAN_PREFIX):].strip() else ""
     if not path:
         raise UserError(f"{token!r} names no file; write plan:PATH (a plan made by `mla-eval plan`)")
     return PlanVariant(LayerPlan.load(path), source=path)
@@ -70,6 +71,28 @@ def check_plan_layers(rows: Sequence[Row], num_layers: int) -> None:
             v.plan.check_layers(num_layers, source=f"plan file {v.source}" if v.source else None)
 
 
+def check_plan_model(rows: Sequence[Row], lm, latent_profile: str | None) -> None:
+    """Every plan row was made for this model: its layer count, name, architecture digest and latent profile
+    (`LayerPlan.check_model`; a one-line UserError naming both sides otherwise); a plan that does not say is a
+    warning, never silent. `latent_profile`: the run's --latent-profile (None or 'none': none)."""
+    import warnings
+
+    from mla_eval.model.latent_profile import parse_profile
+    from mla_eval.model_presets import architecture_digest
+
+    check_plan_layers(rows, lm.num_layers)
+    plans = [v for v in rows if isinstance(v, PlanVariant)]
+    if not plans:
+        return
+    profile = parse_profile(latent_profile)
+    digest = architecture_digest(lm.model.config)
+    for v in plans:
+        said = v.plan.check_model(lm.name, digest, profile.name if profile else None,
+                                  source=f"plan file {v.source}" if v.source else None)
+        if said is not None:
+            warnings.warn(said, stacklevel=2)
+
+
 def session_formats(variant: Row, outer: OuterScales | None):
     """What a cache session takes for this row: (spec, or one spec per layer; OuterScales, one s_l per layer, or None)."""
     if isinstance(variant, PlanVariant):
@@ -77,10 +100,30 @@ def session_formats(variant: Row, outer: OuterScales | None):
     return variant.spec, scales_for(variant, outer)
 
 
+def split_format_list(text: str) -> list[str]:
+    """'nvfp4,plan:a,b.json,fp8_ds_mla' -> its items. A comma splits items except inside a plan's file name: after
+    'plan:' the longest run of items that names an existing file is one item (a path may hold a comma); where none
+    exists the item ends at the first comma (and its reading names the missing file)."""
+    parts = text.split(",")
+    out: list[str] = []
+    i = 0
+    while i < len(parts):
+        item, used = parts[i], 1
+        if item.strip().startswith(PLAN_PREFIX):
+            for j in range(len(parts), i + 1, -1):  # the longest first
+                joined = ",".join(parts[i:j]).strip()[len(PLAN_PREFIX):].strip()
+                if Path(joined).expanduser().is_file():
+                    item, used = ",".join(parts[i:j]), j - i
+                    break
+        out.append(item)
+        i += used
+    return out
+
+
 def parse_variants(text: str | list[str] | tuple[str, ...], option: str = "--formats", plans: bool = False) -> list:
     """'nvfp4,nvfp4+s_l' (or a list of names) -> distinct variants in order; one-line UserError on a bad name.
     `plans`: 'plan:FILE' items are read as `PlanVariant` rows (else refused: the evaluation runs one format per row)."""
-    tokens = text.split(",") if isinstance(text, str) else [str(t) for t in text]
+    tokens = split_format_list(text) if isinstance(text, str) else [str(t) for t in text]
     tokens = expand_controls(tokens)
     out: list[Variant] = []
     for tok in (t.strip() for t in tokens):

@@ -20,10 +20,29 @@ from mla_eval.errors import UserError
 from mla_eval.formats.spec import LATENT_DIM, OUTER_SCALE_SCHEMA, TOKEN_SCALE_DENOMINATOR
 from mla_eval.user_paths import read_small_json
 
-# The range a scale may take: s_l * 6 * 448 (the largest value a scaled record decodes to) must stay a finite
-# bf16, and s_l a normal float32 (its reciprocal finite). A calibrated s_l is max|c_kv| / 2688, far inside both.
-MAX_SCALE = float.fromhex("0x1.FEp127") / TOKEN_SCALE_DENOMINATOR  # bf16 max / 2688
-MIN_SCALE = 2.0**-126  # float32's smallest normal
+# The latent magnitudes (a layer's max |c_kv|) mla-eval accepts anywhere -- latent profiles, outer scales, plans,
+# calibration: fp16's normal range. A cached latent is an RMSNorm output times its weight: the published MLA models'
+# lie in 0.02..5.2 (GLM-5.2's profile, mla_eval.model.latent_profile), and an engine running fp16 activations must
+# hold them. A figure outside is a damaged file or a unit error, not a model: a profile of 1e30 per layer turns the
+# model's arithmetic to noise (KLD 7, 0 % same top-1) and calibration then writes scales of 3.7e26.
+LATENT_MAX_ABS_MIN = 2.0**-14  # fp16's smallest normal
+LATENT_MAX_ABS_MAX = 65504.0  # fp16's largest finite value
+# The range a scale s_l = max |c_kv| / 2688 may take (a file's denominator is always 2688)
+MAX_SCALE = LATENT_MAX_ABS_MAX / TOKEN_SCALE_DENOMINATOR
+MIN_SCALE = LATENT_MAX_ABS_MIN / TOKEN_SCALE_DENOMINATOR
+
+
+def latent_range_text() -> str:
+    return f"{LATENT_MAX_ABS_MIN:.3g}..{LATENT_MAX_ABS_MAX:g} (fp16's normal range; published models: 0.02..5.2)"
+
+
+def check_latent_max_abs(value: float, what: str) -> None:
+    """A layer's max |c_kv| (or the one an s_l stands for) inside LATENT_MAX_ABS_MIN..MAX, or a one-line UserError
+    naming `what` (which file, which layer)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or \
+            not LATENT_MAX_ABS_MIN <= value <= LATENT_MAX_ABS_MAX:
+        raise UserError(f"{what} is {value!r}: a latent's max |c_kv| lies in {latent_range_text()}; larger or smaller "
+                        "is a damaged file or a unit error, not a model")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +58,11 @@ class OuterScales:
 
     @classmethod
     def from_amax(cls, amax_per_layer: list[float], provenance: dict[str, Any] | None = None) -> "OuterScales":
-        """s_l = amax_l / 2688; a layer whose latent was all zero gets s_l = 1 (no scaling)."""
+        """s_l = amax_l / 2688; a layer whose latent was all zero gets s_l = 1 (no scaling); an amax outside the
+        latent range (check_latent_max_abs) is a one-line UserError, never a scale."""
+        for i, a in enumerate(amax_per_layer):
+            if a > 0:
+                check_latent_max_abs(float(a), f"the calibrated max |c_kv| of layer {i}")
         scales = tuple(float(a) / TOKEN_SCALE_DENOMINATOR if a > 0 else 1.0 for a in amax_per_layer)
         return cls(scales=scales, provenance=dict(provenance or {}))
 
@@ -101,8 +124,9 @@ class OuterScales:
             if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) or s <= 0:
                 raise bad(f"scale of layer {i} is {s!r}; every scale must be a positive finite number")
             if not MIN_SCALE <= s <= MAX_SCALE:
-                raise bad(f"scale of layer {i} is {s!r}, outside {MIN_SCALE:.3g}..{MAX_SCALE:.3g} (where a scaled latent "
-                          "stays a finite number); re-create the file with `mla-eval calibrate`")
+                raise bad(f"scale of layer {i} is {s!r}, outside {MIN_SCALE:.3g}..{MAX_SCALE:.3g} (max |c_kv| in "
+                          f"{latent_range_text()}, over {TOKEN_SCALE_DENOMINATOR:g}); re-create the file with "
+                          "`mla-eval calibrate`")
             out.append(float(s))
         known = {"format", "num_layers", "latent_dim", "denominator", "scales"}
         return cls(scales=tuple(out), provenance={k: v for k, v in doc.items() if k not in known})

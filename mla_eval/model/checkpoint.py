@@ -52,6 +52,7 @@ from typing import Iterator, Mapping
 import torch
 
 from mla_eval.errors import UserError
+from mla_eval.model.weight_checks import check_scale_values, check_stored
 from mla_eval.model.weight_formats import QuantisedWeight, WeightFormat, describe_quantisation, read_weight_format
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -243,19 +244,9 @@ class Checkpoint:
                             "download it")
 
     def _check_stored(self) -> None:
-        """Dtypes and scale shapes of every quantised weight whose header was read, against its format."""
-        expect = {"fp8-block": ("F8_E4M3", "F32"), "ct-fp8": ("F8_E4M3", None), "ct-nvfp4": ("U8", "F8_E4M3"),
-                  "modelopt-nvfp4": ("U8", "F8_E4M3")}
-        for q in self.quantised.values():
-            codes, scale = self.tensors[q.parts["codes"]], self.tensors[q.parts["scale"]]
-            if codes.dtype is None or scale.dtype is None:
-                continue
-            want_codes, want_scale = expect[q.scheme]
-            if codes.dtype != want_codes or (want_scale and scale.dtype != want_scale):
-                raise UserError(f"{self.path}: {q.base} is stored as {codes.dtype} with {scale.dtype} scales; "
-                                f"{self.format.method} ({q.scheme}) stores {want_codes} with {want_scale or 'float'} scales")
-            if len(codes.shape or ()) != 2:
-                raise UserError(f"{self.path}: quantised weight {codes.name} has shape {codes.shape}, not [out, in]")
+        """The tensors against the config's weight format, from the index and the headers read
+        (mla_eval.model.weight_checks: every path opens the checkpoint through here)."""
+        check_stored(self)
 
     # ------------------------------------------------------------------------------------------ the plan
 
@@ -488,6 +479,7 @@ class Checkpoint:
         if tuple(shape) != tuple(dst.shape):
             raise UserError(f"{self.path}: {name} dequantises to {list(shape)}, the model's {what} wants "
                             f"{list(dst.shape)}: the checkpoint does not match its config.json")
+        check_scale_values(self, q, raw.tensors)  # a scale no quantiser writes is refused, never dequantised
         try:
             self.format.dequantise_into(dst, q, raw.tensors)
         except ValueError as exc:

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from mla_eval.errors import UserError
+from mla_eval.formats.outer_scale import check_latent_max_abs
 
 # GLM-5.2's per-layer max |c_kv| after kv_a_layernorm, 78 layers, one wikitext-2 test window of 2048 tokens:
 # yatesdr/vllm-opt, kv-scales/glm52-nvfp4-nf3-hybrid_mla_outer_scales_v1.json @6023d26d73dd, field max_abs
@@ -53,8 +54,14 @@ class LatentProfile:
     source: str
 
     def __post_init__(self) -> None:
-        if not self.max_abs or any(not (isinstance(a, (int, float)) and math.isfinite(a) and a > 0) for a in self.max_abs):
-            raise UserError(f"latent profile {self.name}: every layer's max |c_kv| must be a positive finite number")
+        if not self.max_abs:
+            raise UserError(f"latent profile {self.name}: it gives no layer's max |c_kv|")
+        for i, a in enumerate(self.max_abs):  # 1e30 or 1e-30 would be applied as noise: refused, named
+            check_latent_max_abs(a, f"latent profile {self.name}: layer {i}'s max |c_kv|")
+
+    def summary(self) -> str:
+        """'glm-5.2 (78 layers, max |c_kv| 0.0217..5.19)': what the screen says was applied."""
+        return (f"{self.name} ({len(self.max_abs)} layers, max |c_kv| {min(self.max_abs):.3g}..{max(self.max_abs):.3g})")
 
     def for_layers(self, n: int) -> list[float]:
         """The profile at `n` layers: layer l sits at relative depth l / (n - 1) of the profile's layers,

@@ -286,6 +286,23 @@ def _load_random(text: str, device: str | None, dtype: str, device_map: str) -> 
     )
 
 
+def _random_skeleton(text: str, device: str | None, dtype: str) -> LoadedModel:
+    """A random model planned from its shapes alone: every parameter on the meta device, nothing drawn (a 61-layer
+    DeepSeek-V3 would need ~48 GiB built)."""
+    from transformers import AutoTokenizer
+
+    from mla_eval.model.random_models import build_random_skeleton
+
+    spec = parse_random_spec(text)
+    dev = resolve_device(device)
+    with _quiet_offline():
+        tokenizer = AutoTokenizer.from_pretrained(default_model_path(), local_files_only=True)
+    vocab = json.loads((default_model_path() / "config.json").read_text(encoding="utf-8"))["vocab_size"]
+    hf = build_random_skeleton(spec, vocab, _torch_dtype(dtype, dev))
+    return LoadedModel(model=hf, tokenizer=tokenizer, adapter=MlaAdapter(hf), path=Path(spec.name), name=spec.name,
+                       device=dev, is_default=False, is_random=True, label=spec.label)
+
+
 def _load_checkpoint(
     model: str | Path | None, device: str | None, dtype: str, device_map: str, yarn_factor: float | None = None,
     cap: int | None = None, streamed: bool = False,
@@ -327,6 +344,7 @@ def _load_checkpoint(
                 raise UserError(f"{path} holds quantised weights: --device-map auto loads only bf16/fp32 checkpoints; drop it")
             hf = load_resident(path, config, dev, torch_dtype, attn)
         else:
+            _check_headers(path)  # as every path: a config that does not describe its shards is refused, not loaded
             hf = AutoModelForCausalLM.from_pretrained(
                 path, config=config, dtype=torch_dtype, attn_implementation=attn, local_files_only=True, **extra
             )
@@ -355,6 +373,14 @@ def _load_checkpoint(
         is_default=is_default,
         rope_from_option=yarn_factor is not None,
     )
+
+
+def _check_headers(path: Path) -> None:
+    """The shards' headers against config.json (mla_eval.model.weight_checks) before transformers reads a weight."""
+    from mla_eval.model.checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint
+
+    if (path / INDEX_NAME).is_file() or (path / SINGLE_NAME).is_file():
+        Checkpoint.open(path, require_weights=True)
 
 
 def _skeleton(path: Path, config, dtype: torch.dtype, attn: str, require_weights: bool):
@@ -398,10 +424,13 @@ def load_skeleton(model: str | Path | None, device: str | None = None, dtype: st
     """A checkpoint's model with no weight read (every parameter on the meta device), its tokenizer, and its
     checkpoint's plan (`LoadedModel.checkpoint`): what a run plan needs before deciding how to load.
     `require_weights=False` accepts a folder holding only config.json, the safetensors index and the tokenizer
-    (planning a download). `stream(lm)` turns it into a streamed model; nothing else may run it."""
-    if model is not None and is_random_spec(str(model)):
-        raise UserError("a random:<preset> model is built, not read: it has no checkpoint to plan from")
+    (planning a download). `stream(lm)` turns it into a streamed model; nothing else may run it. A `random:<preset>`
+    spec gives its model on the meta device (a dry run plans from its shapes; it has no checkpoint)."""
     factor = parse_rope_scaling(rope_scaling)
+    if model is not None and is_random_spec(str(model)):
+        if factor is not None:
+            raise UserError("--rope-scaling applies to checkpoints; a random:<preset> model keeps its preset's rope/yarn")
+        return _random_skeleton(str(model), device, dtype)
     with _quiet_offline():
         is_default = model is None
         path = default_model_path() if is_default else Path(model).expanduser()

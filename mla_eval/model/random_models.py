@@ -186,3 +186,12 @@ def build_random_model(spec: RandomSpec, vocab_size: int, device: torch.device, 
         finally:
             torch.set_default_dtype(default)
     return model.eval()
+
+
+def build_random_skeleton(spec: RandomSpec, vocab_size: int, dtype: torch.dtype):
+    """The model of `spec` with every parameter on the meta device (nothing allocated, nothing drawn) and real
+    buffers (the rotary tables): what a dry run plans from, as a checkpoint's skeleton (`checkpoint.empty_model`)."""
+    from mla_eval.model.checkpoint import empty_model
+
+    config, _ = random_config(spec, vocab_size)
+    return empty_model(config, dtype, config._attn_implementation)

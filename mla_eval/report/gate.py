@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import math
+import warnings
 from pathlib import Path
 from xml.sax.saxutils import escape
 
@@ -87,13 +88,26 @@ class OptionalAbsences:
 
     def __init__(self, patterns: list[str]) -> None:
         self.patterns = list(patterns)
+        self.seen: set[str] = set()  # every name the comparison offered (what a pattern could have matched)
 
     def allows(self, *names: str) -> bool:
         return any(fnmatch.fnmatchcase(n, p) for p in self.patterns for n in names)
 
+    def offer(self, *names: str) -> None:
+        """Names present on either side (documents, rows, metrics), whether or not absent on the other."""
+        self.seen.update(names)
+
+    def unmatched(self) -> list[str]:
+        """Patterns that match no name on either side: a typo that would allow nothing, said as a warning."""
+        return [p for p in self.patterns if not any(fnmatch.fnmatchcase(n, p) for n in self.seen)]
+
 
 def _row_names(row: str) -> tuple[str, str]:
     return row, row.split(" (", 1)[0]  # identity and bare format ("nvfp4 (engine:512, bf16)" -> "nvfp4")
+
+
+_ABSENT = ("result document missing", "document not in the baseline", "row missing in results", "row not in the baseline",
+           "missing in results", "not in the baseline")
 
 
 def _absent(doc: str, name: str, metric: str, optional: bool, why: str) -> Check:
@@ -127,6 +141,9 @@ def _compare_value(doc: str, key: str, metric: str, base, value, tol: dict) -> C
 def _compare_rows(name: str, rrows: dict, brows: dict, tolerances: dict, optional: OptionalAbsences) -> list[Check]:
     checks: list[Check] = []
     for row in [*brows, *(r for r in rrows if r not in brows)]:
+        optional.offer(*_row_names(row))
+        for metric in {**brows.get(row, {}), **rrows.get(row, {})}:
+            optional.offer(metric, f"{row}.{metric}", f"{_row_names(row)[1]}.{metric}")
         if row not in rrows or row not in brows:
             side = "row missing in results" if row not in rrows else "row not in the baseline"
             checks.append(_absent(name, row, "*", optional.allows(*_row_names(row)), side))
@@ -152,6 +169,7 @@ def compare(results: dict[str, dict], baseline: dict[str, dict], tolerances: dic
     if len(results) == 1 and len(baseline) == 1:  # two single files: pair them whatever their names
         results = {next(iter(baseline)): next(iter(results.values()))}
     for name in [*baseline, *(n for n in results if n not in baseline)]:
+        optional.offer(name, Path(name).stem)
         bdoc, rdoc = baseline.get(name), results.get(name)
         if rdoc is None or bdoc is None:
             side = "result document missing" if rdoc is None else "document not in the baseline"
@@ -163,15 +181,54 @@ def compare(results: dict[str, dict], baseline: dict[str, dict], tolerances: dic
         if ev is not None and ev.comparable is not None:  # e.g. kld: both ran the same window path
             ev.comparable(rdoc, bdoc, name)
         checks.extend(_compare_rows(name, _rows(rdoc), _rows(bdoc), tolerances, optional))
+    for pattern in optional.unmatched():
+        warnings.warn(f"the tolerances' optional entry {pattern!r} matches no document, row or metric on either side: "
+                      "it allows nothing (a typo?)", stacklevel=2)
     return checks
 
 
-def markdown(checks: list[Check]) -> str:
+def _absence_kind(c: Check) -> str:
+    return "document" if c.name == "*" else "row" if c.metric == "*" else "metric"
+
+
+def headline(checks: list[Check], optional: list[str] | None = None) -> str:
+    """The verdict and what it counted: metrics compared within tolerance, and, apart, whatever was absent on one side
+    and allowed by the optional list (an absent document is never counted as a metric that passed)."""
     bad = [c for c in checks if not c.ok]
-    head = f"**mla-eval gate: {'FAIL' if bad else 'PASS'}** — {len(checks) - len(bad)}/{len(checks)} metrics within tolerance"
-    lines = [head, "", "| result | metric | baseline | now | verdict |", "|---|---|---|---|---|"]
+    allowed = [c for c in checks if c.ok and c.why.endswith("(optional)")]
+    compared = [c for c in checks if c not in allowed]
+    head = (f"**mla-eval gate: {'FAIL' if bad else 'PASS'}** — {len(compared) - len(bad)}/{len(compared)} metrics "
+            "within tolerance")
+    if allowed:
+        kinds = {}
+        for c in allowed:
+            kinds.setdefault(_absence_kind(c), []).append(c.doc if c.name == "*" else c.name)
+        parts = [f"{len(v)} {k}{'s' if len(v) > 1 else ''} ({', '.join(v[:4])}{' ...' if len(v) > 4 else ''})"
+                 for k, v in kinds.items()]
+        head += f"; absent on one side, allowed as optional: {'; '.join(parts)}"
+    if bad:
+        if optional:
+            head += (f"\n\nThe tolerances' optional list ({', '.join(optional)}) allows none of the failures; an absence "
+                     "that is expected goes there")
+        elif any(c.why in _ABSENT for c in bad):
+            head += ("\n\nAn expected absence (a document, row or metric one side lacks) may be listed in the tolerances "
+                     "file: [gate] optional = [\"needle.json\", \"mxfp4\", ...]")
+    return head
+
+
+def _figure(v) -> str:
+    """A figure as read: counts whole (pool tokens 1019584, not 1.01958e+06), others to 6 significant digits."""
+    if v is None:
+        return "-"
+    if isinstance(v, int) or (isinstance(v, float) and v.is_integer() and abs(v) < 2**53):
+        return str(int(v))
+    return f"{v:.6g}"
+
+
+def markdown(checks: list[Check], optional: list[str] | None = None) -> str:
+    lines = [headline(checks, optional), "", "| result | metric | baseline | now | verdict |", "|---|---|---|---|---|"]
     for c in sorted(checks, key=lambda c: c.ok):
-        fmt = lambda v: "-" if v is None else f"{v:.6g}"  # noqa: E731
+        fmt = _figure
         verdict = "ok" if c.why == "ok" else f"allowed: {c.why}" if c.ok else f"REGRESSION: {c.why}"
         lines.append(f"| {c.doc} | {c.name} | {fmt(c.baseline)} | {fmt(c.value)} | {verdict} |")
     return "\n".join(lines)
@@ -240,6 +297,7 @@ class GateSettings:
 @dataclasses.dataclass(frozen=True)
 class GateResult:
     checks: tuple[Check, ...]
+    optional: tuple[str, ...] = ()  # the tolerances' optional list (named in a failing verdict)
 
     @property
     def ok(self) -> bool:
@@ -251,7 +309,7 @@ class GateResult:
         return 0 if self.ok else 1
 
     def markdown(self) -> str:
-        return markdown(list(self.checks))
+        return markdown(list(self.checks), list(self.optional))
 
     def junit(self) -> str:
         return junit(list(self.checks))
@@ -259,7 +317,8 @@ class GateResult:
 
 def run_gate(settings: GateSettings) -> GateResult:
     tolerances = load_tolerances(settings.tolerances)
-    return GateResult(tuple(compare(load_docs(settings.results), load_docs(settings.baseline), tolerances)))
+    checks = compare(load_docs(settings.results), load_docs(settings.baseline), tolerances)
+    return GateResult(tuple(checks), tuple(tolerances.get(OPTIONAL_KEY, [])))
 
 
 def check_junit_path(path: Path) -> Path:

@@ -134,7 +134,8 @@ def build_report(results: Path) -> Report:
     return Report(f"mla-eval report — {results.name}", tuple(sections(docs)), images)
 
 
-def _is_our_page(path: Path) -> bool:
+def is_our_report(path: Path) -> bool:
+    """A report page (html or markdown) mla-eval wrote: it names its generator near the top."""
     if is_special(path):  # never opened: a FIFO would wait for a writer
         return False
     try:
@@ -160,7 +161,7 @@ def report_paths(results: Path, out: Path | None) -> tuple[Path, Path]:
         check_output_target(path, "--out")
         if path.is_dir():
             raise UserError(f"--out {out}: {path} is a folder")
-        if path.exists() and not _is_our_page(path):
+        if path.exists() and not is_our_report(path):
             raise UserError(f"{path} exists and is not a report mla-eval wrote; choose another --out")
     check_writable_folder(out)
     for path in pair:

@@ -121,15 +121,18 @@ def check_plot_folder(folder: Path, names: tuple[str, ...] = (), option: str = "
     return folder
 
 
-def plot_path(path: Path, default_name: str) -> Path:
-    """Where `--plot PATH` writes: an existing folder gets `default_name` inside it, a path without a
-    suffix gets `.png`; an existing file is replaced only if it is a plot we wrote. Checked before the
-    work (one-line UserError)."""
+def plot_path(path: Path | str, default_name: str) -> Path:
+    """Where `--plot PATH` writes: an existing folder, or a path written with a trailing slash (`plots/`: a folder,
+    made if missing), gets `default_name` inside it; a path without a suffix gets `.png`; an existing file is
+    replaced only if it is a plot we wrote. Checked before the work (one-line UserError)."""
+    import os
+
     from mla_eval.results import check_writable_folder, promise_output
 
+    as_folder = str(path).endswith(("/", os.sep))  # Path() drops the slash that says "a folder"
     path = Path(path)
     check_output_target(path, "--plot")
-    if path.is_dir():
+    if path.is_dir() or (as_folder and not path.exists()):  # a new folder is made when the plot is written
         path = path / default_name
     elif not path.suffix:
         path = path.with_suffix(".png")

@@ -1,10 +1,10 @@
 """The one host launcher of the attention kernels, every generation.
 
-`mla_attention` (the default launch of a format, or a v1/v2 variant by `tile` / `tuning`) and `mla_attention_v3` (a
-v3 variant by its probes) turn their arguments into a `plan.launch.LaunchPlan` (cached per format, list kind, head
-count, queries per sequence and device) and call `run`, which does what every launch shares: the split-KV schedule,
-the split partials, the kernel's arguments (`AttentionArgs`), the compiled kernel, the launch, and the combine of the
-partials.
+`mla_attention` (the default launch of a format, or a v1/v2 variant by `tile` / `tuning`) turns its arguments into a
+`plan.launch.LaunchPlan` (cached per format, list kind, head count, queries per sequence and device) and calls `run`
+(as the dispatcher does, and the benchmark's v3 probes, benchmarks/probes.py), which does what every launch shares:
+the split-KV schedule, the split partials, the kernel's arguments (`AttentionArgs`), the compiled kernel, the launch,
+and the combine of the partials.
 
 One construction path: `kernel_for(spec)` is the only place a kernel object is made (from a `plan.launch.KernelSpec`,
 whose configuration `v2_plan` / `v3_plan` resolved to concrete values), and `compiled_kernel(spec, args, device)` the
@@ -41,10 +41,9 @@ from mla_eval_kernels.plan.launch import (
     launch_plan,
     split_schedule,
     v2_plan,
-    v3_plan,
 )
 from mla_eval_kernels.plan.record_plan import RecordPlan
-from mla_eval_kernels.plan.tuning import V3_L2_PREFETCH, Tuning
+from mla_eval_kernels.plan.tuning import Tuning
 
 
 def mla_attention(
@@ -86,45 +85,6 @@ def mla_attention(
             plan, sparse=indices is not None, heads=q.shape[1], facts=facts, queries_per_seq=queries_per_seq,
             generation=generation,
         )
-    return run(
-        launch, plan, q, cache, softmax_scale=softmax_scale, block_table=block_table, seq_lens=seq_lens, indices=indices,
-        sink=sink, outer_scale=outer_scale, max_seq_len=max_seq_len, num_splits=num_splits, out=out, lse=lse,
-        workspace_fill=workspace_fill,
-    )
-
-
-def mla_attention_v3(
-    plan: RecordPlan,
-    q: torch.Tensor,
-    cache: torch.Tensor,
-    *,
-    softmax_scale: float,
-    block_table: torch.Tensor | None,
-    seq_lens: torch.Tensor | None,
-    sink: torch.Tensor | None,
-    outer_scale: float | None,
-    indices: torch.Tensor | None = None,
-    max_seq_len: int | None = None,
-    num_splits: int | None = None,
-    out: torch.Tensor | None = None,
-    lse: torch.Tensor | None = None,
-    workspace_fill: float | None = None,
-    l2_prefetch: int = V3_L2_PREFETCH,
-    producer_wgs: int | None = None,
-    timing_probe: str = "",
-    raw_ring: tuple[int, int] | None = None,
-    head_tile: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A v3 launch, dense (`block_table`, `seq_lens`) or sparse (`indices [N, topk]`), with its probes: `head_tile`
-    (16 or 32; default `tuning.v3_head_tile`), `l2_prefetch` (key tiles, 0 = none), `producer_wgs` (1 or 2),
-    `timing_probe` ("nodec", "nomma": wrong output), `raw_ring` ((stages, keys per stage), one of
-    `tuning.v3_raw_rings`). Other arguments as `mla_attention`."""
-    if q.shape[0] == 0:
-        return _outputs(q, out, lse)
-    launch = v3_plan(
-        plan, q.shape[1], indices is not None, device_facts(q.device), head_tile=head_tile, producer_wgs=producer_wgs,
-        raw_ring=raw_ring, l2_prefetch=l2_prefetch, timing_probe=timing_probe,
-    )
     return run(
         launch, plan, q, cache, softmax_scale=softmax_scale, block_table=block_table, seq_lens=seq_lens, indices=indices,
         sink=sink, outer_scale=outer_scale, max_seq_len=max_seq_len, num_splits=num_splits, out=out, lse=lse,

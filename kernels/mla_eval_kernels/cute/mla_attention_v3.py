@@ -33,11 +33,11 @@ serial in a CTA):
 - Decode: E2M1 x E4M3 latents through `ptx.e2m1x8_scaled_bf16x2_r2` (a byte of two codes -> one bf16x2
   word, one multiply per 8 values by the block scale); 2^9 * s_l is folded into the latent part of
   each score (a second S accumulator for the rope k-steps) and into the output, as in v2. Other
-  formats decode with v2's per-element path (`MlaAttention.decode8`, inherited). The producer copies one
+  formats decode with the per-element path v2 also runs (`record_decode.RecordDecode.decode8`). The producer copies one
   fixed 16-byte chunk per thread, loads all of a thread's E2M1 blocks before its stores, and stores K free
   of bank conflicts (bit-identical to the first producer and faster; docs/kernels.md).
-- No L2 prefetch of records by default (`V3_L2_PREFETCH`, measured slower for the decoded formats);
-  `l2_prefetch` > 0 keeps it as a probe (bench v3-pf).
+- No L2 prefetch of records: measured slower for the decoded formats and level for bf16, it was a bench probe
+  (v3-pf) until it was deleted with the other variants that lost (docs/kernels.md#l2-prefetch).
 - `setmaxnreg` only where the even share does not hold a role (`v3_reg_budget`): the 16-head tile's 384 threads
   compile to 124-150 of their 168, the one-producer 32-head tile's 256 threads may hold 255 each; only the
   two-producer 32-head tile (384 threads, consumer O^T [512, 32]) splits them.
@@ -58,18 +58,18 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import BFloat16, Float32, Int32, Int64, Uint32
+from cutlass import BFloat16, Float32, Int32, Int64
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 from mla_eval_kernels.cute import ptx
-from mla_eval_kernels.cute.mla_attention import (
-    LN_2,
-    LOG2_E,
-    MlaAttention,
-    _cp_async_16,
-    _ld_shared_u8,
-    _ld_shared_u32,
-    _st_shared_v4,
+from mla_eval_kernels.cute.ptx import LN_2, LOG2_E
+from mla_eval_kernels.cute.record_decode import RecordDecode
+from mla_eval_kernels.cute.smem import (
+    cp_async_16,
+    ld_shared_u8,
+    ld_shared_u32,
+    st_shared_bf16,
+    st_shared_v4,
     swizzled_offset,
 )
 from mla_eval_kernels.plan import e2m1_bits
@@ -89,31 +89,13 @@ BAR_CONSUMER = 1  # named barrier ids (0 is __syncthreads)
 BAR_PRODUCER = 2
 
 
-def _prefetch_l2(gaddr, nbytes: int):
-    """Bulk prefetch of `nbytes` (a multiple of 16, 16-byte aligned) of global memory into L2."""
-    cute.arch.inline_ptx(f"cp.async.bulk.prefetch.L2.global [{{$r0}}], {nbytes};", read_only_args=[Int64(gaddr)])
-
-
-def _ld_shared_v2(addr):
-    return cute.arch.inline_ptx(
-        "ld.shared.v2.b32 {{$w0}, {$w1}}, [{$r0}];", write_only_types=[Uint32, Uint32], read_only_args=[Int32(addr)]
-    )
-
-
-def _st_shared_bf16(addr, x):
-    cute.arch.inline_ptx(
-        "{ .reg .b16 h; cvt.rn.bf16.f32 h, {$r1}; st.shared.b16 [{$r0}], h; }",
-        read_only_args=[Int32(addr), Float32(x)],
-    )
-
-
-class MlaAttentionV3(MlaAttention):
+class MlaAttentionV3(RecordDecode):
     """One compiled v3 kernel per `KernelSpec` (cute.launch.kernel_for builds it; nothing else does): the record plan,
     the launch's `V3Config` (head tile, producer warpgroups, raw ring, L2 prefetch, timing probe: every value
     concrete, resolved once by `plan.launch.v3_plan`), the list kind, sink, outer scale and split.
 
-    Inherits v2's record decode (`decode_tile`, `decode8`, `decode8_e2m1_folded`): with `bn` = 64 and
-    `num_threads` = the producer threads they write the same swizzled bf16 K tile that wgmma reads.
+    The record decode (`decode_tile`, `decode8`, `decode8_e2m1_folded`) is `record_decode.RecordDecode`, shared with
+    v2: with `bn` = 64 and `num_threads` = the producer threads it writes the same swizzled bf16 K tile that wgmma reads.
     """
 
     def __init__(self, plan: RecordPlan, config: V3Config, *, sparse: bool, has_sink: bool, has_outer: bool, split: bool):
@@ -125,7 +107,6 @@ class MlaAttentionV3(MlaAttention):
         # hands over each tile), "nomma" drops the consumer's 68 wgmma per tile (softmax on zeros)
         self.probe = config.timing_probe
         self.plan = plan
-        self.l2_prefetch = config.l2_prefetch  # key tiles of records prefetched into L2 beyond the next one (0: none)
         self.sparse = sparse  # slot ids from the launch's index list (-1 / out of range: no key), else block_table
         self.has_sink = has_sink
         self.has_outer = has_outer
@@ -145,7 +126,7 @@ class MlaAttentionV3(MlaAttention):
         self.pt = WG * self.producer_wgs  # producer threads
         self.bn = V3_BN
         self.nh = heads  # the head tile: wgmma's N (`tuning.v3_head_tile`)
-        self.num_threads = self.pt  # the producer threads decode (the inherited decode_tile reads this)
+        self.num_threads = self.pt  # the producer threads decode (`RecordDecode.decode_tile` reads this)
         self.k_stages = V3_K_STAGES
         # raw ring: `raw_stages` stages of `raw_keys` records (whole tiles, or parts of one for the fp8 records)
         self.ring = config.raw_ring
@@ -313,21 +294,12 @@ class MlaAttentionV3(MlaAttention):
         m_idx = cute.make_tensor(idx_ptr + Int64(qi) * Int64(idx_stride), cute.make_layout(idx_stride))
         acq = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.k_stages)
 
-        # look-ahead, one role per thread: ptid < BN writes the slot id of key ptid of the next tile
-        # into the slot ring; ptid >= BN prefetches key (ptid - BN)'s record into L2, `l2_prefetch`
-        # tiles beyond the next (DRAM reads in flight without shared memory: the cp.async of a tile
-        # then mostly hits L2). Each slot id is loaded one iteration before its use, so the
-        # block_table read never stalls the thread that needs it.
-        pf = self.l2_prefetch
+        # look-ahead: thread ptid < BN writes the slot id of key ptid of the next tile into the slot ring. Each slot id
+        # is loaded one iteration before its use, so the block_table read never stalls the thread that needs it.
         la_key = ptid % bn
-        la_ahead = 1 if ptid < bn else 1 + pf
+        la_ahead = 1  # tiles ahead of the one being loaded
         if ptid < bn:
             sSlot[ptid, 0] = self.slot_of(m_idx, t_begin * bn + ptid, num_keys, num_slots, block_size, 0 < n_local)
-        elif cutlass.const_expr(pf > 0):
-            for t in cutlass.range_constexpr(1, pf + 1):
-                slot = self.slot_of(m_idx, (t_begin + t) * bn + la_key, num_keys, num_slots, block_size, t < n_local)
-                if slot >= 0 and ptid < 2 * bn:  # threads past 2 BN (a second producer warpgroup) only decode
-                    _prefetch_l2(cache_addr + Int64(slot) * Int64(rec), rec)
         nxt = self.slot_of(m_idx, (t_begin + la_ahead) * bn + la_key, num_keys, num_slots, block_size, la_ahead < n_local)
         cute.arch.barrier(barrier_id=BAR_PRODUCER, number_of_threads=self.pt)
         if cutlass.const_expr(self.copy_k):
@@ -402,19 +374,16 @@ class MlaAttentionV3(MlaAttention):
         self, sSlot: cute.Tensor, m_idx: cute.Tensor, nxt: Int32, it: Int32, la_key: Int32, la_ahead: Int32, t_begin: Int32,
         n_local: Int32, num_keys: Int32, num_slots: Int32, block_size: Int32, cache_addr: Int64, ptid: Int32,
     ) -> Int32:
-        """Use the slot id loaded last iteration (slot ring or L2 prefetch), load the next one."""
+        """Use the slot id loaded last iteration (into the slot ring), load the next one."""
         bn = self.bn
         if ptid < bn:
             sSlot[ptid, (it + 1) % 2] = nxt
-        elif cutlass.const_expr(self.l2_prefetch > 0):
-            if nxt >= 0 and ptid < 2 * bn:
-                _prefetch_l2(cache_addr + Int64(nxt) * Int64(self.plan.record_bytes), self.plan.record_bytes)
         t = it + 1 + la_ahead
         live = t < n_local
-        if cutlass.const_expr(self.fold and self.l2_prefetch == 0):
+        if cutlass.const_expr(self.fold):
             # (decode rev 2, the fold formats: their kernels were GPU-tested with it) only the BN threads that write slot
-            # ids need the next one (the others' value is unused without the L2 prefetch); warp-uniform, it saves the
-            # block_table load and the division in 6 of 8 warps
+            # ids need the next one (the others' value is unused); warp-uniform, it saves the block_table load and the
+            # division in 6 of 8 warps
             live = live & (ptid < bn)
         return self.slot_of(m_idx, (t_begin + t) * bn + la_key, num_keys, num_slots, block_size, live)
 
@@ -494,9 +463,9 @@ class MlaAttentionV3(MlaAttention):
         items = []
         for u in cutlass.range_constexpr(nkeys * 32 // self.pt):
             off = u * kpp * rec
-            w0 = _ld_shared_u32(ld_first + off)
-            w1 = _ld_shared_u32(ld_second + off)
-            code = _ld_shared_u8(ld_scale + off)
+            w0 = ld_shared_u32(ld_first + off)
+            w1 = ld_shared_u32(ld_second + off)
+            code = ld_shared_u8(ld_scale + off)
             items.append((key0 + u * kpp, w0, w1, code))
         # per thread, once per value of K & 7 (hoisted out of the tile loop by ptxas)
         bases = {
@@ -543,9 +512,9 @@ class MlaAttentionV3(MlaAttention):
                 src = src0 + Int64(cutlass.max(slot, 0)) * Int64(rec)
                 if cutlass.const_expr(g * (u + 1) > nk):  # the last pass: keys past the stage copy nothing
                     if kk + g * u < nk:
-                        _cp_async_16(dst0 + g * u * rec, src, 16 if slot >= 0 else 0)
+                        cp_async_16(dst0 + g * u * rec, src, 16 if slot >= 0 else 0)
                 else:
-                    _cp_async_16(dst0 + g * u * rec, src, 16 if slot >= 0 else 0)
+                    cp_async_16(dst0 + g * u * rec, src, 16 if slot >= 0 else 0)
 
     @cute.jit
     def load_tile(self, sSlot: cute.Tensor, slot_buf: Int32, stage: Int32, sK_addr: Int32, cache_addr: Int64, ptid: Int32):
@@ -561,11 +530,11 @@ class MlaAttentionV3(MlaAttention):
             slot = sSlot[key, slot_buf]
             src = cache_addr + Int64(cutlass.max(slot, 0)) * Int64(rec) + Int64(16 * ch)
             dst = sK_addr + 2 * (stage * (self.bn * D_QK) + swizzled_offset(key, 8 * ch, self.bn))
-            _cp_async_16(dst, src, 16 if slot >= 0 else 0)
+            cp_async_16(dst, src, 16 if slot >= 0 else 0)
 
     def store_k(self, addr, w0, w1, w2, w3):
         """16 decoded bytes into the K tile at `addr`."""
-        _st_shared_v4(addr, w0, w1, w2, w3)
+        st_shared_v4(addr, w0, w1, w2, w3)
 
     # ------------------------------------------------------------------ consumer warpgroup
     def key_valid(self, sSlot: cute.Tensor, stage: Int32, key0: Int32, key: Int32, num_keys: Int32):
@@ -663,7 +632,7 @@ class MlaAttentionV3(MlaAttention):
                 p = cute.math.exp2(acc_lat[v] * scale_log2 - m_scaled, fastmath=True)
                 p = p if self.key_valid(sSlot, stage, key0, key, num_keys) else Float32(0.0)
                 psum = psum + p
-                _st_shared_bf16(sP_addr + 2 * swizzled_offset(head, key, nh), p)
+                st_shared_bf16(sP_addr + 2 * swizzled_offset(head, key, nh), p)
             row_sum[hs] = row_sum[hs] * alpha[hs] + psum
             row_max[hs] = m_new
         # lazy rescale: where every alpha of the warp is exactly 1.0 (no head's running max moved; NaN or any
@@ -717,7 +686,7 @@ class MlaAttentionV3(MlaAttention):
             c = (i % chunks) * 8
             h = h0 + r
             src = q_addr + (Int64(qi) * Int64(num_heads) + Int64(cutlass.min(h, num_heads - 1))) * Int64(2 * D_QK) + Int64(2 * c)
-            _cp_async_16(sQ_addr + 2 * swizzled_offset(r, c, nh), src, 16 if h < num_heads else 0)
+            cp_async_16(sQ_addr + 2 * swizzled_offset(r, c, nh), src, 16 if h < num_heads else 0)
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
         cute.arch.fence_view_async_shared()

@@ -18,6 +18,8 @@ from mla_eval_kernels.plan import e2m1_bits
 
 FLT_MIN_BITS = 0x00800000  # 2^-126, the all-zero-group guard
 FLT_MAX = 3.4028234663852886e38
+LOG2_E = 1.4426950408889634  # the softmaxes' exp2 scaling
+LN_2 = 0.6931471805599453
 
 
 def f32_bits(x) -> Uint32:

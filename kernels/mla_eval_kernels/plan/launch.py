@@ -2,14 +2,14 @@
 (format, list kind, head count, queries per sequence) on a device -- decided once per combination and cached -- and
 the split-KV schedule of one call.
 
-`launch_plan` is what the dispatcher asks (the default per launch: `tuning.generation_for`); `v2_plan` and
-`v3_plan` build a plan for an explicit variant (the benchmark's and the GPU tests' probes). The one host launcher,
+`launch_plan` is what the dispatcher asks (the default per launch: `tuning.generation_for`); `v2_plan` builds a v1/v2
+plan of an explicit tile and tuning, `v3_plan` v3's default plan of a head tile (benchmarks/probes.py builds the
+benchmark's v3 probes). The one host launcher,
 `mla_eval_kernels.cute.launch`, runs any `LaunchPlan`: its generation picks the kernel class, its config the
 compile-time specialisation (part of the compile key).
 
 The cache key holds everything a plan depends on besides its arguments: the generation MLA_EVAL_ATTENTION_KERNEL
-forces and the hold registries the GPU tests' fixture edits (`tuning.hold_state`), so a plan never outlives a setting
-it was made under.
+forces, so a plan never outlives the setting it was made under.
 """
 
 from __future__ import annotations
@@ -57,16 +57,15 @@ class V3Config:
     """A v3 launch (`cute.mla_attention_v3.MlaAttentionV3`), every value concrete: `v3_plan` resolves each default once
     (the kernel and its compile key read these values and resolve nothing; a None here is a TypeError at once, not a
     traceback at the first launch on a GPU). `timing_probe` ("nodec", "nomma") gives wrong output and serves the
-    benchmark only; `l2_prefetch` > 0, another `producer_wgs` or `raw_ring` than the default are probes too."""
+    benchmark only; another `producer_wgs` or `raw_ring` than the default are probes too."""
 
     head_tile: int
     producer_wgs: int
     raw_ring: tuple[int, int]
-    l2_prefetch: int = tn.V3_L2_PREFETCH
     timing_probe: str = ""
 
     def __post_init__(self):
-        ints = {"head_tile": self.head_tile, "producer_wgs": self.producer_wgs, "l2_prefetch": self.l2_prefetch}
+        ints = {"head_tile": self.head_tile, "producer_wgs": self.producer_wgs}
         for name, value in ints.items():
             if type(value) is not int:  # noqa: E721 - bool and None are not head counts
                 raise TypeError(f"V3Config.{name} must be an int, not {value!r}")
@@ -77,8 +76,6 @@ class V3Config:
             raise ValueError(f"head tile must be one of {tn.V3_HEAD_TILES}, not {self.head_tile}")
         if self.producer_wgs not in tn.V3_PRODUCER_WGS_CHOICES:
             raise ValueError(f"producer_wgs must be one of {tn.V3_PRODUCER_WGS_CHOICES}, not {self.producer_wgs}")
-        if self.l2_prefetch < 0:
-            raise ValueError(f"l2_prefetch must be >= 0, not {self.l2_prefetch}")
         if self.timing_probe not in V3_TIMING_PROBES:
             raise ValueError(f"timing_probe must be one of {V3_TIMING_PROBES}, not {self.timing_probe!r}")
 
@@ -108,12 +105,12 @@ def launch_plan(
 ) -> LaunchPlan:
     """The default launch of `heads` heads over dense (`sparse` False) or top-k lists on a device (cached).
     `generation` forces a generation (the dispatcher passes the one it recorded; the benchmark the other one)."""
-    return _launch_plan(plan, sparse, heads, facts, queries_per_seq, generation, tn.forced_generation(), tn.hold_state())
+    return _launch_plan(plan, sparse, heads, facts, queries_per_seq, generation, tn.forced_generation())
 
 
 @functools.lru_cache(maxsize=4096)
-def _launch_plan(plan, sparse, heads, facts, queries_per_seq, generation, forced, holds) -> LaunchPlan:
-    del forced, holds  # in the key only: generation_for and the v3 choices read them
+def _launch_plan(plan, sparse, heads, facts, queries_per_seq, generation, forced) -> LaunchPlan:
+    del forced  # in the key only: generation_for reads it
     if generation is None:
         generation, why = tn.generation_for(
             plan, sparse=sparse, heads=heads, queries_per_seq=queries_per_seq, smem_limit=facts.smem_per_block
@@ -142,23 +139,17 @@ def v2_plan(
 
 def v3_plan(
     plan: RecordPlan, heads: int, sparse: bool, facts: DeviceFacts, *, why: str = "asked for v3", head_tile: int | None = None,
-    producer_wgs: int | None = None, raw_ring: tuple[int, int] | None = None, l2_prefetch: int = tn.V3_L2_PREFETCH,
-    timing_probe: str = "",
 ) -> LaunchPlan:
-    """A v3 launch with every default resolved here, once: the head tile (`tuning.v3_head_tile`), the producer
-    warpgroups (`tuning.v3_producer_wgs` of that tile), the raw ring (`tuning.v3_raw_ring` of that tile and list kind;
-    a given ring must be one `tuning.v3_raw_rings` allows). A given value is a probe (bench, tests)."""
+    """A v3 launch with every default resolved here, once: the head tile (`tuning.v3_head_tile`, unless given), the
+    producer warpgroups (`tuning.v3_producer_wgs` of that tile), the raw ring (`tuning.v3_raw_ring` of that tile and
+    list kind). The only v3 plan builder kernels/ ships; the benchmark's probes (another producer count or raw ring, a
+    timing probe) are built by benchmarks/probes.py."""
     if head_tile is None:
         head_tile = tn.v3_head_tile(plan, heads, sparse, facts.smem_per_block)[0]
     if head_tile not in tn.V3_HEAD_TILES:
         raise ValueError(f"head tile must be one of {tn.V3_HEAD_TILES}, not {head_tile}")
-    wgs = int(producer_wgs) if producer_wgs is not None else tn.v3_producer_wgs(plan, head_tile)
-    rings = tn.v3_raw_rings(plan, head_tile, sparse)
-    ring = tuple(int(v) for v in raw_ring) if raw_ring is not None else tn.v3_raw_ring(plan, head_tile, sparse)
-    if ring not in rings:
-        raise ValueError(f"raw_ring {ring} is not one v3 runs for {plan.name}, {head_tile} heads (any of {rings})")
-    config = V3Config(head_tile=int(head_tile), producer_wgs=wgs, raw_ring=ring, l2_prefetch=int(l2_prefetch),
-                      timing_probe=timing_probe)
+    config = V3Config(head_tile=int(head_tile), producer_wgs=tn.v3_producer_wgs(plan, head_tile),
+                      raw_ring=tn.v3_raw_ring(plan, head_tile, sparse))
     return LaunchPlan("v3", why, config)
 
 
@@ -192,14 +183,15 @@ class KernelSpec:
         return "v1" if self.config.tuning == tn.V1 else "v2"
 
     def compile_key(self, arch: str) -> tuple:
-        """The compile cache's key: the kernel source's revision, every specialisation (this spec, hashable and
-        concrete) and the architecture with the DSL version (`compile_cache.arch_tag`)."""
-        return ("mla_attention", KERNEL_SOURCE_REV[self.generation], self, arch)
+        """The compile cache's key: the kernel's module and source revision, every specialisation (this spec,
+        hashable and concrete) and the architecture with the DSL version (`compile_cache.arch_tag`)."""
+        name, rev = KERNEL_SOURCE[self.generation]
+        return (name, rev, self, arch)
 
 
-# Bumped when a kernel's source changes what a given spec compiles to in a way a running process must not reuse
-# (the cache lives per process: this only guards long-lived processes and tests that compare keys).
-KERNEL_SOURCE_REV = {"v1": 2, "v2": 2, "v3": 3}
+# The kernel module of each generation and its source revision, bumped when a kernel's source changes what a given
+# spec compiles to (the cache lives per process: this guards long-lived processes and tests that compare keys)
+KERNEL_SOURCE = {"v1": ("mla_attention", 2), "v2": ("mla_attention", 2), "v3": ("mla_attention_v3", 3)}
 
 
 @dataclasses.dataclass(frozen=True)

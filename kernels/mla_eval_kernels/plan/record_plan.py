@@ -148,13 +148,6 @@ def _coding(c) -> CodingPlan:
     )
 
 
-# Formats whose writer and attention are written and compile for sm_90a but have not passed their GPU tests
-# (tests/test_kernels_gpu.py) on an H200 yet: the dispatcher keeps them on the torch reference, says so and records
-# it, until the entry is removed after a passing device run. The GPU tests call the kernels directly.
-# Empty: sglang_fp4_e2m1's writer and attention passed them (docs/kernels.md#gpu-test-holds).
-AWAITING_GPU_TESTS: dict[str, str] = {}
-
-
 @functools.lru_cache(maxsize=None)
 def plan_for(spec) -> RecordPlan:
     """The kernel plan of a `FormatSpec` (made once per spec); raises `UnsupportedFormat` outside the kernels' scope."""

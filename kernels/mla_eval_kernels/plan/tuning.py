@@ -28,9 +28,6 @@ from mla_eval_kernels.plan.device_limits import HOPPER_REGS_PER_SM, HOPPER_SMEM_
 
 ENV = "MLA_EVAL_ATTENTION_KERNEL"
 VERSIONS = ("v1", "v2", "v3")
-# Generations that compile and pass their CPU checks but have not passed their GPU tests: selecting one warns and
-# results record it (mla_eval.attention.dispatch). Empty: every generation passed (docs/kernels.md#gpu-test-holds).
-UNVALIDATED: dict[str, str] = {}
 D_QK = LATENT_DIM + ROPE_DIM
 MAX_PREFETCH = 3
 # v2 at h <= 16: 4 warps, 32-key tiles, 2 tiles of records in flight, so that two CTAs share an SM: measured fastest
@@ -55,10 +52,6 @@ V3_RAW_PART_KEYS = (V3_BN // 2, V3_BN // 4)  # keys per stage of a part-tile rin
 # The part-tile ring of the fp8 records: 2 stages of 32 keys. Fewer, larger part copies (one barrier per 32 keys)
 # timed faster than more keys in flight; every ring gives the same bits (docs/kernels.md#raw-ring-of-the-fp8-records).
 V3_RAW_PREFERRED = (2, V3_BN // 2)
-# Key tiles of records prefetched into L2 beyond the one being copied: off, measured slower for the E2M1 records and
-# level for bf16 (docs/kernels.md#l2-prefetch). V3_L2_PREFETCH_PROBE keeps it measurable (bench row v3-pf).
-V3_L2_PREFETCH = 0
-V3_L2_PREFETCH_PROBE = 2
 V3_DECODE_PRODUCER_WGS = 2  # producer warpgroups of a v3 CTA, every format (docs/kernels.md#producer-warpgroups; bench v3-p1)
 V3_PRODUCER_WGS_CHOICES = (1, 2)  # what a launch may ask for (bench probes, tests); more would not fit the registers
 # The 32-head tile's default: two producer warpgroups with per-role registers (`v3_reg_budget`), measured faster for
@@ -76,18 +69,9 @@ V3_DEFAULT_FORMATS = (
     "nvfp4", "nvfp4_fp8rope", "nvfp4_fp8rope_st", "nvfp4_fp8_ds_mla", "mxfp4", "fp8_ds_mla", "fp8_ds_mla_pow2", "fp8_e4m3",
     "bf16",
 )
-# GPU-test holds (docs/kernels.md#gpu-test-holds). Formats whose v3 launches compile for sm_90a but have not passed
-# tests/test_kernels_v3_gpu.py on an H200: while listed, `v3_blocker` refuses them (forced v3 then runs v2 and says
-# why). The GPU tests clear this (fixture `kernels_under_test`); delete an entry once its GPU tests pass.
-V3_AWAITING_GPU_TESTS: dict[str, str] = {}
-# Launch kinds held the same way: sparse lists (`v3_blocker`), the 32-head tile (`v3_head_tile` keeps 16), two producer
-# warpgroups at the 32-head tile (`v3_producer_choice` keeps one). `generation_for`'s default runs none of them until
-# they are timed. (The consumer and decode code is rev 2 only since 2026-12-05, and the CTA pair, which never ran, was
-# deleted: docs/kernels.md keeps both histories.)
-V3_SPARSE = "sparse"
-V3_TILE_32 = "head_tile_32"
-V3_TILE_32_TWO_PRODUCERS = "head_tile_32_two_producers"
-V3_LAUNCHES_AWAITING_GPU_TESTS: dict[str, str] = {}
+# (No launch is held for its GPU tests: the hold registries went on 2026-12-05 with the last hold, issue 42; a new
+# kernel variant stays out of the defaults above until its GPU tests pass. The consumer and decode code is rev 2
+# only, and the CTA pair, which never ran, was deleted: docs/kernels.md keeps their histories.)
 # Launches with more than one head tile (h > 16) that run v3 by default, by format and list kind: where an H200 bench
 # at h = 128 timed v3's 32-head tile (two producer warpgroups) faster than v2 at every size; everything else stays on
 # v2, within a few per cent either way or not timed (docs/kernels.md#default-at-more-than-16-heads). h = 32..64 follow the same
@@ -97,10 +81,6 @@ V3_WIDE_DEFAULT: dict[str, tuple[str, ...]] = {
     "nvfp4": ("dense",),
     "nvfp4_fp8_ds_mla": ("dense",),
 }
-# A reason the defaults above must not run yet (a policy written without its GPU tests): while set, the unset default
-# stays v2 everywhere and says why. None: the defaults' GPU tests passed (docs/kernels.md#gpu-test-holds).
-V3_DEFAULT_PENDING: str | None = None
-
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
@@ -217,26 +197,13 @@ def v3_producer_wgs(plan, heads: int = V3_HEADS) -> int:
     return v3_producer_choice(plan, heads)[0]
 
 
-def v3_producer_choice(plan, heads: int = V3_HEADS, *, gated: bool = True) -> tuple[int, str]:
+def v3_producer_choice(plan, heads: int = V3_HEADS) -> tuple[int, str]:
     """(producer warpgroups, why) of a v3 CTA of head tile `heads` by default: the one definition behind
-    `v3_producer_wgs`. The 32-head tile runs `V3_WIDE_PRODUCER_WGS`; two of them need per-role registers
-    (`v3_reg_budget`) and, with `gated`, wait for `V3_TILE_32_TWO_PRODUCERS`' GPU tests (one runs meanwhile)."""
+    `v3_producer_wgs`. The 32-head tile runs `V3_WIDE_PRODUCER_WGS` (two: per-role registers, `v3_reg_budget`)."""
     if heads <= V3_HEADS:
         return V3_DECODE_PRODUCER_WGS, f"{V3_HEADS}-head tile: {V3_DECODE_PRODUCER_WGS} producer warpgroups"
-    held = v3_producers_held(heads, V3_WIDE_PRODUCER_WGS) if gated else None
-    if held:
-        return 1, f"one producer warpgroup: {held}"
     n = V3_WIDE_PRODUCER_WGS
     return n, f"{heads}-head tile: {n} producer warpgroup{'s' if n > 1 else ''}"
-
-
-def v3_producers_held(heads: int, producer_wgs: int) -> str | None:
-    """Why `producer_wgs` producer warpgroups at head tile `heads` wait for their GPU tests (the default keeps one,
-    `v3_producer_choice`; the bench marks its row), or None. An explicit `producer_wgs` given to the kernel entry is
-    a probe (bench, tests), as an explicit head tile or raw ring is: it runs either way."""
-    if heads > V3_HEADS and producer_wgs > 1 and V3_TILE_32_TWO_PRODUCERS in V3_LAUNCHES_AWAITING_GPU_TESTS:
-        return V3_LAUNCHES_AWAITING_GPU_TESTS[V3_TILE_32_TWO_PRODUCERS]
-    return None
 
 
 def v3_reg_budget(heads: int, producer_wgs: int) -> tuple[int, int] | None:
@@ -259,11 +226,9 @@ def v3_reg_budget(heads: int, producer_wgs: int) -> tuple[int, int] | None:
     return consumer, producer
 
 
-def v3_blocker(plan, sparse: bool, smem_limit: int = HOPPER_SMEM_PER_BLOCK, *, gated: bool = True) -> str | None:
+def v3_blocker(plan, sparse: bool, smem_limit: int = HOPPER_SMEM_PER_BLOCK) -> str | None:
     """Why a launch cannot run the v3 kernel (it then runs v2), or None when it can (with the 16-head tile at
-    least; `v3_head_tile` says whether the 32-head one serves). `gated=False` leaves out `V3_AWAITING_GPU_TESTS`
-    and `V3_LAUNCHES_AWAITING_GPU_TESTS` (what v3 can run at all: the compile check, the GPU tests'
-    parametrisation)."""
+    least; `v3_head_tile` says whether the 32-head one serves)."""
     if plan.reader_e4m3:
         return f"{plan.name}: v3 has no E4M3 read-back decode (TensorRT-LLM formats run v2)"
     if plan.record_bytes % 16:  # the producer's cp.async and record addressing assume 16-byte chunks
@@ -273,24 +238,15 @@ def v3_blocker(plan, sparse: bool, smem_limit: int = HOPPER_SMEM_PER_BLOCK, *, g
         stages, keys = v3_raw_ring(plan, sparse=sparse)
         return (f"{plan.name}: v3 needs {need} B of shared memory per CTA (2 K tiles + {stages} record stages of "
                 f"{keys} keys), the device allows {smem_limit}")
-    if gated and plan.name in V3_AWAITING_GPU_TESTS:
-        return f"{plan.name}: v3 held off: {V3_AWAITING_GPU_TESTS[plan.name]} (runs v2)"
-    if gated and sparse and V3_SPARSE in V3_LAUNCHES_AWAITING_GPU_TESTS:
-        return f"v3 held off for sparse top-k lists: {V3_LAUNCHES_AWAITING_GPU_TESTS[V3_SPARSE]} (runs v2)"
     return None
 
 
-def v3_head_tile(
-    plan, heads: int, sparse: bool = False, smem_limit: int = HOPPER_SMEM_PER_BLOCK, *, gated: bool = True
-) -> tuple[int, str]:
+def v3_head_tile(plan, heads: int, sparse: bool = False, smem_limit: int = HOPPER_SMEM_PER_BLOCK) -> tuple[int, str]:
     """(head tile, why) of a v3 launch of `heads` heads that `v3_blocker` lets run: the one definition of the tile
     (16 or 32 heads, wgmma's N; in the compile key). h <= 16: 16 (one tile, nothing padded). h > 16: 32 where its
-    CTA fits `smem_limit` (Q and P^T grow to 32 rows) and, with `gated`, `V3_LAUNCHES_AWAITING_GPU_TESTS` does not
-    hold it; else 16, the tile v3 launches ran before the 32-head tile."""
+    CTA fits `smem_limit` (Q and P^T grow to 32 rows); else 16."""
     if heads <= V3_HEADS:
         return V3_HEADS, f"h = {heads}: one {V3_HEADS}-head tile"
-    if gated and V3_TILE_32 in V3_LAUNCHES_AWAITING_GPU_TESTS:
-        return V3_HEADS, f"{V3_HEADS}-head tiles: {V3_LAUNCHES_AWAITING_GPU_TESTS[V3_TILE_32]}"
     need = smem_bytes_v3(plan, heads=V3_WIDE_HEADS, sparse=sparse)
     if need > smem_limit:
         return V3_HEADS, (f"{V3_HEADS}-head tiles: the {V3_WIDE_HEADS}-head tile needs {need} B of shared memory "
@@ -343,8 +299,6 @@ def generation_for(
         return "v2", f"default: v3 not measured faster for {plan.name} at h > {V3_HEADS} (dense, h = 128)"
     if queries_per_seq > 1:
         return "v2", f"default: v3 measured at one query per sequence, not {queries_per_seq}"
-    if V3_DEFAULT_PENDING:
-        return "v2", f"default: v2; v3 was measured faster for {plan.name}, but {V3_DEFAULT_PENDING}"
     return "v3", f"default: v3 measured faster for {plan.name} (dense decode, h <= {V3_HEADS})"
 
 
@@ -361,12 +315,6 @@ def tile_config(plan, num_heads: int, smem_limit: int) -> tuple[int, int, int, i
         if smem_bytes(plan, m, bn, wn) <= smem_limit:
             return m, wm, wn, bn
     raise ValueError(f"no tile fits {smem_limit} bytes of shared memory per CTA for {plan.name}")
-
-
-def hold_state() -> tuple:
-    """A hashable snapshot of the hold registries (`V3_AWAITING_GPU_TESTS`, `V3_LAUNCHES_AWAITING_GPU_TESTS`,
-    `V3_DEFAULT_PENDING`), which the GPU tests' fixture edits: part of every cached launch plan's key."""
-    return (tuple(sorted(V3_AWAITING_GPU_TESTS)), tuple(sorted(V3_LAUNCHES_AWAITING_GPU_TESTS)), V3_DEFAULT_PENDING)
 
 
 def default_tuning(plan, tile: tuple, version: str | None = None, smem_limit: int = HOPPER_SMEM_PER_BLOCK) -> Tuning:
