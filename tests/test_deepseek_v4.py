@@ -7,6 +7,7 @@ compressed entry exists); and the command runs a random model of the published g
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import pytest
@@ -17,20 +18,20 @@ from mla_eval.errors import UserError
 from mla_eval.evals.variants import Variant
 from mla_eval.formats import get_format
 from mla_eval.formats.v4 import v4_config
-from mla_eval.model.deepseek_v4 import V4Adapter, V4Session, V4Stack, check_variant, window_forward
+from mla_eval.model.deepseek_v4 import V4Adapter, V4Decode, V4Session, V4Stack, check_variant, window_forward
 from mla_eval.model.executor import WindowForward
 
 LAYER_TYPES = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
 
 
-def _tiny(dtype=torch.bfloat16, layer_types=LAYER_TYPES, rate_hca: int = 8):
+def _tiny(dtype=torch.bfloat16, layer_types=LAYER_TYPES, rate_hca: int = 8, index_topk: int = 3):
     """A small DeepSeek-V4 (the 448 + 64 head kept: the records' geometry), small everything else."""
     import transformers
 
     config = transformers.DeepseekV4Config(
         vocab_size=64, hidden_size=64, num_hidden_layers=len(layer_types), num_attention_heads=4, num_key_value_heads=1,
         head_dim=512, q_lora_rank=32, o_groups=2, o_lora_rank=16, sliding_window=8, index_n_heads=2, index_head_dim=128,
-        index_topk=3, layer_types=list(layer_types),
+        index_topk=index_topk, layer_types=list(layer_types),
         compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": rate_hca},
         n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
         mlp_layer_types=["hash_moe"] + ["moe"] * (len(layer_types) - 1), max_position_embeddings=256,
@@ -168,13 +169,121 @@ def test_on_a_gpu_the_bf16_record_is_the_stock_forward_and_kld_runs_the_publishe
     assert paths and all(p.startswith("reference (DeepSeek-V4") for p in paths.values())
 
 
-def test_needle_on_a_v4_model_is_one_line(capsys, tmp_path):
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_decode_is_the_stock_decode_and_needle_runs_the_published_geometry(tmp_path):
+    lm = _tiny()
+    lm.model.cuda()
+    lm.device = torch.device("cuda")
+    ids = torch.randint(0, 64, (2, 30), generator=torch.Generator().manual_seed(3)).cuda()
+    ours, _ = _decode(lm, "bf16", ids, 13)
+    assert torch.equal(ours, _stock_decode(lm, ids, 13))
+    haystack = tmp_path / "h.txt"
+    haystack.write_text("Some prose to hide a needle in. " * 400, encoding="utf-8")
+    out = tmp_path / "n.json"
+    assert main(["needle", "--model", "random:deepseek-v4:layers=4", "--device", "cuda", "--haystack", str(haystack),
+                 "--lengths", "1024", "--depths", "0,50,100", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert list(doc["formats"]) == ["bf16", "dsv4_fp8_ds_mla", "dsv41_mxfp8", "dsv41_nvfp4", "nvfp4"]
+    assert len(doc["records"]) == 15 and all(r["answer_tokens"] > 0 for r in doc["records"])
+    paths = doc["environment"]["attention"]["paths"]
+    assert paths and all(p.startswith("reference (DeepSeek-V4") for p in paths.values())
+
+
+def _stock_decode(lm, ids: torch.Tensor, prompt: int) -> torch.Tensor:
+    """transformers' own incremental decode (its DynamicCache of V4 layers), as `_decode` runs it."""
+    from transformers import DynamicCache
+
+    kw = {"cache": DynamicCache(config=lm.model.config), "use_cache": True, "logits_to_keep": 1}
+    if "cache" not in inspect.signature(type(lm.model).forward).parameters:  # transformers 5.17
+        kw["past_key_values"] = kw.pop("cache")
+    b = ids.shape[0]
+    with torch.no_grad():
+        out = [lm.model(input_ids=ids[:, :prompt], **kw).logits[:, -1]]
+        out += [lm.model(input_ids=ids[:, t : t + 1], position_ids=torch.full((b, 1), t, device=ids.device), **kw)
+                .logits[:, -1] for t in range(prompt, ids.shape[1] - 1)]
+    return torch.stack(out, 1)
+
+
+def _decode(lm, name: str, ids: torch.Tensor, prompt: int) -> tuple[torch.Tensor, V4Decode]:
+    """Logits [b, t - prompt, vocab] of positions prompt-1 .. t-2: a prefill of `prompt` tokens, then one step per
+    token of `ids` (teacher-forced), through `name`'s configuration."""
+    steps = V4Decode(lm, v4_config(name))
+    out = [steps.prefill(ids[:, :prompt])] + [steps(ids[:, t], t) for t in range(prompt, ids.shape[1] - 1)]
+    return torch.stack(out, 1), steps
+
+
+def test_decode_with_the_bf16_record_on_a_bf16_model_is_the_stock_incremental_decode_bit_for_bit():
+    lm = _tiny()
+    ids = torch.randint(0, 64, (2, 30), generator=torch.Generator().manual_seed(3))
+    ours, steps = _decode(lm, "bf16", ids, 13)
+    assert torch.equal(ours, _stock_decode(lm, ids, 13))
+    # every head was written once: 29 sliding heads per layer and sequence, 7 closed windows of 4, 3 of 8
+    assert steps.session.entries == {"sliding": 3 * 2 * 29, "compressed_csa": 2 * 7, "compressed_hca": 2 * 3,
+                                     "indexer": 2 * 7}
+
+
+@pytest.mark.parametrize("name", ["dsv4_fp8_ds_mla", "dsv41_nvfp4", "nvfp4"])
+def test_decode_through_a_configuration_is_its_whole_window_forward(name):
+    """Prefill 13 tokens then decode 16 (the sliding window of 8 and windows of 4 and 8 closing on both sides of the
+    prefill): the logits of each position are the whole-window forward's through the same records. index_topk covers
+    every entry: the indexer's ReLU scores tie at 0, and transformers breaks ties differently for different numbers of
+    entries (its own incremental and whole forwards differ there too)."""
+    lm = _tiny(torch.float32, index_topk=64)
+    ids = torch.randint(0, 64, (2, 30), generator=torch.Generator().manual_seed(3))
+    whole = lm.model.lm_head(_hidden(lm, name, ids)[0].view(2, 30, -1))[:, 12:29]
+    ours, _ = _decode(lm, name, ids, 13)
+    assert (ours - whole).abs().max() < 1e-4
+    bf16 = lm.model.lm_head(_hidden(lm, "bf16", ids)[0].view(2, 30, -1))[:, 12:29]
+    assert (ours - bf16).abs().max() > 1e-3  # the records changed what decode read: the tolerance can tell
+
+
+@pytest.mark.slow
+def test_needle_command_runs_a_random_v4_model_on_the_cpu(tmp_path):
+    haystack = tmp_path / "h.txt"
+    haystack.write_text("Some prose to hide a needle in. " * 50, encoding="utf-8")
+    out = tmp_path / "n.json"
+    assert main(["needle", "--model", "random:deepseek-v4:layers=3:hidden=64", "--device", "cpu", "--haystack",
+                 str(haystack), "--lengths", "96", "--depths", "50", "--formats", "dsv41_nvfp4", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert list(doc["formats"]) == ["bf16", "dsv41_nvfp4"]
+    assert all(row["decode_steps"].startswith("eager (DeepSeek-V4") for row in doc["formats"].values())
+    assert "DeepSeek-V4" in doc["settings"]["deepseek_v4"] and len(doc["records"]) == 2
+    assert all(r["answer_tokens"] > 0 for r in doc["records"])
+
+
+def test_needle_on_a_v4_model_defaults_to_its_configurations():
+    from mla_eval.evals.needle_evaluation import NeedleSettings, v4_rows
+
+    lm = _tiny()
+    st = NeedleSettings(model="random:deepseek-v4")
+    rows, note = v4_rows(st, lm, st.variants())
+    assert [v.name for v in rows] == ["bf16", "dsv4_fp8_ds_mla", "dsv41_mxfp8", "dsv41_nvfp4", "nvfp4"]
+    assert note.startswith("DeepSeek-V4")
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--formats", "fp8_ds_mla"], "DeepSeek-V4 caches 448 + 64"),
+    (["--prefill", "absorbed"], "drop --semantics engine:*, --math fp8-* and --prefill absorbed"),
+    (["--latent-profile", "glm-5.2"], "no DeepSeek-V4 profile is published"),
+])
+def test_needle_refuses_what_v4_cannot_run_in_one_line(capsys, tmp_path, extra, message):
     haystack = tmp_path / "h.txt"
     haystack.write_text("Some prose to hide a needle in. " * 50, encoding="utf-8")
     assert main(["needle", "--model", "random:deepseek-v4:layers=1:hidden=64", "--device", "cpu", "--haystack",
-                 str(haystack), "--out", str(tmp_path / "n.json")]) == 2
+                 str(haystack), "--lengths", "96", "--depths", "50", *extra, "--out", str(tmp_path / "n.json")]) == 2
     err = capsys.readouterr().err
-    assert "mla-eval needle does not run on DeepSeek-V4 yet" in err and err.count("\n") == 1
+    assert message in err and err.count("\n") == 1
+
+
+def test_plan_on_a_v4_model_is_one_line(capsys, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 20, encoding="utf-8")
+    assert main(["plan", "--model", "random:deepseek-v4:layers=1:hidden=64", "--device", "cpu", "--text", str(text),
+                 "--ctx", "40", "--max-tokens", "44", "--budget-bytes-per-token", "500", "--out", str(tmp_path / "p.json")]) == 2
+    err = capsys.readouterr().err
+    assert "mla-eval plan does not run on DeepSeek-V4: a V4 session takes one cache configuration" in err
+    assert err.count("\n") == 1
 
 
 def test_an_mla_model_refuses_v4_records():

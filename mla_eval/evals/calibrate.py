@@ -123,7 +123,7 @@ class CalibrationResult:
 def evaluate_calibration(st: CalibrateSettings, progress: ProgressCallback = no_progress) -> CalibrationResult:
     with dispatch.use_backend(st.backend) as log:
         lm = st.load()
-        refuse_v4(lm, "mla-eval calibrate")
+        refuse_v4(lm, "mla-eval calibrate", "its writers take no per-layer outer scale s_l")
         semantics = parse_semantics(st.semantics)
         semantics.check_positions(lm.max_positions)
         source = text_sources.load_source(lm, st, progress)

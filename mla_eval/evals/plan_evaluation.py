@@ -223,7 +223,8 @@ def evaluate_plan(st: PlanSettings, progress: ProgressCallback = no_progress) ->
     with dispatch.use_backend(st.backend) as log:
         check_resident_fit(st)
         lm = st.load()
-        refuse_v4(lm, "mla-eval plan")
+        refuse_v4(lm, "mla-eval plan", "a V4 session takes one cache configuration for every layer (no per-layer "
+                  "plan of V4 configurations, nor sensitivity per layer)")
         if given is not None:
             given.check_layers(lm.num_layers, source=st.scales)
         check_reachable(st.budget(lm.num_layers), candidates, lm.num_layers)

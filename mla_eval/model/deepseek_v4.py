@@ -13,9 +13,12 @@ Which record goes where is a `formats.v4.V4CacheConfig` (the engine configuratio
 sliding-window heads and the compressed heads each through their record; the indexer keys exact (the engines' FP8 /
 MXFP4 indexer records count in `capacity` only; issue 40's indexer-format axis is where they belong).
 
-Whole windows only: every window is one forward from position 0 (the compressor's windows close within it; nothing is
-carried between forwards), which is what the teacher-forced KLD protocol runs. Incremental decode (needle) needs the
-compressor's running state kept across forwards, not built here.
+Two ways a session serves the model. Whole windows (kld): every window is one forward from position 0 (the
+compressor's windows close within it; nothing is carried between forwards), which is what the teacher-forced protocol
+runs. Incremental decode (needle, `V4Decode`): transformers' own cache layers for V4 keep what carries across forwards
+-- the sliding window, the compressors' not-yet-closed windows (float32 state in every engine, not a record) and the
+compressed-sparse overlap -- and the session's `recording` routes each head they store through its record as it is
+written, once, as an engine's cache does.
 """
 
 from __future__ import annotations
@@ -77,6 +80,16 @@ class V4Session:
         heads = self.through(layer_idx, "sliding", key_states)
         return heads, heads  # K = V: one head per entry
 
+    def recording(self, cache):
+        """`cache` (transformers' DynamicCache of this model's V4 layers) with every head it stores written through
+        this session's records: its sliding-window `update` and its compressors' `update_compressor_states` see the
+        decoded heads; the compressors' running windows stay in the model's dtype (every engine keeps them float32)."""
+        if len(cache.layers) != self.num_layers:
+            raise ValueError(f"cache has {len(cache.layers)} layers, session {self.num_layers}")
+        for i, layer in enumerate(cache.layers):
+            _record_writes(self, i, layer)
+        return cache
+
     def reset(self) -> None:
         """Nothing is held between forwards."""
 
@@ -105,6 +118,62 @@ class _LayerEntries:
             return compressed  # the indexer keys are scored exact (see the module docstring)
         kind = _COMPRESSED_KIND[self.session.layer_types[self.layer]]
         return self.session.through(self.layer, kind, compressed)
+
+
+def _record_writes(session: V4Session, i: int, layer) -> None:
+    """Route the heads transformers' cache layer `layer` (layer `i`) stores through `session`'s records."""
+    update = layer.update
+
+    def recorded_update(key_states, value_states, *args, **kwargs):
+        heads = session.through(i, "sliding", key_states)
+        return update(heads, heads, *args, **kwargs)  # K = V: one head per entry
+
+    layer.update = recorded_update
+    compress = getattr(layer, "update_compressor_states", None)
+    if compress is None:  # a sliding-window-only layer
+        return
+    kind = _COMPRESSED_KIND[session.layer_types[i]]
+
+    def recorded_compress(name: str, compressed: torch.Tensor) -> torch.Tensor:
+        if name == "indexer":
+            session.entries["indexer"] += compressed[..., 0].numel()
+            return compress(name, compressed)  # the indexer keys are scored exact (see the module docstring)
+        return compress(name, session.through(i, kind, compressed))
+
+    layer.update_compressor_states = recorded_compress
+
+
+class V4Decode:
+    """Greedy decoding of a batch of equal-length prompts through one V4 cache configuration: `prefill(ids)` then
+    `step(tokens, position)`, each returning the last position's logits [b, vocab] (`model.decode_steps.DecodeSteps`'
+    surface). Eager steps through the model's own forward and transformers' cache layers (`V4Session.recording`)."""
+
+    mode = "eager"
+    blocker = "DeepSeek-V4 decodes eagerly through transformers' own cache layers (no CUDA graph)"
+
+    def __init__(self, lm, config: V4CacheConfig) -> None:
+        from transformers import DynamicCache
+
+        self.lm = lm
+        cfg = lm.model.config
+        self.session = V4Session(config, cfg.layer_types, cfg.compress_rates)
+        self.cache = self.session.recording(DynamicCache(config=cfg))
+        params = inspect.signature(type(lm.model).forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"  # 5.25 / 5.17
+
+    @torch.no_grad()
+    def _logits(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        out = self.lm.model(input_ids=ids, position_ids=pos, use_cache=True, logits_to_keep=1,
+                            **{self._cache_kw: self.cache})
+        return out.logits[:, -1]
+
+    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        b, t = ids.shape
+        return self._logits(ids, torch.arange(t, device=ids.device).expand(b, -1))
+
+    def __call__(self, tokens: torch.Tensor, position: int) -> torch.Tensor:
+        pos = torch.full((tokens.shape[0], 1), position, dtype=torch.int64, device=tokens.device)
+        return self._logits(tokens.view(-1, 1), pos)
 
 
 class V4Adapter:
@@ -193,11 +262,10 @@ class V4Stack:
         return out[:, fwd.keep].reshape(-1, out.shape[-1])
 
 
-def refuse_v4(lm, what: str) -> None:
-    """A one-line UserError where an evaluation does not run DeepSeek-V4 yet (`what` says which and why)."""
+def refuse_v4(lm, what: str, why: str) -> None:
+    """A one-line UserError where an evaluation does not run DeepSeek-V4 (`what` says which, `why` what it lacks)."""
     if getattr(lm.adapter, "is_v4", False):
-        raise UserError(f"{what} does not run on DeepSeek-V4 yet: it needs incremental decode through V4's compressed "
-                        "caches (the compressors' running state kept across forwards); kld and capacity do")
+        raise UserError(f"{what} does not run on DeepSeek-V4: {why}; kld, needle and capacity do")
 
 
 def check_mla_rows(lm, variants) -> None:
