@@ -238,6 +238,17 @@ def test_decode_through_a_configuration_is_its_whole_window_forward(name):
     assert (ours - bf16).abs().max() > 1e-3  # the records changed what decode read: the tolerance can tell
 
 
+def test_a_cache_without_v4_compressed_layers_is_refused_in_one_line():
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    class _Cache:
+        layers = [DynamicSlidingWindowLayer(sliding_window=8)]
+
+    session = V4Session(v4_config("bf16"), ["compressed_sparse_attention"], {"compressed_sparse_attention": 4})
+    with pytest.raises(UserError, match="layer 0 \\(compressed_sparse_attention\\) a DynamicSlidingWindowLayer"):
+        session.recording(_Cache())
+
+
 @pytest.mark.slow
 def test_needle_command_runs_a_random_v4_model_on_the_cpu(tmp_path):
     haystack = tmp_path / "h.txt"

@@ -129,10 +129,13 @@ def _record_writes(session: V4Session, i: int, layer) -> None:
         return update(heads, heads, *args, **kwargs)  # K = V: one head per entry
 
     layer.update = recorded_update
-    compress = getattr(layer, "update_compressor_states", None)
-    if compress is None:  # a sliding-window-only layer
+    kind = _COMPRESSED_KIND.get(session.layer_types[i])
+    if kind is None:  # a sliding-window-only layer
         return
-    kind = _COMPRESSED_KIND[session.layer_types[i]]
+    compress = getattr(layer, "update_compressor_states", None)
+    if compress is None:
+        raise UserError(f"this transformers' cache gives layer {i} ({session.layer_types[i]}) a {type(layer).__name__}, "
+                        "not its DeepSeek-V4 compressed cache layer: needle on DeepSeek-V4 needs transformers >= 5.17")
 
     def recorded_compress(name: str, compressed: torch.Tensor) -> torch.Tensor:
         if name == "indexer":
