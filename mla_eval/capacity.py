@@ -41,11 +41,13 @@ from typing import Any
 
 from mla_eval.errors import UserError
 from mla_eval.formats import FormatSpec, get_format, parse_format_list
+from mla_eval.formats.v4 import V4_CONFIGS, RecordUse, V4CacheConfig, v4_config
 from mla_eval.gpu_presets import get_gpu, gpu_names
 from mla_eval.layer_plan import LayerPlan
 from mla_eval.model_presets import (
     WEIGHT_DTYPE_BYTES,
     MlaCacheGeometry,
+    V4CacheGeometry,
     WeightsInfo,
     get_preset,
     load_config,
@@ -211,6 +213,8 @@ class FormatCapacity:
     ratio_vs_fp8_ds_mla: float | None
     # a per-layer plan's row: each cache layer's record bytes (bytes_per_token_per_layer is then the widest)
     layer_record_bytes: tuple[int, ...] | None = None
+    # a DeepSeek-V4 row: the bytes of each kind of entry (v4_capacity); None for an MLA row
+    entries: dict | None = None
 
     def as_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -218,6 +222,8 @@ class FormatCapacity:
             del out["layer_record_bytes"]
         else:
             out["layer_record_bytes"] = list(self.layer_record_bytes)
+        if self.entries is None:
+            del out["entries"]
         return out
 
 
@@ -326,6 +332,134 @@ def capacity_table(
     ]
 
 
+# --- DeepSeek-V4: three kinds of entries per layer (mla_eval.formats.v4) ---------------------------
+#
+# vLLM's DeepSeek-V4 cache, read at vllm-project/vllm@03dc56495617 (vllm/v1/attention/backends/mla/sparse_swa.py) and
+# @b3ae0bbf2895 (vllm/models/deepseek_v41/attention.py): one head per entry and one KV head, so (as for MLA) every TP
+# rank holds each of its tokens' entries whole. Per layer:
+# - sliding-window entries: a per-request window of `sliding_window` (128) tokens in blocks of 64 tokens
+#   (DeepseekV4SWACache.block_size); a request holds cdiv(window - 1, 64) + 1 such blocks whatever its length;
+# - compressed entries: block_size / rate entries per block of block_size tokens (rate 4 or 128), each page rounded up
+#   to the record's page alignment (576 B for the 584 B record, 512 B for V4.1's: `alignment` in the specs);
+# - indexer keys (compressed-sparse layers): block_size / 4 keys of 132 B per block.
+# The compressor's running state (float32, a few windows per request) and vLLM's per-step scratch, which its startup
+# check also counts against max_num_batched_tokens, are not modelled.
+V4_BLOCK_SIZE = 256  # vLLM's preferred block size for DeepSeek-V4 (DeepseekSparseSWABackend.get_preferred_block_size)
+V4_SWA_BLOCK = 64  # tokens per sliding-window block (DeepseekV4SWACache: the compressed page of 256 // 4 entries)
+# vLLM's page alignment per record (sparse_swa.py: 576 for fp8_ds_mla's UE8M0 layout; deepseek_v41: "512 satisfies"
+# the V4.1 records); 0: none (bf16, the fork's 432 B record: none read)
+V4_PAGE_ALIGN = {"dsv4_fp8_ds_mla": 576, "dsv41_mxfp8": 512, "dsv41_nvfp4": 512}
+V4_REFERENCE = "dsv4_fp8_ds_mla"
+
+
+def _page(use: RecordUse, entries: int) -> int:
+    """Bytes of one page of `entries` records, rounded up to the engine's page alignment."""
+    raw = entries * use.spec.record_bytes
+    align = V4_PAGE_ALIGN.get(use.spec.name, 0)
+    return cdiv(raw, align) * align if align else raw
+
+
+def v4_entry_bytes(config: V4CacheConfig, geometry: V4CacheGeometry, block_size: int,
+                   include_mtp: bool = True) -> dict:
+    """Bytes per kind of entry: per block of `block_size` tokens (compressed entries, indexer keys) and per request
+    (the sliding window), with the layers of each kind."""
+    if block_size % max(rate for _, rate in geometry.compress_rates):
+        raise UserError(f"--block-size {block_size}: DeepSeek-V4's compressed caches hold whole entries per block, so a "
+                        f"block must be a multiple of {max(r for _, r in geometry.compress_rates)} tokens (vLLM uses "
+                        f"{V4_BLOCK_SIZE})")
+    csa, hca = "compressed_sparse_attention", "heavily_compressed_attention"
+    n_csa, n_hca = geometry.layers_of(csa, include_mtp), geometry.layers_of(hca, include_mtp)
+    n_all = geometry.cache_layers(include_mtp)
+    per_block = {
+        "compressed_csa": n_csa * _page(config.compressed, block_size // geometry.rate(csa)),
+        "compressed_hca": n_hca * _page(config.compressed, block_size // geometry.rate(hca)),
+        "indexer": n_csa * (block_size // geometry.rate(csa)) * config.indexer_bytes,
+    }
+    window_blocks = cdiv(geometry.sliding_window - 1, V4_SWA_BLOCK) + 1
+    return {
+        "config": config.name,
+        "records": {"sliding": config.sliding.spec.name, "compressed": config.compressed.spec.name,
+                    "indexer": config.indexer_record},
+        "record_bytes": {"sliding": config.sliding.spec.record_bytes, "compressed": config.compressed.spec.record_bytes,
+                         "indexer": config.indexer_bytes},
+        "layers": {"sliding": n_all, "compressed_csa": n_csa, "compressed_hca": n_hca, "indexer": n_csa},
+        "compress_rates": dict(geometry.compress_rates),
+        "block_size": block_size,
+        "bytes_per_block": per_block,
+        "bytes_per_token": {k: v / block_size for k, v in per_block.items()},
+        "sliding_window": geometry.sliding_window,
+        "sliding_blocks_per_request": window_blocks,
+        "sliding_bytes_per_request": n_all * _page(config.sliding, window_blocks * V4_SWA_BLOCK),
+    }
+
+
+def v4_capacity(config: V4CacheConfig, geometry: V4CacheGeometry, budget: KvBudget, parallel: Parallelism, *,
+                block_size: int = V4_BLOCK_SIZE, include_mtp: bool = True, max_model_len: int | None = None
+                ) -> FormatCapacity:
+    """One V4 configuration's figures. Blocks are what the compressed entries and indexer keys of `block_size` tokens
+    take; the pool for a single request is what the budget holds after one request's sliding window."""
+    if max_model_len is not None and max_model_len < 1:
+        raise UserError(f"--max-model-len must be >= 1, got {max_model_len}")
+    entries = v4_entry_bytes(config, geometry, block_size, include_mtp)
+    block_bytes = sum(entries["bytes_per_block"].values())
+    window = entries["sliding_bytes_per_request"]
+
+    def blocks_for(token_block_bytes: int, window_bytes: int) -> int:
+        return max((budget.bytes_per_gpu - window_bytes) // token_block_bytes, 0)
+
+    blocks = blocks_for(block_bytes, window)
+    pool = pool_tokens(blocks, block_size, parallel.dcp)
+    usable = schedulable_tokens(blocks, block_size, parallel.dcp)
+    ref = v4_entry_bytes(v4_config(V4_REFERENCE), geometry, block_size, include_mtp)
+    ref_pool = pool_tokens(blocks_for(sum(ref["bytes_per_block"].values()), ref["sliding_bytes_per_request"]),
+                           block_size, parallel.dcp)
+    model_len = geometry.max_position_embeddings
+    length = max_model_len if max_model_len is not None else model_len
+    max_context, limited_by = (model_len, "model") if model_len is not None and usable >= model_len else (usable, "pool")
+    concurrency = None
+    if length is not None:  # every request: its window and the blocks of its compressed entries
+        per_request = window + blocks_per_request(length, block_size, parallel.dcp) * block_bytes
+        concurrency = budget.bytes_per_gpu / per_request
+    compressed = entries["bytes_per_block"]["compressed_csa"] + entries["bytes_per_block"]["compressed_hca"]
+    return FormatCapacity(
+        name=config.name,
+        title=config.title,
+        bytes_per_token_per_layer=config.compressed.spec.record_bytes,
+        latent_bytes_per_token=cdiv(compressed, block_size),
+        indexer_bytes_per_token=cdiv(entries["bytes_per_block"]["indexer"], block_size),
+        bytes_per_token=cdiv(block_bytes, block_size),
+        block_bytes=block_bytes,
+        num_blocks=blocks,
+        pool_tokens=pool,
+        schedulable_tokens=usable,
+        pool_tokens_all_engines=pool * parallel.dp,
+        max_context_pool=usable,
+        max_context_model=model_len,
+        max_context=max_context,
+        max_context_limited_by=limited_by,
+        max_model_len=length,
+        max_concurrency=concurrency,
+        full_length_requests=None if concurrency is None else int(concurrency),
+        ratio_vs_fp8_ds_mla=pool / ref_pool if ref_pool else None,
+        entries=entries,
+    )
+
+
+def v4_configs(names: str | None) -> list[V4CacheConfig]:
+    """The V4 configurations named in a --formats list (None: all of them); an MLA format name is refused."""
+    if not names:
+        return list(V4_CONFIGS)
+    out = []
+    for name in (n.strip() for n in names.split(",") if n.strip()):
+        config = v4_config(name)
+        if config is None:
+            raise UserError(f"--formats {name!r}: DeepSeek-V4 caches other records than the MLA formats; choose among "
+                            f"its configurations: {', '.join(c.name for c in V4_CONFIGS)} (see `mla-eval formats`)")
+        if config not in out:
+            out.append(config)
+    return out
+
+
 # --- the capacity evaluation as one call: settings in, a result (and its JSON document) out -------
 
 
@@ -367,7 +501,10 @@ class CapacitySettings:
         0.9, "--gpu-memory-utilization",
         help="Fraction of each GPU's memory vLLM may use (vLLM's --gpu-memory-utilization).",
     )
-    block_size: int = option(64, "--block-size", help="Tokens per KV block (vLLM block_size; FlashMLA uses 64).")
+    block_size: int | None = option(  # None: 64, or V4_BLOCK_SIZE for DeepSeek-V4
+        None, "--block-size", help=f"Tokens per KV block (vLLM block_size; default 64 as FlashMLA, {V4_BLOCK_SIZE} for "
+        "DeepSeek-V4, whose compressed caches fill whole entries per block).",
+    )
     weights_gib: float | None = option(
         None, "--weights-gib", help="Total weights of the whole model in GiB, split evenly over --gpus. "
         "Default: the checkpoint's safetensors index (with --config DIR) or parameters x dtype (presets).",
@@ -396,7 +533,7 @@ class CapacitySettings:
     )
     formats: str | None = option(  # comma-separated names; None = every registered format
         None, "--formats", "-f", help="Comma-separated cache formats (default: all registered; with --plan: the "
-        "plan's own formats and fp8_ds_mla)."
+        "plan's own formats and fp8_ds_mla; DeepSeek-V4: its cache configurations, see `mla-eval formats`)."
     )
     plan: Path | None = option(
         None, "--plan", path="read", help="A per-layer plan (`mla-eval plan`): one more row, its layers' records summed "
@@ -430,7 +567,7 @@ class CapacityResult:
     versioned `mla-eval.capacity/1` JSON document."""
 
     settings: CapacitySettings
-    geometry: MlaCacheGeometry
+    geometry: MlaCacheGeometry | V4CacheGeometry
     weights: WeightsInfo | None
     budget: KvBudget
     parallel: Parallelism
@@ -443,8 +580,15 @@ class CapacityResult:
         s = self.settings
         return s.max_model_len if s.max_model_len is not None else self.geometry.max_position_embeddings
 
+    @property
+    def block_size(self) -> int:
+        """The block size in effect: the one given, else 64 (V4_BLOCK_SIZE for DeepSeek-V4)."""
+        return resolved_block_size(self.settings, self.geometry)
+
     def to_document(self) -> dict:
         geometry, include_mtp = self.geometry, self.settings.mtp
+        if isinstance(geometry, V4CacheGeometry):
+            return self._v4_document()
         indexer = geometry.indexer
         derived = self.budget.source == "derived"
         budget, parallel, weights = self.budget, self.parallel, self.weights
@@ -479,7 +623,7 @@ class CapacityResult:
             "dcp": parallel.dcp,
             "data_parallel_engines": parallel.dp,
             "gpu_memory_utilization": budget.gpu_memory_utilization,
-            "block_size": self.settings.block_size,
+            "block_size": self.block_size,
             "weights_bytes_total": weights.bytes if (weights and derived) else None,
             "weights_source": weights.source if (weights and derived) else None,
             "weights_bytes_per_gpu": budget.weights_bytes_per_gpu,
@@ -492,13 +636,58 @@ class CapacityResult:
         formats = [r.as_dict() for r in self.rows]
         return {"schema": CAPACITY_SCHEMA, "model": model, "setup": setup, "formats": formats, "notes": list(self.notes)}
 
+    def _setup(self) -> dict:
+        budget, parallel, weights = self.budget, self.parallel, self.weights
+        derived = budget.source == "derived"
+        return {
+            "gpu": self.gpu_label, "gpu_memory_bytes": budget.total_bytes_per_gpu, "gpus": parallel.gpus,
+            "tp": parallel.tp, "dcp": parallel.dcp, "data_parallel_engines": parallel.dp,
+            "gpu_memory_utilization": budget.gpu_memory_utilization, "block_size": self.block_size,
+            "weights_bytes_total": weights.bytes if (weights and derived) else None,
+            "weights_source": weights.source if (weights and derived) else None,
+            "weights_bytes_per_gpu": budget.weights_bytes_per_gpu, "reserve_bytes_per_gpu": budget.reserve_bytes_per_gpu,
+            "requested_bytes_per_gpu": budget.requested_bytes_per_gpu, "kv_budget_bytes_per_gpu": budget.bytes_per_gpu,
+            "kv_budget_source": budget.source, "max_model_len": self.max_model_len,
+        }
+
+    def _v4_document(self) -> dict:
+        """The same document for DeepSeek-V4: `kv_lora_rank` is what a record holds without rope (448); the indexer's
+        bytes per token per layer are its 132 B key over its compress rate (33); `model.deepseek_v4` and each row's
+        `entries` give every kind of entry."""
+        g, mtp = self.geometry, self.settings.mtp
+        csa = "compressed_sparse_attention"
+        indexed = g.layers_of(csa, mtp)
+        key = self.rows[0].entries["record_bytes"]["indexer"] if self.rows else 132
+        model = {
+            "name": g.name, "source": g.source, "model_type": g.model_type, "num_hidden_layers": g.num_hidden_layers,
+            "num_nextn_predict_layers": g.num_nextn_predict_layers, "include_mtp": mtp, "cache_layers": g.cache_layers(mtp),
+            "kv_lora_rank": g.kv_lora_rank, "qk_rope_head_dim": g.qk_rope_head_dim,
+            "max_position_embeddings": g.max_position_embeddings,
+            "indexer": {"index_head_dim": g.index_head_dim, "bytes_per_token_per_layer": key // g.rate(csa),
+                        "indexed_layers": indexed, "full_main_layers": g.layers_of(csa, False), "shared_main_layers": 0,
+                        "mtp_layers": indexed - g.layers_of(csa, False),
+                        "rule": f"compressed-sparse layers: one {key} B key per {g.rate(csa)} tokens"},
+            "deepseek_v4": {"head_dim": g.head_dim, "sliding_window": g.sliding_window,
+                            "compress_rates": dict(g.compress_rates),
+                            "layers": {t: g.layers_of(t, mtp) for t in ("sliding_attention", csa,
+                                                                          "heavily_compressed_attention")}},
+        }
+        return {"schema": CAPACITY_SCHEMA, "model": model, "setup": self._setup(),
+                "formats": [r.as_dict() for r in self.rows], "notes": list(self.notes)}
+
+
+def resolved_block_size(s: CapacitySettings, geometry) -> int:
+    if s.block_size is not None:
+        return s.block_size
+    return V4_BLOCK_SIZE if isinstance(geometry, V4CacheGeometry) else 64
+
 
 def evaluate_capacity(settings: CapacitySettings, progress: ProgressCallback = no_progress) -> CapacityResult:
     """Resolve the model, the parallel setup and the per-GPU KV budget, and size every format's pool.
     Every bad setting is a one-line UserError naming the option. `progress` is the evaluation
     protocol's (mla_eval.evaluation); this arithmetic takes no time worth reporting."""
     s = settings
-    if s.block_size < 1:
+    if s.block_size is not None and s.block_size < 1:
         raise UserError(f"--block-size must be >= 1, got {s.block_size}")
     if s.max_model_len is not None and s.max_model_len < 1:
         raise UserError(f"--max-model-len must be >= 1, got {s.max_model_len}")
@@ -510,17 +699,23 @@ def evaluate_capacity(settings: CapacitySettings, progress: ProgressCallback = n
             raise UserError(f"--weights-gib must be positive, got {s.weights_gib}")
         weights = WeightsInfo(bytes=gib_to_bytes(s.weights_gib), source="--weights-gib")
     parallel = Parallelism(gpus=s.gpus if s.gpus is not None else s.tp, tp=s.tp, dcp=s.dcp)
+    block_size = resolved_block_size(s, geometry)
+    if isinstance(geometry, V4CacheGeometry):
+        return _v4_result(s, geometry, weights, parallel, block_size, notes)
     plan = None if s.plan is None else LayerPlan.load(s.plan)
     default = None if plan is None else list(dict.fromkeys([REFERENCE_FORMAT, *(sp.name for sp in plan.specs)]))
     specs = parse_format_list(s.formats, default)
+    for spec in specs:
+        if spec.geometry.name != "mla":
+            raise UserError(f"--formats {spec.name!r} is a DeepSeek-V4 record; {geometry.name} caches 512 + 64 MLA records")
     plan_bytes = None if plan is None else plan_layer_bytes([sp.record_bytes for sp in plan.specs], geometry, s.mtp)
     gpu_label, budget = _resolve_budget(s, weights, parallel, geometry)
     rows = capacity_table(
-        specs, geometry, budget, parallel, block_size=s.block_size, include_mtp=s.mtp, max_model_len=s.max_model_len
+        specs, geometry, budget, parallel, block_size=block_size, include_mtp=s.mtp, max_model_len=s.max_model_len
     )
     if plan is not None:
         rows.append(layers_capacity(plan.label, f"per-layer plan: {plan.summary()}", plan_bytes, geometry, budget,
-                                    parallel, block_size=s.block_size, include_mtp=s.mtp, max_model_len=s.max_model_len))
+                                    parallel, block_size=block_size, include_mtp=s.mtp, max_model_len=s.max_model_len))
         if geometry.mtp_layers(s.mtp):
             notes.append(f"{plan.label}: the {geometry.mtp_layers(s.mtp)} MTP layer(s) are sized at the plan's widest "
                          f"record ({max(plan_bytes)} B); --no-mtp leaves them out")
@@ -536,7 +731,29 @@ def evaluate_capacity(settings: CapacitySettings, progress: ProgressCallback = n
     return CapacityResult(s, geometry, weights, budget, parallel, gpu_label, tuple(rows), tuple(notes))
 
 
-def _resolve_model(s: CapacitySettings) -> tuple[MlaCacheGeometry, WeightsInfo | None, list[str]]:
+def _v4_result(s: CapacitySettings, geometry: V4CacheGeometry, weights: WeightsInfo | None, parallel: Parallelism,
+               block_size: int, notes: list[str]) -> CapacityResult:
+    if s.plan is not None:
+        raise UserError("--plan holds a per-layer plan of MLA formats; DeepSeek-V4 takes its cache configurations")
+    configs = v4_configs(s.formats)
+    gpu_label, budget = _resolve_budget(s, weights, parallel, geometry)
+    rows = [v4_capacity(c, geometry, budget, parallel, block_size=block_size, include_mtp=s.mtp,
+                        max_model_len=s.max_model_len) for c in configs]
+    window = rows[0].entries
+    notes = notes + list(geometry.notes) + [
+        f"DeepSeek-V4: B/tok model = compressed entries (1 per {window['compress_rates']['compressed_sparse_attention']} "
+        f"/ {window['compress_rates']['heavily_compressed_attention']} tokens) + indexer keys, over every layer; each "
+        f"request also holds its sliding window ({window['sliding_window']} tokens in {window['sliding_blocks_per_request']} "
+        f"blocks of {V4_SWA_BLOCK}, every layer), which max context and concurrency count; ratio vs {V4_REFERENCE}",
+        "not modelled: the compressors' float32 running state and vLLM's per-step scratch, which its startup check counts "
+        "against max_num_batched_tokens (an engine's log therefore reports more memory per request)",
+    ]
+    if any(r.num_blocks == 0 for r in rows):
+        notes.append("a configuration with 0 blocks does not fit one request's window and one block in the KV budget")
+    return CapacityResult(s, geometry, weights, budget, parallel, gpu_label, tuple(rows), tuple(notes))
+
+
+def _resolve_model(s: CapacitySettings) -> tuple[MlaCacheGeometry | V4CacheGeometry, WeightsInfo | None, list[str]]:
     if s.preset and s.config:
         raise UserError("give either --preset or --config, not both")
     if s.config is None:

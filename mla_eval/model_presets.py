@@ -40,7 +40,9 @@ INDEXER_SCALE_BYTES = 4  # fp32
 # Bytes per parameter for weight estimates from a parameter count. nvfp4: 4-bit values plus one
 # E4M3 scale per 16 values (4.5 bits). Real checkpoints keep some tensors (norms, embeddings,
 # scales) at other widths, so this is an estimate; a checkpoint's safetensors index is exact.
-WEIGHT_DTYPE_BYTES: dict[str, float] = {"bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "nvfp4": 0.5625}
+# fp4-mixed: DeepSeek-V4's release (FP4 routed experts with a UE8M0 scale per 32, FP8 blocks elsewhere); 4.5 bits a
+# parameter on average gives its published checkpoint sizes (about 160 GB for V4-Flash's 284B).
+WEIGHT_DTYPE_BYTES: dict[str, float] = {"bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "nvfp4": 0.5625, "fp4-mixed": 0.5625}
 
 
 # The config fields that make two models' layers compute differently: a plan, a scales file or a stored reference made
@@ -165,7 +167,7 @@ class ModelPreset:
     sources: tuple[tuple[str, str], ...]  # (what, where it was read); "UNVERIFIED" marks guesses
     moe: MoeGeometry | None = None
 
-    def geometry(self) -> MlaCacheGeometry:
+    def geometry(self) -> MlaCacheGeometry | V4CacheGeometry:
         return geometry_from_config(self.config, name=self.name, source=f"preset {self.name} ({self.hf_repo})")
 
     def weights(self, dtype: str | None = None) -> WeightsInfo:
@@ -188,10 +190,12 @@ def _dtype_bytes(dtype: str) -> float:
 # Config parsing
 
 
-def geometry_from_config(cfg: dict[str, Any], *, name: str, source: str) -> MlaCacheGeometry:
+def geometry_from_config(cfg: dict[str, Any], *, name: str, source: str) -> MlaCacheGeometry | V4CacheGeometry:
     """Read the cache geometry out of a HF config dict. Raises UserError naming what is wrong."""
     if not isinstance(cfg, dict):
         raise UserError(f"{name}: config.json must hold a JSON object, got {type(cfg).__name__}")
+    if cfg.get("model_type") == V4_MODEL_TYPE:
+        return v4_geometry_from_config(cfg, name=name, source=source)
     notes: list[str] = []
     text = cfg.get("text_config")
     if "kv_lora_rank" not in cfg and isinstance(text, dict) and "kv_lora_rank" in text:
@@ -298,6 +302,113 @@ def _vllm_indexer_kinds(cfg: dict, layers: int, name: str) -> tuple[tuple[str, .
 
 
 # --------------------------------------------------------------------------------------------
+# DeepSeek-V4: a 512-d head per cache entry, three kinds of entries per layer (mla_eval.formats.v4)
+
+V4_MODEL_TYPE = "deepseek_v4"
+V4_LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
+# transformers' DeepseekV4Config: legacy per-layer `compress_ratios` 0 / 4 / 128 name these layer types, and the
+# default `compress_rates` (configuration_deepseek_v4.py, 5.17 and 5.25)
+_V4_RATIO_TYPES = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
+V4_DEFAULT_RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+
+
+@dataclasses.dataclass(frozen=True)
+class V4CacheGeometry:
+    """DeepSeek-V4's per-token cache geometry: every layer keeps the raw heads of its last `sliding_window` tokens;
+    a compressed-sparse layer also one compressed head per `compress_rates[...]` tokens and its indexer's keys (one
+    per compressed entry), a heavily-compressed layer one compressed head per 128 tokens."""
+
+    name: str
+    source: str
+    model_type: str
+    num_hidden_layers: int
+    num_nextn_predict_layers: int
+    layer_types: tuple[str, ...]  # per backbone layer, one of V4_LAYER_TYPES
+    mtp_layer_types: tuple[str, ...]  # per MTP layer (compress_ratios' trailing entries; sliding without them)
+    compress_rates: tuple[tuple[str, int], ...]  # (layer type, tokens per compressed entry)
+    sliding_window: int
+    head_dim: int
+    qk_rope_head_dim: int
+    index_head_dim: int
+    max_position_embeddings: int | None
+    notes: tuple[str, ...] = ()
+
+    @property
+    def kv_lora_rank(self) -> int:
+        """What a record stores without rope (448): the MLA schema's latent width."""
+        return self.head_dim - self.qk_rope_head_dim
+
+    def rate(self, layer_type: str) -> int:
+        return dict(self.compress_rates)[layer_type]
+
+    def mtp_layers(self, include_mtp: bool = True) -> int:
+        return self.num_nextn_predict_layers if include_mtp else 0
+
+    def cache_layers(self, include_mtp: bool = True) -> int:
+        """Layers with a sliding-window cache: every backbone layer and every counted MTP layer."""
+        return self.num_hidden_layers + self.mtp_layers(include_mtp)
+
+    def layers_of(self, layer_type: str, include_mtp: bool = True) -> int:
+        types = self.layer_types + (self.mtp_layer_types if include_mtp else ())
+        return sum(1 for t in types if t == layer_type)
+
+
+def v4_geometry_from_config(cfg: dict[str, Any], *, name: str, source: str) -> V4CacheGeometry:
+    """A DeepSeek-V4 config.json (HF fields; `layer_types`, or the checkpoint's `compress_ratios`) as its geometry."""
+    notes: list[str] = []
+    layers = _int_field(cfg, "num_hidden_layers", name, minimum=1)
+    nextn = _int_field(cfg, "num_nextn_predict_layers", name, minimum=0, default=0)
+    head_dim = _int_field(cfg, "head_dim", name, minimum=1, default=512)
+    rope = _int_field(cfg, "qk_rope_head_dim", name, minimum=1, default=64)
+    check_v4_dims(head_dim, rope, name)
+    types = cfg.get("layer_types")
+    ratios = cfg.get("compress_ratios")
+    if types is None and ratios is None:
+        raise UserError(f"{name}: a DeepSeek-V4 config needs layer_types or compress_ratios (one per layer)")
+    if types is not None:
+        if not isinstance(types, list) or len(types) < layers or any(t not in V4_LAYER_TYPES for t in types):
+            raise UserError(f"{name}: layer_types must give one of {', '.join(V4_LAYER_TYPES)} for each of the "
+                            f"{layers} layers")
+        kinds = list(types)
+    else:
+        if not isinstance(ratios, list) or len(ratios) < layers or any(r not in _V4_RATIO_TYPES for r in ratios):
+            raise UserError(f"{name}: compress_ratios must give 0, 4 or 128 for each of the {layers} layers")
+        kinds = [_V4_RATIO_TYPES[r] for r in ratios]
+    mtp = tuple(kinds[layers : layers + nextn])
+    if len(mtp) < nextn:
+        notes.append(f"{nextn - len(mtp)} MTP layer(s) without a listed type: taken as sliding-window only")
+        mtp += ("sliding_attention",) * (nextn - len(mtp))
+    rates = dict(V4_DEFAULT_RATES)
+    given = cfg.get("compress_rates")
+    if isinstance(given, dict):
+        rates.update({k: v for k, v in given.items() if k in rates})
+    legacy = (("compress_rate_csa", "compressed_sparse_attention"), ("compress_rate_hca", "heavily_compressed_attention"))
+    for key, kind in legacy:
+        if cfg.get(key) is not None:
+            rates[kind] = cfg[key]
+    for kind, rate in rates.items():
+        if isinstance(rate, bool) or not isinstance(rate, int) or rate < 1:
+            raise UserError(f"{name}: compress rate of {kind} must be a positive integer, got {rate!r}")
+    max_pos = _int_field(cfg, "max_position_embeddings", name, minimum=1, default=None)
+    return V4CacheGeometry(
+        name=name, source=source, model_type=V4_MODEL_TYPE, num_hidden_layers=layers, num_nextn_predict_layers=nextn,
+        layer_types=tuple(kinds[:layers]), mtp_layer_types=mtp, compress_rates=tuple(rates.items()),
+        sliding_window=_int_field(cfg, "sliding_window", name, minimum=1, default=128), head_dim=head_dim,
+        qk_rope_head_dim=rope, index_head_dim=_int_field(cfg, "index_head_dim", name, minimum=1, default=128),
+        max_position_embeddings=max_pos, notes=tuple(notes),
+    )
+
+
+def check_v4_dims(head_dim: int, rope_dim: int, model: str) -> None:
+    """DeepSeek-V4's records hold a 512-d head, 64 of it rotated (formats.spec.DSV4_GEOMETRY)."""
+    from mla_eval.formats.spec import DSV4_GEOMETRY
+
+    if (head_dim - rope_dim, rope_dim) != (DSV4_GEOMETRY.latent_dim, DSV4_GEOMETRY.rope_dim):
+        raise UserError(f"{model}: a DeepSeek-V4 head of {head_dim} values with {rope_dim} rotated; the V4 records hold "
+                        f"{DSV4_GEOMETRY.latent_dim} + {DSV4_GEOMETRY.rope_dim}")
+
+
+# --------------------------------------------------------------------------------------------
 # Config files and checkpoints
 
 
@@ -391,6 +502,32 @@ _GLM5_ATTENTION = {
     "rope_theta": 1000000,
 }
 
+
+_DSV4_FLASH_SRC = (
+    "huggingface.co/deepseek-ai/DeepSeek-V4-Flash-Base config.json, read from its verbatim copy in a public engine's "
+    "DeepSeek-V4 unit test (find_string id 59855246185); transformers 5.25 DeepseekV4Config defaults agree"
+)
+# Flash: two sliding-window layers, then compressed-sparse (4) and heavily-compressed (128) alternating; the 44th entry
+# is the MTP layer's (sliding window). Pro: two heavily-compressed layers first, no sliding-window-only layer.
+_DSV4_FLASH_RATIOS = [0, 0] + [4 if i % 2 == 0 else 128 for i in range(2, 43)] + [0]
+_DSV4_PRO_RATIOS = [128, 128] + [4 if i % 2 == 0 else 128 for i in range(2, 61)] + [0]
+_DSV4_COMMON = {
+    "model_type": "deepseek_v4",
+    "head_dim": 512,
+    "qk_rope_head_dim": 64,
+    "num_key_value_heads": 1,
+    "sliding_window": 128,
+    "index_head_dim": 128,
+    "index_n_heads": 64,
+    "max_position_embeddings": 1048576,
+    "num_nextn_predict_layers": 1,
+    "rope_theta": 10000,
+    "compress_rope_theta": 160000,
+    "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32,
+                     "beta_slow": 1},
+    "hc_mult": 4,
+    "hc_sinkhorn_iters": 20,
+}
 
 MODEL_PRESETS: tuple[ModelPreset, ...] = (
     ModelPreset(
@@ -575,8 +712,68 @@ MODEL_PRESETS: tuple[ModelPreset, ...] = (
 )
 
 
+MODEL_PRESETS += (
+    ModelPreset(
+        name="deepseek-v4",
+        title="DeepSeek-V4-Flash (284B, 13B active; CSA + HCA)",
+        hf_repo="deepseek-ai/DeepSeek-V4-Flash",
+        config={
+            **_DSV4_COMMON,
+            "num_hidden_layers": 43,
+            "compress_ratios": _DSV4_FLASH_RATIOS,
+            "hidden_size": 4096,
+            "num_attention_heads": 64,
+            "q_lora_rank": 1024,
+            "o_groups": 8,
+            "o_lora_rank": 1024,
+            "index_topk": 512,
+            "n_routed_experts": 256,
+            "num_experts_per_tok": 6,
+            "moe_intermediate_size": 2048,
+            "num_hash_layers": 3,
+        },
+        param_count=284_000_000_000,
+        weights_dtype="fp4-mixed",
+        sources=(
+            ("num_hidden_layers=43, compress_ratios [0, 0, 4, 128, ..., 4, 0] (2 sliding, 21 CSA, 20 HCA + 1 MTP "
+             "sliding), head_dim=512, qk_rope_head_dim=64, sliding_window=128, index 64 heads x 128, index_topk=512, "
+             "hidden_size=4096, 64 heads, q_lora_rank=1024, o_groups=8, o_lora_rank=1024, max_position_embeddings=1048576, "
+             "rope_theta=10000, compress_rope_theta=160000, yarn factor 16 over 65536, hc_mult=4", _DSV4_FLASH_SRC),
+            ("compress rates 4 (CSA) and 128 (HCA)", "transformers 5.25 DeepseekV4Config.default_compress_rates"),
+            ("284B parameters (13B active); checkpoint FP4 experts + FP8, about 160 GB",
+             "UNVERIFIED in this session: secondary sources quoting the model card (find_string id 56564115497)"),
+        ),
+    ),
+    ModelPreset(
+        name="deepseek-v4-pro",
+        title="DeepSeek-V4-Pro (1.6T, 49B active; CSA + HCA)",
+        hf_repo="deepseek-ai/DeepSeek-V4-Pro",
+        config={**_DSV4_COMMON, "num_hidden_layers": 61, "compress_ratios": _DSV4_PRO_RATIOS, "hidden_size": 7168,
+                "num_attention_heads": 128, "index_topk": 1024},
+        param_count=1_600_000_000_000,
+        weights_dtype="fp4-mixed",
+        sources=(
+            ("num_hidden_layers=61, compress_ratios [128, 128, 4, 128, ..., 4, 0] (30 CSA, 31 HCA, no sliding-only "
+             "layer; 1 MTP sliding), hidden_size=7168, 128 heads, index_topk=1024",
+             "secondary: a capacity tool's preset 'verified from HF deepseek-ai/DeepSeek-V4-Pro config.json' (find_string "
+             "id 60868834598) and an engine header pinned to the same config (find_string id 58797800412)"),
+            ("head_dim, rope, window, indexer width, rope and mHC as V4-Flash",
+             "UNVERIFIED: the Pro config.json was not read itself; the same architecture (transformers deepseek_v4)"),
+            ("q_lora_rank, o_groups, o_lora_rank, experts", "not read: random:deepseek-v4-pro is refused for want of them"),
+            ("1.6T parameters (49B active); checkpoint about 960 GB FP4 + FP8",
+             "UNVERIFIED: secondary sources (find_string ids 56564115497, 56943482147)"),
+        ),
+    ),
+)
+
+
 def preset_names() -> list[str]:
     return [p.name for p in MODEL_PRESETS]
+
+
+def mla_preset_names() -> list[str]:
+    """The presets whose caches are the 512 + 64 MLA records (every one but DeepSeek-V4's)."""
+    return [p.name for p in MODEL_PRESETS if p.config["model_type"] != V4_MODEL_TYPE]
 
 
 def get_preset(name: str) -> ModelPreset:

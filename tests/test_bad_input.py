@@ -158,7 +158,7 @@ CASES = {
     "capacity: --plot in a locked folder": (lambda w: ["capacity", "--plot", str(w.locked / "c.png")], {}, "not writable"),
     # kld
     "kld: unknown option": (lambda w: ["kld", "--bogus-option", "3"], {}, "No such option: --bogus-option"),
-    "kld: ambiguous engine name": (lambda w: ["kld", "--formats", "nvfp4_ds_mla"], {}, "288 B, not built in"),
+    "kld: ambiguous engine name": (lambda w: ["kld", "--formats", "nvfp4_ds_mla"], {}, "304 B, not built in"),
     "kld: --ctx abc": (lambda w: ["kld", "--ctx", "abc"], {}, "'--ctx'"),
     "kld: --ctx 0": (lambda w: _kld(w, "--ctx", "0"), {}, "--ctx"),
     "kld: --ctx -5 names --ctx": (lambda w: _kld(w, "--ctx", "-5"), {}, "--ctx"),

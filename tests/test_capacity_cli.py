@@ -133,7 +133,8 @@ def test_help_and_list_presets(capsys):
     for option in ("--gpu-mem-gib", "--kv-memory-gib", "--dcp", "--mtp", "--plot", "--json", "GiB"):
         assert option in out
     doc = run_json(capsys, "--list-presets")
-    assert {m["name"] for m in doc["models"]} == {"deepseek-v3", "deepseek-v3.2", "kimi-k2", "glm-5", "glm-5.2"}
+    assert {m["name"] for m in doc["models"]} == {"deepseek-v3", "deepseek-v3.2", "kimi-k2", "glm-5", "glm-5.2",
+                                                  "deepseek-v4", "deepseek-v4-pro"}
     assert all(m["sources"] for m in doc["models"])
     assert {g["name"] for g in doc["gpus"]} >= {"h100", "h200", "b200", "rtx-pro-6000"}
 

@@ -69,13 +69,13 @@ def test_engine_names_per_engine_and_version_and_known_records(capsys, monkeypat
     assert "002f10e0cfa1" in vllm["version"]
     assert rows["llamacpp_q4_0"]["engine_names"][0]["name"] == "q4_0"
     known = {(k["name"], k["record_bytes"]) for k in doc["known_not_built_in"]}
-    assert {("nvfp4_ds_mla", 288), ("nvfp4_ds_mla", 304), ("kvarn_mla_k5_g64", 482)} <= known
+    assert {("nvfp4_ds_mla", 304), ("kvarn_mla_k5_g64", 482)} <= known
     assert main(["formats", "--no-layout"]) == 0
     out = capsys.readouterr().out
-    assert "'nvfp4_ds_mla' alone is ambiguous (352 B, 288 B, 432 B, 368 B, 368 B, 304 B)" in out
+    assert "'nvfp4_ds_mla' alone is ambiguous (352 B, 432 B, 368 B, 368 B, 304 B, 288 B, 432 B)" in out
     assert main(["formats", "--help"]) == 0
     helptext = " ".join(capsys.readouterr().out.split())
-    assert "Known, not built in: DeepSeek-V4" in helptext and "GLM-5.3-Flash's rope-less records" in helptext
+    assert "Known, not built in: GLM-5.3-Flash's rope-less records" in helptext and "cold-page compression" in helptext
 
 
 def test_formats_table_fits_80_columns_without_cut_headers():
@@ -89,3 +89,21 @@ def test_formats_table_fits_80_columns_without_cut_headers():
     table = out.split("Not shown below")[0]
     assert "…" not in table and max(len(line) for line in table.splitlines()) <= 80
     assert "latent" in table and "scales" in table and "Not shown below 110 columns: bits, x fp8" in out
+
+
+def test_deepseek_v4_records_are_listed_apart_from_the_mla_formats(capsys, monkeypatch):
+    """DeepSeek-V4's 448 + 64 records sit in their own section (never in the MLA list or a default --formats), with
+    what each engine configuration writes to each kind of entry; --formats selects one by name."""
+    monkeypatch.setenv("COLUMNS", "250")
+    assert main(["formats", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert all(r["geometry"] == "mla" for r in doc["formats"])
+    v4 = doc["deepseek_v4"]
+    assert [f["name"] for f in v4["formats"]] == ["dsv4_bf16", "dsv4_fp8_ds_mla", "dsv41_mxfp8", "dsv41_nvfp4"]
+    assert all(f["geometry"] == "deepseek_v4" for f in v4["formats"])
+    by_name = {c["name"]: c for c in v4["configurations"]}
+    assert (by_name["dsv41_nvfp4"]["bytes"]["sliding"], by_name["dsv41_nvfp4"]["bytes"]["compressed"]) == (528, 288)
+    assert by_name["nvfp4"]["binding"] == "whole_head" and by_name["nvfp4"]["bytes"]["sliding"] == 432
+    assert main(["formats", "--json", "--formats", "dsv4_fp8_ds_mla"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["formats"]
+    assert (row["bytes_per_token_per_layer"], row["tokens_per_byte_vs_bf16"]) == (584, round(1024 / 584, 4))

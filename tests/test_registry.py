@@ -260,7 +260,7 @@ def test_engine_names_follow_each_engine_and_version():
     with pytest.raises(UnknownFormatError) as exc:
         get_format("nvfp4_ds_mla")
     msg = str(exc.value)
-    for piece in ("nvfp4_fp8_ds_mla (352 B", "288 B, not built in", "nvfp4 (432 B", "nvfp4_fp8rope (368 B",
+    for piece in ("nvfp4_fp8_ds_mla (352 B", "dsv41_nvfp4 (288 B", "nvfp4 (432 B", "nvfp4_fp8rope (368 B",
                   "nvfp4_fp8rope_dyn (368 B", "304 B, not built in"):
         assert piece in msg, piece
     assert "\n" not in msg

@@ -265,6 +265,20 @@ def _use_kernel(spec, device: torch.device, backend: str, op: str = "attend", bl
     return ok
 
 
+def reference_only(op: str, spec, device: torch.device | str, why: str) -> None:
+    """A call only the torch reference serves, whatever the format (`why`: e.g. a model whose attention the kernels do
+    not implement): recorded in the scope like a fallback, said once on a CUDA device; --backend kernel is refused."""
+    device = torch.device(device)
+    scope = _scope.get()
+    backend, source = (scope.backend, scope.source) if scope is not None else _resolve(None)
+    if backend == "kernel":
+        raise _kernel_error(source, why)
+    if device.type == "cuda" and backend != "reference":
+        _fallback(scope, device, why)
+    if scope is not None:
+        scope.record(op, get_format(spec).name, device, f"reference ({why})")
+
+
 def _outer_scale_value(spec, outer_scale) -> float | None:
     """The codec's validation of s_l, then the one float32 value the kernels take per call."""
     s = outer_scale_tensor(spec, outer_scale, torch.device("cpu"))

@@ -101,12 +101,31 @@ def _print_table(result: CapacityResult, doc: dict, plot: Path | None) -> None:
         "or the model's max_position_embeddings where that is smaller (*). conc. = blocks / blocks per "
         "full-length request, as vLLM logs it."
     )
+    if any(r.entries for r in rows):
+        _print_v4_entries(console, rows)
     if setup["data_parallel_engines"] > 1:
         console.print(f"{setup['data_parallel_engines']} data-parallel engines: the system holds that many such pools.")
     for note in doc["notes"]:
         console.print(f"note: {escape(note)}")
     if plot is not None:
         console.print(f"wrote {escape(str(plot))}", soft_wrap=True)  # a path is never wrapped: users copy it
+
+
+def _print_v4_entries(console: Console, rows) -> None:
+    """DeepSeek-V4: the bytes of each kind of entry (per token over the layers of that kind; the window per request)."""
+    table = Table(title="DeepSeek-V4 entries: record bytes, bytes per token over the layers of each kind, window per "
+                  "request", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 0))
+    table.add_column("format", style="bold", no_wrap=True)
+    for head in ("window\nrecord", "compr.\nrecord", "CSA\nB/tok", "HCA\nB/tok", "indexer\nB/tok", "window\nMiB/req"):
+        table.add_column(head, justify="right")
+    for r in rows:
+        e = r.entries
+        per, rec = e["bytes_per_token"], e["record_bytes"]
+        table.add_row(escape(r.name), str(rec["sliding"]), str(rec["compressed"]), f"{per['compressed_csa']:,.2f}",
+                      f"{per['compressed_hca']:,.2f}", f"{per['indexer']:,.2f}",
+                      f"{e['sliding_bytes_per_request'] / 2**20:,.2f}")
+    needed = Measurement.get(console, console.options.update_width(1 << 16), table).maximum
+    (console if needed <= console.width else Console(width=needed)).print(table)
 
 
 def _layers_lines(model: dict) -> list[str]:

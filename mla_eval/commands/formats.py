@@ -9,9 +9,13 @@ from rich.console import Console
 from rich.table import Table
 
 from mla_eval.formats import FormatSpec, control_formats, get_format, parse_format_list
-from mla_eval.formats.builtin import ENGINE_NAMES, KNOWN_NOT_BUILT_IN
-from mla_eval.formats.registry import ambiguous_engine_names
-from mla_eval.formats.spec import EngineName
+from mla_eval.formats.builtin import ENGINE_NAMES as MLA_ENGINE_NAMES
+from mla_eval.formats.builtin import KNOWN_NOT_BUILT_IN
+from mla_eval.formats.registry import ambiguous_engine_names, geometry_formats
+from mla_eval.formats.spec import DSV4_GEOMETRY, EngineName
+from mla_eval.formats.v4 import DSV4_BF16, DSV4_FP8_DS_MLA, V4_CONFIGS, V4_ENGINE_NAMES, V4_NOT_BUILT
+
+ENGINE_NAMES = MLA_ENGINE_NAMES + V4_ENGINE_NAMES
 
 WIDE_TABLE = 110  # terminal columns the formats table needs with every column (the longest labels unwrapped)
 
@@ -23,10 +27,12 @@ def _engine_name_row(e: EngineName) -> dict:
 
 def format_row(spec: FormatSpec) -> dict:
     """The figures the table and --json show for one format (all derived from the spec)."""
-    bf16 = get_format("bf16").record_bytes
-    fp8 = get_format("fp8_ds_mla").record_bytes
+    v4 = spec.geometry is DSV4_GEOMETRY  # ratios against the same geometry's bf16 and fp8 records
+    bf16 = (DSV4_BF16 if v4 else get_format("bf16")).record_bytes
+    fp8 = (DSV4_FP8_DS_MLA if v4 else get_format("fp8_ds_mla")).record_bytes
     return {
         "name": spec.name,
+        "geometry": spec.geometry.name,  # "mla" (512 + 64) or "deepseek_v4" (448 + 64): which models it caches
         "control": spec.control,  # a deliberately damaging yardstick, not a real format (formats.controls)
         "title": spec.title,
         "bytes_per_token_per_layer": spec.record_bytes,
@@ -82,7 +88,10 @@ def formats(
     if as_json:
         known = [_engine_name_row(e) for e in ENGINE_NAMES if e.format is None]
         controls = [format_row(s) for s in control_formats()] if not names else []
-        typer.echo(json.dumps({"formats": rows, "known_not_built_in": known, "controls": controls}, indent=2))
+        v4 = ({"formats": [format_row(s) for s in geometry_formats()], "configurations": [_config_row(c) for c in V4_CONFIGS],
+               "not_built_in": list(V4_NOT_BUILT)} if not names else None)
+        typer.echo(json.dumps({"formats": rows, "known_not_built_in": known, "controls": controls,
+                               **({"deepseek_v4": v4} if v4 else {})}, indent=2))
         return
     specs = parse_format_list(names)
     console = Console()
@@ -164,6 +173,7 @@ def formats(
     )
     if not names:
         _print_controls(console)
+        _print_v4(console)
 
 
 def _print_controls(console: Console) -> None:
@@ -182,6 +192,40 @@ def _print_controls(console: Console) -> None:
     console.print(ct)
 
 
+def _config_row(c) -> dict:
+    return {"name": c.name, "title": c.title, "sliding": c.sliding.spec.name, "compressed": c.compressed.spec.name,
+            "binding": c.sliding.binding, "bytes": {"sliding": c.sliding.spec.record_bytes,
+                                                    "compressed": c.compressed.spec.record_bytes,
+                                                    "indexer": c.indexer_bytes},
+            "indexer_record": c.indexer_record, "source": c.source}
+
+
+def _print_v4(console: Console) -> None:
+    """DeepSeek-V4's records (448 + 64) and what each engine configuration writes to each kind of entry."""
+    vt = Table(title="DeepSeek-V4 records (448 NoPE + 64 rope per entry; --formats for a V4 model takes the "
+               "configuration names below)")
+    vt.add_column("format", style="bold", no_wrap=True)
+    vt.add_column("bytes", justify="right")
+    vt.add_column("latent")
+    vt.add_column("rope")
+    vt.add_column("engine (repository@commit path symbol)", overflow="fold")
+    for spec in geometry_formats():
+        vt.add_row(spec.name, str(spec.record_bytes), _coding_label(spec.latent), _coding_label(spec.rope),
+                   "-" if spec.engine is None else f"{spec.engine.name}: {spec.engine.citation()}")
+    console.print(vt)
+    ct = Table(title="DeepSeek-V4 cache configurations: the record of each kind of entry (bytes per entry)")
+    ct.add_column("--formats", style="bold", no_wrap=True)
+    ct.add_column("sliding window")
+    ct.add_column("compressed (rate 4 / 128)")
+    ct.add_column("indexer keys")
+    ct.add_column("engine", overflow="fold")
+    for c in V4_CONFIGS:
+        whole = " (whole head)" if c.sliding.binding == "whole_head" else ""
+        ct.add_row(c.name, f"{c.sliding.spec.name}{whole} {c.sliding.spec.record_bytes} B",
+                   f"{c.compressed.spec.name} {c.compressed.spec.record_bytes} B", f"{c.indexer_bytes} B", c.source)
+    console.print(ct)
+
+
 def _coding_label(coding, outer: bool = True) -> str:
     """'e2m1 e4m3/16' = E2M1 values, one E4M3 scale per 16 values ('2x' with a residual pass); a per-tensor
     coding is scaled by s_l where the format takes one (`outer`), else stored unscaled."""
@@ -194,7 +238,7 @@ def _coding_label(coding, outer: bool = True) -> str:
 
 def _known_not_built_in() -> str:
     """The help epilog: records engines write that no built-in format covers."""
-    return "Known, not built in: " + " | ".join(KNOWN_NOT_BUILT_IN)
+    return "Known, not built in: " + " | ".join(KNOWN_NOT_BUILT_IN + V4_NOT_BUILT)
 
 
 def register(app: typer.Typer) -> None:

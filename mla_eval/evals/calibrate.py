@@ -19,6 +19,7 @@ from mla_eval.evals import text_sources
 from mla_eval.evals.settings import DEFAULT_CTX, ModelSettings, check_ctx, check_math_backend
 from mla_eval.evals.text_sources import TokenSource
 from mla_eval.formats import OuterScales, get_format
+from mla_eval.model.deepseek_v4 import refuse_v4
 from mla_eval.model.session import CacheSession
 from mla_eval.protocol import ProgressCallback, library_only, no_progress, option, say
 from mla_eval.results import environment
@@ -180,6 +181,7 @@ def evaluate_calibration(st: CalibrateSettings, progress: ProgressCallback = no_
     from mla_eval.model.strategy import ExecutionStrategy
 
     with dispatch.use_backend(st.backend) as log, ExecutionStrategy.open(_request(st)) as ex:
+        refuse_v4(ex.lm, "mla-eval calibrate", "its writers take no per-layer outer scale s_l")
         semantics = parse_semantics(st.semantics)
         semantics.check_positions(ex.lm.max_positions)
         source = text_sources.load_source(ex.lm, st, progress)

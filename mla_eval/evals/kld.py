@@ -31,6 +31,7 @@ from mla_eval.evals.settings import check_ctx
 from mla_eval.evals.text_sources import TokenSource
 from mla_eval.evals.variants import Variant, session_formats
 from mla_eval.formats import OuterScales, get_format
+from mla_eval.model import deepseek_v4
 from mla_eval.model.executor import WindowForward
 from mla_eval.model.session import PREFILL_MODES, CacheSession
 from mla_eval.model.strategy import Resident, Streamed, passes
@@ -407,6 +408,8 @@ def _window_forward(
     runs (the layer-major executor). `keep_exact` (default: with observers) keeps the unquantised latents that the
     layer statistics compare with; the reference's top-k recorder needs none. `fork` / `record`: see
     mla_eval.model.executor.WindowForward."""
+    if getattr(lm.adapter, "is_v4", False):  # DeepSeek-V4: the session is the attention's own cache argument
+        return deepseek_v4.window_forward(lm, variant, ids, score_from)
     b, t = ids.shape
     chunk = semantics.forward_chunk(t, lm.adapter.is_dsa)
     if lm.adapter.is_dsa:

@@ -47,6 +47,8 @@ from mla_eval.evals.settings import (
 )
 from mla_eval.evals.variants import PlanVariant, Variant, check_plan_model, parse_variants
 from mla_eval.formats import OuterScales
+from mla_eval.formats.v4 import V4_CONFIGS
+from mla_eval.model.deepseek_v4 import check_mla_rows, check_variant
 from mla_eval.model.fp8_linear import fp8_calls
 from mla_eval.protocol import ProgressCallback, no_progress, option, say
 from mla_eval.result_schemas import KLD_SCHEMA
@@ -350,6 +352,31 @@ def evaluation_sources(lm, st, needs_outer: bool, progress: ProgressCallback):
     return source, None
 
 
+def v4_settings(st: KldSettings, lm) -> tuple[KldSettings, list[str]]:
+    """The settings a DeepSeek-V4 model runs (`model.deepseek_v4`): the default --formats become its cache
+    configurations; per-layer statistics are off (no latent to compare); and the notes that say so."""
+    if not getattr(lm.adapter, "is_v4", False):
+        check_mla_rows(lm, [*st.variants(), st.ref_variant(), *filter(None, [st.explain_variant()])])
+        return st, []
+    if st.latent_profile != "none":
+        raise UserError("--latent-profile reparametrises an MLA latent; no DeepSeek-V4 profile is published: drop it")
+    if any(sem.is_engine for sem in st.semantics_list()) or any(m.name != "bf16" for m in st.math_list()) or st.explain:
+        raise UserError("DeepSeek-V4 runs cache semantics in its own attention's math: drop --semantics engine:*, "
+                        "--math fp8-* and --explain")
+    notes = ["DeepSeek-V4: each row is a cache configuration (sliding-window and compressed heads through their "
+             "records, indexer keys exact); the attention is the model's own (transformers' eager, sinks and top-k "
+             "included) over the heads as the records read them, one whole window per forward"]
+    changes: dict = {}
+    if st.formats == DEFAULT_FORMATS:
+        changes["formats"] = ",".join(c.name for c in V4_CONFIGS if c.name != "bf16")
+    if st.layer_stats:
+        changes["layer_stats"] = False
+        notes.append("per-layer statistics are not measured on DeepSeek-V4 (--no-layer-stats implied)")
+    for v in (*parse_variants(changes.get("formats", st.formats), plans=True), *parse_variants(st.ref, option="--ref")):
+        check_variant(v)
+    return (dataclasses.replace(st, **changes) if changes else st), notes
+
+
 def _protocol(st: KldSettings, lm, source: text_sources.TokenSource) -> tuple[KldProtocol, str | None]:
     """The resolved protocol of a run (every default decided once) and why auto prefill chose absorbed, if it did."""
     ctx = st.resolved_ctx(source.kind == "self-samples")
@@ -439,6 +466,9 @@ def evaluate_kld(st: KldSettings, progress: ProgressCallback = no_progress) -> K
         ex = ExecutionStrategy.open(kld_plan.request(st))
         try:
             lm = ex.lm
+            st, v4_notes = v4_settings(st, lm)
+            variants, ref = st.variants(), st.ref_variant()
+            needs_outer = any(v.outer for v in [*variants, ref, *filter(None, [st.explain_variant()])])
             if given is not None:
                 given.check_layers(lm.num_layers, source=st.scales)
             check_plan_model(variants, lm, st.latent_profile)
@@ -450,7 +480,7 @@ def evaluate_kld(st: KldSettings, progress: ProgressCallback = no_progress) -> K
             kp = kld_plan.plan_kld(ex, source, protocol, measure=False, ref_file=st.ref_file, rank=rank, world=world)
             phases.start("load")
             lm = ex.realise()
-            notes = []
+            notes = list(v4_notes)
             if ex.mode == "stream":
                 phases.start("plan")
                 kp = kld_plan.plan_kld(ex, source, protocol, measure=True, ref_file=st.ref_file, rank=rank, world=world)

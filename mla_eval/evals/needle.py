@@ -2,7 +2,7 @@
 
 Each prompt is prefilled through the model with the format's cache (writer + attention over what
 the cache stores), then the answer is greedy-decoded token by token reading the same quantised
-cache. A cell is correct when
+cache (DeepSeek-V4: its own attention and cache layers, `model.deepseek_v4.V4Decode`). A cell is correct when
 every expected string appears in the output (RULER's string-match-all).
 """
 
@@ -18,6 +18,7 @@ from mla_eval.evals.needle_tasks import DEFAULT_NEEDLES, Prompt, PromptBuilder, 
 from mla_eval.evals.variants import Variant, session_formats
 from mla_eval.formats import OuterScales
 from mla_eval.model.decode_steps import DecodeSteps, steps_label
+from mla_eval.model.deepseek_v4 import V4Decode, check_variant
 from mla_eval.model.session import CacheSession
 from mla_eval.protocol import ProgressCallback, no_progress
 
@@ -150,6 +151,9 @@ def generate(
     holds its answer decodes all `max_new` tokens as before.
     """
     ids = torch.tensor([p.ids for p in prompts], device=lm.device)
+    if getattr(lm.adapter, "is_v4", False):
+        steps = V4Decode(lm, check_variant(variant))  # a fresh cache per batch (nothing to replay)
+        return _greedy(lm, prompts, opts, steps.prefill(ids), steps, ids.shape[1])
     b, t = ids.shape
     max_new = opts.max_new
     specs, outer = session_formats(variant, outer_scales)  # a plan row: one format and s_l per layer
@@ -165,8 +169,6 @@ def generate(
     key = (variant.name, None if scales is None else tuple(scales), b, t + max_new, opts.prefill, opts.graphs,
            opts.semantics, opts.math)
     session, steps = (reuse or SessionReuse()).get(key, build)
-    out: list[list[int]] = [[] for _ in prompts]
-    done = [False] * len(prompts)
     with lm.adapter.session(session):
         # only the last position's logits: a 64K prompt's full logits would be 64K x vocab; under
         # engine semantics the prompt prefills in chunks (the last chunk's last logits answer)
@@ -176,18 +178,25 @@ def generate(
             logits = lm.model(
                 input_ids=ids[:, a : a + chunk], position_ids=pos[:, a : a + chunk], use_cache=False, logits_to_keep=1
             ).logits[:, -1]
-        for step in range(max_new):
-            nxt = logits.float().argmax(-1)
-            for i, tok in enumerate(nxt.tolist()):
-                if done[i]:
-                    continue
-                out[i].append(tok)
-                if opts.stop_at_answer:
-                    text = lm.tokenizer.decode(out[i], skip_special_tokens=True)
-                    done[i] = all(e in text for e in prompts[i].expected)
-            if step == max_new - 1 or all(done):
-                break
-            logits = steps(nxt, t + step)
+        return _greedy(lm, prompts, opts, logits, steps, t)
+
+
+def _greedy(lm, prompts: list[Prompt], opts: DecodeOptions, logits: torch.Tensor, steps, t: int) -> Decoded:
+    """Greedy answers from the prompts' last logits, `steps(tokens, position)` giving each next step's logits."""
+    out: list[list[int]] = [[] for _ in prompts]
+    done = [False] * len(prompts)
+    for step in range(opts.max_new):
+        nxt = logits.float().argmax(-1)
+        for i, tok in enumerate(nxt.tolist()):
+            if done[i]:
+                continue
+            out[i].append(tok)
+            if opts.stop_at_answer:
+                text = lm.tokenizer.decode(out[i], skip_special_tokens=True)
+                done[i] = all(e in text for e in prompts[i].expected)
+        if step == opts.max_new - 1 or all(done):
+            break
+        logits = steps(nxt, t + step)
     return Decoded(out, steps.mode, steps.blocker)
 
 

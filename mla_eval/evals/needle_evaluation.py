@@ -22,6 +22,8 @@ from mla_eval.evals.settings import SCALES_MODES, ModelSettings, check_math_back
 from mla_eval.evals.text_sources import TokenSource
 from mla_eval.evals.variants import PlanVariant, Variant, check_plan_model, parse_variants
 from mla_eval.formats import OuterScales
+from mla_eval.formats.v4 import V4_CONFIGS
+from mla_eval.model.deepseek_v4 import check_mla_rows, check_variant
 from mla_eval.model.session import PREFILL_MODES
 from mla_eval.protocol import ProgressCallback, no_progress, option
 from mla_eval.result_schemas import NEEDLE_SCHEMA
@@ -280,6 +282,30 @@ def plan_needle(st: NeedleSettings, progress: ProgressCallback = no_progress, me
         return ex.decide(work, cost, bps, src)
 
 
+V4_NOTE = ("DeepSeek-V4: each row is a cache configuration (sliding-window and compressed heads through their records "
+           "as they are written, indexer keys exact); prefill and decode steps run the model's own attention (transformers' "
+           "eager) through its own cache layers, eagerly; --prefill, --semantics and --math do not apply")
+
+
+def v4_rows(st: NeedleSettings, lm, variants: list[Variant]) -> tuple[list[Variant], str | None]:
+    """The rows a loaded model runs and, for DeepSeek-V4, the note that says how: its default --formats become its
+    cache configurations, and options that read an MLA latent are refused (one line). An MLA model's rows must be
+    MLA records."""
+    if not getattr(lm.adapter, "is_v4", False):
+        check_mla_rows(lm, variants)
+        return variants, None
+    if st.latent_profile != "none":
+        raise UserError("--latent-profile reparametrises an MLA latent; no DeepSeek-V4 profile is published: drop it")
+    if parse_semantics(st.semantics).is_engine or st.math != "bf16" or st.prefill != "mha":
+        raise UserError("DeepSeek-V4 prefills and decodes through its own attention over the heads as the records read "
+                        "them: drop --semantics engine:*, --math fp8-* and --prefill absorbed")
+    if st.formats == DEFAULT_FORMATS:
+        variants = parse_variants([BASELINE, *(c.name for c in V4_CONFIGS if c.name != BASELINE)])
+    for v in variants:
+        check_variant(v)
+    return variants, V4_NOTE
+
+
 def evaluate_needle(st: NeedleSettings, progress: ProgressCallback = no_progress) -> NeedleResult:
     """Needle-in-a-haystack retrieval per format on identical prompts; `progress("prompts", done, total)`."""
     from mla_eval.model.strategy import ExecutionStrategy
@@ -292,6 +318,8 @@ def evaluate_needle(st: NeedleSettings, progress: ProgressCallback = no_progress
     with dispatch.use_backend(st.backend) as log, ExecutionStrategy.open(request(st)) as ex:
         ex.decide(needle_workload(ex.lm, st))  # resident: a model that cannot fit is refused here
         lm = ex.realise()
+        variants, v4_note = v4_rows(st, lm, variants)
+        needs_outer = any(v.outer for v in variants)
         check_plan_model(variants, lm, st.latent_profile)  # a plan for another model fails before any prompt runs
         if lm.max_positions and max(lens) > lm.max_positions:
             raise UserError(
@@ -357,7 +385,7 @@ def evaluate_needle(st: NeedleSettings, progress: ProgressCallback = no_progress
                   "plans": {v.name: v.source for v in variants if isinstance(v, PlanVariant)},
                   "needles": {t.label: t.count for t in tasks}, "answer_budgets": run.budgets,
                   "samples_per_cell": len(deps) * st.trials, "offload": st.offload, "execution": ex.mode,
-                  **st.placement(lm)},
+                  **st.placement(lm), **({"deepseek_v4": v4_note} if v4_note else {})},
         outer_scales=outer,
         environment=env,
         formats=summary,

@@ -29,6 +29,7 @@ from mla_eval.evals.settings import DEFAULT_CTX, ModelSettings, check_ctx, defau
 from mla_eval.evals.variants import Variant, parse_variants
 from mla_eval.formats import OuterScales, get_format
 from mla_eval.layer_plan import LayerPlan
+from mla_eval.model.deepseek_v4 import refuse_v4
 from mla_eval.model_presets import architecture_digest
 from mla_eval.protocol import ProgressCallback, no_progress, option, say
 from mla_eval.results import environment
@@ -253,6 +254,8 @@ def evaluate_plan(st: PlanSettings, progress: ProgressCallback = no_progress) ->
     needs_outer = any(v.outer for v in candidates)
     given = None if st.scales in ("auto", "none") else OuterScales.load(st.scales)
     with dispatch.use_backend(st.backend) as log, ExecutionStrategy.open(st.execution_request()) as ex:
+        refuse_v4(ex.lm, "mla-eval plan", "a V4 session takes one cache configuration for every layer (no per-layer "
+                  "plan of V4 configurations, nor sensitivity per layer)")
         if given is not None:
             given.check_layers(ex.lm.num_layers, source=st.scales)
         check_reachable(st.budget(ex.lm.num_layers), candidates, ex.lm.num_layers)

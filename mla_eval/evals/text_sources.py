@@ -115,6 +115,12 @@ def self_samples(lm, num: int, length: int, seed: int, progress=None) -> TokenSo
     bos = lm.tokenizer.bos_token_id
     vocab = model.config.vocab_size
     first = torch.full((num,), bos, dtype=torch.int64) if bos is not None else torch.randint(0, vocab, (num,), generator=gen)
+    if getattr(lm.adapter, "is_v4", False):  # DeepSeek-V4: drawn through the model's own cache (its sessions are whole
+        from mla_eval.model.deepseek_v4 import sample_tokens  # windows only)
+
+        seqs = list(sample_tokens(lm, first, length, gen, progress))
+        return TokenSource("self-samples", f"self-samples of the model (seed {seed}, {num} x {length} tokens, drawn "
+                           "through its own transformers cache; not wikitext)", seqs, _digest(seqs))
     ids = torch.empty(num, length, dtype=torch.int64)
     ids[:, 0] = first
     session = CacheSession(get_format("bf16"), lm.num_layers, num, length, lm.layer_devices)

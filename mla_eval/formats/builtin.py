@@ -628,8 +628,6 @@ ENGINE_NAMES: tuple[EngineName, ...] = (
     EngineName("vLLM", "fp8_ds_mla", "DeepSeek-V3.2 geometry; " + _VLLM_CACHE, 656, "fp8_ds_mla"),
     EngineName("vLLM", "nvfp4_ds_mla", "PR 51724, DeepSeek-V3.2 geometry, SM100; " + _VLLM_CACHE, 352,
                "nvfp4_fp8_ds_mla"),
-    EngineName("vLLM", "nvfp4_ds_mla", "PR 57344, DeepSeek-V4.1 compressed KV (d_qk 512: 448 + 64)", 288, None,
-               "DeepSeek-V4.1 geometry (512 E2M1 values incl. rope, 32 E4M3 scales), a model geometry not loaded"),
     EngineName("vLLM fork", "nvfp4_ds_mla", f"{_FORK}, PR 82", 432, "nvfp4"),
     EngineName("vLLM fork", "nvfp4_ds_mla", f"{_FORK}, KV_FP8_ROPE=1", 368, "nvfp4_fp8rope"),
     EngineName("vLLM fork", "nvfp4_ds_mla", f"{_FORK}, KV_FP8_ROPE=1 VLLM_NVFP4_MLA_DYNAMIC_SCALE=1", 368,
@@ -651,10 +649,8 @@ ENGINE_NAMES: tuple[EngineName, ...] = (
                "64-token tiles (per-channel fp16 scale and zero point, per-token scale) need a tile codec"),
 )
 
-# Known records outside the 512 + 64 geometry or the per-token codec, for `mla-eval formats --help`.
+# Known records outside the per-token codec, for `mla-eval formats --help` (DeepSeek-V4's: formats/v4.py V4_NOT_BUILT).
 KNOWN_NOT_BUILT_IN: tuple[str, ...] = (
-    "DeepSeek-V4 / V4.1 caches (448 NoPE + 64 rope per token: FlashMLA's V4 584 B fp8, V4.1 fp8 and the 288 B "
-    "fp4 record vLLM also calls nvfp4_ds_mla): a model geometry mla-eval does not load",
     "GLM-5.3-Flash's rope-less records (b12x GLM_NEXT: 304 B NVFP4, 528 B fp8): no rope to store",
     "KVarN (vLLM fork kvarn_mla_k5_g64, 290 / 418 / 482 B per token in 64-token tiles): needs a tile codec",
     "llama.cpp iq4_nl / q4_1 / q5_0 K caches: not ported",

@@ -128,6 +128,17 @@ def _group_scale(coding: VectorCoding, g: torch.Tensor) -> tuple[torch.Tensor, t
         exp = torch.where(mant == 0.5, exp - 1, exp).clamp(-127, 127)
         one = torch.ones_like(amax)
         return torch.ldexp(one, exp), torch.ldexp(one, -exp), (exp + 127).to(torch.uint8)
+    if rule is ScaleRule.UE8M0_CEIL:  # the floor bounds amax, then one f32 division by qmax (448)
+        t = _div(_floor(amax, coding.scale_floor), coding.qmax)
+        mant, exp = torch.frexp(t)  # ceil(log2 t) = exp - (mant == 0.5), exact for every finite t > 0
+        exp = torch.where(mant == 0.5, exp - 1, exp)
+        one = torch.ones_like(amax)
+        return torch.ldexp(one, exp), torch.ldexp(one, -exp), (exp + 127).clamp(0, 255).to(torch.uint8)
+    if rule is ScaleRule.AMAX_E4M3_CLAMP6:  # amax * f32(1/6) clamped to [floor, 448], then E4M3 (RN)
+        sf = torch.clamp(amax * torch.full_like(amax, 1.0 / nx.E2M1_MAX), min=coding.scale_floor, max=nx.E4M3_MAX)
+        bits = nx.e4m3_encode(sf)
+        s = nx.e4m3_decode(bits)
+        return s, _recip(s), bits
     if rule is ScaleRule.OCP_E8M0:
         exp = torch.where(amax > 0, nx.e8m0_floor_log2(torch.where(amax > 0, amax, 1.0)) - 2, -127)
         exp = exp.clamp(-127, 127)

@@ -13,8 +13,13 @@ from mla_eval.errors import UnknownFormatError, UserError
 from mla_eval.formats.builtin import BUILTIN_FORMATS, ENGINE_NAMES
 from mla_eval.formats.controls import ALL_CONTROLS, CONTROL_FORMATS
 from mla_eval.formats.spec import CONTROL_PREFIX, LATENT_DIM, ROPE_DIM, EngineName, FormatSpec
+from mla_eval.formats.v4 import DSV4_FORMATS, V4_ENGINE_NAMES
 
 _REGISTRY: dict[str, FormatSpec] = {spec.name: spec for spec in BUILTIN_FORMATS}
+# Records of another model geometry (DeepSeek-V4's 448 + 64, mla_eval.formats.v4): resolved by name and alias, but
+# outside every list of the 512 + 64 formats (a default --formats, all_formats(), a lookup by record width).
+_OTHER_GEOMETRY: dict[str, FormatSpec] = {spec.name: spec for spec in DSV4_FORMATS}
+_ENGINE_NAMES: tuple[EngineName, ...] = ENGINE_NAMES + V4_ENGINE_NAMES
 # Controls resolve by name but sit outside the registry's lists: never in a default, a table of all
 # formats, or a lookup by record width (mla_eval.formats.controls).
 _CONTROLS: dict[str, FormatSpec] = {spec.name: spec for spec in CONTROL_FORMATS}
@@ -29,7 +34,7 @@ RETIRED_ALIASES = {
 
 def _aliases() -> dict[str, FormatSpec]:
     """Other names that select a format (each spec lists its own under `aliases`)."""
-    return {alias: spec for spec in _REGISTRY.values() for alias in spec.aliases}
+    return {alias: spec for spec in (*_REGISTRY.values(), *_OTHER_GEOMETRY.values()) for alias in spec.aliases}
 
 
 def alias_note(name: str) -> str | None:
@@ -40,13 +45,13 @@ def alias_note(name: str) -> str | None:
 
 def engine_name_meanings(name: str) -> tuple[EngineName, ...]:
     """Every record an engine calls `name`, per engine and version (`builtin.ENGINE_NAMES`)."""
-    return tuple(e for e in ENGINE_NAMES if e.name == name)
+    return tuple(e for e in _ENGINE_NAMES if e.name == name)
 
 
 def ambiguous_engine_names() -> dict[str, tuple[EngineName, ...]]:
     """Engine names that mean more than one record: refused bare, with the candidates (our own format names,
     such as nvfp4, keep selecting our format)."""
-    names = dict.fromkeys(e.name for e in ENGINE_NAMES if e.name not in _REGISTRY)
+    names = dict.fromkeys(e.name for e in _ENGINE_NAMES if e.name not in _REGISTRY)
     meanings = {n: engine_name_meanings(n) for n in names}
     return {n: m for n, m in meanings.items() if len({(e.record_bytes, e.format) for e in m}) > 1}
 
@@ -61,7 +66,7 @@ def _ambiguous(name: str) -> UnknownFormatError:
 
 
 def _alias_text(fmt: str) -> str:
-    aliases = _REGISTRY[fmt].aliases
+    aliases = (_REGISTRY.get(fmt) or _OTHER_GEOMETRY[fmt]).aliases
     return f", alias {' / '.join(aliases)}" if aliases else ""
 
 
@@ -74,9 +79,9 @@ def register_format(spec: FormatSpec, *, replace: bool = False) -> FormatSpec:
     if spec.name in _REGISTRY and not replace:
         raise ValueError(f"format {spec.name!r} is already registered; pass replace=True to override it")
     ambiguous = ambiguous_engine_names()
-    taken = set(_REGISTRY) | set(_aliases()) | set(ambiguous)
+    taken = set(_REGISTRY) | set(_OTHER_GEOMETRY) | set(_aliases()) | set(ambiguous)
     clashes = [a for a in spec.aliases if a in taken or a == spec.name]
-    if spec.name in _aliases() or spec.name in ambiguous or clashes:
+    if spec.name in _aliases() or spec.name in _OTHER_GEOMETRY or spec.name in ambiguous or clashes:
         raise ValueError(f"format {spec.name!r}: name or alias {(clashes or [spec.name])[0]!r} is already taken")
     _REGISTRY[spec.name] = spec
     return spec
@@ -84,7 +89,7 @@ def register_format(spec: FormatSpec, *, replace: bool = False) -> FormatSpec:
 
 def unregister_format(name: str) -> None:
     """Remove a user-registered format (built-ins cannot be removed)."""
-    if any(spec.name == name for spec in BUILTIN_FORMATS) or name in _CONTROLS:
+    if any(spec.name == name for spec in BUILTIN_FORMATS) or name in _CONTROLS or name in _OTHER_GEOMETRY:
         raise ValueError(f"{name!r} is a built-in format and cannot be removed")
     _REGISTRY.pop(name, None)
 
@@ -96,6 +101,11 @@ def all_formats() -> list[FormatSpec]:
 
 def format_names() -> list[str]:
     return list(_REGISTRY)
+
+
+def geometry_formats() -> list[FormatSpec]:
+    """The built-in records of other model geometries (DeepSeek-V4), outside `all_formats()`."""
+    return list(_OTHER_GEOMETRY.values())
 
 
 def control_formats() -> list[FormatSpec]:
@@ -116,6 +126,8 @@ def get_format(fmt: str | FormatSpec) -> FormatSpec:
         return _REGISTRY[fmt]
     if fmt in _CONTROLS:
         return _CONTROLS[fmt]
+    if fmt in _OTHER_GEOMETRY:
+        return _OTHER_GEOMETRY[fmt]
     if fmt.startswith(CONTROL_PREFIX):
         raise UnknownFormatError(f"unknown control format {fmt!r}; the controls are {', '.join(_CONTROLS)} "
                                  f"(or {ALL_CONTROLS} for all)")
@@ -167,17 +179,18 @@ def format_for_record_bytes(width: int, what: str = "cache tensor") -> FormatSpe
 
 
 def check_model_dims(latent_dim: int, rope_dim: int, model: str = "this model") -> None:
-    """Every format is a 512 + 64 MLA record; say clearly when a model caches something else.
+    """Every MLA format is a 512 + 64 record; say clearly when an MLA config caches something else.
 
-    DeepSeek-V4 caches 448 no-rope + 64 rope values in different records (FlashMLA's MODEL1 layouts):
-    out of scope, named as such rather than reported as a bare dimension mismatch.
+    DeepSeek-V4 caches 448 no-rope + 64 rope values (mla_eval.formats.v4), but it is not an MLA config (no
+    kv_lora_rank): an MLA config of those widths is refused, named as such rather than as a bare mismatch.
     """
     if (latent_dim, rope_dim) == (LATENT_DIM, ROPE_DIM):
         return
     if (latent_dim, rope_dim) == (448, 64):
         raise UserError(
-            f"{model} caches 448 + 64 values per token (a DeepSeek-V4 cache); mla-eval's formats are the "
-            f"{LATENT_DIM} + {ROPE_DIM} MLA records of DeepSeek-V3/V3.2, Kimi-K2 and GLM-5 and V4 caches are not supported"
+            f"{model} caches 448 + 64 values per token (a DeepSeek-V4 cache) through an MLA config (kv_lora_rank 448): "
+            f"not supported; the MLA formats are {LATENT_DIM} + {ROPE_DIM} records, and DeepSeek-V4 loads as model_type "
+            "deepseek_v4 (head_dim 512, 64 rotated) with its own records (mla-eval formats)"
         )
     raise UserError(
         f"{model} caches {latent_dim} + {rope_dim} values per token (kv_lora_rank {latent_dim}, qk_rope_head_dim {rope_dim}); "

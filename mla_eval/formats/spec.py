@@ -28,6 +28,12 @@ all in float32, IEEE round-to-nearest-even.
      s < f and s < 448 (upstream vLLM nvfp4_fp8_ds_mla: amax / s never exceeds 6); never 0.
    - E8M0_CEIL:    s = 2^ceil(log2(max(amax / 6, floor))) stored as E8M0 (SGLang's KVFP4 block scale,
      exact ceil of the exact log2 here).
+   - UE8M0_CEIL:   s = 2^ceil(log2(max(amax, floor) / qmax)) stored as E8M0 (DeepSeek-V4's UE8M0 FP8 and V4.1's
+     MXFP8 records: the floor bounds amax itself, 1e-4 in every engine; the float32 quotient is taken with
+     div.rn.f32 -- an engine that multiplies by f32(1 / qmax) instead reaches the same power of two for every
+     input tested, tests/test_engine_ports_v4.py); never 0.
+   - AMAX_E4M3_CLAMP6: s = e4m3_rn(clamp(amax * f32(1/6), floor, 448)) (vLLM's DeepSeek-V4.1 NVFP4 record: no
+     global scale, the smallest E4M3 subnormal as floor, so s is never 0).
    - OCP_E8M0:     s = 2^(floor(log2 amax) - 2) (OCP MX v1.0: emax of E2M1 is 2), exponent
      clamped to [-127, 127], 2^-127 for amax = 0; stored as E8M0.
    - TENSOR:       no stored scale; the group is scaled only by the outer scale.
@@ -95,6 +101,10 @@ GGML_BLOCK_VALUES = 32
 BITS.update({kind: 8 * nbytes for kind, nbytes in GGML_BLOCK_BYTES.items()})
 LATENT_DIM = 512  # kv_lora_rank of DeepSeek-V3 / V3.2, Kimi-K2, GLM-5
 ROPE_DIM = 64  # qk_rope_head_dim of the same models
+# DeepSeek-V4 caches one 512-d head per entry (K = V, transformers `deepseek_v4`: head_dim 512, 64 of them rotated):
+# its records store the 448 values without rope as the "latent" and the 64 rotated ones as the "rope"
+DSV4_NOPE_DIM = 448
+DSV4_ROPE_DIM = 64
 TOKEN_SCALE_DENOMINATOR = 6.0 * 448.0  # E2M1 max x E4M3 max: s_t maps the token amax onto 6*448
 OUTER_SCALE_SCHEMA = "nvfp4_ds_mla_outer_scale_v1"
 CONTROL_PREFIX = "control:"  # the name of every control format (formats/controls.py), and only theirs
@@ -111,6 +121,8 @@ class ScaleRule(str, enum.Enum):
     AMAX_E4M3_RCP6 = "e4m3(amax*rcp.approx(6))"
     AMAX_FP32_MUL = "amax*f32(1/qmax) fp32"
     E8M0_CEIL = "2^ceil(log2(max(amax/6, floor))) e8m0"
+    UE8M0_CEIL = "2^ceil(log2(max(amax, floor)/qmax)) e8m0"
+    AMAX_E4M3_CLAMP6 = "e4m3(clamp(amax*f32(1/6), floor, 448))"
     OCP_E8M0 = "2^(floor(log2 amax)-2) e8m0"
     AMAX_E4M3_DIV6G = "e4m3(clamp(amax/(6g),0,448))"
     GGML_BLOCK = "ggml block (fp16 scale in each block)"
@@ -143,6 +155,25 @@ def scale_positions(order: ScaleOrder, n_groups: int) -> tuple[int, ...]:
     if order is ScaleOrder.LINEAR:
         return tuple(range(n_groups))
     return tuple(8 * (s & 3) + (s >> 2) for s in range(n_groups))
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """The values one record holds per token: `latent_dim` stored without rope, then `rope_dim` rotated ones."""
+
+    name: str
+    latent_dim: int
+    rope_dim: int
+    models: str
+
+
+MLA_GEOMETRY = Geometry("mla", LATENT_DIM, ROPE_DIM, "DeepSeek-V3/V3.2, Kimi-K2, GLM-5 (kv_lora_rank 512 + 64 rope)")
+DSV4_GEOMETRY = Geometry("deepseek_v4", DSV4_NOPE_DIM, DSV4_ROPE_DIM, "DeepSeek-V4 / V4.1 (head 512: 448 nope + 64 rope)")
+GEOMETRIES = (MLA_GEOMETRY, DSV4_GEOMETRY)
+
+
+def geometry_of(latent_dim: int, rope_dim: int) -> Geometry | None:
+    return next((g for g in GEOMETRIES if (g.latent_dim, g.rope_dim) == (latent_dim, rope_dim)), None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,7 +271,8 @@ class VectorCoding:
     group: int  # values sharing one scale (== dim for one scale per vector)
     scale: Field | None = None  # where the group scales live; None for NONE / TENSOR
     apply: ScaleApply = ScaleApply.MUL_RCP  # how elements are scaled (multiply by 1/s or divide by s)
-    scale_floor: float = FLT_MIN  # lower bound of amax / qmax for the fp32 rules and AMAX_E4M3_UP
+    # lower bound of amax / qmax for the fp32 rules, AMAX_E4M3_UP and AMAX_E4M3_CLAMP6; of amax itself for UE8M0_CEIL
+    scale_floor: float = FLT_MIN
     scale_order: ScaleOrder = ScaleOrder.LINEAR  # where each group's scale sits in the scale field
     zero_scale_clears: bool = False  # a group whose scale is 0 stores code 0 (+0) for every value (b12x)
     # E2M1 code choice: cvt's RNE, SGLang KVFP4's `>= bound` (ties away), or SGLang DSA's midpoint comparisons (step 6)
@@ -327,8 +359,15 @@ class FormatSpec:
         return tuple(sorted(parts, key=lambda f: f.offset))
 
     @property
+    def geometry(self) -> Geometry:
+        """The model geometry whose values the record holds (validated: one of GEOMETRIES)."""
+        geometry = geometry_of(self.latent.dim, self.rope.dim)
+        assert geometry is not None
+        return geometry
+
+    @property
     def bits_per_value(self) -> float:
-        """Stored bits per cached value (576 per token), scales and padding included."""
+        """Stored bits per cached value (576 per token in the MLA geometry), scales and padding included."""
         return self.record_bytes * 8 / (self.latent.dim + self.rope.dim)
 
     def layout(self) -> str:
@@ -340,8 +379,9 @@ def _validate(spec: FormatSpec) -> None:
     """The fields must tile the record exactly: no overlap, no hole, nothing past the end."""
     if spec.control != spec.name.startswith(CONTROL_PREFIX) or (spec.control and spec.engine is not None):
         raise ValueError(f"{spec.name}: a control format (control=True) is named 'control:...', has no engine, and only it")
-    if spec.latent.dim != LATENT_DIM or spec.rope.dim != ROPE_DIM:
-        raise ValueError(f"{spec.name}: formats are defined for a {LATENT_DIM}-d latent and {ROPE_DIM}-d rope")
+    if geometry_of(spec.latent.dim, spec.rope.dim) is None:
+        known = ", ".join(f"{g.latent_dim} + {g.rope_dim} ({g.name})" for g in GEOMETRIES)
+        raise ValueError(f"{spec.name}: formats are defined for a latent + rope of {known}")
     pos = 0
     for f in spec.fields:
         if f.offset != pos:
@@ -377,7 +417,7 @@ def _validate(spec: FormatSpec) -> None:
                                and not c.zero_scale_saturates
                                and c.scale_order is ScaleOrder.LINEAR):
             raise ValueError(f"{spec.name}: residual coding is defined for e2m1 groups of 16 with linear E4M3 RCP6 scales")
-        divisible = (ScaleRule.AMAX_FP32, ScaleRule.AMAX_FP32_POW2, ScaleRule.E8M0_CEIL)
+        divisible = (ScaleRule.AMAX_FP32, ScaleRule.AMAX_FP32_POW2, ScaleRule.E8M0_CEIL, ScaleRule.AMAX_E4M3_CLAMP6)
         if c.apply is ScaleApply.DIV and c.scale_rule not in divisible:
             raise ValueError(f"{spec.name}: division by the scale needs a floored fp32 scale rule (never divides by 0)")
         if c.scale_order is ScaleOrder.TRANSPOSE_8X4 and (c.scale is None or c.scale.count != 32 or c.scale.dtype == "fp32"):
@@ -386,6 +426,12 @@ def _validate(spec: FormatSpec) -> None:
             raise ValueError(f"{spec.name}: scale_floor {c.scale_floor} must lie in (0, 1)")
         if (c.elem == "bf16") != (c.scale_rule is ScaleRule.NONE):
             raise ValueError(f"{spec.name}: bf16 data goes with scale rule NONE and only with it")
+        if c.scale_rule is ScaleRule.UE8M0_CEIL and not (c.elem == "e4m3" and c.scale is not None
+                                                        and c.scale.dtype == "e8m0" and c.apply is ScaleApply.MUL_RCP):
+            raise ValueError(f"{spec.name}: the UE8M0 rule is E4M3 codes times the exact 2^-e of an E8M0 scale")
+        if c.scale_rule is ScaleRule.AMAX_E4M3_CLAMP6 and not (c.elem == "e2m1" and c.scale is not None
+                                                              and c.scale.dtype == "e4m3" and c.apply is ScaleApply.DIV):
+            raise ValueError(f"{spec.name}: the clamped E4M3 rule is E2M1 codes divided by an E4M3 scale")
         recipe = c.scale_rule is ScaleRule.AMAX_E4M3_RCP6 and c.apply is ScaleApply.MUL_RCP_APPROX
         dsa = c.scale_rule is ScaleRule.AMAX_E4M3_DIV6G
         gs = c.global_scale

@@ -17,6 +17,7 @@ from mla_eval.errors import UserError
 from mla_eval.formats import check_model_dims
 from mla_eval.model.adapter import DSA_TYPES, SUPPORTED, MlaAdapter, check_supported, stock_attention
 from mla_eval.model.checkpoint import load_resident, quantised_weights
+from mla_eval.model.deepseek_v4 import V4Adapter, V4Stack, is_v4
 from mla_eval.model.experts import DEFAULT_EXPERTS, check_experts, select_experts
 from mla_eval.model.fp8_linear import check_weight_math
 from mla_eval.model.indexer import INDEXER_FIELDS
@@ -60,6 +61,8 @@ class LoadedModel:
     @functools.cached_property
     def stack(self):
         """The decoder layers, run one at a time (`mla_eval.model.executor.DecoderStack`)."""
+        if getattr(self.adapter, "is_v4", False):
+            return V4Stack(self)
         from mla_eval.model.executor import DecoderStack
 
         return DecoderStack(self)
@@ -68,7 +71,8 @@ class LoadedModel:
     def layer_devices(self) -> list[torch.device]:
         """Where each layer's attention runs (differs per layer under --device-map auto; a streamed layer, on the meta
         device between its turns, runs on the model's device)."""
-        devices = [m.kv_a_proj_with_mqa.weight.device for m in self.adapter.modules]
+        devices = [getattr(m, "kv_a_proj_with_mqa", None) or m.kv_proj for m in self.adapter.modules]  # MLA | V4
+        devices = [proj.weight.device for proj in devices]
         return [self.device if d.type == "meta" else d for d in devices]
 
     def weights(self) -> dict | None:
@@ -92,6 +96,11 @@ class LoadedModel:
     def rope_scaling(self) -> dict | None:
         """The rope scaling the model runs with (None: plain rope), recorded in every result."""
         return describe(self.model.config, self.rope_from_option)
+
+
+def adapter_for(model) -> MlaAdapter | V4Adapter:
+    """The attention adapter of a loaded model: DeepSeek-V4's session surface, or MLA's owned forwards."""
+    return V4Adapter(model) if is_v4(model.config) else MlaAdapter(model)
 
 
 def default_model_path() -> Path:
@@ -295,7 +304,7 @@ def _load_random(text: str, device: str | None, dtype: str, device_map: str) -> 
     return LoadedModel(
         # path: the spec itself, not the tokenizer's folder, so nothing keyed on a model's path (a stored
         # reference, a result name) mistakes one random model for another or for the embedded model
-        model=hf, tokenizer=tokenizer, adapter=MlaAdapter(hf), path=Path(spec.name), name=spec.name, device=dev,
+        model=hf, tokenizer=tokenizer, adapter=adapter_for(hf), path=Path(spec.name), name=spec.name, device=dev,
         is_default=False, is_random=True, label=spec.label,
     )
 

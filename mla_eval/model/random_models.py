@@ -4,7 +4,8 @@ A spec string names one, anywhere `--model` takes a checkpoint:
 
     random:<preset>[:layers=N][:seed=S][:hidden=H][:topk=K]
 
-<preset> is a name of `mla_eval.model_presets` (deepseek-v3, deepseek-v3.2, kimi-k2, glm-5, glm-5.2).
+<preset> is a name of `mla_eval.model_presets` (deepseek-v3, deepseek-v3.2, kimi-k2, glm-5, glm-5.2, deepseek-v4;
+deepseek-v4's model is `model.deepseek_v4`'s, with a few small experts in place of its MoE).
 The attention geometry (heads, q_lora, nope/rope/v dims, kv_lora 512, the indexer's heads, dims,
 top-k and its per-layer full/shared schedule, rope theta and yarn factors) is the preset's; the rest
 is small: N decoder layers (default 3) with a dense MLP of SMALL_MLP units, no MTP layer (transformers
@@ -24,7 +25,7 @@ import torch
 
 from mla_eval.errors import UserError
 from mla_eval.model.adapter import stock_attention
-from mla_eval.model_presets import ModelPreset, get_preset, preset_names
+from mla_eval.model_presets import V4_MODEL_TYPE, ModelPreset, get_preset, preset_names
 
 PREFIX = "random:"
 DEFAULT_LAYERS = 3
@@ -93,6 +94,8 @@ def random_config(spec: RandomSpec, vocab_size: int):
     import transformers
 
     cfg = spec.preset.config
+    if cfg["model_type"] == V4_MODEL_TYPE:
+        return _v4_config(spec, vocab_size)
     kw = {f: cfg[f] for f in _ATTENTION_FIELDS}
     if spec.hidden:
         kw["hidden_size"] = spec.hidden
@@ -121,6 +124,53 @@ def random_config(spec: RandomSpec, vocab_size: int):
     config = getattr(transformers, f"{family}Config")(**kw)
     config._attn_implementation = stock_attention(cfg["model_type"])  # as a loaded checkpoint of the family
     return config, getattr(transformers, f"{family}ForCausalLM")
+
+
+# DeepSeek-V4: every layer is MoE (no dense MLP to shrink to), so a random V4 model keeps a few small experts: the
+# published first three layers hash-routed, the rest top-k routed (transformers' mlp_layer_types)
+V4_SMALL_EXPERTS = 4
+V4_EXPERTS_PER_TOKEN = 2
+V4_HASH_LAYERS = 3  # DeepSeek-V4-Flash config.json num_hash_layers
+_V4_ATTENTION_FIELDS = ("hidden_size", "num_attention_heads", "head_dim", "q_lora_rank", "o_groups", "o_lora_rank",
+                        "sliding_window", "index_n_heads", "index_head_dim", "index_topk", "max_position_embeddings",
+                        "rope_theta", "compress_rope_theta", "hc_mult", "hc_sinkhorn_iters")
+
+
+def _v4_config(spec: RandomSpec, vocab_size: int):
+    """A DeepseekV4Config of the preset's attention geometry (the first N layers of its published layer schedule),
+    small experts, the embedded tokenizer's vocabulary."""
+    import transformers
+
+    cfg = spec.preset.config
+    missing = [f for f in _V4_ATTENTION_FIELDS if f not in cfg]
+    if missing:
+        raise UserError(f"random:{spec.preset.name}: the preset does not carry {', '.join(missing)} (not read from the "
+                        "model's own config), so no random model of its geometry can be built")
+    geometry = spec.preset.geometry()
+    kw = {f: cfg[f] for f in _V4_ATTENTION_FIELDS}
+    if spec.hidden:
+        kw["hidden_size"] = spec.hidden
+    if spec.topk:
+        kw["index_topk"] = spec.topk
+    scaling = dict(cfg["rope_scaling"])
+    kw.update(
+        num_hidden_layers=spec.layers,
+        num_key_value_heads=1,
+        partial_rotary_factor=cfg["qk_rope_head_dim"] / cfg["head_dim"],
+        layer_types=list(geometry.layer_types[: spec.layers]),
+        compress_rates=dict(geometry.compress_rates),
+        rope_parameters={"rope_type": scaling.pop("type"), **{k: float(v) for k, v in scaling.items()}},
+        vocab_size=vocab_size,
+        n_routed_experts=V4_SMALL_EXPERTS,
+        num_experts_per_tok=V4_EXPERTS_PER_TOKEN,
+        n_shared_experts=1,
+        moe_intermediate_size=SMALL_MLP,
+        mlp_layer_types=["hash_moe" if i < V4_HASH_LAYERS else "moe" for i in range(spec.layers)],
+        tie_word_embeddings=False,
+    )
+    config = transformers.DeepseekV4Config(**kw)
+    config._attn_implementation = "eager"  # the only implementation transformers ships for V4 (its sinks)
+    return config, transformers.DeepseekV4ForCausalLM
 
 
 def build_random_model(spec: RandomSpec, vocab_size: int, device: torch.device, dtype: torch.dtype):

@@ -116,6 +116,8 @@ def _coding(c) -> CodingPlan:
         raise UnsupportedFormat(f"element type {c.elem!r} has no kernel")
     if rule == ScaleRule.AMAX_E4M3_DIV6G.value:
         raise UnsupportedFormat("SGLang's DSA NVFP4 rule (amax / (6 g) scales, midpoint codes) has no kernel")
+    if rule in (ScaleRule.UE8M0_CEIL.value, ScaleRule.AMAX_E4M3_CLAMP6.value):
+        raise UnsupportedFormat(f"DeepSeek-V4's scale rule {rule!r} has no kernel")
     if c.elem_rounding not in (ROUND_RNE, ROUND_TIES_AWAY) or (c.elem_rounding == ROUND_TIES_AWAY and c.elem != "e2m1"):
         raise UnsupportedFormat(f"{c.elem} rounding {c.elem_rounding!r} has no kernel (ties away is an E2M1 rule)")
     if rule not in KNOWN_RULES:
@@ -149,6 +151,9 @@ def _coding(c) -> CodingPlan:
 @functools.lru_cache(maxsize=None)
 def plan_for(spec) -> RecordPlan:
     """The kernel plan of a `FormatSpec` (made once per spec); raises `UnsupportedFormat` outside the kernels' scope."""
+    if (spec.latent.dim, spec.rope.dim) != (LATENT_DIM, ROPE_DIM):
+        raise UnsupportedFormat(f"the kernels are built for the {LATENT_DIM} + {ROPE_DIM} MLA record; {spec.name} holds "
+                                f"{spec.latent.dim} + {spec.rope.dim} values ({spec.geometry.models})")
     if spec.token_scale_rule is not TokenScaleRule.DIV_FLOORED:
         raise UnsupportedFormat("b12x's per-token scale (rcp(s_t) folded into each group's factor) has no kernel")
     latent, rope = _coding(spec.latent), _coding(spec.rope)
