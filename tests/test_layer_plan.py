@@ -351,8 +351,10 @@ def test_needle_runs_a_plan_row_on_the_same_prompts(tmp_path, capsys):
     assert "4 layers" in capsys.readouterr().err.strip().splitlines()[-1]
 
 
-def test_plan_refuses_a_checkpoint_that_does_not_fit_before_reading_it(tmp_path, capsys, monkeypatch):
-    """The sweep runs resident: a model larger than the memory budget is one line, decided from the index alone."""
+def test_plan_on_a_checkpoint_too_large_to_hold_is_one_line_when_its_shards_are_missing(tmp_path, capsys, monkeypatch):
+    """The sweep streams a model larger than the memory budget (issue 41's execution strategy) instead of refusing it;
+    a checkpoint whose index names shards that are absent is one line naming the shard (issue 44's checks), no
+    document, no traceback."""
     from test_checkpoint import TOKENIZER, small_config
 
     from mla_eval.cli import main
@@ -370,7 +372,7 @@ def test_plan_refuses_a_checkpoint_that_does_not_fit_before_reading_it(tmp_path,
             "--out", str(tmp_path / "p.json")]
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "runs the model resident" in err[0] and "budget is 0.0 GiB" in err[0]
+    assert len(err) == 1 and "model-00001-of-00004.safetensors" in err[0] and "missing" in err[0]
     assert not (tmp_path / "p.json").exists()
 
 

@@ -222,7 +222,11 @@ def _plan(ex, source, st: PlanSettings, measure: bool, read_bps: float | None = 
     from mla_eval.evals import kld_plan
 
     protocol = _sweep(st, ex.lm, source)
-    sweep = sweep_protocol(protocol, st.candidate_variants(), None, ex.lm.num_layers)
+    # the run plan sizes forwards and caches, which s_l does not change; calibration comes later (or never, in a dry
+    # run): unit scales stand in for +s_l candidates here, and no number is scored with them
+    n = ex.lm.num_layers
+    stand_in = OuterScales((1.0,) * n, provenance={"stand_in": "run planning only"})
+    sweep = sweep_protocol(protocol, st.candidate_variants(), stand_in, n)
     return kld_plan.plan_kld(ex, source, sweep, measure, read_bps=read_bps, read_source=read_source)
 
 
